@@ -1,0 +1,8 @@
+"""Placeholder: filled in by the issue that owns this command."""
+
+import typer
+
+
+def produce(ctx: typer.Context) -> None:
+    """Not built yet."""
+    raise typer.Exit(2)

@@ -1,0 +1,26 @@
+"""Versioned message schemas, one per topic. JSON Schema files live in ``schemas/json``."""
+
+from schemas.messages import (  # noqa: F401
+    HEADER_ATTEMPT,
+    HEADER_DOC_ID,
+    HEADER_IMAGE_INDEX,
+    HEADER_META,
+    HEADER_SCHEMA,
+    MESSAGE_TYPES,
+    SCHEMA_VERSION,
+    DeadLetter,
+    Description,
+    DocumentRef,
+    DocumentResult,
+    Embedding,
+    ImagePayload,
+    SchemaError,
+    b64_or_none,
+    decode_image_payload,
+    header_value,
+    image_key,
+    now,
+    schema_document,
+    source_coords,
+    validate,
+)

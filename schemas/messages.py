@@ -1,0 +1,339 @@
+"""One immutable message type per topic, encoded with orjson and validated against the JSON Schema
+files in ``schemas/json`` (the same files a consumer in another language uses).
+
+Validation happens at the edges: ``decode_*`` validates everything read from Kafka, ``encode``
+validates what a producer is about to publish. A failure raises ``SchemaError`` naming the field.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import json
+import time
+from dataclasses import dataclass, field
+from functools import lru_cache
+from importlib import resources
+from typing import Any, ClassVar, TypeVar
+
+import fastjsonschema
+import numpy as np
+import orjson
+
+SCHEMA_VERSION = 1
+
+# Header conventions (values are UTF-8). Every record carries its schema and its document's identity,
+# so a consumer can route or skip without decoding the value.
+HEADER_SCHEMA = "vlmstream-schema"  # e.g. "description/1"
+HEADER_DOC_ID = "vlmstream-doc-id"
+HEADER_IMAGE_INDEX = "vlmstream-image-index"
+HEADER_META = "vlmstream-meta"  # image payloads only: the ImagePayload JSON; the value holds the pixels
+HEADER_ATTEMPT = "vlmstream-attempt"
+
+
+class SchemaError(ValueError):
+    """A message does not match its topic's schema. ``field`` names the offending field."""
+
+    def __init__(self, schema: str, field_path: str, message: str):
+        self.schema = schema
+        self.field = field_path
+        super().__init__(f"{schema}: {field_path}: {message}")
+
+
+@lru_cache(maxsize=None)
+def schema_document(name: str) -> dict[str, Any]:
+    text = resources.files("schemas.json").joinpath(f"{name}.schema.json").read_text()
+    return json.loads(text)
+
+
+@lru_cache(maxsize=None)
+def _validator(name: str):
+    return fastjsonschema.compile(schema_document(name))
+
+
+def validate(name: str, obj: Any) -> None:
+    try:
+        _validator(name)(obj)
+    except fastjsonschema.JsonSchemaValueException as exc:
+        # fastjsonschema names the path as "data.field[0]"; report it as "field[0]".
+        path = (exc.name or "data").removeprefix("data").lstrip(".")
+        message = exc.message.replace(exc.name or "data", path or "message", 1)
+        if exc.rule == "required" and isinstance(exc.value, dict):
+            missing = [key for key in exc.rule_definition if key not in exc.value]
+            if missing:
+                path = f"{path}.{missing[0]}" if path else missing[0]
+                message = "is required"
+        raise SchemaError(name, path or "(message)", message) from None
+
+
+T = TypeVar("T", bound="Message")
+
+
+@dataclass(frozen=True)
+class Message:
+    schema_name: ClassVar[str] = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        data = {"schema_version": SCHEMA_VERSION}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if value is None and f.name not in _KEEP_NONE:
+                continue
+            data[f.name] = value
+        return data
+
+    def encode(self, validate_output: bool = True) -> bytes:
+        data = self.to_dict()
+        if validate_output:
+            validate(self.schema_name, data)
+        return orjson.dumps(data)
+
+    @classmethod
+    def from_dict(cls: type[T], data: dict[str, Any]) -> T:
+        validate(cls.schema_name, data)
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: _freeze(v) for k, v in data.items() if k in names})
+
+    @classmethod
+    def decode(cls: type[T], raw: bytes | str | None) -> T:
+        if raw is None:
+            raise SchemaError(cls.schema_name, "(message)", "empty record value")
+        try:
+            data = orjson.loads(raw)
+        except orjson.JSONDecodeError as exc:
+            raise SchemaError(cls.schema_name, "(message)", f"not valid JSON: {exc}") from None
+        if not isinstance(data, dict):
+            raise SchemaError(cls.schema_name, "(message)", "must be a JSON object")
+        return cls.from_dict(data)
+
+    def headers(self) -> list[tuple[str, bytes]]:
+        hdrs = [(HEADER_SCHEMA, f"{self.schema_name}/{SCHEMA_VERSION}".encode())]
+        doc_id = getattr(self, "doc_id", None)
+        if doc_id is not None:
+            hdrs.append((HEADER_DOC_ID, doc_id.encode()))
+        image_index = getattr(self, "image_index", None)
+        if image_index is not None:
+            hdrs.append((HEADER_IMAGE_INDEX, str(image_index).encode()))
+        return hdrs
+
+
+_KEEP_NONE = {"claim_check", "json", "revision", "mode"}
+
+
+def _freeze(value: Any) -> Any:
+    # Lists become tuples so messages stay hashable and immutable; dicts stay dicts (metadata).
+    if isinstance(value, list):
+        return tuple(_freeze(v) for v in value)
+    return value
+
+
+def _thaw(value: Any) -> Any:
+    if isinstance(value, tuple):
+        return [_thaw(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _thaw(v) for k, v in value.items()}
+    return value
+
+
+def now() -> float:
+    return round(time.time(), 3)
+
+
+def source_coords(topic: str, partition: int, offset: int) -> dict[str, Any]:
+    return {"topic": topic, "partition": partition, "offset": offset}
+
+
+@dataclass(frozen=True)
+class DocumentRef(Message):
+    schema_name: ClassVar[str] = "document"
+    doc_id: str
+    image_uris: tuple[str, ...]
+    metadata: dict[str, Any] = field(default_factory=dict)
+    source: str | None = None
+    published_at: float | None = None
+
+    def key(self) -> bytes:
+        return self.doc_id.encode()
+
+    def to_dict(self) -> dict[str, Any]:
+        data = super().to_dict()
+        data["image_uris"] = list(self.image_uris)
+        return data
+
+
+@dataclass(frozen=True)
+class ImagePayload(Message):
+    """Metadata of one preprocessed image. The pixels travel as the record value (see ``HEADER_META``)."""
+
+    schema_name: ClassVar[str] = "image_payload"
+    doc_id: str
+    image_index: int
+    image_count: int
+    source_uri: str
+    codec: str
+    width: int
+    height: int
+    grid_thw: tuple[int, int, int]
+    orig_width: int | None = None
+    orig_height: int | None = None
+    min_pixels: int | None = None
+    max_pixels: int | None = None
+    payload_bytes: int | None = None
+    claim_check: str | None = None
+    source_format: str | None = None
+    decode_ms: float | None = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+    source: dict[str, Any] | None = None
+    created_at: float | None = None
+
+    def key(self) -> bytes:
+        return image_key(self.doc_id, self.image_index)
+
+    def to_dict(self) -> dict[str, Any]:
+        data = super().to_dict()
+        data["grid_thw"] = list(self.grid_thw)
+        return data
+
+    def headers(self) -> list[tuple[str, bytes]]:
+        return super().headers() + [(HEADER_META, self.encode())]
+
+    @property
+    def visual_tokens(self) -> int:
+        t, h, w = self.grid_thw
+        return t * h * w // 4  # merge 2x2 patches into one LLM token
+
+
+def image_key(doc_id: str, image_index: int) -> bytes:
+    return f"{doc_id}/{image_index}".encode()
+
+
+@dataclass(frozen=True)
+class Description(Message):
+    schema_name: ClassVar[str] = "description"
+    doc_id: str
+    image_index: int
+    image_count: int
+    text: str
+    model: str
+    prompt_id: str
+    engine: str
+    source_uri: str | None = None
+    json: Any = None
+    revision: str | None = None
+    mode: str | None = None
+    prompt_tokens: int | None = None
+    output_tokens: int | None = None
+    visual_tokens: int | None = None
+    timings_ms: dict[str, float] | None = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+    source: dict[str, Any] | None = None
+    created_at: float | None = None
+
+    def key(self) -> bytes:
+        return self.doc_id.encode()
+
+
+@dataclass(frozen=True)
+class Embedding(Message):
+    schema_name: ClassVar[str] = "embedding"
+    doc_id: str
+    image_index: int
+    image_count: int
+    model: str
+    dim: int
+    dtype: str
+    vector_b64: str
+    pooling: str = "mean"
+    grid_thw: tuple[int, int, int] | None = None
+    source: dict[str, Any] | None = None
+    created_at: float | None = None
+
+    def key(self) -> bytes:
+        return self.doc_id.encode()
+
+    def to_dict(self) -> dict[str, Any]:
+        data = super().to_dict()
+        if self.grid_thw is not None:
+            data["grid_thw"] = list(self.grid_thw)
+        return data
+
+    @classmethod
+    def from_vector(cls, vector: np.ndarray, **kwargs: Any) -> "Embedding":
+        vector = np.asarray(vector)
+        dtype = "float32" if vector.dtype == np.float32 else "float16"
+        data = vector.astype(f"<{'f4' if dtype == 'float32' else 'f2'}").tobytes()
+        return cls(dim=int(vector.shape[-1]), dtype=dtype, vector_b64=base64.b64encode(data).decode(), **kwargs)
+
+    def vector(self) -> np.ndarray:
+        dt = "<f4" if self.dtype == "float32" else "<f2"
+        return np.frombuffer(base64.b64decode(self.vector_b64), dtype=dt)
+
+
+@dataclass(frozen=True)
+class DeadLetter(Message):
+    schema_name: ClassVar[str] = "dead_letter"
+    stage: str
+    error_kind: str
+    detail: str
+    retriable: bool = False
+    doc_id: str | None = None
+    image_index: int | None = None
+    image_count: int | None = None
+    source_uri: str | None = None
+    source: dict[str, Any] | None = None
+    attempts: int = 1
+    original_key_b64: str | None = None
+    original_value_b64: str | None = None
+    original_headers: dict[str, str] | None = None
+    created_at: float | None = None
+
+    def key(self) -> bytes | None:
+        return self.doc_id.encode() if self.doc_id is not None else None
+
+
+ORIGINAL_VALUE_CAP = 1024 * 1024
+
+
+def b64_or_none(raw: bytes | None, cap: int = ORIGINAL_VALUE_CAP) -> str | None:
+    if raw is None:
+        return None
+    return base64.b64encode(raw[:cap]).decode()
+
+
+@dataclass(frozen=True)
+class DocumentResult(Message):
+    schema_name: ClassVar[str] = "document_result"
+    doc_id: str
+    image_count: int
+    succeeded: int
+    failed: int
+    images: tuple[dict[str, Any], ...]
+    metadata: dict[str, Any] = field(default_factory=dict)
+    completed_at: float | None = None
+
+    def key(self) -> bytes:
+        return self.doc_id.encode()
+
+    def to_dict(self) -> dict[str, Any]:
+        data = super().to_dict()
+        data["images"] = [dict(i) for i in self.images]
+        return data
+
+
+MESSAGE_TYPES: dict[str, type[Message]] = {
+    cls.schema_name: cls for cls in (DocumentRef, ImagePayload, Description, Embedding, DeadLetter, DocumentResult)
+}
+
+
+def header_value(headers: list[tuple[str, bytes]] | None, name: str) -> bytes | None:
+    for key, value in headers or ():
+        if key == name:
+            return value
+    return None
+
+
+def decode_image_payload(headers: list[tuple[str, bytes]] | None) -> ImagePayload:
+    raw = header_value(headers, HEADER_META)
+    if raw is None:
+        raise SchemaError("image_payload", "(headers)", f"missing header {HEADER_META!r}")
+    return ImagePayload.decode(raw)

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Installs vlmstream into ./.venv (CPU: torch from PyPI runs fine without a GPU). Idempotent and quick
+# the second time: pip reuses its cache, and nothing is reinstalled when pyproject.toml is unchanged.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+# libjpeg-turbo's TurboJPEG API for PyTurboJPEG (Debian/Ubuntu); without it decode falls back to Pillow.
+if ! ldconfig -p 2>/dev/null | grep -q libturbojpeg.so; then
+  if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+    apt-get install -y -q libturbojpeg0 >/dev/null 2>&1 || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q libturbojpeg0 >/dev/null 2>&1; } \
+      || echo "setup: could not install libturbojpeg0; JPEG decode will use Pillow" >&2
+  else
+    echo "setup: libturbojpeg not found; JPEG decode will use Pillow (install libturbojpeg0 for speed)" >&2
+  fi
+fi
+
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+stamp=.venv/.vlmstream-installed
+want=$(cat pyproject.toml constraints.txt | sha256sum | cut -d' ' -f1)
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+  .venv/bin/python -m pip install -q --upgrade pip
+  .venv/bin/python -m pip install -q -c constraints.txt -e '.[test]'
+  echo "$want" > "$stamp"
+fi

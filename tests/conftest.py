@@ -1,0 +1,55 @@
+"""Test tiers: pure stage tests need nothing; `kafka` tests share one real local broker per session
+(started here through the project's own broker module, reused when `.ci/run` already started it);
+`model` tests build the tiny random-weight Qwen2.5-VL on CPU; `gpu` tests run on the device only.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from pathlib import Path
+
+import pytest
+
+from vlmstream.config import Settings, load_settings
+
+REPO = Path(__file__).resolve().parents[1]
+CORPUS_CANDIDATES = [os.environ.get("VLMSTREAM_TEST_IMAGES", ""), str(REPO.parent / "shared" / "corpus")]
+
+
+@pytest.fixture(scope="session")
+def kafka_settings() -> Settings:
+    """Settings pointing at the real broker (local one started on demand, or VLMSTREAM_BOOTSTRAP_SERVERS)."""
+    from vlmstream.broker import ensure_broker
+
+    settings = load_settings()
+    ensure_broker(settings)
+    return settings
+
+
+@pytest.fixture
+def topic_names(kafka_settings: Settings):
+    """Fresh uuid-named topics for one test, so tests never see each other's messages."""
+    from tests.kafka_helpers import create_uuid_topics
+
+    topics = create_uuid_topics(kafka_settings)
+    yield topics
+    from tests.kafka_helpers import delete_topics
+
+    delete_topics(kafka_settings, topics)
+
+
+@pytest.fixture(scope="session")
+def corpus_dir() -> Path:
+    """A folder of real images: $VLMSTREAM_TEST_IMAGES, else ../shared/corpus, else images generated here."""
+    for candidate in CORPUS_CANDIDATES:
+        if candidate and Path(candidate).is_dir() and any(Path(candidate).rglob("*.*")):
+            return Path(candidate)
+    from tests.images import generated_corpus
+
+    return generated_corpus()
+
+
+@pytest.fixture
+def unique() -> str:
+    return uuid.uuid4().hex[:12]

@@ -1,0 +1,78 @@
+"""Helpers for tests on the real broker: uuid-named topics and reading a topic back."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+from kafka import KafkaConsumer, TopicPartition
+
+from vlmstream.config import Settings
+from vlmstream.kafka_io import TopicSpec, create_topics, make_admin, pipeline_topic_specs
+
+
+def create_uuid_topics(settings: Settings, partitions: int = 3) -> Settings:
+    """A copy of ``settings`` whose six topics are new, uuid-named and created with ``partitions``."""
+    suffix = uuid.uuid4().hex[:10]
+    names = {name: f"test.{suffix}.{name}" for name in
+             ("documents", "images", "descriptions", "embeddings", "results", "deadletter")}
+    topics = settings.topics.model_copy(update={**names, "partitions": partitions})
+    scoped = settings.model_copy(update={"topics": topics})
+    specs = [TopicSpec(s.name, partitions if s.name != topics.deadletter else 1, 1, s.configs)
+             for s in pipeline_topic_specs(scoped)]
+    create_topics(scoped, specs)
+    return scoped
+
+
+def delete_topics(settings: Settings, scoped: Settings) -> None:
+    admin = make_admin(settings)
+    try:
+        t = scoped.topics
+        admin.delete_topics([t.documents, t.images, t.descriptions, t.embeddings, t.results, t.deadletter])
+    except Exception:  # noqa: BLE001 - cleanup is best effort; uuid names never collide
+        pass
+    finally:
+        admin.close()
+
+
+def read_topic(settings: Settings, topic: str, *, expected: int | None = None, timeout_s: float = 30.0,
+               idle_s: float = 2.0, read_committed: bool = False) -> list[Any]:
+    """Every record of ``topic`` from the beginning, without a consumer group.
+
+    Stops when ``expected`` records arrived (then waits ``idle_s`` more for extras, so a test can
+    see duplicates), or when the topic is quiet for ``idle_s`` with ``expected`` unset, or at timeout.
+    """
+    consumer = KafkaConsumer(**settings.kafka.client_kwargs(), group_id=None, enable_auto_commit=False,
+                             auto_offset_reset="earliest",
+                             isolation_level="read_committed" if read_committed else "read_uncommitted",
+                             max_partition_fetch_bytes=settings.kafka.max_message_bytes + 1024 * 1024,
+                             fetch_max_bytes=max(52428800, 2 * settings.kafka.max_message_bytes))
+    try:
+        partitions = None
+        deadline = time.monotonic() + timeout_s
+        while partitions is None and time.monotonic() < deadline:
+            partitions = consumer.partitions_for_topic(topic)
+            if partitions is None:
+                time.sleep(0.2)
+        if partitions is None:
+            return []
+        consumer.assign([TopicPartition(topic, p) for p in partitions])
+        consumer.seek_to_beginning()
+        records: list[Any] = []
+        last_new = time.monotonic()
+        reached_at = None
+        while time.monotonic() < deadline:
+            batch = consumer.poll(timeout_ms=200)
+            for recs in batch.values():
+                records.extend(recs)
+                last_new = time.monotonic()
+            if expected is not None and len(records) >= expected:
+                reached_at = reached_at or time.monotonic()
+                if time.monotonic() - reached_at >= idle_s:
+                    break
+            elif expected is None and time.monotonic() - last_new >= idle_s:
+                break
+        return records
+    finally:
+        consumer.close()

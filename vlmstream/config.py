@@ -1,0 +1,251 @@
+"""One typed configuration shared by every stage.
+
+Sources, lowest to highest precedence: defaults here, a TOML/JSON/YAML file (``--config`` or
+``VLMSTREAM_CONFIG``), environment variables (``VLMSTREAM_...``, nested with ``__``, e.g.
+``VLMSTREAM_DECODE__MAX_PIXELS``), then command-line flags (applied by the CLI as overrides).
+Secrets are ``SecretStr`` so they never appear in logs or reprs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field, SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+DEFAULT_BOOTSTRAP = "127.0.0.1:9092"
+
+# Qwen2-VL / Qwen2.5-VL image processor defaults (preprocessor_config.json of the released models).
+QWEN_PATCH_SIZE = 14
+QWEN_MERGE_SIZE = 2
+QWEN_TEMPORAL_PATCH_SIZE = 2
+QWEN_MIN_PIXELS = 56 * 56
+QWEN_MAX_PIXELS = 28 * 28 * 16384  # 12,845,056: the model's default budget (12.8 MP)
+
+
+class KafkaSettings(BaseModel):
+    """How to reach the cluster. Security fields pass straight through to kafka-python."""
+
+    bootstrap_servers: str = Field(
+        DEFAULT_BOOTSTRAP,
+        description="Comma-separated host:port list. When it names anything but the local broker's "
+        "address, no local broker is started.",
+    )
+    client_id: str = Field("vlmstream", description="Prefix of every client id.")
+    security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
+    sasl_mechanism: str | None = Field(None, description="PLAIN, SCRAM-SHA-256, SCRAM-SHA-512, OAUTHBEARER")
+    sasl_plain_username: str | None = None
+    sasl_plain_password: SecretStr | None = None
+    ssl_cafile: str | None = None
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
+    ssl_password: SecretStr | None = None
+    request_timeout_ms: int = 30_000
+    max_message_bytes: int = Field(
+        16 * 1024 * 1024,
+        description="Largest record the pipeline produces; larger image payloads go through the claim-check store.",
+    )
+
+    def client_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments common to every kafka-python client, secrets revealed only here."""
+        kwargs: dict[str, Any] = {
+            "bootstrap_servers": [s.strip() for s in self.bootstrap_servers.split(",") if s.strip()],
+            "security_protocol": self.security_protocol,
+            "request_timeout_ms": self.request_timeout_ms,
+        }
+        if self.sasl_mechanism:
+            kwargs["sasl_mechanism"] = self.sasl_mechanism
+        if self.sasl_plain_username:
+            kwargs["sasl_plain_username"] = self.sasl_plain_username
+        if self.sasl_plain_password:
+            kwargs["sasl_plain_password"] = self.sasl_plain_password.get_secret_value()
+        for name in ("ssl_cafile", "ssl_certfile", "ssl_keyfile"):
+            if getattr(self, name):
+                kwargs[name] = getattr(self, name)
+        if self.ssl_password:
+            kwargs["ssl_password"] = self.ssl_password.get_secret_value()
+        return kwargs
+
+
+class TopicSettings(BaseModel):
+    documents: str = "vlmstream.documents"
+    images: str = "vlmstream.images"
+    descriptions: str = "vlmstream.descriptions"
+    embeddings: str = "vlmstream.embeddings"
+    results: str = "vlmstream.results"
+    deadletter: str = "vlmstream.deadletter"
+    partitions: int = Field(12, description="Partitions of each topic created by `topics create`.")
+    replication_factor: int = Field(1, description="1 for the local broker; 3 on a real cluster.")
+    retention_ms: int = Field(7 * 24 * 3600 * 1000, description="Retention of the data topics.")
+    deadletter_retention_ms: int = Field(30 * 24 * 3600 * 1000)
+
+
+class BrokerSettings(BaseModel):
+    """The project's own single-node KRaft broker (used only when bootstrap is local)."""
+
+    kafka_version: str = "4.1.1"
+    home: Path = Field(
+        Path(os.environ.get("VLMSTREAM_HOME", str(Path.home() / ".cache" / "vlmstream"))),
+        description="Cache folder outside git: Kafka jars, logs, data.",
+    )
+    host: str = "127.0.0.1"
+    port: int = 9092
+    controller_port: int = 9093
+    heap: str = "1g"
+
+
+class ProducerSettings(BaseModel):
+    max_in_flight_documents: int = Field(10_000, description="Bound on sends not yet acknowledged.")
+    linger_ms: int = 5
+    compression_type: str | None = None
+    state_dir: Path | None = Field(
+        None, description="Where the ledger of already-published documents lives (default: under broker home)."
+    )
+
+
+class DecodeSettings(BaseModel):
+    group_id: str = "vlmstream-decode"
+    workers: int = Field(0, description="Worker processes on this machine; 0 means one per core.")
+    min_pixels: int = QWEN_MIN_PIXELS
+    max_pixels: int = QWEN_MAX_PIXELS
+    patch_size: int = QWEN_PATCH_SIZE
+    merge_size: int = QWEN_MERGE_SIZE
+    codec: Literal["jpeg", "png", "raw"] = Field("jpeg", description="Payload codec; png and raw are lossless.")
+    jpeg_quality: int = 95
+    allowed_roots: list[str] = Field(
+        default_factory=list,
+        description="Local folders that image paths may point into; empty means the current directory.",
+    )
+    allow_private_hosts: bool = Field(False, description="Allow http(s) to loopback/private address ranges.")
+    http_connect_timeout_s: float = 5.0
+    http_read_timeout_s: float = 30.0
+    http_retries: int = 3
+    max_image_bytes: int = Field(64 * 1024 * 1024, description="Largest source file fetched.")
+    max_source_pixels: int = Field(
+        200_000_000, description="Decompression-bomb guard: largest source image (width x height) decoded."
+    )
+    claim_check_url: str = Field(
+        "", description="Folder or fsspec URL for payloads over the message limit (default: under broker home)."
+    )
+    exactly_once: bool = False
+    max_poll_records: int = 16
+
+
+class InferSettings(BaseModel):
+    group_id: str = "vlmstream-infer"
+    engine: Literal["auto", "vllm", "transformers"] = "auto"
+    mode: Literal["embeds", "pixels"] = "embeds"
+    model: str = Field("", description="HF id or local folder; empty means the built-in tiny model.")
+    revision: str | None = None
+    prompt: str = "Describe this image in one or two sentences."
+    prompt_id: str = "describe-v1"
+    output_schema: str | None = Field(None, description="Path to a JSON Schema the output must satisfy.")
+    max_new_tokens: int = 64
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    max_images_in_flight: int = 256
+    max_visual_tokens_in_flight: int = 262_144
+    batch_size: int = Field(8, description="Largest batch handed to a synchronous engine at once.")
+    publish_embeddings: bool = True
+    max_attempts: int = 3
+    exactly_once: bool = False
+    dtype: str = "auto"
+    gpu_memory_utilization: float = 0.85
+    max_model_len: int = 32768
+
+
+class Settings(BaseSettings):
+    """Everything a vlmstream process needs. Print it with secrets masked: ``settings.masked_json()``."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="VLMSTREAM_", env_nested_delimiter="__", extra="ignore", validate_default=True
+    )
+
+    kafka: KafkaSettings = Field(default_factory=KafkaSettings)
+    topics: TopicSettings = Field(default_factory=TopicSettings)
+    broker: BrokerSettings = Field(default_factory=BrokerSettings)
+    producer: ProducerSettings = Field(default_factory=ProducerSettings)
+    decode: DecodeSettings = Field(default_factory=DecodeSettings)
+    infer: InferSettings = Field(default_factory=InferSettings)
+    metrics_port: int = Field(0, description="Prometheus endpoint port; 0 disables it.")
+    log_level: str = "INFO"
+
+    def masked_json(self) -> str:
+        return json.dumps(self.model_dump(mode="json"), indent=2, default=str)
+
+    @property
+    def uses_local_broker(self) -> bool:
+        local = {f"{self.broker.host}:{self.broker.port}", f"localhost:{self.broker.port}"}
+        servers = {s.strip() for s in self.kafka.bootstrap_servers.split(",") if s.strip()}
+        return servers <= local
+
+
+def _deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _deep_merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def _read_config_file(path: Path) -> dict[str, Any]:
+    text = path.read_text()
+    if path.suffix == ".toml":
+        import tomllib
+
+        return tomllib.loads(text)
+    if path.suffix in (".yaml", ".yml"):
+        import yaml  # transformers already depends on pyyaml
+
+        return yaml.safe_load(text) or {}
+    return json.loads(text)
+
+
+def load_settings(config_file: str | Path | None = None, overrides: dict[str, Any] | None = None) -> Settings:
+    """Defaults < file < environment < overrides (flags)."""
+    config_file = config_file or os.environ.get("VLMSTREAM_CONFIG")
+    data: dict[str, Any] = _read_config_file(Path(config_file)) if config_file else {}
+    merged = _deep_merge(_deep_merge(data, _explicit_env_values()), _drop_none(overrides or {}))
+    return Settings(**merged)
+
+
+def _drop_none(values: dict[str, Any]) -> dict[str, Any]:
+    """Flags left unset arrive as None and must not override the file or the environment."""
+    cleaned: dict[str, Any] = {}
+    for key, value in values.items():
+        if isinstance(value, dict):
+            value = _drop_none(value)
+            if value:
+                cleaned[key] = value
+        elif value is not None:
+            cleaned[key] = value
+    return cleaned
+
+
+def _explicit_env_values() -> dict[str, Any]:
+    values: dict[str, Any] = {}
+    for key, raw in os.environ.items():
+        if not key.startswith("VLMSTREAM_") or key in ("VLMSTREAM_CONFIG", "VLMSTREAM_HOME"):
+            continue
+        path = key[len("VLMSTREAM_") :].lower().split("__")
+        if path == ["bootstrap_servers"]:
+            path = ["kafka", "bootstrap_servers"]
+        node = values
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+        node[path[-1]] = _parse_env_value(raw)
+    return values
+
+
+def _parse_env_value(raw: str) -> Any:
+    if raw[:1] in "[{":
+        try:
+            return json.loads(raw)
+        except ValueError:
+            pass
+    return raw

@@ -1,0 +1,238 @@
+"""Kafka plumbing shared by the runners: client factories, topic administration, dead letters and
+out-of-order offset tracking. Stages (decode, inference) never import this module; runners do.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
+from kafka.admin import ConfigResource, ConfigResourceType, NewTopic
+from kafka.errors import TopicAlreadyExistsError
+
+from schemas import DeadLetter, b64_or_none, now, source_coords
+from vlmstream.config import Settings
+
+log = logging.getLogger(__name__)
+
+
+class FatalPipelineError(RuntimeError):
+    """The broker or engine is gone: stop without committing (a supervisor restarts the process)."""
+
+
+def make_producer(settings: Settings, *, transactional_id: str | None = None, **overrides: Any) -> KafkaProducer:
+    kwargs: dict[str, Any] = {
+        **settings.kafka.client_kwargs(),
+        "client_id": f"{settings.kafka.client_id}-producer",
+        "acks": "all",
+        "enable_idempotence": True,
+        "linger_ms": settings.producer.linger_ms,
+        "max_request_size": settings.kafka.max_message_bytes + 512 * 1024,
+        "buffer_memory": max(64 * 1024 * 1024, 4 * settings.kafka.max_message_bytes),
+        "retries": 2**31 - 1,
+        "max_in_flight_requests_per_connection": 5,
+    }
+    if settings.producer.compression_type:
+        kwargs["compression_type"] = settings.producer.compression_type
+    if transactional_id:
+        kwargs["transactional_id"] = transactional_id
+    kwargs.update(overrides)
+    return KafkaProducer(**kwargs)
+
+
+def make_consumer(settings: Settings, group_id: str | None, topics: Iterable[str] = (), *,
+                  read_committed: bool = False, **overrides: Any) -> KafkaConsumer:
+    kwargs: dict[str, Any] = {
+        **settings.kafka.client_kwargs(),
+        "client_id": f"{settings.kafka.client_id}-consumer",
+        "group_id": group_id,
+        "enable_auto_commit": False,
+        "auto_offset_reset": "earliest",
+        "max_partition_fetch_bytes": settings.kafka.max_message_bytes + 1024 * 1024,
+        "fetch_max_bytes": max(52428800, 2 * settings.kafka.max_message_bytes),
+        "isolation_level": "read_committed" if read_committed else "read_uncommitted",
+    }
+    kwargs.update(overrides)
+    consumer = KafkaConsumer(**kwargs)
+    topics = list(topics)
+    if topics:
+        consumer.subscribe(topics)
+    return consumer
+
+
+def make_admin(settings: Settings) -> KafkaAdminClient:
+    return KafkaAdminClient(**settings.kafka.client_kwargs(), client_id=f"{settings.kafka.client_id}-admin")
+
+
+# --- topics -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TopicSpec:
+    name: str
+    partitions: int
+    replication_factor: int
+    configs: dict[str, str]
+
+
+def pipeline_topic_specs(settings: Settings) -> list[TopicSpec]:
+    t = settings.topics
+    max_bytes = str(settings.kafka.max_message_bytes + 1024 * 1024)
+    data = {"retention.ms": str(t.retention_ms), "max.message.bytes": max_bytes}
+    keyed_output = dict(data)
+    return [
+        TopicSpec(t.documents, t.partitions, t.replication_factor, dict(data)),
+        # Image payloads are large and transient: shorter retention would also do; replay needs them.
+        TopicSpec(t.images, t.partitions, t.replication_factor, dict(data)),
+        TopicSpec(t.descriptions, t.partitions, t.replication_factor, keyed_output),
+        TopicSpec(t.embeddings, t.partitions, t.replication_factor, dict(keyed_output)),
+        # One result per document, keyed by doc_id: compaction keeps the latest without losing any document.
+        TopicSpec(t.results, t.partitions, t.replication_factor,
+                  {"cleanup.policy": "compact", "max.message.bytes": max_bytes}),
+        TopicSpec(t.deadletter, max(1, t.partitions // 4), t.replication_factor,
+                  {"retention.ms": str(t.deadletter_retention_ms), "max.message.bytes": max_bytes}),
+    ]
+
+
+@dataclass
+class TopicReport:
+    created: list[str]
+    existing: list[str]
+    warnings: list[str]
+
+
+def create_topics(settings: Settings, specs: list[TopicSpec] | None = None) -> TopicReport:
+    """Create missing topics; for existing ones compare partitions and configs and warn on differences."""
+    specs = specs if specs is not None else pipeline_topic_specs(settings)
+    admin = make_admin(settings)
+    report = TopicReport([], [], [])
+    try:
+        existing = set(admin.list_topics())
+        new = [NewTopic(s.name, s.partitions, s.replication_factor, topic_configs=s.configs)
+               for s in specs if s.name not in existing]
+        if new:
+            try:
+                admin.create_topics(new)
+            except TopicAlreadyExistsError:
+                pass  # another process created them between list and create: that is the goal
+            report.created = [n.name for n in new]
+        present = [s for s in specs if s.name in existing]
+        report.existing = [s.name for s in present]
+        if present:
+            report.warnings = _compare_existing(admin, present)
+    finally:
+        admin.close()
+    for warning in report.warnings:
+        log.warning(warning)
+    return report
+
+
+def _compare_existing(admin: KafkaAdminClient, specs: list[TopicSpec]) -> list[str]:
+    warnings: list[str] = []
+    described = {d.get("name") or d.get("topic"): d for d in admin.describe_topics([s.name for s in specs])}
+    resources = [ConfigResource(ConfigResourceType.TOPIC, s.name) for s in specs]
+    configs: dict[str, dict[str, str]] = {}
+    response = admin.describe_configs(resources)
+    # kafka-python 3.x answers {"topic": {name: {config: {"value": ...}}}}.
+    for name, entries in (response.get("topic", {}) if isinstance(response, dict) else {}).items():
+        configs[name] = {key: (entry.get("value") if isinstance(entry, dict) else entry)
+                         for key, entry in entries.items()}
+    for spec in specs:
+        partitions = len(described.get(spec.name, {}).get("partitions", []))
+        if partitions != spec.partitions:
+            warnings.append(f"topic {spec.name} has {partitions} partitions; the config asks for {spec.partitions}")
+        actual = configs.get(spec.name, {})
+        for key, wanted in spec.configs.items():
+            if key in actual and str(actual[key]) != wanted:
+                warnings.append(f"topic {spec.name}: {key}={actual[key]}; the config asks for {wanted}")
+    return warnings
+
+
+# --- dead letters ------------------------------------------------------------------------------
+
+
+def dead_letter_from_record(record: Any, *, stage: str, error_kind: str, detail: str, retriable: bool = False,
+                            doc_id: str | None = None, image_index: int | None = None,
+                            image_count: int | None = None, source_uri: str | None = None,
+                            attempts: int = 1) -> DeadLetter:
+    """A dead letter that carries the original record, so `vlmstream redrive` can publish it again."""
+    headers = {}
+    for key, value in record.headers or ():
+        if key == "vlmstream-meta":
+            continue  # repeated in original_value for payloads? no: kept small; the meta is re-derivable
+        try:
+            headers[key] = value.decode()
+        except (UnicodeDecodeError, AttributeError):
+            headers[key] = repr(value)
+    return DeadLetter(
+        stage=stage, error_kind=error_kind, detail=detail[:4000], retriable=retriable,
+        doc_id=doc_id, image_index=image_index, image_count=image_count, source_uri=source_uri,
+        source=source_coords(record.topic, record.partition, record.offset), attempts=attempts,
+        original_key_b64=b64_or_none(record.key), original_value_b64=b64_or_none(record.value),
+        original_headers=headers or None, created_at=now(),
+    )
+
+
+# --- offsets -----------------------------------------------------------------------------------
+
+
+class OffsetTracker:
+    """Per partition, the highest offset below which every message is done.
+
+    Completion is out of order (a slow image must not let a later one commit past it). Offsets are
+    tracked in the order the consumer delivers them (increasing per partition, with gaps where
+    compaction or transaction markers sit), so the commit point is the lowest offset still pending,
+    or one past the highest tracked offset when nothing is pending.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pending: dict[TopicPartition, set[int]] = defaultdict(set)
+        self._highest: dict[TopicPartition, int] = {}
+        self._committed: dict[TopicPartition, int] = {}
+
+    def track(self, tp: TopicPartition, offset: int) -> None:
+        with self._lock:
+            self._pending[tp].add(offset)
+            if offset > self._highest.get(tp, -1):
+                self._highest[tp] = offset
+
+    def done(self, tp: TopicPartition, offset: int) -> None:
+        with self._lock:
+            self._pending[tp].discard(offset)
+
+    def commit_point(self) -> dict[TopicPartition, int]:
+        """{tp: next offset to read} for partitions whose commit point moved since the last call."""
+        moved: dict[TopicPartition, int] = {}
+        with self._lock:
+            for tp, highest in self._highest.items():
+                pending = self._pending[tp]
+                point = min(pending) if pending else highest + 1
+                if point > self._committed.get(tp, -1):
+                    self._committed[tp] = point
+                    moved[tp] = point
+        return moved
+
+    def in_flight(self) -> int:
+        with self._lock:
+            return sum(len(p) for p in self._pending.values())
+
+    def in_flight_for(self, tp: TopicPartition) -> int:
+        with self._lock:
+            return len(self._pending.get(tp, ()))
+
+    def forget(self, partitions: Iterable[TopicPartition]) -> None:
+        """Drop the state of revoked partitions (their new owner resumes from the last commit)."""
+        with self._lock:
+            for tp in partitions:
+                self._pending.pop(tp, None)
+                self._highest.pop(tp, None)
+                self._committed.pop(tp, None)
+
+    def partitions(self) -> list[TopicPartition]:
+        with self._lock:
+            return list(self._highest)
