@@ -1,0 +1,48 @@
+"""What the decode stage returns: a decoded image or a failure, both plain values (no Kafka here)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class ImageError(Exception):
+    """A per-image failure. ``error_kind`` is stable and machine-readable; ``retriable`` says whether the
+    same input may succeed later (a timeout, a 503), as opposed to never (corrupt bytes, a 404)."""
+
+    error_kind = "image_error"
+    retriable = False
+
+    def __init__(self, detail: str, *, error_kind: str | None = None, retriable: bool | None = None):
+        super().__init__(detail)
+        if error_kind is not None:
+            self.error_kind = error_kind
+        if retriable is not None:
+            self.retriable = retriable
+
+
+@dataclass(frozen=True)
+class PreparedImage:
+    """Pixels at exactly the model's input size, encoded with ``codec`` (jpeg, png, or raw RGB)."""
+
+    data: bytes
+    codec: str
+    width: int
+    height: int
+    orig_width: int
+    orig_height: int
+    grid_thw: tuple[int, int, int]
+    source_format: str
+    decode_ms: float
+    fetch_bytes: int
+
+
+@dataclass(frozen=True)
+class ImageFailure:
+    error_kind: str
+    detail: str
+    retriable: bool
+    stage: str = "decode"
+
+    @classmethod
+    def from_error(cls, error: ImageError) -> "ImageFailure":
+        return cls(error.error_kind, str(error), error.retriable)

@@ -1,0 +1,67 @@
+"""The small interface every inference engine implements (vLLM, transformers).
+
+A runner submits requests as capacity frees up and polls for finished ones: there is no batch
+barrier, so an engine with continuous batching (vLLM) stays saturated. Engines never see Kafka.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence
+
+import numpy as np
+
+
+class EngineDeadError(RuntimeError):
+    """Unrecoverable: the engine process or device is gone. The runner stops without committing."""
+
+
+@dataclass(frozen=True)
+class InferenceRequest:
+    request_id: str
+    image: np.ndarray  # H x W x 3 uint8 RGB, already at the exact model input size (multiples of 28)
+    grid_thw: tuple[int, int, int]  # (1, H/14, W/14)
+    prompt: str
+    max_new_tokens: int
+    want_embedding: bool = False
+
+
+@dataclass(frozen=True)
+class InferenceOutput:
+    request_id: str
+    text: str
+    prompt_tokens: int
+    output_tokens: int
+    visual_tokens: int
+    embedding: np.ndarray | None = None  # (hidden,) float16: vision tower output tokens, mean-pooled
+    parsed_json: object | None = None
+    timings_ms: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class InferenceFailure:
+    """A per-request failure (the engine is fine): the runner retries it or dead-letters it."""
+
+    request_id: str
+    error_kind: str
+    detail: str
+    retriable: bool = True
+
+
+class Engine(Protocol):
+    name: str  # "vllm" or "transformers"
+    model_id: str
+    revision: str | None
+    mode: str | None  # "embeds" / "pixels" for vLLM; None otherwise
+
+    def submit(self, requests: Sequence[InferenceRequest]) -> None:
+        """Queue requests; returns at once."""
+
+    def poll(self, timeout_s: float) -> list[InferenceOutput | InferenceFailure]:
+        """Finished requests (in any order), waiting up to timeout_s for at least one. Raises EngineDeadError."""
+
+    def pending(self) -> int:
+        """Requests submitted and not yet returned by poll."""
+
+    def close(self) -> None:
+        """Stop the engine and release the device; no process may be left behind."""
