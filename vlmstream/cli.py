@@ -91,7 +91,7 @@ def _register_optional_commands() -> None:
     """Subcommands owned by other modules."""
     from consumers import decode_cli, infer_cli
     from producers import cli as producer_cli
-    from vlmstream import ops_cli
+    from vlmstream import ops_cli, pipeline_cli
 
     app.command("produce")(producer_cli.produce)
     app.command("decode")(decode_cli.decode)
@@ -100,8 +100,8 @@ def _register_optional_commands() -> None:
     app.command("replay")(ops_cli.replay)
     app.command("redrive")(ops_cli.redrive)
     app.command("status")(ops_cli.status)
-    app.command("run")(ops_cli.run)
-    app.command("bench")(ops_cli.bench)
+    app.command("run")(pipeline_cli.run)
+    app.command("bench")(pipeline_cli.bench)
 
 
 _register_optional_commands()
