@@ -132,6 +132,12 @@ class DecodeSettings(BaseModel):
     )
     exactly_once: bool = False
     max_poll_records: int = 16
+    commit_interval_s: float = Field(
+        1.0, description="At-least-once: flush and commit at most this often (and on revoke and shutdown)."
+    )
+    session_timeout_ms: int = Field(
+        10_000, description="How long a silent (killed) worker keeps its partitions before the group moves them."
+    )
 
 
 class InferSettings(BaseModel):
