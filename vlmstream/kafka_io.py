@@ -32,7 +32,6 @@ def make_producer(settings: Settings, *, transactional_id: str | None = None, **
         "enable_idempotence": True,
         "linger_ms": settings.producer.linger_ms,
         "max_request_size": settings.kafka.max_message_bytes + 512 * 1024,
-        "buffer_memory": max(64 * 1024 * 1024, 4 * settings.kafka.max_message_bytes),
         "retries": 2**31 - 1,
         "max_in_flight_requests_per_connection": 5,
     }
