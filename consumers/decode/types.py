@@ -34,6 +34,8 @@ class PreparedImage:
     source_format: str
     decode_ms: float
     fetch_bytes: int
+    # Per-step wall times in ms (fetch_ms, decode_ms, resize_ms, encode_ms) and the source size class, for metrics.
+    timings: dict[str, float] | None = None
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,358 @@
+"""Bytes -> upright-aware RGB pixels, decoded no larger than the model needs.
+
+The format comes from the magic number, never from the file name. JPEGs go through libjpeg-turbo with DCT-domain
+scaling (the decoder itself produces a 1/2, 1/4 or 1/8 size image, which is both the fastest path and an
+antialiased reduction); everything else through Pillow. Sizes are checked from the header before any pixel is
+decoded, so a decompression bomb costs a few hundred bytes of parsing.
+
+The result stays in the file's stored orientation: rotating the small resized image is cheaper than rotating the
+decoded one, so the stage applies ``orientation`` after the resize (see ``resize.apply_orientation``).
+"""
+
+from __future__ import annotations
+
+import struct
+import warnings
+from dataclasses import dataclass
+from io import BytesIO
+
+import cv2
+import numpy as np
+from PIL import Image, ImageFile, UnidentifiedImageError
+
+from consumers.decode.resize import smart_resize, swaps_axes
+from consumers.decode.types import ImageError
+
+
+class NotAnImage(ImageError):
+    error_kind = "decode_not_an_image"
+
+
+class UnsupportedFormat(ImageError):
+    error_kind = "decode_unsupported"
+
+
+class TruncatedImage(ImageError):
+    error_kind = "decode_truncated"
+
+
+class CorruptImage(ImageError):
+    error_kind = "decode_corrupt"
+
+
+class TooManyPixels(ImageError):
+    error_kind = "decode_too_many_pixels"
+
+
+_MAGIC = (
+    (b"\xff\xd8\xff", "jpeg"),
+    (b"\x89PNG\r\n\x1a\n", "png"),
+    (b"GIF87a", "gif"),
+    (b"GIF89a", "gif"),
+    (b"II*\x00", "tiff"),
+    (b"MM\x00*", "tiff"),
+    (b"II+\x00", "tiff"),  # BigTIFF
+    (b"MM\x00+", "tiff"),
+    (b"BM", "bmp"),
+)
+# Recognised so the failure says "unsupported" rather than "not an image".
+_KNOWN_UNSUPPORTED = (
+    (b"%PDF", "pdf"),
+    (b"\x00\x00\x00\x0cjP  ", "jpeg2000"),
+    (b"\xff\x4f\xff\x51", "jpeg2000"),
+    (b"\xff\x0a", "jpegxl"),
+    (b"\x00\x00\x00\x0cJXL ", "jpegxl"),
+)
+
+EXIF_ORIENTATION_TAG = 0x0112
+
+
+def sniff_format(data: bytes) -> str:
+    """The image format named by the leading bytes; raises NotAnImage / UnsupportedFormat."""
+    head = bytes(data[:32])
+    for magic, name in _MAGIC:
+        if head.startswith(magic):
+            return name
+    if head[:4] == b"RIFF" and head[8:12] == b"WEBP":
+        return "webp"
+    if head[4:8] == b"ftyp":
+        raise UnsupportedFormat(f"ISO media image ({head[8:12].decode('latin-1')!r}: HEIF/AVIF) is not supported")
+    for magic, name in _KNOWN_UNSUPPORTED:
+        if head.startswith(magic):
+            raise UnsupportedFormat(f"{name} is not supported")
+    if head.lstrip().startswith((b"<svg", b"<?xml")):
+        raise UnsupportedFormat("SVG (vector) is not supported")
+    raise NotAnImage(f"no known image signature (first bytes {head[:8]!r}, {len(data)} bytes)")
+
+
+@dataclass(frozen=True)
+class Decoded:
+    """Pixels in the file's stored orientation, possibly already reduced by the decoder.
+
+    ``width``/``height`` are the upright full-size dimensions; ``target_width``/``target_height`` the upright
+    smart_resize size computed from them."""
+
+    pixels: np.ndarray
+    orientation: int
+    width: int
+    height: int
+    target_width: int
+    target_height: int
+    source_format: str
+    scale: float = 1.0
+
+    @property
+    def stored_target(self) -> tuple[int, int]:
+        """(height, width) the stored-orientation pixels must be resized to before ``orientation`` is applied."""
+        if swaps_axes(self.orientation):
+            return self.target_width, self.target_height
+        return self.target_height, self.target_width
+
+
+def configure_pillow(max_source_pixels: int) -> None:
+    """Process-wide Pillow policy: its decompression-bomb threshold is ours, its bomb warning is an error, and
+    truncated files never load silently."""
+    Image.MAX_IMAGE_PIXELS = max_source_pixels
+    ImageFile.LOAD_TRUNCATED_IMAGES = False
+    warnings.filterwarnings("error", category=Image.DecompressionBombWarning)
+
+
+class Decoder:
+    """Decodes bytes for one (factor, min_pixels, max_pixels) budget. Reusable; not shared across threads while
+    libjpeg-turbo warnings are collected (``warnings.catch_warnings`` is process-global)."""
+
+    def __init__(
+        self,
+        *,
+        factor: int = 28,
+        min_pixels: int = 56 * 56,
+        max_pixels: int = 28 * 28 * 16384,
+        max_source_pixels: int = 200_000_000,
+        use_turbojpeg: bool = True,
+    ):
+        self.factor = factor
+        self.min_pixels = min_pixels
+        self.max_pixels = max_pixels
+        self.max_source_pixels = max_source_pixels
+        configure_pillow(max_source_pixels)
+        self._turbo = _load_turbojpeg() if use_turbojpeg else None
+
+    @property
+    def uses_turbojpeg(self) -> bool:
+        return self._turbo is not None
+
+    def decode(self, data: bytes) -> Decoded:
+        fmt = sniff_format(data)
+        if fmt == "jpeg" and self._turbo is not None:
+            return self._decode_jpeg_turbo(data)
+        return self._decode_pillow(data, fmt)
+
+    # -- shared helpers ---------------------------------------------------------------------------------
+
+    def _check_and_target(self, stored_w: int, stored_h: int, orientation: int) -> tuple[int, int, int, int]:
+        if stored_w <= 0 or stored_h <= 0:
+            raise CorruptImage(f"header declares an empty image ({stored_w}x{stored_h})")
+        if stored_w * stored_h > self.max_source_pixels:
+            raise TooManyPixels(
+                f"{stored_w}x{stored_h} = {stored_w * stored_h} pixels exceeds max_source_pixels "
+                f"{self.max_source_pixels}"
+            )
+        width, height = (stored_h, stored_w) if swaps_axes(orientation) else (stored_w, stored_h)
+        target_h, target_w = smart_resize(height, width, self.factor, self.min_pixels, self.max_pixels)
+        return width, height, target_w, target_h
+
+    # -- JPEG through libjpeg-turbo ---------------------------------------------------------------------
+
+    def _decode_jpeg_turbo(self, data: bytes) -> Decoded:
+        from turbojpeg import TJCS_CMYK, TJCS_YCCK, TJPF_RGB
+
+        turbo = self._turbo
+        try:
+            stored_w, stored_h, _subsample, colorspace = turbo.decode_header(data)
+        except OSError as exc:
+            raise _jpeg_failure(data, exc) from exc
+        orientation = jpeg_exif_orientation(data)
+        width, height, target_w, target_h = self._check_and_target(stored_w, stored_h, orientation)
+        if colorspace in (TJCS_CMYK, TJCS_YCCK):
+            # libjpeg-turbo would hand back raw CMYK; Pillow knows Adobe's inverted-CMYK convention.
+            return self._decode_pillow(data, "jpeg")
+        need_h, need_w = (target_w, target_h) if swaps_axes(orientation) else (target_h, target_w)
+        scaling = pick_dct_scale(stored_w, stored_h, need_w, need_h, turbo.scaling_factors)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                pixels = turbo.decode(data, pixel_format=TJPF_RGB, scaling_factor=scaling)
+            except OSError as exc:
+                raise _jpeg_failure(data, exc) from exc
+        for warning in caught:
+            message = str(warning.message)
+            if "Premature end" in message:
+                # libjpeg fills the missing rows with grey and calls it a warning; a half-grey page is a failure.
+                raise TruncatedImage(f"JPEG data ends early: {message}")
+        return Decoded(
+            pixels, orientation, width, height, target_w, target_h, "jpeg", scaling[0] / scaling[1]
+        )
+
+    # -- everything else through Pillow -----------------------------------------------------------------
+
+    def _decode_pillow(self, data: bytes, fmt: str) -> Decoded:
+        try:
+            image = Image.open(BytesIO(data))
+        except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
+            raise TooManyPixels(str(exc)) from exc
+        except UnidentifiedImageError as exc:
+            raise CorruptImage(f"{fmt} signature but Pillow cannot read it: {exc}") from exc
+        except (OSError, SyntaxError, ValueError, EOFError, struct.error) as exc:
+            raise _pillow_failure(fmt, exc) from exc
+        try:
+            with image:
+                orientation = _pillow_orientation(image)
+                stored_w, stored_h = image.size
+                width, height, target_w, target_h = self._check_and_target(stored_w, stored_h, orientation)
+                scale = 1.0
+                if image.format == "JPEG":
+                    need_h, need_w = (target_w, target_h) if swaps_axes(orientation) else (target_h, target_w)
+                    image.draft(image.mode, (need_w, need_h))  # DCT-domain 1/2..1/8 reduction
+                    scale = image.size[0] / stored_w
+                image.load()
+                pixels = to_rgb(image)
+        except ImageError:
+            raise
+        except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
+            raise TooManyPixels(str(exc)) from exc
+        except (OSError, SyntaxError, ValueError, EOFError, struct.error, IndexError) as exc:
+            raise _pillow_failure(fmt, exc) from exc
+        return Decoded(pixels, orientation, width, height, target_w, target_h, fmt, scale)
+
+
+def pick_dct_scale(
+    width: int, height: int, need_w: int, need_h: int, factors
+) -> tuple[int, int]:
+    """The smallest libjpeg-turbo scaling factor (<= 1) whose output is at least need_w x need_h.
+
+    libjpeg-turbo rounds scaled sizes up: TJSCALED(d, f) = ceil(d * num / denom)."""
+    best = (1, 1)
+    for num, denom in sorted(factors, key=lambda f: f[0] / f[1]):
+        if num > denom:
+            continue
+        if -(-width * num // denom) >= need_w and -(-height * num // denom) >= need_h:
+            best = (num, denom)
+            break
+    return best
+
+
+def to_rgb(image: Image.Image) -> np.ndarray:
+    """Any Pillow mode -> H x W x 3 uint8 RGB; alpha composited on white, 16-bit and float scaled to 8 bits."""
+    mode = image.mode
+    if mode == "RGB":
+        return np.asarray(image)
+    if mode == "L":
+        return cv2.cvtColor(np.asarray(image), cv2.COLOR_GRAY2RGB)
+    if mode in ("P", "PA") or mode == "1":
+        has_alpha = mode == "PA" or "transparency" in image.info
+        image = image.convert("RGBA" if has_alpha else "RGB")
+        mode = image.mode
+        if mode == "RGB":
+            return np.asarray(image)
+    if mode in ("RGBA", "LA", "La", "RGBa"):
+        if mode in ("La", "RGBa"):  # premultiplied: Pillow un-premultiplies on convert
+            image = image.convert("RGBA")
+        rgba = np.asarray(image.convert("RGBA") if image.mode != "RGBA" else image)
+        return composite_on_white(rgba)
+    if mode.startswith("I;16") or mode == "I":
+        values = np.asarray(image).astype(np.float32)
+        if mode.startswith("I;16") or values.max(initial=0) > 255:
+            values = values / 257.0  # full 16-bit range onto 0..255
+        gray = np.clip(np.rint(values), 0, 255).astype(np.uint8)
+        return cv2.cvtColor(gray, cv2.COLOR_GRAY2RGB)
+    if mode == "F":
+        values = np.asarray(image).astype(np.float32)
+        if values.max(initial=0) <= 1.0:
+            values = values * 255.0  # float images are conventionally 0..1
+        gray = np.clip(np.rint(values), 0, 255).astype(np.uint8)
+        return cv2.cvtColor(gray, cv2.COLOR_GRAY2RGB)
+    # CMYK, YCbCr, LAB, HSV, RGBX, I;16 variants Pillow can convert itself.
+    return np.asarray(image.convert("RGB"))
+
+
+def composite_on_white(rgba: np.ndarray) -> np.ndarray:
+    alpha = rgba[..., 3:4].astype(np.uint16)
+    rgb = rgba[..., :3].astype(np.uint16)
+    out = (rgb * alpha + 255 * (255 - alpha) + 127) // 255
+    return out.astype(np.uint8)
+
+
+def jpeg_exif_orientation(data: bytes) -> int:
+    """EXIF orientation from a JPEG's APP1 segment, read without decoding anything; 1 when absent or unreadable."""
+    view = memoryview(data)
+    pos, end = 2, len(data)
+    while pos + 4 <= end:
+        if view[pos] != 0xFF:
+            return 1
+        marker = view[pos + 1]
+        if marker == 0xFF:  # fill byte
+            pos += 1
+            continue
+        if marker in (0xD8, 0x01) or 0xD0 <= marker <= 0xD7:
+            pos += 2
+            continue
+        if marker in (0xDA, 0xD9):  # start of scan / end of image: no more metadata
+            return 1
+        length = (view[pos + 2] << 8) | view[pos + 3]
+        if marker == 0xE1 and bytes(view[pos + 4 : pos + 10]) == b"Exif\x00\x00":
+            return tiff_orientation(bytes(view[pos + 10 : pos + 2 + length]))
+        pos += 2 + length
+    return 1
+
+
+def tiff_orientation(tiff: bytes) -> int:
+    """Orientation tag of IFD0 in a TIFF-structured EXIF block."""
+    try:
+        endian = {b"II": "<", b"MM": ">"}[tiff[:2]]
+        (ifd,) = struct.unpack_from(endian + "I", tiff, 4)
+        (count,) = struct.unpack_from(endian + "H", tiff, ifd)
+        for i in range(count):
+            tag, typ, _n, = struct.unpack_from(endian + "HHI", tiff, ifd + 2 + 12 * i)
+            if tag == EXIF_ORIENTATION_TAG:
+                (value,) = struct.unpack_from(endian + "H", tiff, ifd + 2 + 12 * i + 8)
+                return value if 1 <= value <= 8 else 1
+    except (KeyError, struct.error):
+        pass
+    return 1
+
+
+def _pillow_orientation(image: Image.Image) -> int:
+    try:
+        value = image.getexif().get(EXIF_ORIENTATION_TAG, 1)
+    except Exception:  # a broken EXIF block must not fail an otherwise good image
+        return 1
+    return value if isinstance(value, int) and 1 <= value <= 8 else 1
+
+
+def _jpeg_failure(data: bytes, exc: Exception) -> ImageError:
+    if not bytes(data[-16:]).rstrip(b"\x00\r\n ").endswith(b"\xff\xd9"):
+        return TruncatedImage(f"JPEG without end-of-image marker: {exc}")
+    return CorruptImage(f"JPEG: {exc}")
+
+
+def _pillow_failure(fmt: str, exc: Exception) -> ImageError:
+    message = str(exc)
+    if isinstance(exc, EOFError) or "truncated" in message.lower() or "Truncated" in message:
+        return TruncatedImage(f"{fmt}: {message or type(exc).__name__}")
+    return CorruptImage(f"{fmt}: {type(exc).__name__}: {message}")
+
+
+_TURBO = None
+
+
+def _load_turbojpeg():
+    """The shared TurboJPEG handle, or None when libturbojpeg is not installed (Pillow then decodes JPEGs)."""
+    global _TURBO
+    if _TURBO is None:
+        try:
+            from turbojpeg import TurboJPEG
+
+            _TURBO = TurboJPEG()
+        except (ImportError, RuntimeError, OSError):
+            _TURBO = False
+    return _TURBO or None

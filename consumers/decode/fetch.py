@@ -1,0 +1,305 @@
+"""URI -> bytes, with the limits a service that fetches whatever a producer names needs.
+
+Accepted: local paths and ``file://`` URLs inside ``allowed_roots`` (symlinks and ``..`` resolved before the
+check); ``http(s)://`` through httpx with connect/read timeouts, a streamed size cap, retries with backoff for
+transient failures against a deadline, and redirects followed one hop at a time with every hop re-checked; and
+object-store URLs through fsspec (``s3://``, ``gs://``, ``az://``..., and ``memory://`` for tests) when the
+protocol's fsspec implementation is installed.
+
+Refused (``fetch_forbidden_scheme``): every other scheme, notably ``ftp``/``sftp``/``smb`` (credentials in the
+clear, not object stores), ``data:`` (the producer should send bytes some other way; a data URI in a record is a
+size-cap bypass) and ``javascript:``, plus fsspec wrappers that can reach the local disk or chain URLs
+(``zip``, ``tar``, ``reference``, ``simplecache``, ``a::b`` chains...).
+
+Hosts: by default any host whose addresses are loopback or private is refused (``allow_private_hosts`` allows
+them, e.g. for a test server); link-local (169.254.0.0/16: cloud metadata), multicast, unspecified and reserved
+addresses are always refused. The check resolves the name before connecting; a DNS server that answers
+differently on the second lookup (rebinding) is not defended against here: run fetchers behind an egress proxy
+when producers are untrusted.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import random
+import socket
+import time
+from pathlib import Path
+from urllib.parse import unquote, urljoin, urlsplit
+
+from consumers.decode.types import ImageError
+
+
+class FetchError(ImageError):
+    error_kind = "fetch_error"
+
+
+class NotFound(FetchError):
+    error_kind = "fetch_not_found"
+
+
+class ForbiddenPath(FetchError):
+    error_kind = "fetch_forbidden_path"
+
+
+class ForbiddenScheme(FetchError):
+    error_kind = "fetch_forbidden_scheme"
+
+
+class ForbiddenHost(FetchError):
+    error_kind = "fetch_forbidden_host"
+
+
+class TooLarge(FetchError):
+    error_kind = "fetch_too_large"
+
+
+class FetchTimeout(FetchError):
+    error_kind = "fetch_timeout"
+    retriable = True
+
+
+class HttpError(FetchError):
+    error_kind = "fetch_http_error"
+
+
+# Object stores only: protocols that cannot be steered at the local disk or at another URL.
+FSSPEC_PROTOCOLS = frozenset(
+    {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oci", "oss", "hdfs", "memory", "r2", "b2"}
+)
+MAX_REDIRECTS = 5
+_CHUNK = 1 << 16
+
+
+class Fetcher:
+    def __init__(
+        self,
+        *,
+        allowed_roots: list[str] | tuple[str, ...] = (),
+        allow_private_hosts: bool = False,
+        connect_timeout_s: float = 5.0,
+        read_timeout_s: float = 30.0,
+        retries: int = 3,
+        max_bytes: int = 64 * 1024 * 1024,
+        deadline_s: float | None = None,
+        backoff_s: float = 0.25,
+    ):
+        roots = allowed_roots or [os.getcwd()]
+        self.roots = tuple(Path(root).expanduser().resolve() for root in roots)
+        self.allow_private_hosts = allow_private_hosts
+        self.connect_timeout_s = connect_timeout_s
+        self.read_timeout_s = read_timeout_s
+        self.retries = retries
+        self.max_bytes = max_bytes
+        # Total time one URI may take across its attempts, so retries never hold a partition for long.
+        self.deadline_s = deadline_s if deadline_s is not None else connect_timeout_s + 2 * read_timeout_s
+        self.backoff_s = backoff_s
+        self._client = None
+
+    @classmethod
+    def from_settings(cls, settings) -> "Fetcher":
+        return cls(
+            allowed_roots=settings.allowed_roots,
+            allow_private_hosts=settings.allow_private_hosts,
+            connect_timeout_s=settings.http_connect_timeout_s,
+            read_timeout_s=settings.http_read_timeout_s,
+            retries=settings.http_retries,
+            max_bytes=settings.max_image_bytes,
+        )
+
+    def fetch(self, uri: str) -> bytes:
+        parts = urlsplit(uri)
+        scheme = parts.scheme.lower()
+        if scheme == "" or (len(scheme) == 1 and uri[1:2] == ":"):
+            return self._read_local(uri)
+        if scheme == "file":
+            if parts.netloc not in ("", "localhost"):
+                raise ForbiddenHost(f"file URL with a remote host {parts.netloc!r}: {uri}")
+            return self._read_local(unquote(parts.path))
+        if scheme in ("http", "https"):
+            return self._fetch_http(uri)
+        if "::" in uri:
+            raise ForbiddenScheme(f"chained fsspec URLs are not accepted: {uri[:200]}")
+        if scheme in FSSPEC_PROTOCOLS:
+            return self._fetch_fsspec(uri, scheme)
+        raise ForbiddenScheme(f"scheme {scheme!r} is not accepted (local paths, file, http, https, object stores)")
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+
+    # -- local files --------------------------------------------------------------------------------------
+
+    def _read_local(self, raw_path: str) -> bytes:
+        if "\x00" in raw_path:
+            raise ForbiddenPath("path contains a NUL byte")
+        path = Path(raw_path).expanduser()
+        if not path.is_absolute():
+            path = self.roots[0] / path
+        # Resolve symlinks and '..' first: the check must see where the bytes really are.
+        resolved = path.resolve()
+        if not any(resolved.is_relative_to(root) for root in self.roots):
+            raise ForbiddenPath(f"{raw_path} resolves to {resolved}, outside the allowed roots")
+        try:
+            with open(resolved, "rb") as handle:
+                size = os.fstat(handle.fileno()).st_size
+                if size > self.max_bytes:
+                    raise TooLarge(f"{raw_path} has {size} bytes, limit {self.max_bytes}")
+                data = handle.read(self.max_bytes + 1)
+        except FileNotFoundError as exc:
+            raise NotFound(f"{raw_path}: no such file") from exc
+        except IsADirectoryError as exc:
+            raise NotFound(f"{raw_path} is a directory") from exc
+        except PermissionError as exc:
+            raise ForbiddenPath(f"{raw_path}: permission denied") from exc
+        if len(data) > self.max_bytes:  # the file grew while we read it
+            raise TooLarge(f"{raw_path} has more than {self.max_bytes} bytes")
+        return data
+
+    # -- object stores -----------------------------------------------------------------------------------
+
+    def _fetch_fsspec(self, uri: str, scheme: str) -> bytes:
+        import fsspec
+
+        try:
+            fs, path = fsspec.core.url_to_fs(uri)
+        except (ImportError, ValueError) as exc:
+            raise ForbiddenScheme(f"{scheme}:// needs its fsspec implementation installed: {exc}") from exc
+        try:
+            size = fs.size(path)
+            if size is not None and size > self.max_bytes:
+                raise TooLarge(f"{uri} has {size} bytes, limit {self.max_bytes}")
+            with fs.open(path, "rb") as handle:
+                data = handle.read(self.max_bytes + 1)
+        except FileNotFoundError as exc:
+            raise NotFound(f"{uri}: not found") from exc
+        except PermissionError as exc:
+            raise ForbiddenPath(f"{uri}: permission denied") from exc
+        except (TimeoutError, ConnectionError) as exc:
+            raise FetchTimeout(f"{uri}: {exc}") from exc
+        if len(data) > self.max_bytes:
+            raise TooLarge(f"{uri} has more than {self.max_bytes} bytes")
+        return data
+
+    # -- http(s) ------------------------------------------------------------------------------------------
+
+    def _http_client(self):
+        if self._client is None:
+            import httpx
+
+            self._client = httpx.Client(
+                follow_redirects=False,  # each hop is re-checked below
+                timeout=httpx.Timeout(self.read_timeout_s, connect=self.connect_timeout_s),
+                headers={"User-Agent": "vlmstream-decode/0.1"},
+                trust_env=False,  # no proxy or netrc surprises from the environment
+            )
+        return self._client
+
+    def _fetch_http(self, uri: str) -> bytes:
+        deadline = time.monotonic() + self.deadline_s
+        attempt = 0
+        while True:
+            try:
+                return self._http_once(uri, deadline)
+            except FetchError as exc:
+                attempt += 1
+                if not exc.retriable or attempt > self.retries:
+                    raise
+                delay = getattr(exc, "retry_after", None) or self.backoff_s * (2 ** (attempt - 1))
+                delay *= 0.5 + random.random()  # jitter: a fleet of workers must not retry in lockstep
+                if time.monotonic() + delay >= deadline:
+                    raise
+                time.sleep(delay)
+
+    def _http_once(self, uri: str, deadline: float) -> bytes:
+        import httpx
+
+        client = self._http_client()
+        url = uri
+        for _hop in range(MAX_REDIRECTS + 1):
+            self._check_http_url(url)
+            try:
+                with client.stream("GET", url) as response:
+                    if response.is_redirect:
+                        location = response.headers.get("location")
+                        if not location:
+                            raise HttpError(f"{url}: redirect without Location")
+                        url = urljoin(url, location)
+                        continue
+                    self._check_status(url, response)
+                    return self._read_capped(url, response, deadline)
+            except httpx.TimeoutException as exc:
+                raise FetchTimeout(f"{url}: {type(exc).__name__}") from exc
+            except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError) as exc:
+                raise HttpError(f"{url}: {type(exc).__name__}: {exc}", retriable=True) from exc
+        raise HttpError(f"{uri}: more than {MAX_REDIRECTS} redirects")
+
+    def _check_status(self, url: str, response) -> None:
+        status = response.status_code
+        if status < 400:
+            return
+        if status in (404, 410):
+            raise NotFound(f"{url}: HTTP {status}")
+        transient = status in (408, 429) or status >= 500
+        error = HttpError(f"{url}: HTTP {status}", retriable=transient)
+        retry_after = response.headers.get("retry-after", "")
+        if retry_after.isdigit():
+            error.retry_after = min(float(retry_after), 30.0)
+        raise error
+
+    def _read_capped(self, url: str, response, deadline: float) -> bytes:
+        declared = response.headers.get("content-length")
+        if declared and declared.isdigit() and int(declared) > self.max_bytes:
+            raise TooLarge(f"{url}: Content-Length {declared} exceeds {self.max_bytes}")
+        chunks, total = [], 0
+        for chunk in response.iter_bytes(_CHUNK):
+            total += len(chunk)
+            if total > self.max_bytes:
+                raise TooLarge(f"{url}: more than {self.max_bytes} bytes")
+            # httpx's read timeout is per read; a server dripping one byte at a time is stopped here.
+            if time.monotonic() > deadline:
+                raise FetchTimeout(f"{url}: body not received within {self.deadline_s:.0f}s")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def _check_http_url(self, url: str) -> None:
+        parts = urlsplit(url)
+        if parts.scheme.lower() not in ("http", "https"):
+            raise ForbiddenScheme(f"redirect to a non-http URL: {url[:200]}")
+        host = parts.hostname
+        if not host:
+            raise ForbiddenHost(f"URL without a host: {url[:200]}")
+        if parts.username or parts.password:
+            raise ForbiddenHost("credentials in URLs are not accepted")
+        for address in _resolve(host, parts.port or (443 if parts.scheme == "https" else 80)):
+            reason = self._forbidden_reason(address)
+            if reason:
+                raise ForbiddenHost(f"{host} resolves to {address} ({reason})")
+
+    def _forbidden_reason(self, address: ipaddress._BaseAddress) -> str | None:
+        if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped:
+            address = address.ipv4_mapped
+        if address.is_link_local:
+            return "link-local, e.g. cloud metadata"
+        if address.is_multicast or address.is_unspecified:
+            return "multicast/unspecified"
+        if address.is_loopback or address.is_private:
+            return None if self.allow_private_hosts else "private/loopback; set allow_private_hosts to allow"
+        if address.is_reserved or not address.is_global:
+            return "reserved"
+        return None
+
+
+def _resolve(host: str, port: int) -> list[ipaddress._BaseAddress]:
+    try:
+        return [ipaddress.ip_address(host.strip("[]"))]
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        # EAI_AGAIN is a DNS server hiccup; a name that does not exist will not exist on retry either.
+        raise HttpError(f"cannot resolve {host}: {exc}", retriable=exc.errno == socket.EAI_AGAIN) from exc
+    return [ipaddress.ip_address(info[4][0].split("%")[0]) for info in infos]

@@ -1,0 +1,87 @@
+"""Qwen2-VL target size (smart_resize) and the exact-size resize that gets there.
+
+``smart_resize`` is a copy of transformers' ``qwen2_vl.image_processing_qwen2_vl.smart_resize``, kept here so the
+decode workers need neither torch nor transformers; tests check it against the original with hypothesis.
+"""
+
+from __future__ import annotations
+
+import math
+
+import cv2
+import numpy as np
+
+from consumers.decode.types import ImageError
+
+# A scale this close to 1 gains nothing from an area filter (each output pixel covers ~1 source pixel) and
+# INTER_AREA's non-integer path at full resolution costs more than the JPEG decode; bilinear is then as good.
+NEAR_IDENTITY_SCALE = 0.85
+
+# Orientation (EXIF 0x0112) -> cv2 operations to show the image upright. 5..8 swap width and height.
+_ORIENT_OPS = {
+    2: ((cv2.flip, 1),),
+    3: ((cv2.rotate, cv2.ROTATE_180),),
+    4: ((cv2.flip, 0),),
+    5: ((cv2.transpose, None),),
+    6: ((cv2.rotate, cv2.ROTATE_90_CLOCKWISE),),
+    7: ((cv2.rotate, cv2.ROTATE_90_CLOCKWISE), (cv2.flip, 1)),
+    8: ((cv2.rotate, cv2.ROTATE_90_COUNTERCLOCKWISE),),
+}
+
+
+class BadAspectRatio(ImageError):
+    error_kind = "decode_bad_aspect"
+
+
+def smart_resize(
+    height: int,
+    width: int,
+    factor: int = 28,
+    min_pixels: int = 56 * 56,
+    max_pixels: int = 14 * 14 * 4 * 1280,
+) -> tuple[int, int]:
+    """The Qwen2-VL rule, exactly: both sides multiples of ``factor``, area within [min_pixels, max_pixels],
+    aspect ratio kept as closely as possible. Raises ``BadAspectRatio`` (a ValueError in transformers) when the
+    longer side is more than 200 times the shorter one."""
+    if max(height, width) / min(height, width) > 200:
+        raise BadAspectRatio(
+            f"absolute aspect ratio must be smaller than 200, got {max(height, width) / min(height, width)}"
+        )
+    h_bar = round(height / factor) * factor
+    w_bar = round(width / factor) * factor
+    if h_bar * w_bar > max_pixels:
+        beta = math.sqrt((height * width) / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
+def resize_exact(image: np.ndarray, height: int, width: int) -> np.ndarray:
+    """Resize an H x W x 3 uint8 image to exactly ``height`` x ``width``: area filter when shrinking (antialiased,
+    like torchvision's antialiased bicubic), bicubic when enlarging, bilinear when the scale is close to 1."""
+    src_h, src_w = image.shape[:2]
+    if (src_h, src_w) == (height, width):
+        return image
+    scale = min(height / src_h, width / src_w)
+    if height >= src_h and width >= src_w:
+        interpolation = cv2.INTER_CUBIC
+    elif scale >= NEAR_IDENTITY_SCALE:
+        interpolation = cv2.INTER_LINEAR
+    else:
+        interpolation = cv2.INTER_AREA
+    return cv2.resize(image, (width, height), interpolation=interpolation)
+
+
+def apply_orientation(image: np.ndarray, orientation: int) -> np.ndarray:
+    """Turn an image stored with EXIF ``orientation`` upright (1 and unknown values: unchanged)."""
+    for op, arg in _ORIENT_OPS.get(orientation, ()):
+        image = op(image) if arg is None else op(image, arg)
+    return image
+
+
+def swaps_axes(orientation: int) -> bool:
+    return orientation in (5, 6, 7, 8)

@@ -1,0 +1,96 @@
+"""The decode stage: a URI in, a ``PreparedImage`` (pixels at exactly the Qwen2-VL input size) or an
+``ImageFailure`` out. No Kafka here; ``consumers/decode/runner.py`` owns the clients and the commits.
+
+One call = fetch -> sniff + decode (DCT-scaled for JPEG) -> exact resize -> EXIF orientation -> encode.
+"""
+
+from __future__ import annotations
+
+import time
+
+from consumers.decode.claimcheck import ClaimCheckStore
+from consumers.decode.codec import encode
+from consumers.decode.decode import Decoder
+from consumers.decode.fetch import Fetcher
+from consumers.decode.resize import apply_orientation, resize_exact
+from consumers.decode.types import ImageError, ImageFailure, PreparedImage
+
+# Source size classes for metrics labels (megapixels of the upright source image).
+SIZE_CLASSES = ((0.5, "lt0.5mp"), (2.0, "0.5-2mp"), (8.0, "2-8mp"), (24.0, "8-24mp"))
+
+
+def size_class(width: int, height: int) -> str:
+    megapixels = width * height / 1e6
+    for limit, name in SIZE_CLASSES:
+        if megapixels < limit:
+            return name
+    return "ge24mp"
+
+
+class DecodeStage:
+    """``stage(uri) -> PreparedImage | ImageFailure``; never raises for bad input (a bug still raises).
+
+    ``store`` is the claim-check store for payloads over the record limit; the runner decides when to use it."""
+
+    def __init__(self, settings, claim_check_url: str = "", *, fetcher: Fetcher | None = None,
+                 use_turbojpeg: bool = True):
+        self.settings = settings
+        self.factor = settings.patch_size * settings.merge_size
+        self.fetcher = fetcher or Fetcher.from_settings(settings)
+        self.decoder = Decoder(
+            factor=self.factor,
+            min_pixels=settings.min_pixels,
+            max_pixels=settings.max_pixels,
+            max_source_pixels=settings.max_source_pixels,
+            use_turbojpeg=use_turbojpeg,
+        )
+        self.store = ClaimCheckStore(claim_check_url) if claim_check_url else None
+
+    def __call__(self, uri: str) -> PreparedImage | ImageFailure:
+        try:
+            started = time.perf_counter()
+            data = self.fetcher.fetch(uri)
+            fetched = time.perf_counter()
+            return self.prepare(data, fetch_ms=(fetched - started) * 1000)
+        except ImageError as error:
+            return ImageFailure.from_error(error)
+
+    def prepare(self, data: bytes, *, fetch_ms: float = 0.0) -> PreparedImage:
+        """Bytes already in memory -> PreparedImage; raises ImageError (``__call__`` turns it into a value)."""
+        t0 = time.perf_counter()
+        decoded = self.decoder.decode(data)
+        t1 = time.perf_counter()
+        stored_h, stored_w = decoded.stored_target
+        pixels = apply_orientation(resize_exact(decoded.pixels, stored_h, stored_w), decoded.orientation)
+        t2 = time.perf_counter()
+        payload = encode(pixels, self.settings.codec, jpeg_quality=self.settings.jpeg_quality)
+        t3 = time.perf_counter()
+        height, width = pixels.shape[:2]
+        patch = self.settings.patch_size
+        timings = {
+            "fetch_ms": fetch_ms,
+            "decode_ms": (t1 - t0) * 1000,
+            "resize_ms": (t2 - t1) * 1000,
+            "encode_ms": (t3 - t2) * 1000,
+            "dct_scale": decoded.scale,
+            "source_mp": decoded.width * decoded.height / 1e6,
+        }
+        return PreparedImage(
+            data=payload,
+            codec=self.settings.codec,
+            width=width,
+            height=height,
+            orig_width=decoded.width,
+            orig_height=decoded.height,
+            grid_thw=(1, height // patch, width // patch),
+            source_format=decoded.source_format,
+            decode_ms=(t2 - t0) * 1000,
+            fetch_bytes=len(data),
+            timings=timings,
+        )
+
+    def size_class(self, image: PreparedImage) -> str:
+        return size_class(image.orig_width, image.orig_height)
+
+    def close(self) -> None:
+        self.fetcher.close()
