@@ -1,0 +1,179 @@
+"""A tiny random-weight Qwen2.5-VL written locally, with no download.
+
+It has the real architecture (window-attention vision tower, patch merger, M-RoPE language model) and a
+tokenizer whose special tokens sit at the real Qwen2.5 ids (151643-151656), so every code path that runs
+the 7B model (prompt building, placeholder expansion, grids, generate, vLLM's processor) runs on it too,
+only ~10 M parameters big. Its text is noise; its shapes and token accounting are exact.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+TINY_MODEL_DIRNAME = "tiny-qwen2.5-vl"
+# Bumped whenever the folder's contents change, so a cached older folder is rebuilt.
+TINY_MODEL_VERSION = 1
+_MARKER = "vlmstream-tiny-model.json"
+
+FIRST_SPECIAL_ID = 151643
+SPECIAL_TOKENS = [
+    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
+    "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>",
+    "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>",
+]
+IMAGE_PAD_ID = 151655
+# The real Qwen2.5 vocabulary is padded to a multiple of 128 past the last special token.
+VOCAB_SIZE = 151936
+
+CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
+CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
+MIN_PIXELS = 56 * 56
+MAX_PIXELS = 12845056  # Qwen2.5-VL's own default (16384 * 28 * 28)
+
+# Qwen2.5-VL's chat template, reduced to what a single-image request needs (no tools, no video timing).
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}{% for c in message['content'] %}"
+    "{% if c['type'] in ('image', 'image_url') %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif c['type'] in ('video', 'video_url') %}<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif c['type'] == 'text' %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+TEXT_CONFIG = {
+    "model_type": "qwen2_5_vl_text", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": VOCAB_SIZE,
+    "max_position_embeddings": 32768, "rope_theta": 1000000.0,
+    # head_dim 16 -> 8 rotary frequencies split over (temporal, height, width)
+    "rope_scaling": {"type": "mrope", "rope_type": "default", "mrope_section": [2, 3, 3]},
+    "rms_norm_eps": 1e-6, "hidden_act": "silu", "tie_word_embeddings": True, "attention_dropout": 0.0,
+    "use_sliding_window": False, "sliding_window": 32768, "max_window_layers": 2, "bos_token_id": 151643,
+    "eos_token_id": 151645, "initializer_range": 0.02, "use_cache": True,
+    "image_token_id": 151655, "video_token_id": 151656, "vision_start_token_id": 151652,
+}
+VISION_CONFIG = {
+    "model_type": "qwen2_5_vl", "depth": 2, "hidden_size": 64, "intermediate_size": 128, "num_heads": 4,
+    "out_hidden_size": 64, "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2,
+    # 112 px windows = 4x4 merged tokens, as in the real model; block 1 attends over the whole image.
+    "window_size": 112, "fullatt_block_indexes": [1], "tokens_per_second": 2, "hidden_act": "silu",
+    "in_chans": 3, "in_channels": 3, "initializer_range": 0.02,
+}
+
+
+def write_tokenizer_files(path: Path) -> None:
+    """A byte-level tokenizer with the real special-token ids: ids below 151643 are the 256 byte symbols
+    and fillers, so text costs one token per byte (more than the real BPE, never fewer)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {symbol: i for i, symbol in enumerate(alphabet)}
+    for i in range(len(vocab), FIRST_SPECIAL_ID):
+        vocab[f"<filler_{i}>"] = i
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens(SPECIAL_TOKENS)
+    ids = {s: tokenizer.token_to_id(s) for s in SPECIAL_TOKENS}
+    if ids["<|endoftext|>"] != FIRST_SPECIAL_ID or ids["<|image_pad|>"] != IMAGE_PAD_ID:
+        raise RuntimeError(f"special tokens landed at the wrong ids: {ids}")
+    tokenizer.save(str(path / "tokenizer.json"))
+    added = {str(ids[s]): {"content": s, "lstrip": False, "normalized": False, "rstrip": False,
+                           "single_word": False, "special": True} for s in SPECIAL_TOKENS}
+    _dump(path / "tokenizer_config.json", {
+        "tokenizer_class": "Qwen2TokenizerFast", "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
+        "bos_token": None, "unk_token": None, "chat_template": CHAT_TEMPLATE, "model_max_length": 131072,
+        "add_prefix_space": False, "errors": "replace", "clean_up_tokenization_spaces": False,
+        "split_special_tokens": False, "added_tokens_decoder": added, "additional_special_tokens": SPECIAL_TOKENS[1:],
+    })
+    _dump(path / "chat_template.json", {"chat_template": CHAT_TEMPLATE})
+
+
+def write_processor_files(path: Path, max_pixels: int = MAX_PIXELS) -> None:
+    _dump(path / "preprocessor_config.json", {
+        "image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen2_5_VLProcessor",
+        "min_pixels": MIN_PIXELS, "max_pixels": max_pixels, "patch_size": 14, "merge_size": 2,
+        "temporal_patch_size": 2, "image_mean": CLIP_MEAN, "image_std": CLIP_STD, "do_resize": True,
+        "do_normalize": True, "do_rescale": True, "rescale_factor": 1 / 255, "do_convert_rgb": True,
+    })
+    _dump(path / "generation_config.json", {
+        "bos_token_id": 151643, "eos_token_id": [151645, 151643], "pad_token_id": 151643, "do_sample": False,
+    })
+
+
+def model_config_dict(text_config: dict, vision_config: dict) -> dict:
+    config = {
+        "architectures": ["Qwen2_5_VLForConditionalGeneration"], "model_type": "qwen2_5_vl",
+        "torch_dtype": "float32", "bos_token_id": 151643, "eos_token_id": 151645, "image_token_id": 151655,
+        "video_token_id": 151656, "vision_start_token_id": 151652, "vision_end_token_id": 151653,
+        "vision_token_id": 151654, "tie_word_embeddings": text_config["tie_word_embeddings"], "transformers_version": "4.49.0",
+        "text_config": text_config, "vision_config": vision_config,
+    }
+    # vLLM and transformers 4.x read the text fields at the top level (the layout of the real config.json).
+    for key, value in text_config.items():
+        if key != "model_type":
+            config.setdefault(key, value)
+    return config
+
+
+def write_tiny_model(path: str | Path, seed: int = 0) -> Path:
+    """Write the tiny model folder at ``path`` (created if missing) and return it. Deterministic in ``seed``."""
+    import torch
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    config_dict = model_config_dict(dict(TEXT_CONFIG), dict(VISION_CONFIG))
+    config = Qwen2_5_VLConfig(**{k: v for k, v in config_dict.items() if k not in ("architectures", "model_type")})
+    config.architectures = config_dict["architectures"]
+    # Seed the global generator only for the duration of the init, so callers' random state is untouched.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen2_5_VLForConditionalGeneration(config).eval()
+    model.save_pretrained(path)
+    # save_pretrained writes transformers' own config layout; replace it with the real checkpoint's layout
+    # (text fields also at the top level) so vLLM reads it the way it reads the 7B model.
+    _dump(path / "config.json", config_dict)
+    write_tokenizer_files(path)
+    write_processor_files(path)
+    _dump(path / _MARKER, {"version": TINY_MODEL_VERSION, "seed": seed})
+    return path
+
+
+def default_tiny_model_dir() -> Path:
+    """The tiny model under $VLMSTREAM_HOME (or ~/.cache/vlmstream), written on first use and reused."""
+    home = Path(os.environ.get("VLMSTREAM_HOME") or Path.home() / ".cache" / "vlmstream")
+    target = home / TINY_MODEL_DIRNAME
+    if _is_current(target):
+        return target
+    home.mkdir(parents=True, exist_ok=True)
+    # Write beside the target and rename, so parallel processes never load a half-written folder.
+    staging = Path(tempfile.mkdtemp(prefix=f".{TINY_MODEL_DIRNAME}-", dir=home))
+    try:
+        write_tiny_model(staging)
+        if target.exists() and not _is_current(target):
+            shutil.rmtree(target, ignore_errors=True)
+        try:
+            staging.rename(target)
+        except OSError:
+            if not _is_current(target):  # not another process winning the race: a real error
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def _is_current(path: Path) -> bool:
+    try:
+        return json.loads((path / _MARKER).read_text()).get("version") == TINY_MODEL_VERSION
+    except (OSError, ValueError):
+        return False
+
+
+def _dump(path: Path, value: dict) -> None:
+    path.write_text(json.dumps(value, indent=1))

@@ -1,0 +1,301 @@
+"""Qwen2-VL pixel preprocessing and the vision tower, run on the target device.
+
+vLLM's front end normalises and patchifies every image on one CPU core (209 ms for a 12.8 MP image);
+here the uint8 pixels travel to the GPU as they are (a quarter of the float bytes) and are rescaled,
+normalised and cut into patches there, in exactly the layout transformers' Qwen2VLImageProcessor
+produces with ``do_resize=False``. The encoder batches several images into one varlen forward.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+
+log = logging.getLogger(__name__)
+
+PATCH_SIZE = 14
+MERGE_SIZE = 2
+TEMPORAL_PATCH_SIZE = 2
+CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+
+
+class PixelNormalizer:
+    """Rescale (1/255) and normalise (CLIP mean/std) folded into one multiply-add per channel."""
+
+    def __init__(self, device: torch.device | str, mean: Sequence[float] = CLIP_MEAN, std: Sequence[float] = CLIP_STD):
+        std_t = torch.tensor(std, dtype=torch.float32, device=device)
+        mean_t = torch.tensor(mean, dtype=torch.float32, device=device)
+        self.scale = (1.0 / (255.0 * std_t)).view(1, 3, 1, 1, 1)
+        self.bias = (-mean_t / std_t).view(1, 3, 1, 1, 1)
+        self.device = torch.device(device)
+
+
+_normalizers: dict[str, PixelNormalizer] = {}
+
+
+def _normalizer(device: torch.device) -> PixelNormalizer:
+    key = str(device)
+    if key not in _normalizers:
+        _normalizers[key] = PixelNormalizer(device)
+    return _normalizers[key]
+
+
+def grid_for(height: int, width: int) -> tuple[int, int, int]:
+    if height % (PATCH_SIZE * MERGE_SIZE) or width % (PATCH_SIZE * MERGE_SIZE):
+        raise ValueError(f"image {width}x{height} is not a multiple of {PATCH_SIZE * MERGE_SIZE} px: "
+                         "resize it with smart_resize before inference")
+    return 1, height // PATCH_SIZE, width // PATCH_SIZE
+
+
+def patchify(image: np.ndarray | torch.Tensor, device: torch.device | str = "cpu",
+             dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    """One H x W x 3 uint8 RGB image -> (pixel_values (gh*gw, 3*2*14*14), grid (1, gh, gw)).
+
+    Patch order and feature order match Qwen2VLImageProcessor: merge-window-major rows
+    (gh/2, gw/2, 2, 2) and features (channel, temporal, patch_y, patch_x), the single frame duplicated
+    over the temporal axis.
+    """
+    device = torch.device(device)
+    if isinstance(image, np.ndarray):
+        if image.dtype != np.uint8 or image.ndim != 3 or image.shape[2] != 3:
+            raise ValueError(f"expected an H x W x 3 uint8 array, got {image.dtype} {image.shape}")
+        pixels = torch.from_numpy(np.ascontiguousarray(image))
+    else:
+        pixels = image
+    height, width = int(pixels.shape[0]), int(pixels.shape[1])
+    _, grid_h, grid_w = grid_for(height, width)
+    # Move uint8, not float: 4x fewer bytes over PCIe, and the layout shuffle below copies bytes, not floats.
+    pixels = pixels.to(device, non_blocking=True)
+    p, m = PATCH_SIZE, MERGE_SIZE
+    blocks = (pixels.view(grid_h // m, m, p, grid_w // m, m, p, 3)
+              .permute(0, 3, 1, 4, 6, 2, 5)  # (gh/m, gw/m, m, m, channel, p, p)
+              .reshape(grid_h * grid_w, 3, 1, p, p))
+    norm = _normalizer(device)
+    values = blocks.to(torch.float32).mul_(norm.scale).add_(norm.bias)
+    values = values.expand(-1, -1, TEMPORAL_PATCH_SIZE, -1, -1).to(dtype)
+    return values.reshape(grid_h * grid_w, 3 * TEMPORAL_PATCH_SIZE * p * p), (1, grid_h, grid_w)
+
+
+def patchify_batch(images: Sequence[np.ndarray], device: torch.device | str = "cpu",
+                   dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """Several images -> concatenated pixel_values and their (n, 3) grid_thw, as the processor returns them."""
+    parts, grids = zip(*(patchify(image, device, dtype) for image in images))
+    return torch.cat(parts), torch.tensor(grids, dtype=torch.long, device=device)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Attention for the vision blocks. transformers sends a packed varlen call (cu_seqlens over windows and
+# images) to any registered implementation whose name contains "flash"; its sdpa path instead loops in
+# Python over every window of every image. On CUDA we register vLLM's FlashAttention 3 (what vLLM's own
+# tower runs) or torch's built-in varlen flash attention under such names.
+# ---------------------------------------------------------------------------------------------------------
+
+VLLM_FA3 = "vlmstream_flash_vllm_fa3"
+TORCH_VARLEN = "vlmstream_flash_torch_varlen"
+
+
+def _varlen_adapter(kernel):
+    def attention(module, query, key, value, attention_mask=None, scaling=None, dropout=0.0,
+                  cu_seq_lens_q=None, cu_seq_lens_k=None, max_length_q=None, max_length_k=None, **_):
+        # transformers hands (1, heads, tokens, head_dim); varlen kernels take (tokens, heads, head_dim).
+        q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))
+        cu_q = cu_seq_lens_q.to(torch.int32)
+        cu_k = cu_seq_lens_k.to(torch.int32)
+        out = kernel(q, k, v, cu_q, cu_k, int(max_length_q), int(max_length_k), scaling)
+        return out.unsqueeze(0), None
+
+    return attention
+
+
+def _vllm_fa3_kernel():
+    from vllm.vllm_flash_attn.flash_attn_interface import flash_attn_varlen_func, is_fa_version_supported
+
+    if not is_fa_version_supported(3):
+        raise RuntimeError("vLLM's FlashAttention 3 is not supported on this device")
+
+    def kernel(q, k, v, cu_q, cu_k, max_q, max_k, scale):
+        # fa_version is explicit: vLLM's default is FA2, whose library the device bundle leaves out.
+        return flash_attn_varlen_func(q, k, v, max_seqlen_q=max_q, cu_seqlens_q=cu_q, max_seqlen_k=max_k,
+                                      cu_seqlens_k=cu_k, softmax_scale=scale, causal=False, fa_version=3)
+
+    return kernel
+
+
+def _torch_varlen_kernel():
+    from torch.nn.attention.varlen import varlen_attn
+
+    def kernel(q, k, v, cu_q, cu_k, max_q, max_k, scale):
+        return varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale)
+
+    return kernel
+
+
+def _register(name: str, kernel_factory) -> bool:
+    from transformers import AttentionInterface
+
+    if name in AttentionInterface._global_mapping:
+        return True
+    try:
+        AttentionInterface.register(name, _varlen_adapter(kernel_factory()))
+        return True
+    except Exception as exc:  # missing package, unsupported GPU: the next candidate is tried
+        log.info("vision attention %s unavailable: %s", name, exc)
+        return False
+
+
+def _probe(name: str, device: torch.device, dtype: torch.dtype) -> bool:
+    """Run the kernel once on a tiny packed batch and compare it with sdpa: a kernel that imports but
+    cannot run on this GPU (wrong arch, missing library) must not be picked."""
+    from transformers import AttentionInterface
+
+    try:
+        fn = AttentionInterface._global_mapping[name]
+        gen = torch.Generator(device="cpu").manual_seed(0)
+        q, k, v = (torch.randn(1, 2, 48, 64, generator=gen).to(device, dtype) for _ in range(3))
+        cu = torch.tensor([0, 16, 48], dtype=torch.int32, device=device)
+        out, _ = fn(None, q, k, v, scaling=0.125, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=32, max_length_k=32)
+        ref = torch.cat([torch.nn.functional.scaled_dot_product_attention(
+            q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], scale=0.125).transpose(1, 2) for a, b in ((0, 16), (16, 48))], 1)
+        return bool(torch.allclose(out.float(), ref.float(), atol=2e-2, rtol=2e-2))
+    except Exception as exc:
+        log.info("vision attention %s failed its probe: %s", name, exc)
+        return False
+
+
+def pick_vision_attention(device: torch.device | str, dtype: torch.dtype, requested: str = "auto") -> str:
+    """The fastest attention available for the vision blocks: vLLM FA3 > torch varlen flash > sdpa.
+    Flash kernels need CUDA and half precision; on CPU it is sdpa."""
+    device = torch.device(device)
+    candidates = {"vllm_fa3": (VLLM_FA3, _vllm_fa3_kernel), "torch_varlen": (TORCH_VARLEN, _torch_varlen_kernel)}
+    if requested in ("sdpa", "eager"):
+        return requested
+    if requested != "auto":
+        name, factory = candidates[requested]
+        if not (_register(name, factory) and _probe(name, device, dtype)):
+            raise RuntimeError(f"vision attention {requested!r} is not usable on {device}")
+        return name
+    if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
+        return "sdpa"
+    for name, factory in candidates.values():
+        if _register(name, factory) and _probe(name, device, dtype):
+            return name
+    return "sdpa"
+
+
+@dataclass
+class EncodedImage:
+    tokens: torch.Tensor  # (visual tokens, out_hidden) on the encoder's device, after the patch merger
+    grid_thw: tuple[int, int, int]
+
+    def mean_pooled(self) -> np.ndarray:
+        """The embedding published on the embeddings topic: the token mean, accumulated in float32."""
+        return self.tokens.float().mean(0).to(torch.float16).cpu().numpy()
+
+
+class VisionEncoder:
+    """Qwen2.5-VL's vision tower (``model.visual`` or a tower loaded alone) behind ``encode(images)``.
+
+    Images of any (28-multiple) sizes share one forward: their patches are concatenated, their grids
+    stacked, and the varlen attention keeps them apart. ``max_patches_per_call`` bounds the activation
+    memory of one forward.
+    """
+
+    def __init__(self, visual: torch.nn.Module, device: torch.device | str = "cpu",
+                 dtype: torch.dtype | None = None, attention: str = "auto",
+                 max_patches_per_call: int = 65536):
+        self.device = torch.device(device)
+        self.dtype = dtype or next(visual.parameters()).dtype
+        self.visual = visual.to(self.device, self.dtype).eval()
+        self.attention = pick_vision_attention(self.device, self.dtype, attention)
+        # The tower's config object is its own (vision_config); the language model keeps its implementation.
+        self.visual.config._attn_implementation = self.attention
+        self.merge_unit = self.visual.config.spatial_merge_size ** 2
+        self.max_patches_per_call = max_patches_per_call
+
+    @torch.inference_mode()
+    def encode_patches(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> list[torch.Tensor]:
+        """Already patchified input (as the processor or ``patchify_batch`` returns it) -> per-image tokens."""
+        out = self.visual(pixel_values.to(self.device, self.dtype), grid_thw=grid_thw.to(self.device))
+        merged = out.pooler_output if hasattr(out, "pooler_output") else out
+        sizes = (grid_thw.prod(-1) // self.merge_unit).tolist()
+        return list(merged.split(sizes))
+
+    def encode(self, images: Sequence[np.ndarray]) -> list[EncodedImage]:
+        results: list[EncodedImage] = []
+        for group in self._groups(images):
+            pixel_values, grid_thw = patchify_batch(group, self.device, self.dtype)
+            tokens = self.encode_patches(pixel_values, grid_thw)
+            results += [EncodedImage(t, tuple(g)) for t, g in zip(tokens, grid_thw.tolist())]
+        return results
+
+    def _groups(self, images: Sequence[np.ndarray]):
+        group: list[np.ndarray] = []
+        patches = 0
+        for image in images:
+            n = (image.shape[0] // PATCH_SIZE) * (image.shape[1] // PATCH_SIZE)
+            if group and patches + n > self.max_patches_per_call:
+                yield group
+                group, patches = [], 0
+            group.append(image)
+            patches += n
+        if group:
+            yield group
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Loading the tower alone (for the vLLM embeds mode, where vLLM holds the language model).
+# ---------------------------------------------------------------------------------------------------------
+
+VISION_PREFIXES = ("visual.", "model.visual.")
+
+
+def vision_config_from(model_path: str | Path):
+    from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig
+
+    raw = json.loads((Path(model_path) / "config.json").read_text())["vision_config"]
+    return Qwen2_5_VLVisionConfig(**{k: v for k, v in raw.items() if k != "model_type"})
+
+
+def vision_state_dict(model_path: str | Path) -> dict[str, torch.Tensor]:
+    """The tower's weights from a checkpoint's safetensors (keys ``visual.*`` in the released layout,
+    ``model.visual.*`` in transformers 5's), prefix removed; empty when the folder has no weights."""
+    from safetensors import safe_open
+
+    state: dict[str, torch.Tensor] = {}
+    for shard in sorted(Path(model_path).glob("*.safetensors")):
+        with safe_open(str(shard), framework="pt") as f:
+            for key in f.keys():
+                for prefix in VISION_PREFIXES:
+                    if key.startswith(prefix):
+                        state[key[len(prefix):]] = f.get_tensor(key)
+    return state
+
+
+def load_vision_tower(model_path: str | Path, device: torch.device | str = "cpu",
+                      dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> tuple[torch.nn.Module, bool]:
+    """(tower, has_real_weights). A folder without weights (vLLM ``load_format="dummy"``) gets a seeded
+    random tower: same compute, so throughput figures hold; embeddings are then meaningless."""
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
+
+    config = vision_config_from(model_path)
+    config._attn_implementation = "sdpa"
+    state = vision_state_dict(model_path)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        with torch.device(device):
+            tower = Qwen2_5_VisionTransformerPretrainedModel._from_config(config, dtype=dtype).eval()
+    if state:
+        missing, unexpected = tower.load_state_dict(state, strict=False)
+        # The rotary inverse frequencies are computed, not stored; anything else missing is a wrong checkpoint.
+        missing = [k for k in missing if "inv_freq" not in k]
+        if missing or unexpected:
+            raise RuntimeError(f"vision weights in {model_path} do not fit the tower: missing {missing[:5]}, "
+                               f"unexpected {unexpected[:5]}")
+    return tower, bool(state)
