@@ -1,11 +1,76 @@
 """Placeholder: filled in by the issue that owns this command."""
 
+from typing import Optional
+
 import typer
 
 
-def infer(ctx: typer.Context) -> None:
-    """Not built yet."""
-    raise typer.Exit(2)
+def infer(
+    ctx: typer.Context,
+    model: Optional[str] = typer.Option(None, "--model", help="HF id or local folder; default: the tiny model."),
+    engine: Optional[str] = typer.Option(None, "--engine", help="auto, vllm or transformers."),
+    mode: Optional[str] = typer.Option(None, "--mode", help="vLLM input: embeds or pixels."),
+    prompt: Optional[str] = typer.Option(None, "--prompt"),
+    prompt_id: Optional[str] = typer.Option(None, "--prompt-id"),
+    output_schema: Optional[str] = typer.Option(None, "--output-schema", help="JSON Schema file for the output."),
+    max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens"),
+    ignore_eos: Optional[bool] = typer.Option(None, "--ignore-eos/--stop-at-eos"),
+    batch_size: Optional[int] = typer.Option(None, "--batch-size"),
+    max_images_in_flight: Optional[int] = typer.Option(None, "--max-images-in-flight"),
+    no_embeddings: bool = typer.Option(False, "--no-embeddings", help="Do not publish vision embeddings."),
+    exactly_once: bool = typer.Option(False, "--exactly-once", help="Transactional outputs + offsets."),
+    max_attempts: Optional[int] = typer.Option(None, "--max-attempts"),
+    group_id: Optional[str] = typer.Option(None, "--group-id"),
+    max_seconds: Optional[float] = typer.Option(None, "--max-seconds", help="Stop (draining) after this long."),
+    until_idle_s: Optional[float] = typer.Option(None, "--until-idle-s", help="Stop when idle this long."),
+    no_results: bool = typer.Option(False, "--no-results", help="Do not run the document-result aggregator."),
+) -> None:
+    """Consume image payloads, describe and embed them, publish descriptions/embeddings (and document results)."""
+    import signal
+    import threading
+
+    from consumers.infer.factory import make_engine
+    from consumers.infer.runner import InferenceRunner
+    from consumers.results import ResultsAggregator
+    from vlmstream.cli_support import bootstrap, settings_from
+
+    infer_overrides = {
+        "model": model, "engine": engine, "mode": mode, "prompt": prompt, "prompt_id": prompt_id,
+        "output_schema": output_schema, "max_new_tokens": max_new_tokens, "ignore_eos": ignore_eos,
+        "batch_size": batch_size, "max_images_in_flight": max_images_in_flight, "max_attempts": max_attempts,
+        "group_id": group_id, "publish_embeddings": False if no_embeddings else None,
+        "exactly_once": True if exactly_once else None,
+    }
+    settings = bootstrap(settings_from(ctx, {"infer": infer_overrides}))
+    model_path = settings.infer.model
+    if not model_path:
+        from consumers.infer.tiny_model import default_tiny_model_dir
+
+        model_path = str(default_tiny_model_dir())
+    stop = threading.Event()
+    # SIGTERM/SIGINT: stop fetching, drain what is in flight, flush, commit, leave the group, exit 0.
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.set())
+    aggregator, aggregator_thread, aggregator_stop = None, None, threading.Event()
+    if not no_results:
+        aggregator = ResultsAggregator(settings)
+        aggregator_thread = aggregator.start_thread(aggregator_stop)
+    engine_impl = make_engine(settings.infer, model_path)
+    try:
+        code = InferenceRunner(settings, engine_impl).run(stop, max_seconds=max_seconds, until_idle_s=until_idle_s)
+    finally:
+        stop.set()
+        engine_impl.close()
+        if aggregator is not None:
+            # Let the aggregator read the last descriptions before it commits and leaves.
+            import time
+
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline and time.monotonic() - aggregator.last_record_at < 3:
+                time.sleep(0.2)
+            aggregator_stop.set()
+            aggregator_thread.join(timeout=30)
+    raise typer.Exit(code)
 
 
 def tiny_model(ctx: typer.Context, path: str = typer.Argument(..., help="Folder to write the model into.")) -> None:

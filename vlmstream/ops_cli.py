@@ -1,21 +1,102 @@
 """Placeholder: filled in by the issue that owns this command."""
 
+from typing import Optional
+
 import typer
 
 
-def replay(ctx: typer.Context) -> None:
-    """Not built yet."""
-    raise typer.Exit(2)
+def replay(
+    ctx: typer.Context,
+    stage: str = typer.Option(..., "--stage", help="decode, infer or results."),
+    to: str = typer.Option(..., "--to", help="earliest | offset:N | timestamp:ISO-8601-or-epoch-ms"),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print what would be redone; change nothing."),
+) -> None:
+    """Rewind a stage's consumer group so its workers redo the messages after a point (workers must be stopped)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from vlmstream.cli_support import bootstrap, settings_from
+    from vlmstream.replay import ReplayRefused, apply_replay, plan_replay
+
+    console = Console()
+    settings = bootstrap(settings_from(ctx))
+    try:
+        plan = plan_replay(settings, stage, to)
+    except ValueError as exc:
+        console.print(f"[red]{exc}[/]")
+        raise typer.Exit(2)
+    table = Table(title=f"replay {plan.stage} (group {plan.group_id}, {plan.state}, {plan.members} member(s)) "
+                        f"to {plan.target}")
+    for column in ("partition", "committed", "new", "end", "messages to redo", "images"):
+        table.add_column(column, justify="right" if column != "partition" else "left")
+    for p in plan.partitions:
+        table.add_row(f"{p.tp.topic}/{p.tp.partition}", "-" if p.committed is None else str(p.committed),
+                      str(p.new), str(p.end), str(p.redo), "-" if p.images is None else str(p.images))
+    table.add_row("total", "", "", "", str(plan.messages), "-" if plan.images is None else str(plan.images))
+    console.print(table)
+    if plan.members or plan.state not in ("Empty", "Dead"):
+        console.print(f"[red]refusing: group {plan.group_id} is {plan.state} with {plan.members} member(s); "
+                      f"stop the {plan.stage} workers first (their next commit would undo the rewind)[/]")
+        raise typer.Exit(2)
+    if dry_run:
+        console.print("dry run: nothing changed")
+        return
+    try:
+        apply_replay(settings, plan)
+    except ReplayRefused as exc:
+        console.print(f"[red]refusing: {exc}[/]")
+        raise typer.Exit(2)
+    console.print(f"rewound {plan.group_id}: {plan.messages} message(s) will be redone")
 
 
-def redrive(ctx: typer.Context) -> None:
-    """Not built yet."""
-    raise typer.Exit(2)
+def redrive(
+    ctx: typer.Context,
+    stage: Optional[str] = typer.Option(None, "--stage", help="Only dead letters of this stage."),
+    error_kind: Optional[str] = typer.Option(None, "--error-kind", help="Only dead letters of this kind."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Count what would be republished; send nothing."),
+) -> None:
+    """Republish dead letters' original records to their source topic for another try."""
+    from rich.console import Console
+
+    from vlmstream.cli_support import bootstrap, settings_from
+    from vlmstream.replay import redrive as do_redrive
+
+    console = Console()
+    settings = bootstrap(settings_from(ctx))
+    report = do_redrive(settings, stage=stage, error_kind=error_kind, dry_run=dry_run)
+    verb = "would republish" if dry_run else "republished"
+    console.print(f"{report.selected} dead letter(s) selected; {verb} "
+                  f"{sum(report.republished.values())}: {dict(report.republished)}")
+    for reason, count in report.skipped.items():
+        console.print(f"[yellow]skipped {count}[/]: {reason}")
 
 
 def status(ctx: typer.Context) -> None:
-    """Not built yet."""
-    raise typer.Exit(2)
+    """Consumer lag, group state and members per stage, and dead-letter counts by stage and error kind."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from vlmstream.cli_support import bootstrap, settings_from
+    from vlmstream.replay import pipeline_status
+
+    console = Console()
+    settings = bootstrap(settings_from(ctx))
+    stages, letters = pipeline_status(settings)
+    table = Table(title="stages")
+    for column in ("stage", "group", "state", "members", "topic", "lag"):
+        table.add_column(column)
+    for s in stages:
+        for i, (topic, lag) in enumerate(s.lag.items()):
+            first = i == 0
+            table.add_row(s.stage if first else "", s.group_id if first else "", s.state if first else "",
+                          str(s.members) if first else "", topic, str(lag))
+    console.print(table)
+    dead = Table(title=f"dead letters ({sum(letters.values())})")
+    for column in ("stage", "error_kind", "count"):
+        dead.add_column(column)
+    for (stage, kind), count in sorted(letters.items()):
+        dead.add_row(stage, kind, str(count))
+    console.print(dead)
 
 
 def run(ctx: typer.Context) -> None:

@@ -1,0 +1,348 @@
+"""The document-result aggregator: descriptions + dead letters in, one DocumentResult per document out.
+
+A document is complete when every image index in ``range(image_count)`` has a description or a dead
+letter (a description wins over a dead letter of the same image: a redriven image may succeed later).
+A dead letter with a doc_id but no image_index is a document-level failure (the decode stage could not
+read the document): it completes the document at once, every image without an outcome is marked failed
+with that error, and the error is kept in ``metadata["document_error"]``. When such a failure does not say
+how many images the document has, ``image_count`` is the number of images seen so far (often 0): the
+result still exists, and ``metadata["document_error"]`` says why it is empty.
+
+State survives restarts without an external store. Per (topic, partition) the committed offset never
+passes the first record of a document that is still open, so a restart re-reads and rebuilds it. A
+document already emitted also holds the commit back while any of its records would be re-read, so a
+restart never rebuilds half of a finished document (it would stay open forever); the price is that a
+crash can emit a document's result twice (topic ``results`` is compacted by doc_id: the copies agree).
+
+Descriptions and dead letters are keyed by doc_id, but the dead-letter topic usually has fewer
+partitions, so one document's records are spread over two partitions that no assignor can co-locate.
+The group therefore gives every partition to one member (``SingleOwnerAssignor``); other members are
+hot standbys. Aggregation is JSON parsing of small records, far from being a bottleneck.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+from kafka import TopicPartition
+from kafka.coordinator.assignors.abstract import (AbstractPartitionAssignor, ConsumerProtocolAssignment,
+                                                  ConsumerProtocolSubscription)
+from kafka.consumer.subscription_state import AsyncConsumerRebalanceListener
+from kafka.structs import OffsetAndMetadata
+
+from schemas import DeadLetter, Description, DocumentResult, SchemaError, now
+from vlmstream.config import Settings
+from vlmstream.kafka_io import FatalPipelineError, make_consumer, make_producer
+
+log = logging.getLogger(__name__)
+
+
+def results_group_id(settings: Settings) -> str:
+    return f"{settings.infer.group_id}-results"
+
+
+class SingleOwnerAssignor(AbstractPartitionAssignor):
+    """Every subscribed partition to one member (the lowest member id); the rest stand by."""
+
+    name = "vlmstream-single-owner"
+    version = 0
+
+    @classmethod
+    def assign(cls, cluster, members):
+        owner = min(members, key=lambda m: (m.group_instance_id is None, m.group_instance_id or "", m.member_id))
+        topics = sorted({t for m in members for t in m.metadata.topics})
+        owned = [(t, sorted(cluster.partitions_for_topic(t) or ())) for t in topics]
+        return {m.member_id: ConsumerProtocolAssignment(cls.version, owned if m is owner else [], b"")
+                for m in members}
+
+    @classmethod
+    def metadata(cls, topics):
+        return ConsumerProtocolSubscription(cls.version, list(topics), b"")
+
+    @classmethod
+    def on_assignment(cls, assignment, generation):
+        pass
+
+
+@dataclass
+class _Doc:
+    doc_id: str
+    image_count: int | None = None
+    images: dict[int, dict[str, Any]] = field(default_factory=dict)
+    metadata: dict[str, Any] = field(default_factory=dict)
+    document_error: dict[str, Any] | None = None
+    first: dict[TopicPartition, int] = field(default_factory=dict)  # lowest offset of its records per partition
+    last: dict[TopicPartition, int] = field(default_factory=dict)
+    opened_at: float = field(default_factory=time.monotonic)
+    emitted: bool = False
+
+    def add_position(self, tp: TopicPartition, offset: int) -> None:
+        self.first[tp] = min(self.first.get(tp, offset), offset)
+        self.last[tp] = max(self.last.get(tp, offset), offset)
+
+    def complete(self) -> bool:
+        if self.document_error is not None:
+            return True
+        return self.image_count is not None and all(i in self.images for i in range(self.image_count))
+
+
+@dataclass
+class AggregatorStats:
+    records: int = 0
+    results: int = 0
+    reemitted: int = 0
+    timed_out: int = 0
+    skipped: int = 0
+    commits: int = 0
+
+
+class ResultsAggregator:
+    """``run(stop_event, max_seconds=None, until_idle_s=None)`` in a thread or its own process."""
+
+    def __init__(self, settings: Settings, *, group_id: str | None = None, commit_interval_s: float = 1.0,
+                 open_timeout_s: float = 3600.0, recent_docs: int = 10_000):
+        self.settings = settings
+        self.group_id = group_id or results_group_id(settings)
+        self.commit_interval_s = commit_interval_s
+        self.open_timeout_s = open_timeout_s
+        self.recent_docs = recent_docs
+        self.stats = AggregatorStats()
+        self._docs: dict[str, _Doc] = {}  # open, or emitted but still pinning a commit point
+        self._recent: OrderedDict[str, _Doc] = OrderedDict()  # emitted and released: for late records
+        self._positions: dict[TopicPartition, int] = {}  # next offset to read, per partition consumed
+        self._committed: dict[TopicPartition, int] = {}
+        self._send_errors: list[BaseException] = []
+        self._dirty = False
+        self.last_record_at = time.monotonic()
+        self.consumer = None
+        self.producer = None
+
+    # --- lifecycle ---------------------------------------------------------------------------
+
+    def run(self, stop_event: threading.Event | None = None, max_seconds: float | None = None,
+            until_idle_s: float | None = None) -> int:
+        stop_event = stop_event or threading.Event()
+        started = last_record = last_commit = time.monotonic()
+        self.producer = make_producer(self.settings)
+        self.consumer = make_consumer(self.settings, self.group_id, (),
+                                      partition_assignment_strategy=(SingleOwnerAssignor,))
+        t = self.settings.topics
+        self.consumer.subscribe([t.descriptions, t.deadletter], listener=_Rebalance(self))
+        code = 0
+        try:
+            while not stop_event.is_set():
+                clock = time.monotonic()
+                if max_seconds is not None and clock - started >= max_seconds:
+                    break
+                if until_idle_s is not None and clock - last_record >= until_idle_s:
+                    break
+                batches = self.consumer.poll(timeout_ms=200)
+                for tp, records in batches.items():
+                    for record in records:
+                        self.handle(tp, record)
+                        last_record = self.last_record_at = time.monotonic()
+                if time.monotonic() - last_commit >= self.commit_interval_s:
+                    self._expire_open_docs()
+                    self.commit()
+                    last_commit = time.monotonic()
+            self.commit()
+        except FatalPipelineError as exc:
+            log.error("results aggregator stopping without committing: %s", exc)
+            code = 4
+        finally:
+            try:
+                self.consumer.close(autocommit=False)
+            finally:
+                self.producer.close(timeout=10)
+        return code
+
+    def start_thread(self, stop_event: threading.Event, **kwargs: Any) -> threading.Thread:
+        thread = threading.Thread(target=self.run, args=(stop_event,), kwargs=kwargs, name="results-aggregator",
+                                  daemon=True)
+        thread.start()
+        return thread
+
+    # --- records -----------------------------------------------------------------------------
+
+    def handle(self, tp: TopicPartition, record: Any) -> None:
+        self.stats.records += 1
+        self._positions[tp] = record.offset + 1
+        try:
+            if tp.topic == self.settings.topics.descriptions:
+                self._on_description(tp, record.offset, Description.decode(record.value))
+            else:
+                self._on_dead_letter(tp, record.offset, DeadLetter.decode(record.value))
+        except SchemaError as exc:
+            # Not ours to dead-letter again (a dead letter about a dead letter loops); count and move on.
+            self.stats.skipped += 1
+            log.warning("skipping %s/%d@%d: %s", tp.topic, tp.partition, record.offset, exc)
+
+    def _doc(self, doc_id: str) -> _Doc:
+        doc = self._docs.get(doc_id)
+        if doc is None:
+            doc = self._recent.pop(doc_id, None) or _Doc(doc_id)
+            doc.first, doc.last = {}, {}
+            self._docs[doc_id] = doc
+        return doc
+
+    def _on_description(self, tp: TopicPartition, offset: int, d: Description) -> None:
+        doc = self._doc(d.doc_id)
+        doc.add_position(tp, offset)
+        doc.image_count = d.image_count
+        if d.metadata:
+            doc.metadata = {**d.metadata, **doc.metadata}
+        before = doc.images.get(d.image_index)
+        doc.images[d.image_index] = {"image_index": d.image_index, "status": "ok", "source_uri": d.source_uri,
+                                     "text": d.text}
+        self._maybe_emit(doc, changed=before is None or before.get("status") != "ok")
+
+    def _on_dead_letter(self, tp: TopicPartition, offset: int, letter: DeadLetter) -> None:
+        if letter.doc_id is None or letter.stage == "results":
+            self.stats.skipped += 1  # nothing to attribute it to; it still counts as read
+            return
+        doc = self._doc(letter.doc_id)
+        doc.add_position(tp, offset)
+        if letter.image_count is not None:
+            doc.image_count = letter.image_count
+        failure = {"status": "failed", "source_uri": letter.source_uri, "stage": letter.stage,
+                   "error_kind": letter.error_kind, "detail": letter.detail[:1000]}
+        if letter.image_index is None:
+            changed = doc.document_error is None
+            doc.document_error = {k: failure[k] for k in ("stage", "error_kind", "detail")}
+            self._maybe_emit(doc, changed=changed)
+            return
+        before = doc.images.get(letter.image_index)
+        if before is not None and before["status"] == "ok":
+            return  # the image succeeded on another try: its dead letter is history
+        doc.images[letter.image_index] = {"image_index": letter.image_index, **failure}
+        self._maybe_emit(doc, changed=before is None)
+
+    def _maybe_emit(self, doc: _Doc, *, changed: bool) -> None:
+        if not doc.complete() or (doc.emitted and not changed):
+            return
+        if doc.emitted:
+            self.stats.reemitted += 1
+        self._emit(doc)
+
+    def _emit(self, doc: _Doc, missing_kind: str | None = None) -> None:
+        count = doc.image_count
+        if count is None:
+            count = max(doc.images, default=-1) + 1
+        images = []
+        for index in range(count):
+            entry = doc.images.get(index)
+            if entry is None:
+                error = doc.document_error or {"stage": "results", "error_kind": missing_kind or "missing",
+                                               "detail": "no description or dead letter arrived for this image"}
+                entry = {"image_index": index, "status": "failed", "source_uri": None, **error}
+            images.append(entry)
+        succeeded = sum(1 for i in images if i["status"] == "ok")
+        metadata = dict(doc.metadata)
+        if doc.document_error is not None:
+            metadata["document_error"] = doc.document_error
+        result = DocumentResult(doc_id=doc.doc_id, image_count=count, succeeded=succeeded,
+                                failed=len(images) - succeeded, images=tuple(images), metadata=metadata,
+                                completed_at=now())
+        future = self.producer.send(self.settings.topics.results, key=result.key(), value=result.encode(),
+                                    headers=result.headers())
+        future.add_errback(self._send_errors.append)
+        doc.emitted = True
+        self._dirty = True
+        self.stats.results += 1
+
+    def _expire_open_docs(self) -> None:
+        """A document open for ``open_timeout_s`` holds its partitions' commits back; emit what is known
+        (missing images as failed, error_kind ``result_timeout``) so the pipeline moves on."""
+        deadline = time.monotonic() - self.open_timeout_s
+        for doc in list(self._docs.values()):
+            if not doc.emitted and doc.opened_at < deadline:
+                log.warning("document %s open for over %.0f s with %d of %s image outcomes: emitting it",
+                            doc.doc_id, self.open_timeout_s, len(doc.images), doc.image_count)
+                self.stats.timed_out += 1
+                self._emit(doc, missing_kind="result_timeout")
+
+    # --- commits -----------------------------------------------------------------------------
+
+    def commit_points(self) -> dict[TopicPartition, int]:
+        """Per partition, the offset from which a restart rebuilds every document it would see in full."""
+        points = dict(self._positions)
+        for doc in self._docs.values():
+            if not doc.emitted:
+                for tp, first in doc.first.items():
+                    points[tp] = min(points.get(tp, first), first)
+        moved = True
+        while moved:  # emitted documents that a restart would partly re-read pin all their records
+            moved = False
+            for doc in self._docs.values():
+                if doc.emitted and any(last >= points.get(tp, last + 1) for tp, last in doc.last.items()):
+                    for tp, first in doc.first.items():
+                        if first < points.get(tp, first + 1):
+                            points[tp] = first
+                            moved = True
+        return points
+
+    def commit(self, committer=None) -> dict[TopicPartition, int]:
+        points = self.commit_points()
+        for doc_id in [d.doc_id for d in self._docs.values()
+                       if d.emitted and all(last < points.get(tp, last + 1) for tp, last in d.last.items())]:
+            self._recent[doc_id] = self._docs.pop(doc_id)
+            while len(self._recent) > self.recent_docs:
+                self._recent.popitem(last=False)
+        changed = {tp: p for tp, p in points.items() if self._committed.get(tp) != p}
+        if not changed and not self._dirty:
+            return {}
+        # 1. flush the producer: every result emitted so far is acknowledged
+        self.producer.flush(timeout=self.settings.kafka.request_timeout_ms / 1000)
+        # 2. raise if a send failed: committing past its inputs would lose that document's result
+        if self._send_errors:
+            errors, self._send_errors = self._send_errors, []
+            raise FatalPipelineError(f"{len(errors)} result(s) not acknowledged, first: {errors[0]!r}")
+        self._dirty = False
+        # 3. commit synchronously
+        if changed:
+            (committer or self.consumer.commit)({tp: OffsetAndMetadata(p, "", -1) for tp, p in changed.items()})
+            self._committed.update(changed)
+            self.stats.commits += 1
+        return changed
+
+    def on_revoked(self, revoked: set[TopicPartition]) -> dict[TopicPartition, OffsetAndMetadata]:
+        collected: dict[TopicPartition, OffsetAndMetadata] = {}
+        self.commit(committer=collected.update)
+        # Documents span partitions; whatever we keep would be rebuilt from the commit points anyway.
+        self._docs.clear()
+        for tp in revoked:
+            self._positions.pop(tp, None)
+            self._committed.pop(tp, None)
+        return collected
+
+    def open_documents(self) -> int:
+        return sum(1 for d in self._docs.values() if not d.emitted)
+
+
+class _Rebalance(AsyncConsumerRebalanceListener):
+    """Commit before the partitions move (kafka-python 3 runs this on the IO thread: see runner._Rebalance)."""
+
+    def __init__(self, aggregator: ResultsAggregator):
+        self.aggregator = aggregator
+
+    async def on_partitions_revoked(self, revoked):
+        offsets = self.aggregator.on_revoked(set(revoked))
+        if offsets:
+            try:
+                await self.aggregator.consumer._coordinator._commit_offsets_sync_async(offsets)  # noqa: SLF001
+            except Exception as exc:  # noqa: BLE001
+                log.warning("commit on revoke failed; documents will be rebuilt from older offsets: %r", exc)
+
+    async def on_partitions_assigned(self, assigned):
+        log.info("results: assigned %d partition(s)", len(assigned))
+
+    async def on_partitions_lost(self, lost):
+        self.aggregator._docs.clear()
+        for tp in lost:
+            self.aggregator._positions.pop(tp, None)
+            self.aggregator._committed.pop(tp, None)
