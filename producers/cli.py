@@ -1,8 +1,127 @@
-"""Placeholder: filled in by the issue that owns this command."""
+"""`vlmstream produce`: publish DocumentRef messages from a manifest, a folder or stdin."""
 
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional
+
+import orjson
 import typer
+from rich.console import Console
 
 
-def produce(ctx: typer.Context) -> None:
-    """Not built yet."""
-    raise typer.Exit(2)
+def produce(
+    ctx: typer.Context,
+    manifest: Optional[Path] = typer.Option(None, "--manifest", "-m", help="JSONL manifest ({doc_id, image_uris "
+                                            "| images, metadata} per line) or CSV (doc_id, image_uri | image_uris, "
+                                            "extra columns = metadata). Relative paths resolve against its folder."),
+    folder: Optional[Path] = typer.Option(None, "--folder", "-f", help="Folder of images: each subfolder is a "
+                                          "document, each image directly inside is its own document."),
+    per_file: bool = typer.Option(False, "--per-file", help="With --folder: every image file is a document."),
+    stdin: bool = typer.Option(False, "--stdin", help="Read stdin: JSON objects as in a manifest, or bare "
+                               "paths/URIs (one image = one document, id = the text). Streams until EOF."),
+    watch: bool = typer.Option(False, "--watch", "-w", help="With --folder or a JSONL --manifest: keep following "
+                               "it for new documents until Ctrl-C/SIGTERM or --max-seconds."),
+    force: bool = typer.Option(False, "--force", help="Publish again documents the ledger says were published."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar (it is off anyway when stderr "
+                               "is not a terminal)."),
+    settle_s: float = typer.Option(2.0, "--settle-s", help="Watch: a folder document goes out once its files "
+                                   "have not changed for this long."),
+    max_seconds: Optional[float] = typer.Option(None, "--max-seconds", help="Watch: stop after this long."),
+    documents_topic: Optional[str] = typer.Option(None, "--documents-topic", help="Override topics.documents."),
+) -> None:
+    """Publish documents (DocumentRef, key doc_id) to the documents topic, skipping those already published.
+
+    A summary goes to stderr and a JSON summary to stdout.
+
+    Exit 0: every document is on the topic (sent now or before).
+    Rejected input lines do not change that: they are listed with their line numbers and dead-lettered.
+    Exit 1: the broker did not acknowledge a send; that document goes out on the next run.
+    Exit 2: bad usage.
+    """
+    from producers.publisher import publish_documents
+    from producers.sources import follow_jsonl, read_lines, read_manifest, scan_folder, watch_folder
+    from vlmstream.cli_support import bootstrap, settings_from
+    from vlmstream.kafka_io import create_topics
+
+    console = Console(stderr=True)
+    chosen = [name for name, given in (("--manifest", manifest), ("--folder", folder), ("--stdin", stdin)) if given]
+    if len(chosen) != 1:
+        raise typer.BadParameter("give exactly one of --manifest, --folder, --stdin")
+    if watch and stdin:
+        raise typer.BadParameter("--stdin already streams until EOF; --watch is for --folder or --manifest")
+    if per_file and not folder:
+        raise typer.BadParameter("--per-file goes with --folder")
+    for path in (manifest, folder):
+        if path is not None and not path.exists() and not watch:
+            raise typer.BadParameter(f"{path} does not exist")
+    if watch and manifest is not None and manifest.suffix.lower() == ".csv":
+        raise typer.BadParameter("--watch follows JSON-lines manifests only (a CSV document's rows span lines)")
+
+    settings = bootstrap(settings_from(ctx, {"topics": {"documents": documents_topic}}))
+    create_topics(settings)
+
+    stop = threading.Event()
+    _stop_on_signals(stop, console)
+    items: Iterator[Any]
+    if manifest is not None:
+        items = follow_jsonl(manifest, stop=stop, max_seconds=max_seconds) if watch else read_manifest(manifest)
+    elif folder is not None:
+        items = (watch_folder(folder, per_file=per_file, settle_s=settle_s, stop=stop, max_seconds=max_seconds)
+                 if watch else scan_folder(folder, per_file=per_file))
+    else:
+        items = read_lines(sys.stdin.buffer, stop=stop)
+
+    with _progress(console, enabled=not quiet and console.is_terminal) as on_progress:
+        summary = publish_documents(settings, items, force=force, stop=stop, on_progress=on_progress)
+    console.print(summary.render(), highlight=False, markup=False, soft_wrap=True)
+    sys.stdout.write(orjson.dumps(summary.as_dict()).decode() + "\n")
+    if not summary.ok:
+        raise typer.Exit(1)
+
+
+def _stop_on_signals(stop: threading.Event, console: Console) -> None:
+    """First Ctrl-C/SIGTERM: stop reading, finish the sends in flight, write the ledger. Second: abort."""
+
+    def handler(signum: int, frame: Any) -> None:
+        if stop.is_set():
+            signal.signal(signum, signal.SIG_DFL)
+            signal.raise_signal(signum)
+        console.print("stopping: finishing the sends in flight (again to abort)")
+        stop.set()
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, handler)
+        signal.signal(signal.SIGTERM, handler)
+
+
+class _progress:
+    """A rich progress line (documents handled and rate), or nothing when disabled."""
+
+    def __init__(self, console: Console, *, enabled: bool):
+        self.console, self.enabled = console, enabled
+        self._progress = None
+
+    def __enter__(self) -> Callable[[Any], None] | None:
+        if not self.enabled:
+            return None
+        from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+        self._progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
+                                  console=self.console, transient=True)
+        self._progress.start()
+        task = self._progress.add_task("starting")
+
+        def update(summary: Any) -> None:
+            self._progress.update(task, description=(
+                f"sent {summary.sent}  skipped {summary.skipped}  rejected {len(summary.rejected)}  "
+                f"failed {len(summary.failed)}  {summary.docs_per_s():,.0f} docs/s"))
+
+        return update
+
+    def __exit__(self, *exc: object) -> None:
+        if self._progress is not None:
+            self._progress.stop()

@@ -1,0 +1,418 @@
+"""Where documents come from: manifests (JSONL, CSV), folders of images, stdin, and watched folders or
+manifests. Pure input parsing, no Kafka: every source yields ``DocumentRef`` (already validated against
+the document schema), ``Rejection`` (a bad input line, with its line number and raw text) or ``IDLE``
+(nothing new right now: the publisher uses the pause to settle acknowledgements).
+
+Image validity is not decided here; a folder source only picks files whose extension looks like an
+image, and the decode stage dead-letters what does not decode.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import os
+import queue
+import re
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any, Iterator, Union
+
+import orjson
+
+from schemas import DocumentRef, SchemaError
+
+IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".png", ".webp", ".gif", ".tif", ".tiff", ".bmp"})
+_URI_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://|^file:")
+_DIGITS = re.compile(r"(\d+)")
+
+
+class _Idle:
+    def __repr__(self) -> str:
+        return "IDLE"
+
+
+IDLE = _Idle()
+
+
+@dataclass(frozen=True)
+class Rejection:
+    """An input line that cannot become a document. ``reason`` is a stable code, ``detail`` the why."""
+
+    origin: str
+    line: int | None
+    reason: str
+    detail: str
+    raw: bytes
+    doc_id: str | None = None
+
+    def where(self) -> str:
+        return f"{self.origin}:{self.line}" if self.line is not None else self.origin
+
+
+SourceItem = Union[DocumentRef, Rejection, _Idle]
+
+
+def natural_key(text: str) -> tuple:
+    """'page2' sorts before 'page10'."""
+    return tuple(int(part) if part.isdigit() else part.lower() for part in _DIGITS.split(text))
+
+
+def resolve_uri(uri: str, base_dir: Path) -> str:
+    """URLs pass through; local paths become absolute, relative ones against ``base_dir``."""
+    if _URI_SCHEME.match(uri):
+        return uri
+    path = Path(os.path.expanduser(uri))
+    if not path.is_absolute():
+        path = base_dir / path
+    return os.path.normpath(path)
+
+
+def validated(doc: DocumentRef) -> DocumentRef:
+    """Raises SchemaError naming the field; the publisher then encodes without validating again."""
+    doc.encode()
+    return doc
+
+
+# --- JSON lines ----------------------------------------------------------------------------------
+
+_KNOWN_KEYS = {"doc_id", "image_uris", "images", "metadata", "source", "schema_version", "published_at"}
+
+
+def parse_json_line(raw: bytes, *, line: int, origin: str, base_dir: Path) -> DocumentRef | Rejection:
+    """One manifest line: {"doc_id": ..., "image_uris"|"images": [...], "metadata": {...}}.
+
+    Other top-level keys join the metadata (like a CSV manifest's extra columns); an explicit
+    "metadata" object wins on a clash.
+    """
+
+    def reject(reason: str, detail: str, doc_id: Any = None) -> Rejection:
+        return Rejection(origin, line, reason, detail, raw, doc_id if isinstance(doc_id, str) else None)
+
+    try:
+        data = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        return reject("invalid_json", f"not valid JSON: {exc}")
+    if not isinstance(data, dict):
+        return reject("not_an_object", f"expected a JSON object, got {type(data).__name__}")
+    doc_id = data.get("doc_id")
+    if doc_id is None or doc_id == "":
+        return reject("missing_doc_id", "doc_id is missing or empty")
+    if "image_uris" in data and "images" in data:
+        return reject("ambiguous_images", "both image_uris and images are set; use one", doc_id)
+    images = data.get("image_uris", data.get("images"))
+    if images is None or images == []:
+        return reject("empty_image_list", "image_uris (or images) is missing or empty", doc_id)
+    if not isinstance(images, list):
+        field = "image_uris" if "image_uris" in data else "images"
+        return reject("schema_violation", f"document: {field}: must be a list of strings, "
+                      f"got {type(images).__name__}", doc_id)
+    images = tuple(resolve_uri(u, base_dir) if isinstance(u, str) and u else u for u in images)
+    metadata = data.get("metadata", {})
+    extra = {k: v for k, v in data.items() if k not in _KNOWN_KEYS}
+    if extra and isinstance(metadata, dict):
+        metadata = {**extra, **metadata}
+    try:
+        return validated(DocumentRef(doc_id=doc_id, image_uris=images, metadata=metadata,
+                                     source=f"{origin}:{line}"))
+    except SchemaError as exc:
+        return reject("schema_violation", str(exc), doc_id)
+
+
+def read_jsonl(path: str | Path) -> Iterator[DocumentRef | Rejection]:
+    path = Path(path).absolute()
+    base_dir, origin = path.parent, str(path)
+    with open(path, "rb") as fh:
+        for line_no, raw in enumerate(fh, start=1):
+            raw = raw.rstrip(b"\r\n")
+            if raw.strip():
+                yield parse_json_line(raw, line=line_no, origin=origin, base_dir=base_dir)
+
+
+# --- CSV -----------------------------------------------------------------------------------------
+
+
+def _split_uri_list(cell: str) -> list[str]:
+    cell = cell.strip()
+    if not cell:
+        return []
+    if cell.startswith("["):
+        parsed = orjson.loads(cell)
+        if not isinstance(parsed, list) or not all(isinstance(u, str) for u in parsed):
+            raise ValueError("image_uris must be a JSON list of strings")
+        return [u.strip() for u in parsed if u.strip()]
+    return [u.strip() for u in cell.split(";") if u.strip()]
+
+
+def _row_text(row: list[str]) -> bytes:
+    out = io.StringIO()
+    csv.writer(out, lineterminator="").writerow(row)
+    return out.getvalue().encode()
+
+
+def read_csv(path: str | Path) -> Iterator[DocumentRef | Rejection]:
+    """Columns doc_id and image_uri (one row per image) and/or image_uris (a JSON list or a
+    ';'-separated list). Consecutive rows with the same doc_id form one document; its other columns
+    (first row's non-empty values) become metadata. One bad row rejects its whole document: publishing
+    the document without that image would change it without anyone noticing.
+    """
+    path = Path(path).absolute()
+    base_dir, origin = path.parent, str(path)
+    with open(path, newline="", encoding="utf-8-sig") as fh:
+        reader = csv.reader(fh)
+        header = next(reader, None)
+        if header is None:
+            return
+        columns = [c.strip() for c in header]
+        if "doc_id" not in columns or not ({"image_uri", "image_uris"} & set(columns)):
+            yield Rejection(origin, 1, "invalid_csv_header",
+                            f"the header must name doc_id and image_uri or image_uris; it has {columns}",
+                            _row_text(header))
+            return
+        meta_columns = [c for c in columns if c not in ("doc_id", "image_uri", "image_uris")]
+        seen: dict[str, int] = {}
+        group: dict[str, Any] | None = None
+
+        def close(group: dict[str, Any]) -> DocumentRef | Rejection:
+            raw = b"\n".join(group["raw"])
+            if group["error"]:
+                reason, detail, line = group["error"]
+                return Rejection(origin, line, reason, detail, raw, group["doc_id"])
+            try:
+                return validated(DocumentRef(doc_id=group["doc_id"], image_uris=tuple(group["images"]),
+                                             metadata=group["metadata"], source=f"{origin}:{group['line']}"))
+            except SchemaError as exc:
+                return Rejection(origin, group["line"], "schema_violation", str(exc), raw, group["doc_id"])
+
+        line_end = reader.line_num
+        for row in reader:
+            line_start, line_end = line_end + 1, reader.line_num
+            if not any(cell.strip() for cell in row):
+                continue
+            cells = dict(zip(columns, row))
+            raw = _row_text(row)
+            doc_id = (cells.get("doc_id") or "").strip()
+            if not doc_id:
+                yield Rejection(origin, line_start, "missing_doc_id", "doc_id is empty", raw)
+                continue
+            if group is None or group["doc_id"] != doc_id:
+                if group is not None:
+                    yield close(group)
+                group = {"doc_id": doc_id, "line": line_start, "images": [], "raw": [], "error": None,
+                         "metadata": {c: cells[c] for c in meta_columns if cells.get(c, "").strip()}}
+                if doc_id in seen:
+                    group["error"] = ("duplicate_doc_id", f"rows of document {doc_id!r} must be consecutive; "
+                                      f"it already appeared at line {seen[doc_id]}", line_start)
+                else:
+                    seen[doc_id] = line_start
+            group["raw"].append(raw)
+            single = (cells.get("image_uri") or "").strip()
+            try:
+                images = _split_uri_list(cells.get("image_uris", ""))
+            except ValueError as exc:
+                group["error"] = group["error"] or ("invalid_image_list", str(exc), line_start)
+                continue
+            images += [single] if single else []
+            if not images:
+                group["error"] = group["error"] or ("empty_image_list", "the row names no image", line_start)
+            group["images"].extend(resolve_uri(u, base_dir) for u in images)
+        if group is not None:
+            yield close(group)
+
+
+def read_manifest(path: str | Path) -> Iterator[DocumentRef | Rejection]:
+    """A CSV manifest by its .csv suffix, JSON lines otherwise."""
+    return read_csv(path) if Path(path).suffix.lower() == ".csv" else read_jsonl(path)
+
+
+# --- stdin ---------------------------------------------------------------------------------------
+
+
+def parse_stdin_line(raw: bytes, *, line: int, base_dir: Path, origin: str = "stdin") -> DocumentRef | Rejection:
+    """A JSON object like a manifest line, or a bare path/URI: one image, one document, id = the text."""
+    text = raw.strip()
+    if text.startswith(b"{"):
+        return parse_json_line(text, line=line, origin=origin, base_dir=base_dir)
+    try:
+        uri = text.decode()
+    except UnicodeDecodeError as exc:
+        return Rejection(origin, line, "invalid_utf8", str(exc), raw)
+    try:
+        return validated(DocumentRef(doc_id=uri, image_uris=(resolve_uri(uri, base_dir),),
+                                     source=f"{origin}:{line}"))
+    except SchemaError as exc:
+        return Rejection(origin, line, "schema_violation", str(exc), raw, uri)
+
+
+def read_lines(stream: IO[bytes], *, base_dir: Path | None = None, idle_s: float = 1.0,
+               stop: threading.Event | None = None) -> Iterator[SourceItem]:
+    """Lines of a (possibly never-ending) byte stream such as stdin.
+
+    A reader thread feeds a queue so the publisher hears IDLE while the stream is quiet and can
+    settle acknowledgements (and notice ``stop``) instead of blocking inside readline.
+    """
+    base_dir = base_dir or Path.cwd()
+    lines: queue.Queue[bytes | None] = queue.Queue(maxsize=10_000)
+
+    def pump() -> None:
+        try:
+            for raw in stream:
+                lines.put(raw)
+        finally:
+            lines.put(None)
+
+    threading.Thread(target=pump, name="vlmstream-stdin", daemon=True).start()
+    line_no = 0
+    while not (stop and stop.is_set()):
+        try:
+            raw = lines.get(timeout=idle_s)
+        except queue.Empty:
+            yield IDLE
+            continue
+        if raw is None:
+            return
+        line_no += 1
+        if raw.strip():
+            yield parse_stdin_line(raw.rstrip(b"\r\n"), line=line_no, base_dir=base_dir)
+
+
+# --- folders -------------------------------------------------------------------------------------
+
+
+def _image_files(root: Path, *, recursive: bool) -> list[Path]:
+    found: list[Path] = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if not d.startswith(".")] if recursive else []
+        found.extend(Path(dirpath, f) for f in filenames
+                     if not f.startswith(".") and os.path.splitext(f)[1].lower() in IMAGE_EXTENSIONS)
+    return found
+
+
+def folder_groups(root: str | Path, *, per_file: bool = False) -> dict[str, list[Path]]:
+    """doc_id -> image files, in natural order.
+
+    Default: each subfolder of ``root`` (images found recursively) is one document and each image file
+    directly in ``root`` is a document of its own, so a folder without subfolders is per-file already.
+    ``per_file``: every image file anywhere below ``root`` is one document. Ids are relative paths.
+    """
+    root = Path(root).absolute()
+    groups: dict[str, list[Path]] = {}
+    if per_file:
+        for path in _image_files(root, recursive=True):
+            groups[path.relative_to(root).as_posix()] = [path]
+    else:
+        for entry in os.scandir(root):
+            if entry.name.startswith("."):
+                continue
+            if entry.is_dir():
+                files = _image_files(Path(entry.path), recursive=True)
+                if files:
+                    groups[entry.name] = files
+            elif os.path.splitext(entry.name)[1].lower() in IMAGE_EXTENSIONS:
+                groups[entry.name] = [Path(entry.path)]
+    for doc_id, files in groups.items():
+        files.sort(key=lambda p: natural_key(p.relative_to(root).as_posix()))
+    return dict(sorted(groups.items(), key=lambda kv: natural_key(kv[0])))
+
+
+def _folder_document(root: Path, doc_id: str, files: list[Path]) -> DocumentRef | Rejection:
+    try:
+        return validated(DocumentRef(doc_id=doc_id, image_uris=tuple(str(p) for p in files),
+                                     source=f"folder:{root}"))
+    except SchemaError as exc:
+        return Rejection(f"folder:{root}", None, "schema_violation", str(exc), doc_id.encode(), doc_id)
+
+
+def scan_folder(root: str | Path, *, per_file: bool = False) -> Iterator[DocumentRef | Rejection]:
+    root = Path(root).absolute()
+    for doc_id, files in folder_groups(root, per_file=per_file).items():
+        yield _folder_document(root, doc_id, files)
+
+
+def _stop_requested(stop: threading.Event | None, deadline: float | None, wait_s: float) -> bool:
+    if deadline is not None:
+        wait_s = min(wait_s, max(0.0, deadline - time.monotonic()))
+    stopped = stop.wait(wait_s) if stop is not None else (time.sleep(wait_s) or False)
+    return stopped or (deadline is not None and time.monotonic() >= deadline)
+
+
+def watch_folder(root: str | Path, *, per_file: bool = False, settle_s: float = 2.0, poll_s: float = 0.5,
+                 stop: threading.Event | None = None, max_seconds: float | None = None) -> Iterator[SourceItem]:
+    """Follow a folder by polling: a document is published once its files (names, sizes, mtimes) have
+    stayed unchanged for ``settle_s``, so a subfolder still being copied is not sent half-full.
+    Documents already there at start whose newest file is older than ``settle_s`` go out at once.
+    A document that changes later is yielded again (the ledger decides whether its content changed).
+    """
+    root = Path(root).absolute()
+    deadline = time.monotonic() + max_seconds if max_seconds is not None else None
+    yielded: dict[str, tuple] = {}
+    changing: dict[str, tuple[tuple, float]] = {}  # doc_id -> (signature, first seen with it)
+    first_scan = True
+    while True:
+        now_mono, now_wall = time.monotonic(), time.time()
+        for doc_id, files in folder_groups(root, per_file=per_file).items():
+            try:
+                stats = [p.stat() for p in files]
+            except FileNotFoundError:
+                continue  # moved away while we looked: the next scan sees the new state
+            signature = tuple((str(p), s.st_size, s.st_mtime_ns) for p, s in zip(files, stats))
+            if yielded.get(doc_id) == signature:
+                continue
+            seen = changing.get(doc_id)
+            if seen is None or seen[0] != signature:
+                changing[doc_id] = (signature, now_mono)
+                newest = max(s.st_mtime for s in stats)
+                if not (first_scan and now_wall - newest >= settle_s):
+                    continue
+            elif now_mono - seen[1] < settle_s:
+                continue
+            changing.pop(doc_id, None)
+            yielded[doc_id] = signature
+            yield _folder_document(root, doc_id, files)
+        first_scan = False
+        yield IDLE
+        if _stop_requested(stop, deadline, poll_s):
+            return
+
+
+def follow_jsonl(path: str | Path, *, poll_s: float = 0.5, stop: threading.Event | None = None,
+                 max_seconds: float | None = None) -> Iterator[SourceItem]:
+    """``tail -f`` for a JSONL manifest: existing lines first, then each new complete line (a line
+    still being written, without its newline, waits). A truncated or replaced file is read again
+    from its start; the ledger keeps that from publishing documents twice.
+    """
+    path = Path(path).absolute()
+    if path.suffix.lower() == ".csv":
+        raise ValueError("watching follows JSON-lines manifests; a CSV document's rows cannot be known complete")
+    base_dir, origin = path.parent, str(path)
+    deadline = time.monotonic() + max_seconds if max_seconds is not None else None
+    fh: IO[bytes] | None = None
+    inode = None
+    line_no, pending = 0, b""
+    try:
+        while True:
+            try:
+                st = path.stat()
+            except FileNotFoundError:
+                st = None
+            if st is not None and (fh is None or st.st_ino != inode or st.st_size < fh.tell()):
+                if fh is not None:
+                    fh.close()
+                fh, inode, line_no, pending = open(path, "rb"), st.st_ino, 0, b""
+            if fh is not None:
+                while chunk := fh.read(1 << 20):
+                    lines = (pending + chunk).split(b"\n")
+                    pending = lines.pop()
+                    for raw in lines:
+                        line_no += 1
+                        raw = raw.rstrip(b"\r")
+                        if raw.strip():
+                            yield parse_json_line(raw, line=line_no, origin=origin, base_dir=base_dir)
+            yield IDLE
+            if _stop_requested(stop, deadline, poll_s):
+                return
+    finally:
+        if fh is not None:
+            fh.close()
