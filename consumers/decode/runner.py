@@ -1,0 +1,519 @@
+"""The decode fleet's Kafka side: DocumentRefs in, one image record (or dead letter) per image out.
+
+Layout: a supervisor process (``run_fleet``) starts N worker processes per machine; each worker is one
+``KafkaConsumer`` in the decode group (cooperative-sticky assignment) and one ``KafkaProducer``, and runs
+a plain loop: poll a bounded batch -> decode each image with the stage -> send asynchronously -> flush and
+commit. Any number of machines can run a supervisor with the same group id.
+
+Delivery:
+- at-least-once (default): offsets move only after every record produced for them is acknowledged
+  (``_checkpoint``: flush, raise on a failed send, commit offset + 1). It runs every
+  ``decode.commit_interval_s``, when the bytes not yet flushed pass a cap, when partitions are revoked,
+  and at shutdown. A crash between send and commit repeats the uncommitted documents: downstream sees
+  duplicates keyed by the same ``doc_id/index``, never a gap.
+- exactly-once (``decode.exactly_once``): one transaction per polled batch, the consumed offsets sent
+  into it (``send_offsets_to_transaction`` with the group metadata, so a zombie is fenced). Readers of the
+  images and dead-letter topics must use ``isolation_level=read_committed``. The transactional id is
+  stable per host and worker slot, so a restarted worker aborts its predecessor's open transaction at once.
+
+Failures are values: an unreadable DocumentRef or a failed image becomes a dead letter with the source
+coordinates, and the offset moves past it. A failed send or a fenced producer is fatal for the worker: it
+exits without committing and the supervisor starts it again from the last commit.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import signal
+import socket
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from kafka.consumer.subscription_state import AsyncConsumerRebalanceListener
+from kafka.coordinator.assignors.cooperative_sticky import CooperativeStickyAssignor
+from kafka.errors import CommitFailedError
+from kafka.structs import OffsetAndMetadata
+
+from consumers.decode import metrics
+from consumers.decode.metrics import DecodeMetrics
+from consumers.decode.types import ImageFailure, PreparedImage
+from schemas import DeadLetter, DocumentRef, ImagePayload, SchemaError, now, source_coords
+from vlmstream.config import Settings
+from vlmstream.kafka_io import FatalPipelineError, dead_letter_from_record, make_consumer, make_producer
+
+log = logging.getLogger(__name__)
+
+# Exit status of a worker that stopped because it was asked to, or ran out of input.
+EXIT_OK = 0
+# Exit status of a worker that hit a fatal error; the supervisor restarts it.
+EXIT_FATAL = 3
+
+POLL_TIMEOUT_MS = 200
+# Backoff of a worker that keeps crashing: 1, 2, 4 ... seconds, never more than this.
+MAX_RESTART_BACKOFF_S = 30.0
+# How long the supervisor waits for a stopping worker to finish its batch, flush and commit.
+DRAIN_TIMEOUT_S = 120.0
+
+
+def claim_check_url(settings: Settings) -> str:
+    return settings.decode.claim_check_url or str(settings.broker.home / "claim-check")
+
+
+def transactional_id(settings: Settings, worker_index: int) -> str:
+    """Stable across restarts of the same worker slot: the new producer fences the old one and aborts its
+    open transaction at once, instead of read_committed readers waiting for the transaction timeout."""
+    return f"{settings.decode.group_id}-{socket.gethostname()}-{worker_index}"
+
+
+def max_unflushed_bytes(settings: Settings) -> int:
+    # Half the producer's buffer: we flush before send() would block on a full buffer.
+    return max(32 * 1024 * 1024, 2 * settings.kafka.max_message_bytes)
+
+
+class _SendFailed:
+    """The first failed send of this worker (set on the producer's IO thread)."""
+
+    def __init__(self) -> None:
+        self.error: BaseException | None = None
+        self.count = 0
+
+    def __call__(self, exc: BaseException) -> None:
+        self.count += 1
+        if self.error is None:
+            self.error = exc
+
+
+class DecodeWorker:
+    """One process's consumer + producer + decode stage. ``run()`` returns the process exit status."""
+
+    def __init__(self, settings: Settings, index: int = 0, *, stop: Callable[[], bool] = lambda: False,
+                 until_idle_s: float | None = None, deadline: float | None = None,
+                 stage: Callable[[str], PreparedImage | ImageFailure] | None = None) -> None:
+        self.settings = settings
+        self.index = index
+        self.exactly_once = settings.decode.exactly_once
+        self._stop_requested = stop
+        self._until_idle_s = until_idle_s
+        self._deadline = deadline
+        self._stage = stage
+        self._claim_checks = None
+        self._send_failed = _SendFailed()
+        # Per partition, the next offset to read once everything sent so far is acknowledged.
+        self._done: dict[Any, int] = {}
+        self._unflushed_bytes = 0
+        self._last_checkpoint = time.monotonic()
+        self._last_activity = time.monotonic()
+        self._max_unflushed = max_unflushed_bytes(settings)
+        self.metrics = DecodeMetrics(index)
+        self.consumer = None
+        self.producer = None
+
+    # --- lifecycle ---------------------------------------------------------------------------
+
+    def run(self) -> int:
+        settings = self.settings
+        from consumers.decode.stage import DecodeStage, size_class
+
+        self._size_class = size_class
+        if self._stage is None:
+            self._stage = DecodeStage(settings.decode, claim_check_url(settings))
+        tid = transactional_id(settings, self.index) if self.exactly_once else None
+        self.producer = make_producer(settings, transactional_id=tid)
+        if tid:
+            # Fences any earlier producer with this id and aborts its open transaction.
+            self.producer.init_transactions()
+        self.consumer = make_consumer(
+            settings, settings.decode.group_id, read_committed=self.exactly_once,
+            max_poll_records=settings.decode.max_poll_records,
+            partition_assignment_strategy=(CooperativeStickyAssignor,),
+            session_timeout_ms=settings.decode.session_timeout_ms,
+            heartbeat_interval_ms=max(1000, settings.decode.session_timeout_ms // 3),
+        )
+        self.consumer.subscribe([settings.topics.documents], listener=_Rebalance(self))
+        log.info("decode worker %d (pid %d) joined group %s on %s, %s", self.index, os.getpid(),
+                 settings.decode.group_id, settings.topics.documents,
+                 f"exactly-once as {tid}" if tid else "at-least-once")
+        status = EXIT_OK
+        try:
+            self._loop()
+            if not self.exactly_once:
+                self._checkpoint()
+        except Exception as exc:  # noqa: BLE001 - fatal for this process: restart from the last commit
+            log.log(logging.ERROR, "decode worker %d: %s, exiting without commit", self.index,
+                    "fatal" if isinstance(exc, FatalPipelineError) else "unexpected error", exc_info=True)
+            status = EXIT_FATAL
+            # close() calls the revoke listener: it must not commit what this failure left unsure.
+            self._done.clear()
+            if self.exactly_once:
+                _close_quietly(self.producer.abort_transaction, "transaction")
+        finally:
+            self.metrics.maybe_log(force=True)
+            log.info("decode worker %d stopped: %d documents, %d images, %d failed, %d claim-checked",
+                     self.index, self.metrics.documents, self.metrics.images, self.metrics.failed,
+                     self.metrics.claim_checks)
+            # Consumer first: close() leaves the group (the partitions move at once) and may call the
+            # revoke listener, which needs the producer still open.
+            _close_quietly(self.consumer.close, "consumer")
+            _close_quietly(self.producer.close, "producer")
+            _close_quietly(getattr(self._stage, "close", lambda: None), "decode stage")
+        return status
+
+    def _should_stop(self) -> bool:
+        if self._stop_requested():
+            return True
+        now_ = time.monotonic()
+        if self._deadline is not None and now_ >= self._deadline:
+            return True
+        return self._until_idle_s is not None and now_ - self._last_activity >= self._until_idle_s
+
+    def _loop(self) -> None:
+        while not self._should_stop():
+            batch = self.consumer.poll(timeout_ms=POLL_TIMEOUT_MS)
+            if batch:
+                self._last_activity = time.monotonic()
+                if self.exactly_once:
+                    self._transactional_batch(batch)
+                else:
+                    self._process_batch(batch)
+            if not self.exactly_once and time.monotonic() - self._last_checkpoint >= self.settings.decode.commit_interval_s:
+                self._checkpoint()
+            self.metrics.maybe_log()
+
+    def _process_batch(self, batch: dict[Any, list[Any]]) -> bool:
+        """Decode and send every record of ``batch``; False when asked to stop between documents."""
+        for tp, records in batch.items():
+            for record in records:
+                if self._stop_requested():
+                    return False
+                self._handle_record(record)
+                self._done[tp] = record.offset + 1
+                if self._unflushed_bytes >= self._max_unflushed:
+                    if self.exactly_once:
+                        self.producer.flush()
+                        self._raise_on_failed_send()
+                        self._unflushed_bytes = 0
+                    else:
+                        self._checkpoint()
+        return True
+
+    def _transactional_batch(self, batch: dict[Any, list[Any]]) -> None:
+        self.producer.begin_transaction()
+        self._process_batch(batch)
+        if self._done:
+            offsets = {tp: OffsetAndMetadata(offset, "", -1) for tp, offset in self._done.items()}
+            # The offsets commit with the images or not at all; the group metadata lets the broker
+            # refuse this commit if a rebalance gave these partitions to someone else meanwhile.
+            self.producer.send_offsets_to_transaction(offsets, self.consumer.group_metadata())
+        self.producer.commit_transaction()
+        self._done.clear()
+        self._unflushed_bytes = 0
+
+    # --- one document --------------------------------------------------------------------------
+
+    def _handle_record(self, record: Any) -> None:
+        try:
+            doc = DocumentRef.decode(record.value)
+        except SchemaError as exc:
+            self._publish_dead_letter(dead_letter_from_record(
+                record, stage="decode", error_kind="invalid_message", detail=str(exc)))
+            return
+        self.metrics.document()
+        source = source_coords(record.topic, record.partition, record.offset)
+        count = len(doc.image_uris)
+        for image_index, uri in enumerate(doc.image_uris):
+            started = time.perf_counter()
+            result = self._decode(uri)
+            if isinstance(result, PreparedImage):
+                self._publish_image(doc, image_index, count, uri, result, source)
+                self.metrics.image(source_format=result.source_format,
+                                   size_class=self._size_class(result.orig_width, result.orig_height),
+                                   seconds=time.perf_counter() - started, bytes_in=result.fetch_bytes,
+                                   bytes_out=len(result.data))
+            else:
+                self._publish_dead_letter(DeadLetter(
+                    stage=result.stage or "decode", error_kind=result.error_kind, detail=result.detail[:4000],
+                    retriable=result.retriable, doc_id=doc.doc_id, image_index=image_index, image_count=count,
+                    source_uri=uri, source=source, created_at=now()))
+
+    def _decode(self, uri: str) -> PreparedImage | ImageFailure:
+        try:
+            return self._stage(uri)
+        except MemoryError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the stage promises values; a bug on one image stays one image
+            log.exception("decode stage raised on %s", uri)
+            return ImageFailure("decode_internal_error", f"{type(exc).__name__}: {exc}", retriable=True)
+
+    def _publish_image(self, doc: DocumentRef, image_index: int, count: int, uri: str, image: PreparedImage,
+                       source: dict[str, Any]) -> None:
+        value = image.data
+        ref = None
+        if len(value) > self.settings.kafka.max_message_bytes:
+            # Never dropped: the pixels go aside and the record carries the reference.
+            ref = self._claim_check_store().put(f"{doc.doc_id}/{image_index}", value)
+            value = b""
+            self.metrics.claim_check()
+        payload = ImagePayload(
+            doc_id=doc.doc_id, image_index=image_index, image_count=count, source_uri=uri, codec=image.codec,
+            width=image.width, height=image.height, grid_thw=tuple(image.grid_thw),
+            orig_width=image.orig_width, orig_height=image.orig_height,
+            min_pixels=self.settings.decode.min_pixels, max_pixels=self.settings.decode.max_pixels,
+            payload_bytes=len(image.data), claim_check=ref, source_format=image.source_format,
+            decode_ms=round(image.decode_ms, 3), metadata=doc.metadata, source=source, created_at=now())
+        self._send(self.settings.topics.images, payload.key(), value, payload.headers())
+
+    def _publish_dead_letter(self, letter: DeadLetter) -> None:
+        self._send(self.settings.topics.deadletter, letter.key(), letter.encode(), letter.headers())
+        self.metrics.error(letter.error_kind)
+
+    def _send(self, topic: str, key: bytes | None, value: bytes, headers: list[tuple[str, bytes]]) -> None:
+        future = self.producer.send(topic, key=key, value=value, headers=headers)
+        future.add_errback(self._send_failed)
+        self._unflushed_bytes += len(value) + sum(len(v) for _, v in headers)
+
+    def _claim_check_store(self):
+        if self._claim_checks is None:
+            from consumers.decode.claimcheck import ClaimCheckStore
+
+            self._claim_checks = (getattr(self._stage, "store", None)
+                                  or ClaimCheckStore(claim_check_url(self.settings)))
+        return self._claim_checks
+
+    # --- commits (at-least-once) ---------------------------------------------------------------
+
+    def _raise_on_failed_send(self) -> None:
+        if self._send_failed.error is not None:
+            raise FatalPipelineError(
+                f"{self._send_failed.count} send(s) failed, first: {self._send_failed.error!r}; "
+                "not committing, the documents will be decoded again") from self._send_failed.error
+
+    def _checkpoint(self) -> None:
+        self._last_checkpoint = time.monotonic()
+        if not self._done:
+            return
+        # 1. Flush the producer: every image and dead letter sent for these offsets is acknowledged.
+        self.producer.flush()
+        self._unflushed_bytes = 0
+        # 2. Raise if any send failed: committing now would skip images that never reached the topic.
+        self._raise_on_failed_send()
+        # 3. Commit offset + 1 (already stored as the next offset to read), synchronously.
+        offsets = {tp: OffsetAndMetadata(offset, "", -1) for tp, offset in self._done.items()}
+        try:
+            self.consumer.commit(offsets)
+        except CommitFailedError as exc:
+            # The group moved on (we were too slow or were evicted): whoever owns these partitions now
+            # starts from the previous commit and decodes these documents again.
+            log.warning("decode worker %d: commit failed (%s); duplicates may follow", self.index, exc)
+        self._done.clear()
+
+    async def _checkpoint_from_listener(self, partitions: set[Any]) -> None:
+        """Flush + commit before partitions leave us. Runs on the consumer's IO thread, inside poll():
+        every record polled so far has been handled, so what is done is everything sent."""
+        offsets = {tp: OffsetAndMetadata(offset, "", -1) for tp, offset in self._done.items() if tp in partitions}
+        if not offsets:
+            return
+        # 1. Flush: the producer has its own IO thread; this blocks heartbeats only for the flush.
+        self.producer.flush()
+        # 2. A failed send must not be committed past; the worker stops at its next step.
+        if self._send_failed.error is not None:
+            return
+        # 3. Commit synchronously, awaited on this loop (the blocking commit() refuses the IO thread).
+        commit = getattr(self.consumer._coordinator, "_commit_offsets_sync_async", None)
+        if commit is None:
+            log.warning("decode worker %d: cannot commit on revoke with this kafka-python; "
+                        "the new owner repeats up to %d s of documents", self.index,
+                        self.settings.decode.commit_interval_s)
+            return
+        try:
+            await commit(offsets, self.settings.kafka.request_timeout_ms)
+        except Exception as exc:  # noqa: BLE001 - the new owner repeats from the previous commit
+            log.warning("decode worker %d: commit on revoke failed (%s); duplicates may follow", self.index, exc)
+            return
+        for tp in offsets:
+            self._done.pop(tp, None)
+
+
+def _close_quietly(close: Callable[[], Any], what: str) -> None:
+    try:
+        close()
+    except Exception as exc:  # noqa: BLE001 - shutting down; nothing left to protect
+        log.warning("closing the %s failed: %s", what, exc)
+
+
+class _Rebalance(AsyncConsumerRebalanceListener):
+    def __init__(self, worker: DecodeWorker) -> None:
+        self.worker = worker
+
+    async def on_partitions_revoked(self, revoked):
+        worker = self.worker
+        worker._last_activity = time.monotonic()
+        # Exactly-once: each batch's transaction is committed before the next poll, so nothing is pending.
+        if not worker.exactly_once:
+            await worker._checkpoint_from_listener(set(revoked))
+        for tp in revoked:
+            worker._done.pop(tp, None)
+        log.info("decode worker %d: revoked %s", worker.index, sorted(f"{tp.topic}[{tp.partition}]" for tp in revoked))
+
+    async def on_partitions_assigned(self, assigned):
+        self.worker._last_activity = time.monotonic()
+        log.info("decode worker %d: assigned %s", self.worker.index,
+                 sorted(f"{tp.topic}[{tp.partition}]" for tp in assigned))
+
+    async def on_partitions_lost(self, lost):
+        # Evicted: the commit would be refused, the new owner repeats from the last commit.
+        for tp in lost:
+            self.worker._done.pop(tp, None)
+        log.warning("decode worker %d: lost %s; duplicates may follow", self.worker.index, sorted(map(str, lost)))
+
+
+# --- processes ---------------------------------------------------------------------------------
+
+
+def _worker_main(settings: Settings, index: int, stop_event: Any, until_idle_s: float | None,
+                 deadline_epoch: float | None) -> None:
+    logging.basicConfig(level=settings.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(processName)s %(name)s: %(message)s")
+    logging.getLogger("kafka").setLevel(logging.WARNING)
+    stopping = threading.Event()
+
+    def request_stop(signum, _frame):
+        log.info("decode worker %d: signal %d, finishing the document in hand", index, signum)
+        stopping.set()
+
+    signal.signal(signal.SIGTERM, request_stop)
+    signal.signal(signal.SIGINT, request_stop)
+    deadline = None
+    if deadline_epoch is not None:
+        deadline = time.monotonic() + max(0.0, deadline_epoch - time.time())
+    worker = DecodeWorker(settings, index, stop=lambda: stopping.is_set() or stop_event.is_set(),
+                          until_idle_s=until_idle_s, deadline=deadline)
+    raise SystemExit(worker.run())
+
+
+@dataclass
+class _Slot:
+    index: int
+    process: Any = None
+    finished: bool = False
+    crashes: deque = field(default_factory=deque)
+    restart_at: float = 0.0
+
+
+class DecodeFleet:
+    """Supervisor: starts the workers, restarts a crashed one, forwards SIGTERM/SIGINT as a drain."""
+
+    def __init__(self, settings: Settings, *, workers: int | None = None, until_idle_s: float | None = None,
+                 max_seconds: float | None = None, drain_timeout_s: float = DRAIN_TIMEOUT_S) -> None:
+        count = workers if workers is not None else settings.decode.workers
+        self.settings = settings
+        self.workers = count if count > 0 else (os.cpu_count() or 1)
+        self.until_idle_s = until_idle_s
+        self.max_seconds = max_seconds
+        self.drain_timeout_s = drain_timeout_s
+        self._ctx = multiprocessing.get_context("spawn")
+        self._stop_event = self._ctx.Event()
+        self._stopping = False
+        self._slots = [_Slot(i) for i in range(self.workers)]
+        self._failed = False
+        self._stop_time = 0.0
+
+    def stop(self, *_args: Any) -> None:
+        if not self._stopping:
+            log.info("decode fleet: stopping; workers finish the document in hand, flush and commit")
+            self._stop_time = time.monotonic()
+        self._stopping = True
+        self._stop_event.set()
+        for slot in self._slots:
+            if slot.process is not None and slot.process.is_alive():
+                try:
+                    os.kill(slot.process.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+
+    def worker_pids(self) -> dict[int, int]:
+        return {s.index: s.process.pid for s in self._slots if s.process is not None and s.process.is_alive()}
+
+    def run(self) -> int:
+        metrics_dir = None
+        if self.settings.metrics_port > 0:
+            metrics_dir = metrics.prepare_multiprocess_dir()
+            metrics.serve_multiprocess(self.settings.metrics_port)
+        previous = {sig: signal.signal(sig, self.stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+        deadline = time.time() + self.max_seconds if self.max_seconds else None
+        try:
+            for slot in self._slots:
+                self._start(slot, deadline)
+            while True:
+                if deadline is not None and time.time() >= deadline and not self._stopping:
+                    self.stop()
+                self._reap(deadline)
+                if all(s.finished for s in self._slots):
+                    break
+                if self._stopping and time.monotonic() - self._stop_time > self.drain_timeout_s:
+                    self._kill_stragglers()
+                time.sleep(0.2)
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            metrics.remove_multiprocess_dir(metrics_dir)
+        return 1 if self._failed else 0
+
+    def _start(self, slot: _Slot, deadline: float | None) -> None:
+        slot.process = self._ctx.Process(
+            target=_worker_main, name=f"decode-worker-{slot.index}",
+            args=(self.settings, slot.index, self._stop_event, self.until_idle_s, deadline))
+        slot.process.start()
+        log.info("decode fleet: worker %d started (pid %d)", slot.index, slot.process.pid)
+
+    def _reap(self, deadline: float | None) -> None:
+        for slot in self._slots:
+            if slot.finished:
+                continue
+            process = slot.process
+            if process is None:
+                if not self._stopping and time.monotonic() >= slot.restart_at:
+                    self._start(slot, deadline)
+                elif self._stopping:
+                    slot.finished = True
+                continue
+            if process.is_alive():
+                continue
+            process.join()
+            metrics.mark_worker_dead(process.pid)
+            code = process.exitcode
+            if code == EXIT_OK:
+                slot.finished = True
+                continue
+            if self._stopping:
+                log.warning("decode fleet: worker %d exited with %s while stopping", slot.index, code)
+                self._failed = True
+                slot.finished = True
+                continue
+            now_ = time.monotonic()
+            slot.crashes.append(now_)
+            while slot.crashes and now_ - slot.crashes[0] > 60:
+                slot.crashes.popleft()
+            backoff = min(MAX_RESTART_BACKOFF_S, 2.0 ** (len(slot.crashes) - 1))
+            log.warning("decode fleet: worker %d (pid %d) exited with %s; restarting in %.0f s",
+                        slot.index, process.pid, code, backoff)
+            slot.process = None
+            slot.restart_at = now_ + backoff
+
+    def _kill_stragglers(self) -> None:
+        for slot in self._slots:
+            if slot.process is not None and slot.process.is_alive():
+                log.error("decode fleet: worker %d did not drain in %.0f s; killing it (its documents "
+                          "repeat from the last commit)", slot.index, self.drain_timeout_s)
+                slot.process.kill()
+                self._failed = True
+
+
+def run_fleet(settings: Settings, *, workers: int | None = None, until_idle_s: float | None = None,
+              max_seconds: float | None = None) -> int:
+    """Run the decode workers of this machine until stopped (signal, ``max_seconds``, or idle); exit status."""
+    return DecodeFleet(settings, workers=workers, until_idle_s=until_idle_s, max_seconds=max_seconds).run()

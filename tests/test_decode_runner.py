@@ -1,0 +1,389 @@
+"""The decode fleet on the real broker: `vlmstream decode` as a subprocess (supervisor + spawned workers) over
+uuid-named topics, real corpus images, DocumentRefs published through the project's producer factory.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from kafka import KafkaConsumer, TopicPartition
+from PIL import Image
+
+from consumers.decode.claimcheck import ClaimCheckStore
+from consumers.decode.codec import payload_to_array
+from schemas import DeadLetter, DocumentRef, decode_image_payload
+from tests.kafka_helpers import read_topic
+from vlmstream.config import Settings
+from vlmstream.kafka_io import make_admin, make_producer
+
+pytestmark = [pytest.mark.kafka, pytest.mark.slow]
+
+REPO = Path(__file__).resolve().parents[1]
+SMALL = 256 * 28 * 28  # keeps the tests fast; the sizes still come from smart_resize
+MEDIUM = 1280 * 28 * 28
+
+
+# --- helpers -----------------------------------------------------------------------------------
+
+
+def corpus_images(corpus_dir: Path, count: int) -> list[Path]:
+    """``count`` real images, mixing formats where the folder has several."""
+    by_format: dict[str, list[Path]] = {}
+    for path in sorted(corpus_dir.rglob("*")):
+        if path.suffix.lower() in (".jpg", ".jpeg", ".png", ".webp"):
+            by_format.setdefault(path.suffix.lower().replace(".jpeg", ".jpg"), []).append(path)
+    mixed: list[Path] = []
+    while len(mixed) < count and any(by_format.values()):
+        for paths in by_format.values():
+            if paths and len(mixed) < count:
+                mixed.append(paths.pop(0))
+    while len(mixed) < count:  # a small folder: reuse its images
+        mixed.append(mixed[len(mixed) % max(1, len(mixed))])
+    return mixed
+
+
+def publish(settings: Settings, messages: list[DocumentRef | bytes], partition: int | None = None) -> list:
+    """Publish through the project's producer factory; returns each record's metadata (partition, offset)."""
+    producer = make_producer(settings)
+    try:
+        futures = []
+        for message in messages:
+            if isinstance(message, DocumentRef):
+                futures.append(producer.send(settings.topics.documents, key=message.key(), value=message.encode(),
+                                             headers=message.headers(), partition=partition))
+            else:
+                futures.append(producer.send(settings.topics.documents, key=b"broken", value=message,
+                                             partition=partition))
+        producer.flush()
+        return [f.get(timeout=30) for f in futures]
+    finally:
+        producer.close()
+
+
+def end_offsets(settings: Settings, topic: str, *, read_committed: bool = False) -> dict[int, int]:
+    consumer = KafkaConsumer(**settings.kafka.client_kwargs(), group_id=None,
+                             isolation_level="read_committed" if read_committed else "read_uncommitted")
+    try:
+        partitions = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic) or ())]
+        return {tp.partition: offset for tp, offset in consumer.end_offsets(partitions).items()}
+    finally:
+        consumer.close()
+
+
+def committed_offsets(settings: Settings, group_id: str, topic: str) -> dict[int, int]:
+    admin = make_admin(settings)
+    try:
+        offsets = admin.list_group_offsets(group_id).get(group_id, {})
+    finally:
+        admin.close()
+    return {tp.partition: om.offset for tp, om in offsets.items() if tp.topic == topic and om.offset >= 0}
+
+
+def wait_for(predicate, timeout_s: float, what: str, fleet: "Fleet | None" = None, interval_s: float = 0.3):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        if fleet is not None and fleet.process.poll() is not None:
+            raise AssertionError(f"fleet exited ({fleet.process.returncode}) while waiting for {what}\n{fleet.log()}")
+        time.sleep(interval_s)
+    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}\n{fleet.log() if fleet else ''}")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Fleet:
+    """`vlmstream decode` in a subprocess, its log in a file (the supervisor logs each worker's pid)."""
+
+    def __init__(self, settings: Settings, tmp_path: Path, *args: str, decode: dict | None = None,
+                 kafka: dict | None = None, metrics_port: int = 0):
+        self.settings = settings
+        self.group_id = f"decode-test-{settings.topics.documents}"
+        config = {
+            "kafka": {"bootstrap_servers": settings.kafka.bootstrap_servers, **(kafka or {})},
+            "topics": settings.topics.model_dump(mode="json"),
+            "decode": {"group_id": self.group_id, "session_timeout_ms": 6000, **(decode or {})},
+            "metrics_port": metrics_port,
+        }
+        config_file = tmp_path / f"decode-{len(list(tmp_path.glob('decode-*.json')))}.json"
+        config_file.write_text(json.dumps(config))
+        self.log_file = config_file.with_suffix(".log")
+        env = {k: v for k, v in os.environ.items() if not k.startswith("VLMSTREAM_") or k == "VLMSTREAM_HOME"}
+        env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+        with open(self.log_file, "wb") as log:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "vlmstream.cli", "--config", str(config_file), "decode", *args],
+                cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env)
+
+    def log(self) -> str:
+        return self.log_file.read_text(errors="replace")
+
+    def worker_pids(self, index: int) -> list[int]:
+        return [int(p) for i, p in re.findall(r"worker (\d+) started \(pid (\d+)\)", self.log()) if int(i) == index]
+
+    def assigned_workers(self) -> set[int]:
+        return {int(i) for i in re.findall(r"decode worker (\d+): assigned", self.log())}
+
+    def documents_per_worker(self) -> dict[int, int]:
+        counts: dict[int, int] = Counter()
+        for index, docs in re.findall(r"decode worker (\d+) stopped: (\d+) documents", self.log()):
+            counts[int(index)] += int(docs)
+        return counts
+
+    def wait(self, timeout_s: float = 60) -> int:
+        try:
+            return self.process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            raise AssertionError(f"fleet did not exit within {timeout_s}s\n{self.log()}") from None
+
+    def stop(self, timeout_s: float = 60) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        return self.wait(timeout_s)
+
+    def __enter__(self) -> "Fleet":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+
+def image_keys(records) -> list[str]:
+    return [r.key.decode() for r in records]
+
+
+def documents(prefix: str, images: list[Path], docs: int, per_doc: int) -> list[DocumentRef]:
+    return [DocumentRef(doc_id=f"{prefix}-{d}",
+                        image_uris=tuple(str(images[(d * per_doc + i) % len(images)]) for i in range(per_doc)))
+            for d in range(docs)]
+
+
+# --- tests -------------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(120)
+def test_good_images_flow_and_each_bad_one_is_a_dead_letter(topic_names, corpus_dir, tmp_path, unique):
+    allowed = tmp_path / "allowed"
+    outside = tmp_path / "outside"
+    allowed.mkdir()
+    outside.mkdir()
+    good = corpus_images(corpus_dir, 4)
+    (allowed / "notes.jpg").write_text("this is a text file, not a JPEG\n")
+    (allowed / "corrupt.png").write_bytes(b"\x89PNG\r\n\x1a\n" + os.urandom(4096))
+    (outside / "elsewhere.jpg").write_bytes(good[0].read_bytes())
+    uris = [str(good[0]), str(allowed / "missing.jpg"), str(good[1]), str(allowed / "corrupt.png"),
+            str(allowed / "notes.jpg"), str(good[2]), str(outside / "elsewhere.jpg")]
+    expected_failures = {1: "not_found", 3: "corrupt", 4: "not_an_image", 6: "forbidden"}
+    mixed = DocumentRef(doc_id=f"mixed-{unique}", image_uris=tuple(uris), metadata={"batch": "b1", "n": 7})
+    after = DocumentRef(doc_id=f"after-{unique}", image_uris=(str(good[3]),))
+    invalid = b'{"schema_version": 1, "doc_id": "no-images"}'
+    # One partition, in this order: the document after the invalid message proves the runner moved past it.
+    meta = publish(topic_names, [mixed, invalid, after], partition=0)
+    coords = [{"topic": topic_names.topics.documents, "partition": m.partition, "offset": m.offset} for m in meta]
+
+    with Fleet(topic_names, tmp_path, "--workers", "1", "--until-idle-s", "3", "--max-pixels", str(SMALL),
+               "--allowed-root", str(corpus_dir), "--allowed-root", str(allowed)) as fleet:
+        assert fleet.wait(90) == 0, fleet.log()
+
+    images = read_topic(topic_names, topic_names.topics.images, expected=4, timeout_s=30, idle_s=1)
+    assert sorted(image_keys(images)) == sorted([f"mixed-{unique}/0", f"mixed-{unique}/2", f"mixed-{unique}/5",
+                                                 f"after-{unique}/0"])
+    sources = {f"mixed-{unique}": (good, coords[0], 7, mixed.metadata), f"after-{unique}": ([good[3]], coords[2], 1, {})}
+    for record in images:
+        payload = decode_image_payload(record.headers)
+        paths, source, count, metadata = sources[payload.doc_id]
+        path = Path(payload.source_uri)
+        assert path in paths
+        if payload.doc_id == mixed.doc_id:
+            assert payload.source_uri == uris[payload.image_index]
+        assert payload.source == source and payload.image_count == count and payload.metadata == metadata
+        assert payload.width % 28 == 0 and payload.height % 28 == 0
+        assert 56 * 56 <= payload.width * payload.height <= SMALL
+        assert payload.grid_thw == (1, payload.height // 14, payload.width // 14)
+        assert payload.codec == "jpeg" and payload.claim_check is None
+        assert payload.payload_bytes == len(record.value)
+        with Image.open(path) as original:
+            assert {payload.orig_width, payload.orig_height} == set(original.size)
+        pixels = payload_to_array(payload, record.value)
+        assert pixels.shape == (payload.height, payload.width, 3)
+        assert pixels.std() > 1.0  # real picture content, not a blank frame
+
+    letters = [DeadLetter.decode(r.value) for r in
+               read_topic(topic_names, topic_names.topics.deadletter, expected=5, timeout_s=30, idle_s=1)]
+    assert len(letters) == 5
+    invalid_letters = [d for d in letters if d.error_kind == "invalid_message"]
+    assert len(invalid_letters) == 1
+    assert invalid_letters[0].source == coords[1]
+    assert base64.b64decode(invalid_letters[0].original_value_b64) == invalid
+    assert "image_uris" in invalid_letters[0].detail
+    image_letters = {d.image_index: d for d in letters if d.error_kind != "invalid_message"}
+    assert set(image_letters) == set(expected_failures)
+    for index, reason in expected_failures.items():
+        letter = image_letters[index]
+        assert reason in letter.error_kind, (index, letter)
+        assert letter.stage == "decode" and letter.retriable is False and letter.detail
+        assert letter.doc_id == mixed.doc_id and letter.image_count == 7 and letter.source_uri == uris[index]
+        assert letter.source == coords[0]
+    # Everything was committed, the invalid message included.
+    assert committed_offsets(topic_names, fleet.group_id, topic_names.topics.documents) == {0: 3}
+
+
+@pytest.mark.timeout(120)
+def test_payload_over_the_message_limit_goes_through_the_claim_check_store(topic_names, corpus_dir, tmp_path,
+                                                                           unique):
+    limit = 50_000
+    big = corpus_images(corpus_dir, 2)
+    tiny = tmp_path / "tiny.png"
+    Image.new("RGB", (64, 64), (200, 30, 30)).save(tiny)
+    doc = DocumentRef(doc_id=f"claims-{unique}", image_uris=(str(big[0]), str(tiny), str(big[1])))
+    publish(topic_names, [doc])
+    store_dir = tmp_path / "claims"
+
+    with Fleet(topic_names, tmp_path, "--workers", "1", "--until-idle-s", "3", "--max-pixels", str(MEDIUM),
+               "--codec", "png", "--allowed-root", str(corpus_dir), "--allowed-root", str(tmp_path),
+               decode={"claim_check_url": str(store_dir)}, kafka={"max_message_bytes": limit}) as fleet:
+        assert fleet.wait(90) == 0, fleet.log()
+
+    records = {r.key.decode(): r for r in read_topic(topic_names, topic_names.topics.images, expected=3,
+                                                       timeout_s=30, idle_s=1)}
+    assert sorted(records) == [f"claims-{unique}/0", f"claims-{unique}/1", f"claims-{unique}/2"]
+    store = ClaimCheckStore(str(store_dir))
+    for key in (f"claims-{unique}/0", f"claims-{unique}/2"):
+        payload = decode_image_payload(records[key].headers)
+        assert records[key].value == b"" and payload.claim_check
+        assert payload.payload_bytes > limit
+        assert len(store.get(payload.claim_check)) == payload.payload_bytes
+        pixels = payload_to_array(payload, records[key].value, store)
+        assert pixels.shape == (payload.height, payload.width, 3)
+    small = decode_image_payload(records[f"claims-{unique}/1"].headers)
+    assert small.claim_check is None and len(records[f"claims-{unique}/1"].value) == small.payload_bytes < limit
+    assert payload_to_array(small, records[f"claims-{unique}/1"].value)[0, 0].tolist() == [200, 30, 30]
+    assert read_topic(topic_names, topic_names.topics.deadletter, timeout_s=5, idle_s=1) == []
+
+
+@pytest.mark.timeout(150)
+def test_two_workers_share_the_work_without_loss_or_duplicates(topic_names, corpus_dir, tmp_path, unique):
+    images = corpus_images(corpus_dir, 24)
+    docs = documents(f"share-{unique}", images, 48, 2)
+    expected = sorted(f"{d.doc_id}/{i}" for d in docs for i in range(2))
+    # Half before the workers start: the first worker to join takes every partition, the second one's join
+    # revokes some of them from it mid-stream (flush + commit on revoke). Half once both hold partitions.
+    publish(topic_names, docs[:24])
+    with Fleet(topic_names, tmp_path, "--workers", "2", "--max-pixels", str(SMALL),
+               "--allowed-root", str(corpus_dir)) as fleet:
+        wait_for(lambda: fleet.assigned_workers() == {0, 1}, 60, "both workers assigned", fleet)
+        publish(topic_names, docs[24:])
+        wait_for(lambda: sum(end_offsets(topic_names, topic_names.topics.images).values()) >= len(expected),
+                 90, "every image published", fleet)
+        assert fleet.stop() == 0, fleet.log()
+
+    records = read_topic(topic_names, topic_names.topics.images, expected=len(expected), timeout_s=30, idle_s=1)
+    keys = image_keys(records)
+    assert sorted(keys) == expected, [k for k, n in Counter(keys).items() if n > 1]
+    per_worker = fleet.documents_per_worker()
+    assert per_worker[0] > 0 and per_worker[1] > 0, per_worker
+    assert per_worker[0] + per_worker[1] == len(docs)
+
+
+def _kill_mid_stream_then_recover(topic_names, corpus_dir, tmp_path, unique, *, exactly_once: bool):
+    images = corpus_images(corpus_dir, 30)
+    docs = documents(f"kill-{unique}", images, 30, 3)
+    expected = sorted(f"{d.doc_id}/{i}" for d in docs for i in range(3))
+    publish(topic_names, docs)
+    args = ["--workers", "1", "--max-pixels", str(MEDIUM), "--allowed-root", str(corpus_dir)]
+    if exactly_once:
+        args.append("--exactly-once")
+    images_topic = topic_names.topics.images
+    with Fleet(topic_names, tmp_path, *args, decode={"max_poll_records": 8}) as fleet:
+        if exactly_once:
+            # Kill while a transaction is open: records written but not yet committed (high watermark > LSO).
+            def transaction_open():
+                written = sum(end_offsets(topic_names, images_topic).values())
+                stable = sum(end_offsets(topic_names, images_topic, read_committed=True).values())
+                return written >= 3 and written > stable and written
+            written_at_kill = wait_for(transaction_open, 60, "an open transaction with images", fleet, 0.05)
+        else:
+            written_at_kill = wait_for(lambda: sum(end_offsets(topic_names, images_topic).values()) >= 6 and
+                                       sum(end_offsets(topic_names, images_topic).values()), 60, "first images", fleet)
+        first_pid = fleet.worker_pids(0)[-1]
+        os.kill(first_pid, signal.SIGKILL)
+        assert written_at_kill < len(expected), "the worker finished before the kill: nothing was tested"
+        wait_for(lambda: len(fleet.worker_pids(0)) >= 2, 30, "the supervisor to restart the worker", fleet)
+        documents_end = end_offsets(topic_names, topic_names.topics.documents)
+        wait_for(lambda: committed_offsets(topic_names, fleet.group_id, topic_names.topics.documents)
+                 == documents_end, 90, "every document committed", fleet)
+        assert fleet.stop() == 0, fleet.log()
+    return expected, fleet
+
+
+@pytest.mark.timeout(180)
+def test_kill_9_of_a_worker_mid_stream_loses_nothing(topic_names, corpus_dir, tmp_path, unique):
+    expected, _ = _kill_mid_stream_then_recover(topic_names, corpus_dir, tmp_path, unique, exactly_once=False)
+    records = read_topic(topic_names, topic_names.topics.images, timeout_s=30, idle_s=2)
+    # At-least-once: every image at least once; the documents the dead worker had not committed repeat.
+    assert sorted(set(image_keys(records))) == expected
+
+
+@pytest.mark.timeout(180)
+def test_exactly_once_survives_kill_9_mid_transaction(topic_names, corpus_dir, tmp_path, unique):
+    expected, _ = _kill_mid_stream_then_recover(topic_names, corpus_dir, tmp_path, unique, exactly_once=True)
+    committed = read_topic(topic_names, topic_names.topics.images, expected=len(expected), timeout_s=30,
+                           idle_s=2, read_committed=True)
+    assert sorted(image_keys(committed)) == expected  # each image exactly once
+    everything = read_topic(topic_names, topic_names.topics.images, timeout_s=30, idle_s=2)
+    # The killed transaction's records are still in the log, aborted: a read_uncommitted reader sees them.
+    assert len(everything) > len(expected)
+
+
+@pytest.mark.timeout(120)
+def test_sigterm_drains_commits_and_leaves_the_group(topic_names, corpus_dir, tmp_path, unique):
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    images = corpus_images(corpus_dir, 12)
+    docs = documents(f"term-{unique}", images, 12, 2)
+    port = free_port()
+    with Fleet(topic_names, tmp_path, "--workers", "2", "--max-pixels", str(SMALL),
+               "--allowed-root", str(corpus_dir), decode={"commit_interval_s": 3600}, metrics_port=port) as fleet:
+        wait_for(lambda: fleet.assigned_workers() == {0, 1}, 60, "both workers assigned", fleet)
+        publish(topic_names, docs)
+        documents_end = end_offsets(topic_names, topic_names.topics.documents)
+        wait_for(lambda: sum(end_offsets(topic_names, topic_names.topics.images).values()) >= 24, 60,
+                 "every image published", fleet)
+        # With an hour between periodic commits, nothing of this work is committed before the signal.
+        assert committed_offsets(topic_names, fleet.group_id, topic_names.topics.documents) != documents_end
+        families = {f.name: f for f in text_string_to_metric_families(
+            httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text)}
+        assert sum(s.value for s in families["vlmstream_decode_images"].samples
+                   if s.name == "vlmstream_decode_images_total") == 24
+        assert any(s.name == "vlmstream_decode_seconds_count" and s.value > 0
+                   for s in families["vlmstream_decode_seconds"].samples)
+        assert fleet.stop(60) == 0, fleet.log()
+
+    assert committed_offsets(topic_names, fleet.group_id, topic_names.topics.documents) == documents_end
+    admin = make_admin(topic_names)
+    try:
+        group = admin.describe_groups([fleet.group_id])[fleet.group_id]
+    finally:
+        admin.close()
+    assert not group.get("members"), group  # both workers left the group instead of timing out
+    assert len(read_topic(topic_names, topic_names.topics.images, timeout_s=20, idle_s=1)) == 24
