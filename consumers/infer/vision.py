@@ -195,8 +195,13 @@ class EncodedImage:
     grid_thw: tuple[int, int, int]
 
     def mean_pooled(self) -> np.ndarray:
-        """The embedding published on the embeddings topic: the token mean, accumulated in float32."""
-        return self.tokens.float().mean(0).to(torch.float16).cpu().numpy()
+        return mean_pool(self.tokens)
+
+
+def mean_pool(tokens: torch.Tensor) -> np.ndarray:
+    """The embedding published on the embeddings topic: the mean of the merged vision tokens, accumulated
+    in float32, stored as float16."""
+    return tokens.float().mean(0).to(torch.float16).cpu().numpy()
 
 
 class VisionEncoder:
@@ -299,3 +304,18 @@ def load_vision_tower(model_path: str | Path, device: torch.device | str = "cpu"
             raise RuntimeError(f"vision weights in {model_path} do not fit the tower: missing {missing[:5]}, "
                                f"unexpected {unexpected[:5]}")
     return tower, bool(state)
+
+
+def request_problem(image: object, grid_thw: tuple[int, int, int]) -> str | None:
+    """Why an inference request's image cannot be encoded, or None. Checked before batching so one bad
+    request fails alone instead of failing its batch."""
+    if not isinstance(image, np.ndarray) or image.dtype != np.uint8 or image.ndim != 3 or image.shape[2] != 3:
+        shape = getattr(image, "shape", None)
+        return f"image must be an H x W x 3 uint8 RGB array, got {type(image).__name__} {shape}"
+    height, width = image.shape[:2]
+    factor = PATCH_SIZE * MERGE_SIZE
+    if height < factor or width < factor or height % factor or width % factor:
+        return f"image {width}x{height} is not a positive multiple of {factor} px (smart_resize it first)"
+    if tuple(grid_thw) != (1, height // PATCH_SIZE, width // PATCH_SIZE):
+        return f"grid_thw {tuple(grid_thw)} does not match the {width}x{height} image"
+    return None

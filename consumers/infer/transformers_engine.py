@@ -1,0 +1,308 @@
+"""The transformers engine: Qwen2.5-VL with plain ``generate``, on CPU (tests, CI, small deployments) or CUDA.
+
+One background thread owns the model. It takes whatever is queued (up to ``batch_size``, never waiting
+for a full batch), encodes the batch's images in one vision-tower forward, scatters the image tokens
+into the prompt embeddings, and runs one batched greedy ``generate`` from those embeddings. The
+vision output is kept, so the embedding published on the embeddings topic is the mean of exactly the
+tokens the language model saw: no second vision run.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import logging
+import queue
+import threading
+import time
+from pathlib import Path
+from typing import Sequence
+
+from consumers.infer.engine import EngineDeadError, InferenceFailure, InferenceOutput, InferenceRequest
+from consumers.infer.prompts import IMAGE_PAD, OutputSchema, PromptBuilder, with_schema
+from consumers.infer.vision import VisionEncoder, mean_pool, patchify_batch, request_problem
+from vlmstream.config import InferSettings
+
+log = logging.getLogger(__name__)
+
+_STOP = object()
+_DEAD = object()
+
+
+def resolve_dtype(name: str, device: str):
+    import torch
+
+    if name in ("", "auto"):
+        # bf16 halves memory and runs on tensor cores; CPUs without AMX run it slower than fp32.
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    try:
+        return {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
+                "fp16": torch.float16, "half": torch.float16, "float32": torch.float32,
+                "fp32": torch.float32}[name]
+    except KeyError:
+        raise ValueError(f"infer.dtype {name!r} is not one of auto, bfloat16, float16, float32") from None
+
+
+def _is_fatal(exc: BaseException) -> bool:
+    """A CUDA fault poisons the context: every later call fails too, so the engine is dead, not the request."""
+    import torch
+
+    text = str(exc)
+    return isinstance(exc, torch.AcceleratorError) or "CUDA error" in text or "device-side assert" in text
+
+
+class TransformersEngine:
+    name = "transformers"
+    mode = None
+
+    def __init__(self, model_path: str | Path, settings: InferSettings, device: str | None = None,
+                 vision_attention: str = "auto"):
+        import torch
+        from transformers import AutoModelForImageTextToText, AutoTokenizer
+
+        self.settings = settings
+        self.model_id = settings.model or str(model_path)
+        self.revision = settings.revision
+        self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        self.dtype = resolve_dtype(settings.dtype, self.device)
+        self.batch_size = max(1, settings.batch_size)
+        self._torch = torch
+
+        self.tokenizer = AutoTokenizer.from_pretrained(str(model_path), revision=settings.revision)
+        self.model = AutoModelForImageTextToText.from_pretrained(
+            str(model_path), revision=settings.revision, dtype=self.dtype, attn_implementation="sdpa",
+        ).to(self.device).eval()
+        self.encoder = VisionEncoder(self.model.model.visual, self.device, self.dtype, attention=vision_attention)
+        self.image_token_id = int(self.model.config.image_token_id)
+        self.pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 151643
+        self.prompts = PromptBuilder(self.tokenizer)
+        self.schema = OutputSchema.load(settings.output_schema)
+        self.generation_config = self._generation_config()
+        eos = self.model.generation_config.eos_token_id
+        self.eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        self._prompt_ids: dict[str, tuple[list[int], list[int]]] = {}
+
+        self._inbox: queue.Queue = queue.Queue()
+        self._outbox: queue.Queue = queue.Queue()
+        self._pending = 0
+        self._lock = threading.Lock()
+        self._dead: BaseException | None = None
+        self._closed = False
+        self._thread = threading.Thread(target=self._serve, name="transformers-engine", daemon=True)
+        self._thread.start()
+
+    # ----------------------------------------------------------------------------- Engine protocol
+
+    def submit(self, requests: Sequence[InferenceRequest]) -> None:
+        if self._dead is not None:
+            raise EngineDeadError(f"transformers engine thread died: {self._dead!r}") from self._dead
+        if self._closed:
+            raise EngineDeadError("transformers engine is closed")
+        now = time.perf_counter()
+        with self._lock:
+            self._pending += len(requests)
+        for request in requests:
+            self._inbox.put((request, now))
+
+    def poll(self, timeout_s: float) -> list[InferenceOutput | InferenceFailure]:
+        finished: list = []
+        try:
+            item = self._outbox.get(timeout=max(0.0, timeout_s))
+            while True:
+                if item is not _DEAD:
+                    finished.append(item)
+                item = self._outbox.get_nowait()
+        except queue.Empty:
+            pass
+        with self._lock:
+            self._pending -= len(finished)
+        # Results already finished are handed over first; the death is reported on the next poll.
+        if not finished and self._dead is not None:
+            raise EngineDeadError(f"transformers engine thread died: {self._dead!r}") from self._dead
+        return finished
+
+    def pending(self) -> int:
+        with self._lock:
+            return self._pending
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._inbox.put(_STOP)
+        self._thread.join(timeout=60)
+        self.encoder = None
+        self.model = None
+        gc.collect()
+        if self.device.startswith("cuda"):
+            self._torch.cuda.empty_cache()
+
+    def __enter__(self) -> "TransformersEngine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ----------------------------------------------------------------------------- worker thread
+
+    def _serve(self) -> None:
+        try:
+            stopping = False
+            while not stopping:
+                first = self._inbox.get()
+                if first is _STOP:
+                    break
+                batch = [first]
+                # Take what is queued now, up to batch_size: a lone request never waits for company.
+                while len(batch) < self.batch_size:
+                    try:
+                        item = self._inbox.get_nowait()
+                    except queue.Empty:
+                        break
+                    if item is _STOP:
+                        stopping = True
+                        break
+                    batch.append(item)
+                for result in self._process(batch):
+                    self._outbox.put(result)
+        except BaseException as exc:  # the thread is the engine: record why it died and wake any poller
+            log.exception("transformers engine thread died")
+            self._dead = exc
+            self._outbox.put(_DEAD)
+
+    def _process(self, batch: list[tuple[InferenceRequest, float]]) -> list:
+        results: list = []
+        valid = []
+        for request, submitted in batch:
+            problem = request_problem(request.image, request.grid_thw)
+            if problem:
+                results.append(InferenceFailure(request.request_id, "invalid_request", problem, retriable=False))
+            else:
+                valid.append((request, submitted))
+        if valid:
+            results += self._run_splitting(valid)
+        return results
+
+    def _run_splitting(self, items: list[tuple[InferenceRequest, float]]) -> list:
+        torch = self._torch
+        try:
+            return self._run_batch(items)
+        except (torch.cuda.OutOfMemoryError, MemoryError) as exc:
+            if self.device.startswith("cuda"):
+                torch.cuda.empty_cache()
+            if len(items) == 1:
+                request = items[0][0]
+                return [InferenceFailure(request.request_id, "out_of_memory",
+                                         f"{request.image.shape[1]}x{request.image.shape[0]} image alone does not "
+                                         f"fit: {exc}", retriable=False)]
+            half = len(items) // 2
+            log.warning("out of memory on a batch of %d; retrying as %d + %d", len(items), half, len(items) - half)
+            return self._run_splitting(items[:half]) + self._run_splitting(items[half:])
+        except Exception as exc:
+            if _is_fatal(exc):
+                raise
+            if len(items) == 1:
+                return [InferenceFailure(items[0][0].request_id, "inference_error", f"{type(exc).__name__}: {exc}")]
+            # Run the requests alone so the one that fails does not take its batch-mates with it.
+            log.warning("batch of %d failed (%r); retrying its requests one by one", len(items), exc)
+            return [result for item in items for result in self._run_splitting([item])]
+
+    def _run_batch(self, items: list[tuple[InferenceRequest, float]]) -> list:
+        torch = self._torch
+        requests = [request for request, _ in items]
+        started = time.perf_counter()
+        with torch.inference_mode():
+            pixel_values, grid_thw = patchify_batch([r.image for r in requests], self.device, self.dtype)
+            self._sync()
+            patched = time.perf_counter()
+            image_tokens = self.encoder.encode_patches(pixel_values, grid_thw)
+            self._sync()
+            encoded = time.perf_counter()
+
+            input_ids, attention_mask = self._prompt_batch(requests, [t.shape[0] for t in image_tokens])
+            image_mask = input_ids == self.image_token_id
+            embeds = self.model.get_input_embeddings()(input_ids)
+            embeds = embeds.masked_scatter(image_mask.unsqueeze(-1), torch.cat(image_tokens).to(embeds.dtype))
+            config = copy.copy(self.generation_config)
+            config.max_new_tokens = max(r.max_new_tokens for r in requests)
+            # input_ids ride along only to place the M-RoPE positions (image rows/columns); the model reads
+            # the embeddings, so the vision tower does not run again inside generate.
+            sequences = self.model.generate(
+                input_ids=input_ids, inputs_embeds=embeds, attention_mask=attention_mask,
+                image_grid_thw=grid_thw, mm_token_type_ids=image_mask.int(), generation_config=config,
+            )
+            self._sync()
+        generated = time.perf_counter()
+
+        new_tokens = sequences[:, input_ids.shape[1]:].tolist()
+        prompt_lengths = attention_mask.sum(-1).tolist()
+        per_batch = {
+            "preprocess_ms": (patched - started) * 1e3,
+            "vision_ms": (encoded - patched) * 1e3,
+            "generate_ms": (generated - encoded) * 1e3,
+            "batch_ms": (generated - started) * 1e3,
+        }
+        results = []
+        for i, (request, submitted) in enumerate(items):
+            tokens = self._trim(new_tokens[i], request.max_new_tokens)
+            output = InferenceOutput(
+                request_id=request.request_id,
+                text=self.tokenizer.decode(tokens, skip_special_tokens=True),
+                prompt_tokens=int(prompt_lengths[i]),
+                output_tokens=len(tokens),
+                visual_tokens=int(image_tokens[i].shape[0]),
+                embedding=mean_pool(image_tokens[i]) if request.want_embedding else None,
+                timings_ms={"queue_ms": (started - submitted) * 1e3, **per_batch},
+            )
+            results.append(with_schema(self.schema, output))
+        return results
+
+    # ----------------------------------------------------------------------------- helpers
+
+    def _generation_config(self):
+        config = copy.deepcopy(self.model.generation_config)
+        config.do_sample = self.settings.temperature > 0
+        if config.do_sample:
+            config.temperature = self.settings.temperature
+        else:  # the checkpoint's sampling defaults (top_k, top_p) would only draw warnings under greedy
+            config.temperature, config.top_p, config.top_k = None, None, None
+        config.pad_token_id = self.pad_token_id
+        if self.settings.ignore_eos:
+            config.eos_token_id = None
+        return config
+
+    def _prompt_batch(self, requests: Sequence[InferenceRequest], visual_tokens: Sequence[int]):
+        """Token ids for the batch, left-padded. The image pad run is built as ids, not tokenised as text:
+        a 12.8 MP image is 16k pad tokens."""
+        torch = self._torch
+        rows = []
+        for request, n in zip(requests, visual_tokens):
+            before, after = self._prompt_parts(request.prompt)
+            rows.append(before + [self.image_token_id] * n + after)
+        width = max(len(row) for row in rows)
+        input_ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, row in enumerate(rows):
+            input_ids[i, width - len(row):] = torch.tensor(row)
+            attention_mask[i, width - len(row):] = 1
+        return input_ids.to(self.device), attention_mask.to(self.device)
+
+    def _prompt_parts(self, instruction: str) -> tuple[list[int], list[int]]:
+        if instruction not in self._prompt_ids:
+            before, after = self.prompts.prompt(instruction).split(IMAGE_PAD, 1)
+            # Special tokens delimit pre-tokenisation, so the two halves tokenise as they would joined.
+            self._prompt_ids[instruction] = (self.tokenizer.encode(before, add_special_tokens=False),
+                                             self.tokenizer.encode(after, add_special_tokens=False))
+        return self._prompt_ids[instruction]
+
+    def _trim(self, tokens: list[int], limit: int) -> list[int]:
+        tokens = tokens[:limit]
+        if not self.settings.ignore_eos:
+            for i, token in enumerate(tokens):
+                if token in self.eos_ids:
+                    return tokens[: i + 1]  # counted like vLLM counts it: the stop token is an output token
+        return tokens
+
+    def _sync(self) -> None:
+        if self.device.startswith("cuda"):
+            self._torch.cuda.synchronize()
