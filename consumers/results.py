@@ -119,6 +119,7 @@ class ResultsAggregator:
         self._send_errors: list[BaseException] = []
         self._dirty = False
         self.last_record_at = time.monotonic()
+        self._assigned = False
         self.consumer = None
         self.producer = None
 
@@ -130,7 +131,7 @@ class ResultsAggregator:
         started = last_record = last_commit = time.monotonic()
         self.producer = make_producer(self.settings)
         self.consumer = make_consumer(self.settings, self.group_id, (),
-                                      partition_assignment_strategy=(SingleOwnerAssignor,))
+                                      partition_assignment_strategy=(SingleOwnerAssignor,), session_timeout_ms=10_000)
         t = self.settings.topics
         self.consumer.subscribe([t.descriptions, t.deadletter], listener=_Rebalance(self))
         code = 0
@@ -139,9 +140,11 @@ class ResultsAggregator:
                 clock = time.monotonic()
                 if max_seconds is not None and clock - started >= max_seconds:
                     break
-                if until_idle_s is not None and clock - last_record >= until_idle_s:
+                if until_idle_s is not None and self._assigned and clock - last_record >= until_idle_s:
                     break
                 batches = self.consumer.poll(timeout_ms=200)
+                if not self._assigned and self.consumer.assignment():
+                    self._assigned, last_record = True, time.monotonic()  # idle counts from the first assignment
                 for tp, records in batches.items():
                     for record in records:
                         self.handle(tp, record)

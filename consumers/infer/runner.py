@@ -89,7 +89,7 @@ class InferenceRunner:
     """Consumer group over the image topic feeding one engine. ``run()`` returns an exit code."""
 
     def __init__(self, settings: Settings, engine: Engine, *, payload_decoder: PayloadDecoder | None = None,
-                 group_id: str | None = None, commit_interval_s: float = 1.0, commit_every: int = 512,
+                 group_id: str | None = None, commit_interval_s: float = 1.0, commit_every: int | None = None,
                  revoke_drain_s: float = 3.0, stop_drain_s: float = 120.0, transactional_id: str | None = None,
                  retry_backoff_s: float = 0.2):
         self.settings = settings
@@ -97,7 +97,8 @@ class InferenceRunner:
         self.engine = engine
         self.group_id = group_id or self.cfg.group_id
         self.commit_interval_s = commit_interval_s
-        self.commit_every = commit_every
+        # Committing every in-flight window bounds what a crash redoes to about two windows.
+        self.commit_every = commit_every or max(1, self.cfg.max_images_in_flight)
         self.revoke_drain_s = revoke_drain_s
         self.stop_drain_s = stop_drain_s
         self.retry_backoff_s = retry_backoff_s
@@ -120,6 +121,7 @@ class InferenceRunner:
         self._last_commit = time.monotonic()
         self._last_activity = time.monotonic()
         self._warned: dict[str, float] = {}
+        self._assigned = False
         self._window = [time.monotonic(), 0.0, 0.0]  # start, idle, idle while records waited
         self.consumer = None
         self.producer = None
@@ -136,7 +138,10 @@ class InferenceRunner:
         if self.exactly_once:
             self.producer.init_transactions()
         self.consumer = make_consumer(self.settings, self.group_id, (),
-                                      max_poll_records=max(1, min(self.cfg.max_images_in_flight, 500)))
+                                      max_poll_records=max(1, min(self.cfg.max_images_in_flight, 500)),
+                                      # A killed worker's images move to the others after this, not after 45 s;
+                                      # heartbeats run on kafka-python's IO thread, so a long batch is no risk.
+                                      session_timeout_ms=getattr(self.cfg, "session_timeout_ms", 10_000))
         self.consumer.subscribe([self.settings.topics.images], listener=_Rebalance(self))
         exit_code = EXIT_OK
         committed_on_exit = False
@@ -183,8 +188,9 @@ class InferenceRunner:
             self.stats.run_s = t - started
             if max_seconds is not None and t - started >= max_seconds:
                 break
-            if until_idle_s is not None and not self._has_work() and t - self._last_activity >= until_idle_s:
-                break
+            if (until_idle_s is not None and self._assigned and not self._has_work()
+                    and t - self._last_activity >= until_idle_s):
+                break  # idle is measured from the first assignment: joining the group takes seconds
             self._admit()
             self._fetch()
             self._admit()
@@ -255,7 +261,13 @@ class InferenceRunner:
         work.attempts += 1
         try:
             image = self._decode_payload(work.meta, work.record.value)
+        except OSError as exc:
+            # Only the claim-check store does IO here. A missing or unreadable object may be a store outage or
+            # an upload not yet visible (object stores are eventually consistent): worth another try.
+            self._fail(work, "claim_check_unavailable", f"{type(exc).__name__}: {exc}", retriable=True)
+            return []
         except Exception as exc:  # noqa: BLE001 - every payload failure is a value for the dead-letter topic
+            # Corrupt bytes or a size that disagrees with the metadata never get better: PayloadError says so.
             kind = getattr(exc, "error_kind", None) or "payload_invalid"
             self._fail(work, kind, f"{type(exc).__name__}: {exc}", retriable=bool(getattr(exc, "retriable", False)))
             return []
@@ -505,6 +517,9 @@ class _Rebalance(AsyncConsumerRebalanceListener):
                 log.warning("commit on revoke failed, duplicates may follow: %r", exc)
 
     async def on_partitions_assigned(self, assigned):
+        if not self.runner._assigned:
+            self.runner._assigned = True
+            self.runner._last_activity = time.monotonic()
         log.info("assigned %s", sorted(f"{tp.topic}/{tp.partition}" for tp in assigned))
 
     async def on_partitions_lost(self, lost):

@@ -1,0 +1,414 @@
+"""The inference consumer on the real broker: real corpus images prepared by the real decode stage,
+the real TransformersEngine with the tiny model (CPU). One test uses an engine of its own, and only to
+control completion order for the offset logic.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+import pytest
+from kafka import KafkaProducer, TopicPartition
+
+from consumers.infer.engine import InferenceFailure, InferenceOutput
+from schemas import DeadLetter, Description, DocumentResult, Embedding, ImagePayload
+from tests.kafka_helpers import read_topic
+from vlmstream.config import Settings
+from vlmstream.kafka_io import make_admin
+
+REPO = Path(__file__).resolve().parents[1]
+SMALL = 256 * 28 * 28  # a few hundred visual tokens at most: quick on the CPU tiny model
+
+
+# --- helpers shared with test_results.py and test_replay.py -----------------------------------------
+
+
+@lru_cache(maxsize=1)
+def prepared_corpus(corpus_dir: str, count: int = 8) -> tuple:
+    """Real corpus images through the real decode stage at a small pixel budget."""
+    from consumers.decode.stage import DecodeStage
+    from vlmstream.config import DecodeSettings
+
+    files = sorted(p for p in Path(corpus_dir).rglob("*") if p.suffix.lower() in (".jpg", ".png", ".webp"))
+    # The smallest files decode fastest on this 2-core machine; the set still mixes formats.
+    files = sorted(files, key=lambda p: p.stat().st_size)[:count]
+    stage = DecodeStage(DecodeSettings(max_pixels=SMALL, allowed_roots=[corpus_dir], codec="jpeg"))
+    out = []
+    try:
+        for path in files:
+            prepared = stage(str(path))
+            assert not hasattr(prepared, "error_kind"), prepared
+            out.append((str(path), prepared))
+    finally:
+        stage.close()
+    return tuple(out)
+
+
+def payload_record(doc_id: str, index: int, count: int, uri: str, prepared, **meta_changes):
+    meta = ImagePayload(doc_id=doc_id, image_index=index, image_count=count, source_uri=uri, codec=prepared.codec,
+                        width=prepared.width, height=prepared.height, grid_thw=tuple(prepared.grid_thw),
+                        orig_width=prepared.orig_width, orig_height=prepared.orig_height,
+                        payload_bytes=len(prepared.data), decode_ms=prepared.decode_ms,
+                        metadata={"case": doc_id})
+    meta = dataclasses.replace(meta, **meta_changes)
+    return meta, prepared.data
+
+
+def produce_images(settings: Settings, records, partition: int | None = None) -> None:
+    producer = KafkaProducer(**settings.kafka.client_kwargs(), max_request_size=settings.kafka.max_message_bytes)
+    try:
+        for meta, value in records:
+            producer.send(settings.topics.images, key=meta.key(), value=value, headers=meta.headers(),
+                          partition=partition)
+        producer.flush()
+    finally:
+        producer.close()
+
+
+def documents(corpus_dir, prefix: str, sizes: list[int]):
+    """Documents of ``sizes`` images each, cycling through the prepared corpus."""
+    corpus = prepared_corpus(str(corpus_dir))
+    records, k = [], 0
+    for d, size in enumerate(sizes):
+        for i in range(size):
+            uri, prepared = corpus[k % len(corpus)]
+            k += 1
+            records.append(payload_record(f"{prefix}-{d}", i, size, uri, prepared))
+    return records
+
+
+def infer_settings(settings: Settings, unique: str, **changes) -> Settings:
+    infer = settings.infer.model_copy(update={"group_id": f"test-infer-{unique}", "max_new_tokens": 8,
+                                              "batch_size": 4, "max_images_in_flight": 8, **changes})
+    return settings.model_copy(update={"infer": infer})
+
+
+@lru_cache(maxsize=1)
+def tiny_model_dir() -> str:
+    from consumers.infer.tiny_model import default_tiny_model_dir
+
+    return str(default_tiny_model_dir())
+
+
+def real_engine(settings: Settings):
+    infer = settings.infer.model_copy(update={"engine": "transformers"})
+    try:
+        from consumers.infer.factory import make_engine
+    except ImportError:  # the factory is optional for these tests: the engine itself is what runs
+        from consumers.infer.transformers_engine import TransformersEngine
+
+        return TransformersEngine(tiny_model_dir(), infer)
+    return make_engine(infer, tiny_model_dir())
+
+
+def committed_offsets(settings: Settings, group_id: str, topic: str) -> dict[int, int]:
+    admin = make_admin(settings)
+    try:
+        offsets = admin.list_group_offsets({group_id: None})[group_id]
+    finally:
+        admin.close()
+    return {tp.partition: meta.offset for tp, meta in offsets.items() if tp.topic == topic}
+
+
+def end_offsets(settings: Settings, topic: str) -> dict[int, int]:
+    from kafka import KafkaConsumer
+
+    consumer = KafkaConsumer(**settings.kafka.client_kwargs())
+    try:
+        tps = [TopicPartition(topic, p) for p in consumer.partitions_for_topic(topic)]
+        return {tp.partition: off for tp, off in consumer.end_offsets(tps).items()}
+    finally:
+        consumer.close()
+
+
+def run_in_thread(runner, **kwargs):
+    stop = threading.Event()
+    result: dict = {}
+    thread = threading.Thread(target=lambda: result.setdefault("code", runner.run(stop, **kwargs)), daemon=True)
+    thread.start()
+    return stop, thread, result
+
+
+def subprocess_env(settings: Settings) -> dict[str, str]:
+    t, i = settings.topics, settings.infer
+    env = dict(os.environ)
+    env.update({f"VLMSTREAM_TOPICS__{k.upper()}": getattr(t, k) for k in
+                ("documents", "images", "descriptions", "embeddings", "results", "deadletter")})
+    env.update({"VLMSTREAM_INFER__GROUP_ID": i.group_id, "VLMSTREAM_INFER__MAX_NEW_TOKENS": str(i.max_new_tokens),
+                "VLMSTREAM_INFER__BATCH_SIZE": str(i.batch_size), "VLMSTREAM_INFER__ENGINE": "transformers",
+                "VLMSTREAM_INFER__MAX_IMAGES_IN_FLIGHT": str(i.max_images_in_flight),
+                "VLMSTREAM_INFER__MODEL": tiny_model_dir(), "PYTHONUNBUFFERED": "1"})
+    return env
+
+
+def start_infer(settings: Settings, *args: str, log_path: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "vlmstream.cli", "infer", *args], cwd=REPO,
+                            env=subprocess_env(settings), stdout=open(log_path, "wb"), stderr=subprocess.STDOUT)
+
+
+def wait_for(predicate, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.3)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def description_counts(settings: Settings, expected: int | None = None, timeout_s: float = 30.0,
+                       read_committed: bool = False) -> Counter:
+    records = read_topic(settings, settings.topics.descriptions, expected=expected, timeout_s=timeout_s,
+                         idle_s=1.0, read_committed=read_committed)
+    return Counter((d.doc_id, d.image_index) for d in (Description.decode(r.value) for r in records))
+
+
+# --- offset logic (own engine: it only controls the completion order) -------------------------------
+
+
+class HoldFirstEngine:
+    """Completes every request at once except the first one submitted, which waits for ``release``."""
+
+    name, model_id, revision, mode = "hold-first", "none", None, None
+
+    def __init__(self):
+        self.release = threading.Event()
+        self.held = None
+        self.ready: list = []
+
+    def submit(self, requests):
+        for request in requests:
+            if self.held is None:
+                self.held = request
+            else:
+                self.ready.append(request)
+
+    def poll(self, timeout_s):
+        if self.held is not None and self.release.is_set():
+            self.ready.append(self.held)
+            self.held = "released"
+        if not self.ready:
+            time.sleep(timeout_s)
+            return []
+        done, self.ready = self.ready, []
+        return [InferenceOutput(r.request_id, text=f"{r.image.shape}", prompt_tokens=1, output_tokens=1,
+                                visual_tokens=r.grid_thw[1] * r.grid_thw[2] // 4) for r in done]
+
+    def pending(self):
+        return len(self.ready) + (1 if self.held is not None and self.held != "released" else 0)
+
+    def close(self):
+        pass
+
+
+@pytest.mark.kafka
+def test_out_of_order_completion_commits_only_the_done_prefix(topic_names, corpus_dir, unique):
+    from consumers.infer.runner import InferenceRunner
+
+    settings = infer_settings(topic_names, unique, publish_embeddings=False)
+    records = documents(corpus_dir, f"ooo-{unique}", [5])
+    produce_images(settings, records, partition=0)
+    engine = HoldFirstEngine()
+    runner = InferenceRunner(settings, engine, commit_interval_s=0.2)
+    stop, thread, result = run_in_thread(runner, max_seconds=60)
+    try:
+        wait_for(lambda: sum(description_counts(settings, timeout_s=2).values()) >= 4, 30, "4 descriptions")
+        time.sleep(1.0)  # several commit intervals pass with offset 0 still in flight
+        assert committed_offsets(settings, settings.infer.group_id, settings.topics.images).get(0, 0) == 0
+        engine.release.set()
+        wait_for(lambda: committed_offsets(settings, settings.infer.group_id, settings.topics.images).get(0) == 5,
+                 30, "commit past the released message")
+    finally:
+        stop.set()
+        thread.join(30)
+    assert result["code"] == 0
+
+
+# --- end to end with the real engine --------------------------------------------------------------
+
+
+@pytest.mark.kafka
+@pytest.mark.model
+@pytest.mark.slow
+def test_end_to_end_descriptions_embeddings_and_document_results(topic_names, corpus_dir, unique):
+    from consumers.infer.runner import InferenceRunner
+    from consumers.results import ResultsAggregator
+
+    settings = infer_settings(topic_names, unique, max_attempts=2)
+    good = documents(corpus_dir, f"e2e-{unique}", [3, 2])
+    meta, value = payload_record(f"e2e-{unique}-poison", 0, 2, "corrupt.jpg", prepared_corpus(str(corpus_dir))[0][1])
+    poison = [(meta, bytes(len(value)))]  # right size, not a JPEG: corrupt for good
+    meta2, value2 = payload_record(f"e2e-{unique}-poison", 1, 2, *prepared_corpus(str(corpus_dir))[1])
+    produce_images(settings, good + poison + [(meta2, value2)])
+
+    engine = real_engine(settings)
+    aggregator_stop = threading.Event()
+    aggregator = ResultsAggregator(settings, group_id=f"test-results-{unique}")
+    aggregator_thread = aggregator.start_thread(aggregator_stop, max_seconds=120)
+    try:
+        runner = InferenceRunner(settings, engine)
+        assert runner.run(threading.Event(), max_seconds=120, until_idle_s=3) == 0
+    finally:
+        engine.close()
+    results = read_topic(settings, settings.topics.results, expected=3, timeout_s=30)
+    aggregator_stop.set()
+    aggregator_thread.join(30)
+
+    described = [Description.decode(r.value) for r in read_topic(settings, settings.topics.descriptions,
+                                                                 expected=6, timeout_s=10)]
+    assert Counter((d.doc_id, d.image_index) for d in described) == Counter(
+        {(m.doc_id, m.image_index): 1 for m, _ in good + [(meta2, value2)]})
+    one = next(d for d in described if d.doc_id == f"e2e-{unique}-0" and d.image_index == 2)
+    assert one.image_count == 3 and one.engine == "transformers" and one.prompt_id == settings.infer.prompt_id
+    assert one.visual_tokens == good[2][0].visual_tokens and one.output_tokens > 0
+    assert {"queue_ms", "engine_ms", "total_ms"} <= set(one.timings_ms)
+    assert one.source["topic"] == settings.topics.images and one.metadata == {"case": f"e2e-{unique}-0"}
+
+    import json
+
+    hidden = json.loads((Path(tiny_model_dir()) / "config.json").read_text())
+    hidden = hidden.get("text_config", {}).get("hidden_size") or hidden["hidden_size"]
+    embeddings = [Embedding.decode(r.value) for r in read_topic(settings, settings.topics.embeddings,
+                                                                expected=6, timeout_s=10)]
+    assert len(embeddings) == 6
+    for e in embeddings:
+        vector = e.vector()
+        assert vector.shape == (hidden,) and e.dim == hidden and np.isfinite(vector).all()
+
+    letters = [DeadLetter.decode(r.value) for r in read_topic(settings, settings.topics.deadletter,
+                                                              expected=1, timeout_s=10)]
+    assert [(l.doc_id, l.image_index, l.error_kind, l.attempts, l.stage) for l in letters] == [
+        (f"e2e-{unique}-poison", 0, "payload_invalid", 1, "infer")]  # not retriable: dead at once
+
+    by_doc = {r.key.decode(): DocumentResult.decode(r.value) for r in results}
+    assert set(by_doc) == {f"e2e-{unique}-0", f"e2e-{unique}-1", f"e2e-{unique}-poison"}
+    assert (by_doc[f"e2e-{unique}-0"].succeeded, by_doc[f"e2e-{unique}-0"].failed) == (3, 0)
+    poisoned = by_doc[f"e2e-{unique}-poison"]
+    assert (poisoned.succeeded, poisoned.failed) == (1, 1)
+    assert [i["image_index"] for i in poisoned.images] == [0, 1]
+    assert poisoned.images[0]["status"] == "failed" and poisoned.images[0]["error_kind"] == "payload_invalid"
+    assert poisoned.images[1]["status"] == "ok" and isinstance(poisoned.images[1]["text"], str)
+
+
+@pytest.mark.kafka
+@pytest.mark.model
+def test_retriable_failure_dead_letters_after_max_attempts(topic_names, corpus_dir, unique, tmp_path):
+    """A claim-check object the store cannot read is retried (store outages pass), then dead-lettered."""
+    from consumers.infer.runner import InferenceRunner
+
+    settings = infer_settings(topic_names, unique, max_attempts=3)
+    store = tmp_path / "claim-check"
+    store.mkdir()
+    settings = settings.model_copy(update={"decode": settings.decode.model_copy(
+        update={"claim_check_url": str(store)})})
+    uri, prepared = prepared_corpus(str(corpus_dir))[0]
+    missing = str(store / unique / "payload.bin")
+    records = [payload_record(f"retry-{unique}", 0, 2, uri, prepared, claim_check=missing),
+               payload_record(f"retry-{unique}", 1, 2, uri, prepared)]
+    produce_images(settings, records)
+    engine = real_engine(settings)
+    try:
+        runner = InferenceRunner(settings, engine, retry_backoff_s=0.05)
+        assert runner.run(threading.Event(), max_seconds=90, until_idle_s=2) == 0
+    finally:
+        engine.close()
+    letters = [DeadLetter.decode(r.value) for r in read_topic(settings, settings.topics.deadletter, expected=1)]
+    assert len(letters) == 1
+    letter = letters[0]
+    assert (letter.error_kind, letter.attempts, letter.retriable, letter.image_index) == (
+        "claim_check_unavailable", 3, True, 0)
+    assert runner.stats.retries == 2
+    # The dead letter keeps what redrive needs: the original value and the metadata header.
+    assert ImagePayload.decode(letter.original_headers["vlmstream-meta"]).claim_check == missing
+    assert description_counts(settings, expected=1) == Counter({(f"retry-{unique}", 1): 1})
+    assert committed_offsets(settings, settings.infer.group_id, settings.topics.images) == {
+        p: e for p, e in end_offsets(settings, settings.topics.images).items() if e}
+
+
+# --- processes: SIGKILL, SIGTERM, exactly-once ------------------------------------------------------
+
+
+@pytest.mark.kafka
+@pytest.mark.model
+@pytest.mark.slow
+def test_sigkill_and_restart_loses_nothing_and_duplicates_at_most_the_window(topic_names, corpus_dir, unique,
+                                                                             tmp_path):
+    window = 3
+    settings = infer_settings(topic_names, unique, max_images_in_flight=window, batch_size=2)
+    records = documents(corpus_dir, f"kill-{unique}", [4, 4, 4, 4])
+    produce_images(settings, records)
+    first = start_infer(settings, "--no-results", "--max-seconds", "120", log_path=tmp_path / "first.log")
+    try:
+        wait_for(lambda: sum(description_counts(settings, timeout_s=2).values()) >= 4, 90, "first descriptions")
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.wait(30)
+    second = start_infer(settings, "--no-results", "--until-idle-s", "4", "--max-seconds", "150",
+                         log_path=tmp_path / "second.log")
+    assert second.wait(180) == 0, (tmp_path / "second.log").read_text()[-3000:]
+    counts = description_counts(settings, expected=len(records))
+    assert set(counts) == {(m.doc_id, m.image_index) for m, _ in records}  # nothing lost
+    duplicates = sum(c - 1 for c in counts.values())
+    # Redone: what was in flight plus what completed since the last commit (a commit every `window` images).
+    assert duplicates <= 2 * window, counts
+
+
+@pytest.mark.kafka
+@pytest.mark.model
+@pytest.mark.slow
+def test_sigterm_drains_commits_and_leaves_the_group(topic_names, corpus_dir, unique, tmp_path):
+    settings = infer_settings(topic_names, unique, max_images_in_flight=16, batch_size=4)
+    records = documents(corpus_dir, f"term-{unique}", [3, 3, 3])
+    produce_images(settings, records)
+    process = start_infer(settings, "--no-results", "--max-seconds", "120", log_path=tmp_path / "infer.log")
+    wait_for(lambda: sum(description_counts(settings, timeout_s=2).values()) >= 1, 90, "a first description")
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(90) == 0, (tmp_path / "infer.log").read_text()[-3000:]
+    committed = committed_offsets(settings, settings.infer.group_id, settings.topics.images)
+    described = [Description.decode(r.value) for r in read_topic(settings, settings.topics.descriptions)]
+    done = Counter((d.source["partition"]) for d in described)
+    # Everything fetched was drained: committed == end offsets, and each committed message was described once.
+    assert committed == {p: e for p, e in end_offsets(settings, settings.topics.images).items() if e}
+    assert {p: done[p] for p in committed} == committed
+    assert len(described) == len(records)
+    from vlmstream.replay import group_state
+
+    admin = make_admin(settings)
+    try:
+        state, members = group_state(admin, settings.infer.group_id)
+    finally:
+        admin.close()
+    assert members == [] and state in ("Empty", "Dead")
+
+
+@pytest.mark.kafka
+@pytest.mark.model
+@pytest.mark.slow
+def test_exactly_once_reader_sees_each_image_once_across_a_crash(topic_names, corpus_dir, unique, tmp_path):
+    settings = infer_settings(topic_names, unique, max_images_in_flight=3, batch_size=2)
+    records = documents(corpus_dir, f"eos-{unique}", [3, 3, 3])
+    produce_images(settings, records)
+    first = start_infer(settings, "--no-results", "--exactly-once", "--max-seconds", "120",
+                        log_path=tmp_path / "first.log")
+    try:
+        wait_for(lambda: sum(description_counts(settings, timeout_s=2, read_committed=True).values()) >= 2, 90,
+                 "first committed descriptions")
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.wait(30)
+    second = start_infer(settings, "--no-results", "--exactly-once", "--until-idle-s", "4", "--max-seconds", "150",
+                         log_path=tmp_path / "second.log")
+    assert second.wait(180) == 0, (tmp_path / "second.log").read_text()[-3000:]
+    # The killed producer's open transaction is aborted by its timeout; read_committed never shows it.
+    counts = description_counts(settings, expected=len(records), timeout_s=60, read_committed=True)
+    assert counts == Counter({(m.doc_id, m.image_index): 1 for m, _ in records})
