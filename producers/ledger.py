@@ -72,6 +72,19 @@ class Ledger:
         ).fetchone()
         return row[0] if row else None
 
+    def content_hashes(self, topic: str, bootstrap: str, record_ids: list[str]) -> dict[str, str]:
+        """Many lookups in few statements: each statement releases the GIL, and getting it back from a
+        busy Kafka sender thread can cost milliseconds, so one query per document would dominate."""
+        found: dict[str, str] = {}
+        for start in range(0, len(record_ids), 900):
+            part = record_ids[start:start + 900]
+            marks = ",".join("?" * len(part))
+            found.update(self._db.execute(
+                f"SELECT record_id, content_hash FROM published WHERE topic=? AND bootstrap=? AND record_id IN ({marks})",
+                (topic, bootstrap, *part),
+            ).fetchall())
+        return found
+
     def record(self, rows: Iterable[tuple[str, str, str, str]]) -> int:
         """rows: (topic, bootstrap, record_id, content_hash), all in one transaction."""
         stamp = time.time()

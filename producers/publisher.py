@@ -16,7 +16,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, NamedTuple
+from typing import Any, Callable, Iterable, Iterator, NamedTuple
 
 from kafka.errors import KafkaError, MessageSizeTooLargeError
 
@@ -30,6 +30,9 @@ log = logging.getLogger(__name__)
 
 INVALID_LINE = "invalid_manifest_line"
 LEDGER_BATCH = 5_000
+CHUNK = 500  # items looked up in the ledger together
+# DocumentRefs are a few hundred bytes: larger batches mean fewer produce requests per document.
+BATCH_BYTES = 256 * 1024
 REPORT_LIMIT = 100
 
 
@@ -112,7 +115,7 @@ class DocumentPublisher:
         self.bootstrap = bootstrap_scope(settings)
         self.max_in_flight = max(1, settings.producer.max_in_flight_documents)
         self.ledger = Ledger(ledger_path(settings)) if use_ledger else None
-        self.producer = make_producer(settings)
+        self.producer = make_producer(settings, batch_size=BATCH_BYTES)
         self._in_flight: deque[_InFlight] = deque()
         self._acked: list[tuple[str, str, str, str]] = []
         # Sent this run and not yet in the ledger: a duplicate line must not go out twice either.
@@ -125,16 +128,20 @@ class DocumentPublisher:
         summary = self._summary = PublishSummary()
         started = time.monotonic()
         try:
-            for count, item in enumerate(items, start=1):
-                if item is IDLE:
-                    self._settle()
-                elif isinstance(item, Rejection):
-                    self._dead_letter(item, summary)
-                else:
-                    self._send_document(item, summary)
+            for chunk in _chunks(items, CHUNK):
+                known = self._ledger_hashes(chunk)
+                for item in chunk:
+                    if item is IDLE:
+                        self._settle()
+                    elif isinstance(item, Rejection):
+                        self._dead_letter(item, summary)
+                    else:
+                        self._send_document(item, known, summary)
+                    if self.stop is not None and self.stop.is_set():
+                        break
                 if len(self._acked) >= LEDGER_BATCH:
                     self._write_ledger()
-                if self.on_progress is not None and (item is IDLE or count % 512 == 0):
+                if self.on_progress is not None:
                     summary.elapsed_s = time.monotonic() - started
                     self.on_progress(summary)
                 if self.stop is not None and self.stop.is_set():
@@ -165,16 +172,25 @@ class DocumentPublisher:
 
     # --- steps ----------------------------------------------------------------------------------
 
-    def _already_published(self, topic: str, record_id: str, content_hash: str) -> bool:
+    def _ledger_hashes(self, chunk: list[Any]) -> dict[str, str]:
+        if self.force or self.ledger is None:
+            return {}
+        doc_ids = [item.doc_id for item in chunk if isinstance(item, DocumentRef)]
+        return self.ledger.content_hashes(self.documents_topic, self.bootstrap, doc_ids) if doc_ids else {}
+
+    def _already_published(self, topic: str, record_id: str, content_hash: str,
+                           known: dict[str, str] | None = None) -> bool:
         if self.force:
             return False
         if self._unrecorded.get((topic, record_id)) == content_hash:
             return True
+        if known is not None:
+            return known.get(record_id) == content_hash
         return self.ledger is not None and self.ledger.content_hash(topic, self.bootstrap, record_id) == content_hash
 
-    def _send_document(self, doc: DocumentRef, summary: PublishSummary) -> None:
+    def _send_document(self, doc: DocumentRef, known: dict[str, str], summary: PublishSummary) -> None:
         content_hash = document_hash(doc)
-        if self._already_published(self.documents_topic, doc.doc_id, content_hash):
+        if self._already_published(self.documents_topic, doc.doc_id, content_hash, known):
             summary.skipped += 1
             return
         doc = dataclasses.replace(doc, published_at=now())
@@ -260,6 +276,18 @@ class DocumentPublisher:
         for topic, _, record_id, content_hash in rows:
             if self._unrecorded.get((topic, record_id)) == content_hash:
                 del self._unrecorded[(topic, record_id)]
+
+
+def _chunks(items: Iterable[Any], size: int) -> Iterator[list[Any]]:
+    """Groups of up to ``size`` items; IDLE ends a group so a quiet source is never held back."""
+    chunk: list[Any] = []
+    for item in items:
+        chunk.append(item)
+        if item is IDLE or len(chunk) >= size:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
 
 
 def publish_documents(settings: Settings, items: Iterable[Any], *, force: bool = False, use_ledger: bool = True,

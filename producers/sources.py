@@ -60,14 +60,14 @@ def natural_key(text: str) -> tuple:
     return tuple(int(part) if part.isdigit() else part.lower() for part in _DIGITS.split(text))
 
 
-def resolve_uri(uri: str, base_dir: Path) -> str:
-    """URLs pass through; local paths become absolute, relative ones against ``base_dir``."""
-    if _URI_SCHEME.match(uri):
+def resolve_uri(uri: str, base_dir: str | Path) -> str:
+    """URLs pass through; local paths become absolute, relative ones against ``base_dir``.
+    Plain string operations: this runs for every image of every manifest line."""
+    if ":" in uri and _URI_SCHEME.match(uri):
         return uri
-    path = Path(os.path.expanduser(uri))
-    if not path.is_absolute():
-        path = base_dir / path
-    return os.path.normpath(path)
+    if uri.startswith("~"):
+        uri = os.path.expanduser(uri)
+    return os.path.normpath(os.path.join(base_dir, uri))
 
 
 def validated(doc: DocumentRef) -> DocumentRef:
@@ -265,12 +265,15 @@ def read_lines(stream: IO[bytes], *, base_dir: Path | None = None, idle_s: float
 
     threading.Thread(target=pump, name="vlmstream-stdin", daemon=True).start()
     line_no = 0
+    quiet_for = 0.05  # a short pause ends a burst: the lines so far go out without waiting for more
     while not (stop and stop.is_set()):
         try:
-            raw = lines.get(timeout=idle_s)
+            raw = lines.get(timeout=quiet_for)
         except queue.Empty:
             yield IDLE
+            quiet_for = idle_s
             continue
+        quiet_for = 0.05
         if raw is None:
             return
         line_no += 1
