@@ -1,0 +1,805 @@
+"""GPU benchmark on the device: vlmstream's pipeline against plain vLLM, side by side, one H200 (or two).
+
+Arms (same model, prompt, output length with ignore_eos, one image per request and the same pixel budget everywhere):
+  naive               vLLM's LLM given full-resolution PIL images; vLLM resizes/normalises (mm_processor_kwargs budget)
+  ceiling-preresized  vLLM given uint8 arrays already at the exact smart_resize size (resize done before the clock)
+  ceiling-embeds      vLLM given image_embeds (LM only: no vision tower, no preprocessing) - the language model's ceiling
+  pipeline-embeds     Kafka broker + `vlmstream produce` + `vlmstream decode` fleet + `vlmstream infer --mode embeds`
+  pipeline-pixels     the same with `vlmstream infer --mode pixels`
+  serve               `vllm serve --api-server-count K`, file:// full-resolution images from a multi-process client
+`--arms naive,ceiling,...` picks a subset (`ceiling` = both ceiling arms). naive and ceiling share one engine in one
+child process. Every arm runs under a hard time limit in its own process groups, which are killed afterwards; results
+are written to $OUT (gpu_bench.json, gpu_bench.md) after every arm, logs to $OUT/<arm>.log.
+
+No cache can make a repeated image cheap in any arm: engines run with prefix caching off and the multimodal processor
+cache at 0 GB, so vLLM identifies every image by its request (vllm/renderers/base.py `_process_mm_uuids`), and the
+pipeline's documents are distinct files (hard links) with distinct ids. The few source JPEGs are reused to reach the
+counts.
+
+Usage (device, after scripts/gpu/unpack_device.sh; see benchmarks/gpu/README.md):
+  source scripts/gpu/env.sh
+  python3 benchmarks/gpu/gpu_bench.py --budget 256 --max-tokens 64 --seconds 30 --arms naive,ceiling
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import traceback
+import urllib.request
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent.parent
+BUDGETS = {"256": 256 * 28 * 28, "1280": 1280 * 28 * 28, "default": 28 * 28 * 16384}
+MIN_PIXELS = 56 * 56
+PROMPT_TEXT = "Describe this image in detail."
+CHAT_PROMPT = ("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n"
+               "<|vision_start|><|image_pad|><|vision_end|>" + PROMPT_TEXT + "<|im_end|>\n<|im_start|>assistant\n")
+OFFLINE_ARMS = ("naive", "ceiling-preresized", "ceiling-embeds")
+ALL_ARMS = OFFLINE_ARMS + ("pipeline-embeds", "pipeline-pixels", "serve")
+# Used only to size the pipeline's batch of documents (count = rate x --seconds); a wrong guess changes how long the
+# arm runs, not what it measures (it stops at --stop-after x --seconds and reports what it had).
+EXPECTED_RATE = {"256": 100.0, "1280": 35.0, "default": 6.0}
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+# --- processes ----------------------------------------------------------------------------------------------------
+
+
+def vlmstream_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "vlmstream.cli", *args]
+
+
+def spawn(cmd: list[str], log_path: Path, env: dict[str, str] | None = None, tag: str = "") -> subprocess.Popen:
+    """Start cmd in a new session (its own process group) with stdout+stderr appended to log_path."""
+    with open(log_path, "ab") as f:
+        f.write(f"\n===== {tag} {time.strftime('%H:%M:%S')} $ {' '.join(cmd)}\n".encode())
+    out = open(log_path, "ab")
+    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                            cwd=str(REPO), start_new_session=True)
+    out.close()
+    return proc
+
+
+def _children_map() -> dict[int, list[int]]:
+    kids: dict[int, list[int]] = {}
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        try:
+            text = open(stat).read()
+        except OSError:
+            continue
+        pid = int(stat.split("/")[2])
+        ppid = int(text[text.rindex(")") + 2:].split()[1])
+        kids.setdefault(ppid, []).append(pid)
+    return kids
+
+
+def descendants(pid: int) -> list[int]:
+    kids, out, todo = _children_map(), [], [pid]
+    while todo:
+        for child in kids.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """user+system CPU seconds of pid and its live descendants (from /proc; no psutil needed)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for p in [pid, *descendants(pid)]:
+        try:
+            text = open(f"/proc/{p}/stat").read()
+        except OSError:
+            continue
+        fields = text[text.rindex(")") + 2:].split()
+        total += (int(fields[11]) + int(fields[12])) / tick
+    return total
+
+
+def kill_tree(proc: subprocess.Popen | None, grace_s: float = 10.0, sig: int = signal.SIGTERM) -> None:
+    """Signal the process group (and any descendant that left it), wait grace_s, then SIGKILL whatever is left."""
+    if proc is None:
+        return
+    pids = [proc.pid, *descendants(proc.pid)]
+    groups = set()
+    for p in pids:
+        try:
+            groups.add(os.getpgid(p))
+        except OSError:
+            pass
+    for g in groups:
+        try:
+            os.killpg(g, sig)
+        except OSError:
+            pass
+    for p in pids:
+        try:
+            os.kill(p, sig)
+        except OSError:
+            pass
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+    for g in groups:
+        try:
+            os.killpg(g, signal.SIGKILL)
+        except OSError:
+            pass
+    for p in pids:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except OSError:
+            pass
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def log_tail(path: Path, n: int = 2500) -> str:
+    try:
+        return path.read_bytes()[-n:].decode(errors="replace")
+    except OSError:
+        return ""
+
+
+# --- samplers -----------------------------------------------------------------------------------------------------
+
+
+class GpuSampler:
+    """nvidia-smi utilization.gpu once a second in the background: (time, gpu index, percent busy)."""
+
+    def __init__(self) -> None:
+        self.samples: list[tuple[float, int, float]] = []
+        self._proc: subprocess.Popen | None = None
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> "GpuSampler":
+        try:
+            self._proc = subprocess.Popen(
+                ["nvidia-smi", "--query-gpu=index,utilization.gpu", "--format=csv,noheader,nounits", "-l", "1"],
+                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+        except OSError:
+            return self
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+        return self
+
+    def _read(self) -> None:
+        assert self._proc is not None and self._proc.stdout is not None
+        for line in self._proc.stdout:
+            try:
+                idx, util = (x.strip() for x in line.split(","))
+                self.samples.append((time.time(), int(idx), float(util)))
+            except ValueError:
+                continue
+
+    def busy(self, t0: float, t1: float) -> float | None:
+        """Mean busy fraction over [t0, t1] (all GPUs that reported)."""
+        vals = [u for t, _, u in self.samples if t0 <= t <= t1]
+        return round(sum(vals) / len(vals) / 100.0, 3) if vals else None
+
+    def stop(self) -> None:
+        kill_tree(self._proc, grace_s=1)
+
+
+class CpuSampler:
+    """CPU seconds of a process tree, once a second: cores used over any interval."""
+
+    def __init__(self, pids: list[int]) -> None:
+        self.pids, self.samples = pids, []
+        self._stop = threading.Event()
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.samples.append((time.time(), sum(tree_cpu_seconds(p) for p in self.pids)))
+            self._stop.wait(1.0)
+
+    def cores(self, t0: float, t1: float) -> float | None:
+        inside = [(t, c) for t, c in self.samples if t0 - 1 <= t <= t1 + 1]
+        if len(inside) < 2 or inside[-1][0] <= inside[0][0]:
+            return None
+        return round((inside[-1][1] - inside[0][1]) / (inside[-1][0] - inside[0][0]), 2)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+# --- offline arms (one engine, child process) ---------------------------------------------------------------------
+
+
+def smart_resize(h: int, w: int, max_pixels: int, factor: int = 28, min_pixels: int = MIN_PIXELS) -> tuple[int, int]:
+    hb, wb = max(factor, round(h / factor) * factor), max(factor, round(w / factor) * factor)
+    if hb * wb > max_pixels:
+        beta = math.sqrt(h * w / max_pixels)
+        hb, wb = max(factor, math.floor(h / beta / factor) * factor), max(factor, math.floor(w / beta / factor) * factor)
+    elif hb * wb < min_pixels:
+        beta = math.sqrt(min_pixels / (h * w))
+        hb, wb = math.ceil(h * beta / factor) * factor, math.ceil(w * beta / factor) * factor
+    return hb, wb
+
+
+class ArmTimeout(Exception):
+    pass
+
+
+def offline_worker(args: argparse.Namespace) -> None:
+    """Child process: one vLLM engine, the offline arms in order, one JSON line per arm appended to --results-file."""
+    import numpy as np
+    import torch
+    from PIL import Image
+    from vllm import LLM, SamplingParams
+
+    arms = [a for a in args.arms.split(",") if a]
+    budget = BUDGETS[args.budget]
+    files = image_files(args.imgs)
+    t = time.perf_counter()
+    base = [Image.open(f).convert("RGB") for f in files]
+    log(f"decoded {len(base)} images in {time.perf_counter() - t:.1f}s, mean "
+        f"{np.mean([b.size[0] * b.size[1] for b in base]) / 1e6:.2f} MP")
+    emit = lambda name, rec: open(args.results_file, "a").write(json.dumps({"arm": name, **rec}) + "\n")  # noqa: E731
+    t = time.perf_counter()
+    llm = LLM(model=args.model, load_format="dummy", max_model_len=args.max_model_len, enable_mm_embeds=True,
+              limit_mm_per_prompt={"image": 1}, gpu_memory_utilization=args.gpu_memory_utilization, seed=0,
+              enable_prefix_caching=False, mm_processor_cache_gb=0)
+    init_s = time.perf_counter() - t
+    log(f"engine ready in {init_s:.1f}s")
+    emit("_engine", {"init_s": round(init_s, 1), "gpu_mem": gpu_mem()})
+    sp = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    mmkw = {"min_pixels": MIN_PIXELS, "max_pixels": budget}
+    gpu = GpuSampler().start()
+
+    def on_alarm(*_):
+        raise ArmTimeout()
+
+    signal.signal(signal.SIGALRM, on_alarm)
+
+    def run(prompts: list, kw: dict | None) -> tuple[float, list]:
+        t0 = time.perf_counter()
+        llm.enqueue(prompts, sp, use_tqdm=False, mm_processor_kwargs=kw)
+        outs = llm.wait_for_completion(use_tqdm=False)
+        return time.perf_counter() - t0, outs
+
+    def timed_arm(name: str, make, kw: dict | None) -> None:
+        signal.alarm(int(args.arm_limit))
+        try:
+            run([make(i) for i in range(8)], kw)  # warm-up: compile paths for this input kind
+            n_cal = 48
+            dt_cal, _ = run([make(i) for i in range(n_cal)], kw)
+            # Size the measured batch to last about --seconds at the calibration rate (which underestimates a
+            # larger batch's rate, so the measured run is at most about --seconds).
+            n = int(min(args.max_requests, max(n_cal, n_cal / dt_cal * args.seconds)))
+            prompts = [make(i) for i in range(n)]
+            w0 = time.time()
+            dt, outs = run(prompts, kw)
+            w1 = time.time()
+        finally:
+            signal.alarm(0)
+        rec = dict(n=len(outs), wall_s=round(dt, 2), img_per_s=round(len(outs) / dt, 2),
+                   calibration_img_per_s=round(n_cal / dt_cal, 2),
+                   mean_prompt_tokens=round(float(np.mean([len(o.prompt_token_ids) for o in outs])), 1),
+                   gen_tokens=sum(len(o.outputs[0].token_ids) for o in outs), gpu_busy=gpu.busy(w0, w1))
+        log(f"RESULT {name} {json.dumps(rec)}")
+        emit(name, rec)
+
+    try:
+        for arm in arms:
+            try:
+                if arm == "naive":
+                    timed_arm(arm, lambda i: {"prompt": CHAT_PROMPT, "multi_modal_data": {"image": base[i % len(base)]}},
+                              mmkw)
+                elif arm == "ceiling-preresized":
+                    pre = []
+                    for b in base:
+                        h, w = smart_resize(b.size[1], b.size[0], budget)
+                        pre.append(np.asarray(b.resize((w, h), Image.BICUBIC)).copy())
+                    timed_arm(arm, lambda i: {"prompt": CHAT_PROMPT, "multi_modal_data": {"image": pre[i % len(pre)]}},
+                              mmkw)
+                elif arm == "ceiling-embeds":
+                    # Values do not matter to the language model's cost: random embeddings of the exact shape
+                    # (merged tokens x 3584) with the grid of each image at the budget.
+                    embs = []
+                    for b in base:
+                        h, w = smart_resize(b.size[1], b.size[0], budget)
+                        gh, gw = h // 14, w // 14
+                        embs.append((torch.randn(gh * gw // 4, 3584, dtype=torch.bfloat16),
+                                     torch.tensor([[1, gh, gw]])))
+                    timed_arm(arm, lambda i: {"prompt": CHAT_PROMPT, "multi_modal_data": {"image": {
+                        "image_embeds": embs[i % len(embs)][0], "image_grid_thw": embs[i % len(embs)][1]}}}, None)
+                else:
+                    emit(arm, {"error": "unknown offline arm"})
+            except ArmTimeout:
+                log(f"ARM TIMEOUT {arm} after {args.arm_limit}s: later offline arms skipped (engine still busy)")
+                emit(arm, {"error": f"timed out after {args.arm_limit}s"})
+                break
+            except Exception as exc:  # noqa: BLE001 - record and go on with the next arm
+                traceback.print_exc()
+                emit(arm, {"error": repr(exc)[:600]})
+    finally:
+        gpu.stop()
+        try:
+            llm.llm_engine.engine_core.shutdown()
+        except Exception as exc:  # noqa: BLE001
+            log(f"engine shutdown: {exc!r}")
+        os._exit(0)
+
+
+def gpu_mem() -> str:
+    try:
+        return subprocess.run(["nvidia-smi", "--query-gpu=memory.used,memory.total", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=20).stdout.strip()
+    except Exception as exc:  # noqa: BLE001
+        return repr(exc)
+
+
+def image_files(folder: str) -> list[str]:
+    files = sorted(f for f in glob.glob(os.path.join(folder, "*")) if f.lower().endswith((".jpg", ".jpeg")))
+    if not files:
+        raise SystemExit(f"no JPEGs in {folder}")
+    return files
+
+
+def run_offline(args: argparse.Namespace, arms: list[str], out: Path, results: dict) -> None:
+    res_file = out / "offline_results.jsonl"
+    res_file.unlink(missing_ok=True)
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--offline-worker", "--arms", ",".join(arms),
+           "--results-file", str(res_file)] + passthrough(args)
+    limit = args.start_limit + len(arms) * args.arm_limit + 30
+    proc = spawn(cmd, out / "offline.log", tag="offline")
+    log(f"offline arms {arms} (pid {proc.pid}, hard limit {limit:.0f}s)")
+    try:
+        proc.wait(timeout=limit)
+    except subprocess.TimeoutExpired:
+        log("offline worker over its hard limit: killed")
+        results["arms"].setdefault("offline", {})["error"] = f"killed after {limit:.0f}s"
+    finally:
+        kill_tree(proc, grace_s=5)
+    if res_file.exists():
+        for line in res_file.read_text().splitlines():
+            rec = json.loads(line)
+            name = rec.pop("arm")
+            if name == "_engine":
+                results["offline_engine"] = rec
+            else:
+                results["arms"][name] = rec
+        res_file.unlink()
+    for arm in arms:
+        results["arms"].setdefault(arm, {"error": "no result (see offline.log)\n" + log_tail(out / "offline.log")})
+
+
+def passthrough(args: argparse.Namespace) -> list[str]:
+    return ["--model", args.model, "--imgs", args.imgs, "--budget", args.budget, "--max-tokens", str(args.max_tokens),
+            "--seconds", str(args.seconds), "--arm-limit", str(args.arm_limit), "--max-requests", str(args.max_requests),
+            "--max-model-len", str(args.max_model_len), "--gpu-memory-utilization", str(args.gpu_memory_utilization)]
+
+
+# --- pipeline arms ------------------------------------------------------------------------------------------------
+
+
+class TopicWatcher:
+    """Reads the run's documents, descriptions and dead-letter topics from the beginning: when each measured document
+    was published (record timestamp) and when its description (or dead letter) arrived here."""
+
+    def __init__(self, bootstrap: str, topics: dict[str, str], measured_prefix: str, warm_prefix: str) -> None:
+        from kafka import KafkaConsumer
+
+        self.topics, self.measured_prefix, self.warm_prefix = topics, measured_prefix, warm_prefix
+        self.consumer = KafkaConsumer(topics["documents"], topics["descriptions"], topics["deadletter"],
+                                      bootstrap_servers=bootstrap.split(","), group_id=None,
+                                      auto_offset_reset="earliest", enable_auto_commit=False,
+                                      max_partition_fetch_bytes=64 * 1024 * 1024, metadata_max_age_ms=2000)
+        self.published_ms: list[int] = []
+        self.done_at: dict[str, float] = {}
+        self.warm_done: set[str] = set()
+        self.dead = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            batch = self.consumer.poll(timeout_ms=200, max_records=5000)
+            now = time.time()
+            for tp, records in batch.items():
+                for r in records:
+                    key = (r.key or b"").decode(errors="replace")
+                    doc = key.split("/")[0]
+                    if tp.topic == self.topics["documents"]:
+                        if doc.startswith(self.measured_prefix):
+                            self.published_ms.append(r.timestamp)
+                    elif tp.topic == self.topics["deadletter"]:
+                        self.dead += 1
+                        if doc.startswith(self.measured_prefix):
+                            self.done_at.setdefault(doc, now)
+                    elif doc.startswith(self.warm_prefix):
+                        self.warm_done.add(doc)
+                    elif doc.startswith(self.measured_prefix):
+                        self.done_at.setdefault(doc, now)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self.consumer.close()
+
+
+def make_docs(folder: Path, prefix: str, n: int, files: list[str]) -> None:
+    """n distinct documents (hard links of the source JPEGs, so distinct files and ids but no copying)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for i in range(n):
+        src = files[i % len(files)]
+        dst = folder / f"{prefix}{i:06d}{os.path.splitext(src)[1].lower()}"
+        try:
+            os.link(src, dst)
+        except OSError:
+            dst.write_bytes(Path(src).read_bytes())
+
+
+def pipeline_env(tag: str, args: argparse.Namespace, work: Path) -> dict[str, str]:
+    env = os.environ.copy()
+    for name in ("documents", "images", "descriptions", "embeddings", "results", "deadletter"):
+        env[f"VLMSTREAM_TOPICS__{name.upper()}"] = f"{tag}.{name}"
+    env.update({"VLMSTREAM_TOPICS__PARTITIONS": str(args.partitions),
+                "VLMSTREAM_DECODE__GROUP_ID": f"{tag}-decode", "VLMSTREAM_INFER__GROUP_ID": f"{tag}-infer",
+                "VLMSTREAM_PRODUCER__STATE_DIR": str(work / "ledger"), "PYTHONUNBUFFERED": "1"})
+    return env
+
+
+def start_broker(out: Path) -> tuple[str, bool]:
+    """The local broker's bootstrap address, and whether this call started it (only then is it stopped after)."""
+    from vlmstream import broker
+    from vlmstream.config import load_settings
+
+    s = load_settings()
+    bootstrap = f"{s.broker.host}:{s.broker.port}"
+    if broker.port_open(s.broker.host, s.broker.port) and broker.broker_answers(bootstrap):
+        log(f"reusing the broker already answering on {bootstrap}")
+        return bootstrap, False
+    t = time.monotonic()
+    r = subprocess.run(vlmstream_cmd("broker", "start"), capture_output=True, text=True, timeout=180, cwd=str(REPO))
+    with open(out / "broker.log", "a") as f:
+        f.write(r.stdout + r.stderr)
+    if r.returncode != 0:
+        raise RuntimeError(f"broker start failed ({r.returncode}): {(r.stdout + r.stderr)[-1500:]}")
+    log(f"broker up on {bootstrap} in {time.monotonic() - t:.1f}s")
+    return bootstrap, True
+
+
+def stop_broker() -> None:
+    from vlmstream.broker import _read_pid, broker_paths
+    from vlmstream.config import load_settings
+
+    pid = _read_pid(broker_paths(load_settings().broker))
+    subprocess.run(vlmstream_cmd("broker", "stop"), capture_output=True, text=True, timeout=60, cwd=str(REPO))
+    if pid:  # belt and braces: the process the pid file named, if it is still there
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+
+
+def run_pipeline(args: argparse.Namespace, mode: str, bootstrap: str, out: Path) -> dict:
+    tag = f"gb{int(time.time()) % 10**7}{mode[0]}"
+    work = Path(args.work) / tag
+    logp = out / f"pipeline-{mode}.log"
+    env = pipeline_env(tag, args, work)
+    files = image_files(args.imgs)
+    n_docs = args.pipeline_docs or int(EXPECTED_RATE[args.budget] * args.gpus * args.seconds)
+    n_warm = 16 * args.gpus
+    make_docs(work / "warm", "warm", n_warm, files)
+    make_docs(work / "docs", "doc", n_docs, files)
+    budget = BUDGETS[args.budget]
+    deadline = time.monotonic() + args.start_limit + args.stop_after * args.seconds + 60
+    procs: list[subprocess.Popen] = []
+    watcher = None
+    gpu = GpuSampler().start()
+    rec: dict = {"mode": mode, "n_docs": n_docs, "decode_workers": args.workers, "gpus": args.gpus,
+                 "partitions": args.partitions}
+    try:
+        r = subprocess.run(vlmstream_cmd("topics", "create", "--partitions", str(args.partitions)), env=env,
+                           capture_output=True, text=True, timeout=120, cwd=str(REPO))
+        if r.returncode != 0:
+            raise RuntimeError(f"topics create failed: {(r.stdout + r.stderr)[-1500:]}")
+        watcher = TopicWatcher(bootstrap, {k: env[f"VLMSTREAM_TOPICS__{k.upper()}"] for k in
+                                           ("documents", "descriptions", "deadletter")}, "doc", "warm")
+        decode = spawn(vlmstream_cmd("decode", "--workers", str(args.workers), "--max-pixels", str(budget),
+                                     "--min-pixels", str(MIN_PIXELS), "--allowed-root", str(work)),
+                       logp, env, tag="decode")
+        procs.append(decode)
+        infers = []
+        for g in range(args.gpus):
+            genv = dict(env, CUDA_VISIBLE_DEVICES=str(g))
+            infers.append(spawn(vlmstream_cmd("infer", "--engine", args.engine, "--mode", mode, "--model", args.model,
+                                              "--max-new-tokens", str(args.max_tokens), "--ignore-eos",
+                                              "--prompt", PROMPT_TEXT),
+                                logp, genv, tag=f"infer gpu{g}"))
+        procs += infers
+
+        def alive_or_raise() -> None:
+            for p in procs:
+                if p.poll() is not None:
+                    raise RuntimeError(f"a pipeline process exited ({p.returncode}):\n{log_tail(logp)}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"arm over its hard limit\n{log_tail(logp)}")
+
+        # Warm-up: engines started, graphs captured, every stage has handled records before the clock starts.
+        t = time.monotonic()
+        r = subprocess.run(vlmstream_cmd("produce", "--folder", str(work / "warm"), "--per-file", "--force", "-q"),
+                           env=env, capture_output=True, text=True, timeout=120, cwd=str(REPO))
+        if r.returncode != 0:
+            raise RuntimeError(f"produce (warm-up) failed: {(r.stdout + r.stderr)[-1500:]}")
+        while len(watcher.warm_done) < n_warm:
+            if time.monotonic() - t > args.start_limit:
+                raise TimeoutError(f"warm-up: {len(watcher.warm_done)}/{n_warm} descriptions after "
+                                   f"{args.start_limit}s\n{log_tail(logp)}")
+            alive_or_raise()
+            time.sleep(0.5)
+        rec["warmup_s"] = round(time.monotonic() - t, 1)
+        log(f"pipeline-{mode}: warm after {rec['warmup_s']}s; publishing {n_docs} documents")
+        cpu = CpuSampler([decode.pid])
+        t_launch = time.time()
+        producer = spawn(vlmstream_cmd("produce", "--folder", str(work / "docs"), "--per-file", "--force", "-q"),
+                         logp, env, tag="produce")
+        stop_at = time.monotonic() + args.stop_after * args.seconds
+        while len(watcher.done_at) < n_docs and time.monotonic() < stop_at:
+            alive_or_raise()
+            time.sleep(0.5)
+        producer_rc = producer.poll()
+        kill_tree(producer, grace_s=2)
+        cpu.stop()
+        done = sorted(watcher.done_at.values())
+        t0 = min(watcher.published_ms) / 1000.0 if watcher.published_ms else t_launch
+        t_end = done[-1] if done else time.time()
+        wall = max(1e-6, t_end - t0)
+        win = min(args.window, wall / 3)
+        first = sum(1 for t in done if t <= t0 + win)
+        last = sum(1 for t in done if t >= t_end - win)
+        rec.update(complete=len(done) >= n_docs, described=len(done), dead_letters=watcher.dead,
+                   wall_s=round(wall, 2), img_per_s=round(len(done) / wall, 2), window_s=round(win, 1),
+                   first_window_img_per_s=round(first / win, 2), last_window_img_per_s=round(last / win, 2),
+                   gpu_busy=gpu.busy(t0, t_end), gpu_busy_first_window=gpu.busy(t0, t0 + win),
+                   gpu_busy_last_window=gpu.busy(t_end - win, t_end), decode_cores=cpu.cores(t0, t_end),
+                   producer_rc=producer_rc, publish_lag_s=round(t0 - t_launch, 2))
+        log(f"RESULT pipeline-{mode} {json.dumps(rec)}")
+        return rec
+    finally:
+        for p in reversed(procs):  # SIGTERM: each drains and leaves its group; then SIGKILL what is left
+            kill_tree(p, grace_s=20)
+        if watcher is not None:
+            watcher.close()
+        gpu.stop()
+
+
+# --- vllm serve ---------------------------------------------------------------------------------------------------
+
+
+def run_serve(args: argparse.Namespace, out: Path) -> dict:
+    logp = out / "serve.log"
+    budget = BUDGETS[args.budget]
+    cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", args.model, "--load-format", "dummy",
+           "--api-server-count", str(args.serve_k), "--max-model-len", str(args.max_model_len),
+           "--limit-mm-per-prompt", '{"image":1}', "--gpu-memory-utilization", str(args.gpu_memory_utilization),
+           "--mm-processor-cache-gb", "0", "--no-enable-prefix-caching", "--seed", "0",
+           "--allowed-local-media-path", str(Path(args.imgs).resolve()), "--port", str(args.serve_port)]
+    server = spawn(cmd, logp, tag="serve")
+    client = None
+    gpu = GpuSampler().start()
+    t = time.monotonic()
+    try:
+        url = f"http://127.0.0.1:{args.serve_port}"
+        while True:
+            try:
+                if urllib.request.urlopen(url + "/health", timeout=2).status == 200:
+                    break
+            except Exception:  # noqa: BLE001 - not up yet
+                pass
+            if server.poll() is not None:
+                raise RuntimeError(f"vllm serve exited ({server.returncode}):\n{log_tail(logp)}")
+            if time.monotonic() - t > args.start_limit:
+                raise TimeoutError(f"vllm serve not healthy after {args.start_limit}s\n{log_tail(logp)}")
+            time.sleep(1)
+        start_s = round(time.monotonic() - t, 1)
+        log(f"serve healthy after {start_s}s")
+        client_cmd = [sys.executable, str(HERE / "serve_client.py"), "--url", url, "--model", args.model,
+                      "--imgs", str(Path(args.imgs).resolve()), "--seconds", str(args.seconds),
+                      "--procs", str(args.serve_procs), "--conc", str(args.serve_conc),
+                      "--max-tokens", str(args.max_tokens), "--max-pixels", str(budget),
+                      "--min-pixels", str(MIN_PIXELS), "--prompt", PROMPT_TEXT]
+        client = spawn(client_cmd, logp, tag="serve_client")
+        client.wait(timeout=args.arm_limit)
+        res = [ln for ln in log_tail(logp, 20000).splitlines() if ln.startswith("RESULT ")]
+        if not res:
+            raise RuntimeError(f"serve client gave no RESULT:\n{log_tail(logp)}")
+        rec = json.loads(res[-1][len("RESULT "):])
+        rec.update(api_servers=args.serve_k, start_s=start_s,
+                   gpu_busy=gpu.busy(rec["t0"], rec["t0"] + rec["wall_s"]) if "t0" in rec else None)
+        log(f"RESULT serve {json.dumps(rec)}")
+        return rec
+    finally:
+        kill_tree(client, grace_s=2)
+        kill_tree(server, grace_s=10)
+        gpu.stop()
+
+
+# --- report -------------------------------------------------------------------------------------------------------
+
+
+def ratios(arms: dict) -> dict:
+    def rate(name: str) -> float | None:
+        r = arms.get(name, {})
+        return r.get("img_per_s") if isinstance(r, dict) and not r.get("error") else None
+
+    out = {}
+    for p in ("pipeline-embeds", "pipeline-pixels"):
+        for other in ("naive", "serve", "ceiling-preresized", "ceiling-embeds"):
+            a, b = rate(p), rate(other)
+            if a and b:
+                out[f"{p} / {other}"] = round(a / b, 2)
+    a, b = rate("ceiling-preresized"), rate("naive")
+    if a and b:
+        out["ceiling-preresized / naive"] = round(a / b, 2)
+    a, b = rate("serve"), rate("naive")
+    if a and b:
+        out["serve / naive"] = round(a / b, 2)
+    return out
+
+
+def markdown(results: dict) -> str:
+    c = results["config"]
+    lines = [f"## gpu_bench: budget {c['budget']} ({c['max_pixels']} px), {c['max_tokens']} output tokens "
+             f"(ignore_eos), {c['seconds']} s per arm, {c.get('gpu_name', '?')}",
+             "", "| arm | img/s | first window | last window | GPU busy | decode cores | n | note |",
+             "|---|---|---|---|---|---|---|---|"]
+    for name in ALL_ARMS:
+        r = results["arms"].get(name)
+        if r is None:
+            continue
+        if r.get("error"):
+            lines.append(f"| {name} | failed | | | | | | {r['error'].splitlines()[0][:120]} |")
+            continue
+        note = []
+        if name.startswith("pipeline"):
+            note.append(f"{r.get('decode_workers')} decode workers, {r.get('gpus')} GPU(s), "
+                        f"{'complete' if r.get('complete') else 'INCOMPLETE'}, dead letters {r.get('dead_letters')}")
+        if name == "serve":
+            note.append(f"--api-server-count {r.get('api_servers')}, {r.get('procs')} client procs, conc {r.get('conc')}")
+        if "mean_prompt_tokens" in r:
+            note.append(f"prompt {r['mean_prompt_tokens']} tok")
+        lines.append(f"| {name} | {r.get('img_per_s')} | {r.get('first_window_img_per_s', '')} | "
+                     f"{r.get('last_window_img_per_s', '')} | {r.get('gpu_busy', '')} | {r.get('decode_cores', '')} | "
+                     f"{r.get('n', r.get('described', r.get('ok', '')))} | {'; '.join(note)} |")
+    if results.get("ratios"):
+        lines += ["", "| ratio | value |", "|---|---|"] + [f"| {k} | {v} |" for k, v in results["ratios"].items()]
+    return "\n".join(lines) + "\n"
+
+
+def save(results: dict, out: Path) -> None:
+    results["ratios"] = ratios(results["arms"])
+    (out / "gpu_bench.json").write_text(json.dumps(results, indent=1))
+    (out / "gpu_bench.md").write_text(markdown(results))
+
+
+def ensure_model(path: str) -> None:
+    if not Path(path, "config.json").exists():
+        subprocess.run([sys.executable, str(HERE / "mk_model.py"), path], check=True)
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--arms", default="naive,ceiling,pipeline-embeds,pipeline-pixels,serve")
+    ap.add_argument("--budget", choices=sorted(BUDGETS), default="256")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--seconds", type=float, default=30.0, help="Measured time per arm (roughly).")
+    ap.add_argument("--model", default="/root/model", help="Built with mk_model.py when it has no config.json.")
+    ap.add_argument("--imgs", default="/root/imgs", help="Folder of JPEGs (reused to reach the counts).")
+    ap.add_argument("--out", default=os.environ.get("OUT", "gpu_bench_out"))
+    ap.add_argument("--work", default="/tmp/gpu_bench", help="Scratch folder for the pipeline's documents.")
+    ap.add_argument("--workers", type=int, default=12, help="Decode worker processes (pipeline arms).")
+    ap.add_argument("--gpus", type=int, default=1, help="Pipeline arms: one `vlmstream infer` per GPU, one group.")
+    ap.add_argument("--partitions", type=int, default=32)
+    ap.add_argument("--pipeline-docs", type=int, default=0, help="Documents per pipeline arm (0: rate guess x seconds).")
+    ap.add_argument("--stop-after", type=float, default=2.5,
+                    help="Pipeline arms stop measuring after this many x --seconds and report what they had.")
+    ap.add_argument("--window", type=float, default=30.0, help="Length of the first/last rate windows (s).")
+    ap.add_argument("--serve-k", type=int, default=8, help="vllm serve --api-server-count.")
+    ap.add_argument("--serve-procs", type=int, default=6)
+    ap.add_argument("--serve-conc", type=int, default=192)
+    ap.add_argument("--serve-port", type=int, default=8000)
+    ap.add_argument("--start-limit", type=float, default=300.0, help="Engine/server start limit (s).")
+    ap.add_argument("--arm-limit", type=float, default=0.0, help="Hard limit per measured arm (0: 3 x seconds + 90).")
+    ap.add_argument("--max-requests", type=int, default=20000)
+    ap.add_argument("--max-model-len", type=int, default=20480)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
+    ap.add_argument("--engine", default="vllm", help="Pipeline arms' `vlmstream infer --engine` (transformers: a CPU "
+                    "plumbing check with the tiny model).")
+    ap.add_argument("--offline-worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--results-file", default="", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if not args.arm_limit:
+        args.arm_limit = 3 * args.seconds + 90
+    return args
+
+
+def main() -> None:
+    args = parse()
+    if args.offline_worker:
+        offline_worker(args)
+        return
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    arms: list[str] = []
+    for a in args.arms.split(","):
+        arms += ["ceiling-preresized", "ceiling-embeds"] if a == "ceiling" else [a] if a else []
+    unknown = [a for a in arms if a not in ALL_ARMS]
+    if unknown:
+        raise SystemExit(f"unknown arms {unknown}; choose from {ALL_ARMS} or ceiling")
+    ensure_model(args.model)
+    results: dict = {"config": {"budget": args.budget, "max_pixels": BUDGETS[args.budget], "max_tokens": args.max_tokens,
+                                "seconds": args.seconds, "arms": arms, "model": args.model, "prompt": PROMPT_TEXT,
+                                "images": len(image_files(args.imgs)), "workers": args.workers, "gpus": args.gpus,
+                                "gpu_name": subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                                                           capture_output=True, text=True).stdout.strip()
+                                if _has("nvidia-smi") else None},
+                     "arms": {}}
+    t_all = time.monotonic()
+    offline = [a for a in arms if a in OFFLINE_ARMS]
+    if offline:
+        try:
+            run_offline(args, offline, out, results)
+        finally:
+            save(results, out)
+    pipeline = [a for a in arms if a.startswith("pipeline")]
+    if pipeline:
+        started = False
+        try:
+            bootstrap, started = start_broker(out)
+            for arm in pipeline:
+                try:
+                    results["arms"][arm] = run_pipeline(args, arm.split("-")[1], bootstrap, out)
+                except Exception as exc:  # noqa: BLE001 - record it, go on with the next arm
+                    traceback.print_exc()
+                    results["arms"][arm] = {"error": f"{exc!r}"[:3000]}
+                finally:
+                    save(results, out)
+        except Exception as exc:  # noqa: BLE001
+            for arm in pipeline:
+                results["arms"].setdefault(arm, {"error": f"broker: {exc!r}"[:3000]})
+        finally:
+            if started:
+                stop_broker()
+            save(results, out)
+    if "serve" in arms:
+        try:
+            results["arms"]["serve"] = run_serve(args, out)
+        except Exception as exc:  # noqa: BLE001
+            traceback.print_exc()
+            results["arms"]["serve"] = {"error": f"{exc!r}"[:3000]}
+        finally:
+            save(results, out)
+    results["total_s"] = round(time.monotonic() - t_all, 1)
+    save(results, out)
+    print(json.dumps(results, indent=1))
+    print(markdown(results))
+
+
+def _has(exe: str) -> bool:
+    from shutil import which
+
+    return which(exe) is not None
+
+
+if __name__ == "__main__":
+    main()

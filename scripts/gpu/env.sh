@@ -1,0 +1,14 @@
+# Source on the device (after unpack_device.sh) from anywhere: `source scripts/gpu/env.sh`.
+# vLLM + our wheels in /tmp/site ahead of the repo; the jlink'ed JRE; the broker's home (jars already there, so
+# vlmstream/broker.py never calls mvn); libturbojpeg for PyTurboJPEG (it searches LD_LIBRARY_PATH for
+# libturbojpeg.so.0 when the system has none); `vlmstream` and `vllm` wrappers on PATH.
+_vlm_repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+case ":${PYTHONPATH:-}:" in *":/tmp/site:"*) ;; *) export PYTHONPATH=/tmp/site:$_vlm_repo${PYTHONPATH:+:$PYTHONPATH} ;; esac
+export JAVA_HOME=/opt/jre
+export VLMSTREAM_HOME=${VLMSTREAM_HOME:-/root/vlmstream-home}
+case ":${LD_LIBRARY_PATH:-}:" in *":/tmp/vlmlib:"*) ;; *) export LD_LIBRARY_PATH=/tmp/vlmlib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} ;; esac
+case ":$PATH:" in *":/tmp/vlmbin:"*) ;; *) export PATH=/tmp/vlmbin:$JAVA_HOME/bin:$PATH ;; esac
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+# Keep NVLink multicast off on multi-GPU kinds (the device docs ask for it; harmless on one GPU).
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+unset _vlm_repo

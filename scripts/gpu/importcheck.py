@@ -1,0 +1,31 @@
+"""Device import check: vLLM (the modules the Qwen2.5-VL path loads), our wheels, TurboJPEG through the carried
+libturbojpeg exactly as consumers/decode builds it, the JRE, and the vlmstream CLI."""
+import glob
+import os
+import subprocess
+
+import vllm, vllm.entrypoints.llm  # noqa: E401
+from vllm import LLM, SamplingParams  # noqa: F401
+import vllm.model_executor.models.qwen2_5_vl, vllm.v1.engine.core, vllm.v1.engine.llm_engine  # noqa: E401
+import vllm.multimodal.hasher, vllm.v1.worker.gpu_model_runner  # noqa: E401
+print("IMPORT_OK vllm", vllm.__version__)
+
+import cv2, fastjsonschema, kafka, orjson, pydantic, pydantic_settings, turbojpeg  # noqa: E401
+print("IMPORT_OK kafka", kafka.__version__, "orjson", orjson.__version__, "pydantic", pydantic.VERSION,
+      "pydantic_settings", pydantic_settings.__version__, "cv2", cv2.__version__)
+
+from turbojpeg import TurboJPEG  # noqa: E402
+jpegs = sorted(glob.glob("/root/imgs/*.jpg"))
+img = TurboJPEG().decode(open(jpegs[0], "rb").read()) if jpegs else None
+print("IMPORT_OK turbojpeg", turbojpeg.__version__ if hasattr(turbojpeg, "__version__") else "",
+      "decoded", None if img is None else img.shape)
+try:
+    from consumers.decode.decode import _load_turbojpeg
+    print("IMPORT_OK consumers.decode uses turbojpeg:", _load_turbojpeg() is not None)
+except ImportError as e:
+    print("consumers.decode not importable yet:", e)
+
+import vlmstream.cli  # noqa: E402,F401
+print("IMPORT_OK vlmstream.cli")
+java = os.path.join(os.environ.get("JAVA_HOME", "/opt/jre"), "bin", "java")
+print("JAVA", subprocess.run([java, "-version"], capture_output=True, text=True).stderr.splitlines()[0])

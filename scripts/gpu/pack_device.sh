@@ -1,0 +1,84 @@
+#!/bin/bash
+# Build everything the H200 device lacks into parts of at most 60 MiB under <repo>/.gpu/p1, p2, ... (git-ignored).
+# One zstd stream (the device has no zstd binary; pyarrow decompresses it there) holding:
+#   site/                 vLLM 0.26.0 + deps.txt (as ../shared/gpu/pack.sh builds it) + deps_vlmstream.txt wheels
+#   lib/libturbojpeg.so.0 this Debian's libjpeg-turbo 2.1 (PyTurboJPEG 1.x drives it; the device has none)
+#   jre/                  jlink'ed Java 17 runtime with only the modules the Kafka 4.1 broker uses
+#   kafka-4.1.1-jars/     the broker's jars (what vlmstream/broker.py would fetch with mvn), minus unused ones
+# and, outside the stream (JPEGs do not compress), <last part folder>/imgs/: real JPEGs of at least 1 MP from the
+# corpus, smallest files first, up to IMG_MB (~11 MB, 16 files, mean 5.8 MP) for benchmarks/gpu/gpu_bench.py.
+# Usage: bash scripts/gpu/pack_device.sh
+#   env: CORPUS=/work/shared/corpus IMG_MB=12 PART_MIB=60 LEVEL=19 WORK=/tmp/vlmstream-gpu-pack
+# Wheels are cached in $WORK/whl between runs. zstd -19 takes ~4 min on 2 idle cores and far longer on a busy shared
+# machine; LEVEL=12 is ~10x faster for a few per cent more bytes.
+set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd); repo=$(cd "$here/../.." && pwd)
+work=${WORK:-/tmp/vlmstream-gpu-pack}; corpus=${CORPUS:-/work/shared/corpus}; img_mb=${IMG_MB:-12}
+jars_src=${KAFKA_JARS:-$HOME/.cache/vlmstream/kafka-4.1.1-jars}
+command -v zstd >/dev/null || apt-get install -y -q zstd >/dev/null
+tree=$work/tree; rm -rf "$tree" "$work"/all.tar.zst "$work/imgs"; mkdir -p "$work/whl" "$tree/site" "$tree/lib" "$work/imgs"
+t0=$(date +%s)
+
+# (a)+(b) wheels for cp312 manylinux x86_64, unpacked into one site folder (pip download --no-deps: every need is pinned)
+P=""; for n in 2_5 2_17 2_24 2_27 2_28 2_31 2_34; do P="$P --platform manylinux_${n}_x86_64"; done
+P="$P --platform manylinux2014_x86_64 --platform manylinux1_x86_64"
+( cd "$work/whl" && python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp $P \
+    -d . vllm==0.26.0 $(grep -hv -e '^#' -e '^PyTurboJPEG' "$here/deps.txt" "$here/deps_vlmstream.txt")
+  # PyTurboJPEG is published as an sdist only (one pure-Python module): build its wheel here.
+  ls pyturbojpeg-*.whl >/dev/null 2>&1 || python3 -m pip wheel -q --no-deps -w . "$(grep -h '^PyTurboJPEG' "$here/deps_vlmstream.txt")" )
+( cd "$tree/site" && for w in "$work"/whl/*.whl; do unzip -qo "$w" -d .; done
+  # What Qwen2.5-VL on Hopper does not need: FA3 serves both the language model and the vision tower.
+  rm -f vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so vllm/vllm-rs vllm/_moe_C_stable_libtorch.abi3.so
+  rm -rf vllm/third_party/fmha_sm100 vllm/third_party/deep_gemm/include vllm/third_party/deep_gemm/_C.cpython-31[134]-*.so \
+         vllm/entrypoints/serve/instrumentator/static ./*.data
+  find . -name __pycache__ -prune -exec rm -rf {} \; )
+
+# (c) libjpeg-turbo's TurboJPEG library
+cp -L /usr/lib/x86_64-linux-gnu/libturbojpeg.so.0 "$tree/lib/libturbojpeg.so.0"
+
+# (d) a minimal Java runtime and the broker's jars
+bash "$here/jlink_jre.sh" "$tree/jre"
+mkdir -p "$tree/kafka-4.1.1-jars"
+cp "$jars_src"/*.jar "$tree/kafka-4.1.1-jars/"
+# Not loaded by a single-node KRaft broker serving uncompressed/lz4 clients (tested here with the jlink'ed JRE):
+# tools-only parsers and the Jackson/Commons pieces only the CLI tools use.
+for j in $(grep -v '^#' "$here/kafka_jars_drop.txt"); do rm -f "$tree/kafka-4.1.1-jars/$j"; done
+
+# images: real JPEGs of at least 1 MP (no thumbnails), smallest files first, until IMG_MB
+python3 - "$corpus" "$work/imgs" "$img_mb" <<'PY'
+import os, shutil, struct, sys
+corpus, dst, mb = sys.argv[1], sys.argv[2], float(sys.argv[3])
+def jpeg_size(path):  # (w, h) from the first SOFn marker; no Pillow needed here
+    b = open(path, "rb").read(); i = 2
+    while i < len(b):
+        while b[i] == 0xFF: i += 1
+        m = b[i]; ln = struct.unpack(">H", b[i + 1:i + 3])[0]
+        if 0xC0 <= m <= 0xCF and m not in (0xC4, 0xC8, 0xCC):
+            h, w = struct.unpack(">HH", b[i + 4:i + 8]); return w, h
+        i += 1 + ln
+files = sorted((os.path.getsize(p), p) for d in sorted(os.listdir(corpus)) if os.path.isdir(os.path.join(corpus, d))
+               for p in [os.path.join(corpus, d, f) for f in sorted(os.listdir(os.path.join(corpus, d)))]
+               if p.lower().endswith((".jpg", ".jpeg")))
+total, mps = 0, []
+for size, p in files:
+    w, h = jpeg_size(p)
+    if w * h < 1_000_000 or total + size > mb * 1048576: continue
+    shutil.copy(p, os.path.join(dst, os.path.basename(os.path.dirname(p)) + "_" + os.path.basename(p)))
+    total += size; mps.append(w * h / 1e6)
+print(f"images: {len(mps)} JPEGs, {total / 1048576:.1f} MiB, mean {sum(mps) / len(mps):.2f} MP")
+PY
+
+echo "tree (uncompressed):"; du -sh "$tree"/*
+tar -C "$tree" -cf - . | zstd -"${LEVEL:-19}" -T0 -q -o "$work/all.tar.zst"
+rm -rf "$repo"/.gpu/p[0-9]*; mkdir -p "$repo/.gpu/split"
+# n equal parts small enough that the last one plus imgs/ still fits one call's 60 MiB.
+limit=$(( ${PART_MIB:-60} * 1048576 )); stream=$(stat -c %s "$work/all.tar.zst"); imgs=$(du -sb "$work/imgs" | cut -f1)
+n=$(( (stream + limit - imgs - 1) / (limit - imgs) )); size=$(( (stream + n - 1) / n ))
+( cd "$repo/.gpu/split" && rm -f part.* && split -b "$size" "$work/all.tar.zst" part. )
+i=0; for p in "$repo"/.gpu/split/part.*; do i=$((i + 1)); mkdir -p "$repo/.gpu/p$i"; mv "$p" "$repo/.gpu/p$i/"; done
+rmdir "$repo/.gpu/split"
+sha256sum "$work/all.tar.zst" | cut -d' ' -f1 > "$repo/.gpu/p$i/all.sha256"
+cp -r "$work/imgs" "$repo/.gpu/p$i/imgs"
+echo "parts (carry one folder per run call; the last one also holds all.sha256 and imgs/):"
+for d in "$repo"/.gpu/p*; do du -sb "$d" | awk '{printf "  %s  %.1f MiB\n", $2, $1/1048576}'; done
+echo "total $(du -b "$work/all.tar.zst" | awk '{printf "%.1f MiB", $1/1048576}') in $(( $(date +%s) - t0 )) s"

@@ -1,0 +1,34 @@
+#!/bin/bash
+# On the device, from the repo root: join the parts staged in /root/stage (plus any part carried in this very call
+# under .gpu/pN/), check the checksum, unpack: vLLM + wheels -> /tmp/site, JRE -> /opt/jre,
+# Kafka jars -> $VLMSTREAM_HOME/kafka-4.1.1-jars, libturbojpeg -> /tmp/vlmlib, .gpu/pN/imgs -> /root/imgs;
+# patch flashinfer out of vLLM's sampler; put `vlmstream`/`vllm` wrappers in /tmp/vlmbin; check the imports.
+# The device has no zstd binary; pyarrow (in its image) decompresses the stream. ~30 s.
+set -euo pipefail
+repo=$(cd "$(dirname "$0")/../.." && pwd); stage=${STAGE:-/root/stage}
+t0=$(date +%s)
+mkdir -p "$stage"
+for f in "$repo"/.gpu/p*/part.* "$repo"/.gpu/p*/all.sha256; do if [ -e "$f" ]; then mv "$f" "$stage/"; fi; done
+cd "$stage"
+echo "staged: $(ls part.* | tr '\n' ' ')"
+cat part.* > all.zst
+if [ -e all.sha256 ]; then
+  [ "$(sha256sum all.zst | cut -d' ' -f1)" = "$(cat all.sha256)" ] || { echo "CHECKSUM MISMATCH: a part is missing or damaged"; exit 3; }
+fi
+x=/tmp/vlmpack; rm -rf "$x"; mkdir -p "$x"
+python3 -c "import pyarrow as pa,sys,shutil; shutil.copyfileobj(pa.input_stream('$stage/all.zst', compression='zstd'), sys.stdout.buffer, 1<<24)" | tar -xf - -C "$x"
+rm -f all.zst
+source "$repo/scripts/gpu/env.sh"
+rm -rf /tmp/site /opt/jre /tmp/vlmlib /root/imgs "$VLMSTREAM_HOME/kafka-4.1.1-jars"
+mkdir -p "$VLMSTREAM_HOME" /tmp/vlmbin
+mv "$x/site" /tmp/site; mv "$x/jre" /opt/jre; mv "$x/lib" /tmp/vlmlib
+# The images travel beside the stream, in the last part's folder (JPEGs do not compress).
+mkdir -p /root/imgs; for d in "$repo"/.gpu/p*/imgs; do if [ -d "$d" ]; then cp "$d"/* /root/imgs/; fi; done
+mv "$x/kafka-4.1.1-jars" "$VLMSTREAM_HOME/"
+rm -rf "$x"
+printf '#!/bin/sh\nexec python3 -m vlmstream.cli "$@"\n' > /tmp/vlmbin/vlmstream
+printf '#!/bin/sh\nexec python3 -m vllm.entrypoints.cli.main "$@"\n' > /tmp/vlmbin/vllm
+chmod +x /tmp/vlmbin/*
+python3 "$repo/scripts/gpu/patch_flashinfer.py"
+python3 "$repo/scripts/gpu/importcheck.py"
+echo "UNPACKED in $(( $(date +%s) - t0 )) s: /tmp/site $(du -sh /tmp/site | cut -f1), /opt/jre, $VLMSTREAM_HOME/kafka-4.1.1-jars ($(ls "$VLMSTREAM_HOME/kafka-4.1.1-jars" | wc -l) jars), /root/imgs ($(ls /root/imgs | wc -l) files)"
