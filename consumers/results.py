@@ -120,6 +120,7 @@ class ResultsAggregator:
         self._dirty = False
         self.last_record_at = time.monotonic()
         self._assigned = False
+        self.open_at_stop = 0
         self.consumer = None
         self.producer = None
 
@@ -158,6 +159,7 @@ class ResultsAggregator:
             log.error("results aggregator stopping without committing: %s", exc)
             code = 4
         finally:
+            self.open_at_stop = self.open_documents()  # closing revokes the partitions and clears the state
             try:
                 self.consumer.close(autocommit=False)
             finally:

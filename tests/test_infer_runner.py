@@ -157,9 +157,14 @@ def start_infer(settings: Settings, *args: str, log_path: Path) -> subprocess.Po
 
 
 def wait_for(predicate, timeout_s: float, what: str):
+    from kafka.errors import KafkaError
+
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        value = predicate()
+        try:
+            value = predicate()
+        except KafkaError:  # a loaded shared broker sometimes drops a metadata request: ask again
+            value = None
         if value:
             return value
         time.sleep(0.3)

@@ -1,0 +1,121 @@
+"""The document-result aggregator on the real broker: descriptions (3 partitions) and dead letters
+(1 partition) in, one DocumentResult per document out; state rebuilt from the topics after a restart."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from kafka import KafkaProducer
+
+from consumers.results import ResultsAggregator
+from schemas import DeadLetter, Description, DocumentResult, now
+from tests.kafka_helpers import read_topic
+
+
+def description(doc_id: str, index: int, count: int) -> Description:
+    return Description(doc_id=doc_id, image_index=index, image_count=count, text=f"image {index} of {doc_id}",
+                       model="tiny", prompt_id="describe-v1", engine="transformers",
+                       source_uri=f"/img/{doc_id}/{index}.jpg", metadata={"batch": "b1"}, created_at=now())
+
+
+def dead_letter(doc_id: str, index: int | None, count: int | None, kind: str, stage: str = "infer") -> DeadLetter:
+    return DeadLetter(stage=stage, error_kind=kind, detail=f"{kind} for {doc_id}", doc_id=doc_id,
+                      image_index=index, image_count=count, created_at=now())
+
+
+def publish(settings, messages) -> None:
+    producer = KafkaProducer(**settings.kafka.client_kwargs())
+    try:
+        for message in messages:
+            topic = settings.topics.descriptions if isinstance(message, Description) else settings.topics.deadletter
+            producer.send(topic, key=message.key(), value=message.encode(), headers=message.headers())
+        producer.flush()
+    finally:
+        producer.close()
+
+
+def run_aggregator(settings, group_id: str) -> ResultsAggregator:
+    aggregator = ResultsAggregator(settings, group_id=group_id, commit_interval_s=0.3)
+    assert aggregator.run(threading.Event(), max_seconds=60, until_idle_s=2.5) == 0
+    return aggregator
+
+
+def results_by_doc(settings, expected: int) -> dict[str, list[DocumentResult]]:
+    out: dict[str, list[DocumentResult]] = {}
+    for record in read_topic(settings, settings.topics.results, expected=expected, timeout_s=20, idle_s=1.0):
+        result = DocumentResult.decode(record.value)
+        assert record.key == result.doc_id.encode()
+        out.setdefault(result.doc_id, []).append(result)
+    return out
+
+
+@pytest.mark.kafka
+def test_one_result_per_document_with_failures_and_document_level_errors(topic_names, unique):
+    settings = topic_names
+    ok, mixed, redriven, whole, unknown = (f"{name}-{unique}" for name in
+                                           ("ok", "mixed", "redriven", "whole", "unknown"))
+    publish(settings, [
+        description(ok, 1, 2), description(ok, 0, 2),
+        description(mixed, 0, 3), dead_letter(mixed, 2, 3, "payload_invalid"), description(mixed, 1, 3),
+        # A dead letter followed by a later success of the same image (after redrive): the success wins.
+        dead_letter(redriven, 0, 1, "claim_check_unavailable"),
+        # The decode stage could not read the document at all, but said how many images it has.
+        dead_letter(whole, None, 2, "fetch_not_found", stage="decode"),
+        # ... and without knowing the count.
+        dead_letter(unknown, None, None, "invalid_message", stage="decode"),
+        # Not attributable to a document: read and skipped.
+        DeadLetter(stage="decode", error_kind="invalid_message", detail="no doc id"),
+    ])
+    aggregator = run_aggregator(settings, f"test-results-{unique}")
+    assert aggregator.stats.skipped == 1
+
+    got = results_by_doc(settings, expected=5)
+    assert set(got) == {ok, mixed, redriven, whole, unknown} and all(len(v) == 1 for v in got.values())
+    r = got[ok][0]
+    assert (r.image_count, r.succeeded, r.failed) == (2, 2, 0)
+    assert [i["image_index"] for i in r.images] == [0, 1] and r.images[0]["text"] == f"image 0 of {ok}"
+    assert r.metadata == {"batch": "b1"}
+    r = got[mixed][0]
+    assert (r.succeeded, r.failed) == (2, 1)
+    assert [(i["image_index"], i["status"], i.get("error_kind")) for i in r.images] == [
+        (0, "ok", None), (1, "ok", None), (2, "failed", "payload_invalid")]
+    r = got[whole][0]
+    assert (r.image_count, r.succeeded, r.failed) == (2, 0, 2)
+    assert {i["error_kind"] for i in r.images} == {"fetch_not_found"}
+    r = got[unknown][0]
+    assert (r.image_count, r.succeeded, r.failed, r.images) == (0, 0, 0, ())
+    assert r.metadata["document_error"]["error_kind"] == "invalid_message"
+    r = got[redriven][0]
+    assert (r.succeeded, r.failed) == (0, 1)
+
+    # The redriven image succeeds: the document's result is published again, now ok (compaction keeps it).
+    publish(settings, [description(redriven, 0, 1)])
+    run_aggregator(settings, f"test-results-{unique}")
+    again = results_by_doc(settings, expected=6)[redriven]
+    assert [(x.succeeded, x.failed) for x in again][-1] == (1, 0)
+
+
+@pytest.mark.kafka
+def test_open_documents_survive_a_restart_without_an_external_store(topic_names, unique):
+    settings = topic_names
+    group = f"test-results-{unique}"
+    done, waiting = f"done-{unique}", f"waiting-{unique}"
+    # `waiting` has its description on a descriptions partition and a dead letter on the dead-letter topic;
+    # its third image arrives only after the aggregator restarted.
+    # `done` goes first: were it behind `waiting` in the same partition, a restart would re-read it (by design).
+    publish(settings, [description(done, 0, 1), description(waiting, 0, 3),
+                       dead_letter(waiting, 1, 3, "out_of_memory")])
+    first = run_aggregator(settings, group)
+    assert first.open_at_stop == 1
+    assert set(results_by_doc(settings, expected=1)) == {done}
+
+    publish(settings, [description(waiting, 2, 3)])
+    second = run_aggregator(settings, group)  # a new process: nothing in memory
+    got = results_by_doc(settings, expected=2)
+    assert len(got[waiting]) == 1
+    r = got[waiting][0]
+    assert [(i["image_index"], i["status"]) for i in r.images] == [(0, "ok"), (1, "failed"), (2, "ok")]
+    assert second.open_at_stop == 0
+    # `done` was emitted and released before the restart: it is not rebuilt, so not emitted twice.
+    assert len(got[done]) == 1
