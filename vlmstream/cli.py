@@ -7,6 +7,7 @@ Command modules import heavy libraries (torch, transformers, vllm) inside their 
 from __future__ import annotations
 
 import logging
+import os
 from typing import Optional
 
 import orjson
@@ -36,7 +37,8 @@ def main_options(
 ) -> None:
     logging.basicConfig(level=(log_level or "INFO").upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("kafka").setLevel(logging.WARNING)
+    # kafka-python is chatty about transient coordinator moves; its errors still show.
+    logging.getLogger("kafka").setLevel(os.environ.get("VLMSTREAM_KAFKA_LOG_LEVEL", "ERROR").upper())
     overrides: dict = {"kafka": {"bootstrap_servers": bootstrap_servers}}
     if log_level:
         overrides["log_level"] = log_level

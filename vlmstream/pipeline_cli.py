@@ -1,13 +1,249 @@
-"""Placeholder: `run` and `bench` are wired up once the stages exist."""
+"""`vlmstream run` (the whole pipeline on one machine) and `vlmstream bench` (the benchmark scripts)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, List, Optional
 
 import typer
+from rich.console import Console
+from rich.table import Table
+
+console = Console(stderr=True)
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
-def run(ctx: typer.Context) -> None:
-    """Not built yet."""
-    raise typer.Exit(2)
+def _settings_file(settings: Any) -> Path:
+    """The effective settings for child processes, secrets included, readable by this user only."""
+    data = settings.model_dump(mode="python")
+
+    def reveal(node: Any) -> Any:
+        if hasattr(node, "get_secret_value"):
+            return node.get_secret_value()
+        if isinstance(node, dict):
+            return {k: reveal(v) for k, v in node.items()}
+        if isinstance(node, (list, tuple)):
+            return [reveal(v) for v in node]
+        if isinstance(node, Path):
+            return str(node)
+        return node
+
+    fd, name = tempfile.mkstemp(prefix="vlmstream-run-", suffix=".json")
+    with os.fdopen(fd, "w") as handle:
+        json.dump(reveal(data), handle)
+    os.chmod(name, 0o600)
+    return Path(name)
 
 
-def bench(ctx: typer.Context) -> None:
-    """Not built yet."""
-    raise typer.Exit(2)
+def _child(args: list[str], config: Path, log_path: Path) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "vlmstream.cli", "--config", str(config), *args]
+    log = open(log_path, "ab")
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                            start_new_session=True)
+
+
+def _stop_children(children: dict[str, subprocess.Popen], grace_s: float = 60.0) -> dict[str, int | None]:
+    """SIGTERM (drain, commit, leave the group), then SIGKILL whatever outlives the grace period."""
+    for proc in children.values():
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for proc in children.values():
+        try:
+            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return {name: proc.returncode for name, proc in children.items()}
+
+
+def run(
+    ctx: typer.Context,
+    folder: Optional[Path] = typer.Argument(None, help="Folder of images (a subfolder per document, or one "
+                                            "document per file). Default: a small built-in sample folder."),
+    model: Optional[str] = typer.Option(None, "--model", help="HF id or local folder (default: the built-in "
+                                        "tiny random-weight model, whose text is meaningless)."),
+    engine: Optional[str] = typer.Option(None, "--engine", help="auto (vLLM on a GPU, else transformers), vllm, "
+                                         "transformers."),
+    mode: Optional[str] = typer.Option(None, "--mode", help="vLLM input: embeds or pixels."),
+    per_file: bool = typer.Option(False, "--per-file", help="Every image file is its own document."),
+    decode_workers: Optional[int] = typer.Option(None, "--decode-workers", help="Decode processes (default: one "
+                                                 "per core)."),
+    max_pixels: Optional[int] = typer.Option(None, "--max-pixels", help="Pixel budget per image (model default "
+                                             "12845056; e.g. 1003520 = 1280*28*28)."),
+    prompt: Optional[str] = typer.Option(None, "--prompt"),
+    max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens"),
+    force: bool = typer.Option(False, "--force", help="Publish documents again even if already published."),
+    show: int = typer.Option(40, "--show", help="Print at most this many descriptions as they arrive."),
+    timeout_s: Optional[float] = typer.Option(None, "--timeout-s", help="Give up after this long."),
+) -> None:
+    """Run the whole pipeline on this machine: broker, topics, producer, decode workers, inference, results.
+
+    Prints descriptions as they arrive and a summary once every document has its result.
+    """
+    from kafka import KafkaConsumer, TopicPartition
+
+    from producers.publisher import publish_documents
+    from producers.sources import scan_folder
+    from schemas import Description, DocumentRef, DocumentResult, SchemaError
+    from vlmstream.cli_support import bootstrap, settings_from
+    from vlmstream.kafka_io import create_topics
+
+    if folder is None:
+        from vlmstream.samples import sample_folder
+
+        folder = sample_folder()
+        console.print(f"[dim]no folder given: using the built-in sample images in {folder}[/]")
+    folder = folder.resolve()
+    if not folder.is_dir():
+        raise typer.BadParameter(f"{folder} is not a folder")
+    overrides: dict[str, Any] = {
+        "decode": {"max_pixels": max_pixels, "workers": decode_workers},
+        "infer": {"model": model, "engine": engine, "mode": mode, "prompt": prompt,
+                  "max_new_tokens": max_new_tokens},
+    }
+    settings = settings_from(ctx, overrides)
+    roots = list(settings.decode.allowed_roots)
+    if str(folder) not in roots:
+        roots.append(str(folder))
+    settings = settings.model_copy(update={"decode": settings.decode.model_copy(update={"allowed_roots": roots})})
+    if not settings.infer.model:
+        from consumers.infer.tiny_model import default_tiny_model_dir
+
+        tiny = default_tiny_model_dir()
+        settings = settings.model_copy(update={"infer": settings.infer.model_copy(update={"model": str(tiny)})})
+        console.print(f"[yellow]no --model: using the built-in tiny random-weight Qwen2.5-VL ({tiny}); "
+                      "its descriptions are meaningless text. Pass --model for real ones.[/]")
+    bootstrap(settings)
+    create_topics(settings)
+    console.print(f"Kafka: {settings.kafka.bootstrap_servers}; topics: {settings.topics.documents} → "
+                  f"{settings.topics.images} → {settings.topics.descriptions} / {settings.topics.results}")
+
+    config_file = _settings_file(settings)
+    log_dir = Path(settings.broker.home).expanduser() / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    children: dict[str, subprocess.Popen] = {}
+    results: dict[str, DocumentResult] = {}
+    started = time.monotonic()
+    try:
+        # Position the live view before anything is published, so no description is missed.
+        watcher = KafkaConsumer(**settings.kafka.client_kwargs(), group_id=None, enable_auto_commit=False,
+                                auto_offset_reset="earliest")
+        tps = [TopicPartition(topic, p) for topic in (settings.topics.descriptions, settings.topics.results)
+               for p in sorted(watcher.partitions_for_topic(topic) or [])]
+        watcher.assign(tps)
+        ends = watcher.end_offsets([tp for tp in tps if tp.topic == settings.topics.descriptions])
+        for tp, end in ends.items():
+            watcher.seek(tp, end)
+        watcher.seek_to_beginning(*[tp for tp in tps if tp.topic == settings.topics.results])
+
+        children["decode"] = _child(["decode"], config_file, log_dir / f"decode-{stamp}.log")
+        children["infer"] = _child(["infer"], config_file, log_dir / f"infer-{stamp}.log")
+        console.print(f"decode and inference workers started (logs in {log_dir})")
+
+        items = list(scan_folder(folder, per_file=per_file))
+        summary = publish_documents(settings, items, force=force)
+        failed_ids = {failure.doc_id for failure in summary.failed}
+        expected = {item.doc_id for item in items if isinstance(item, DocumentRef)} - failed_ids
+        console.print(f"published {summary.sent} documents ({summary.skipped} already published, "
+                      f"{len(summary.rejected)} rejected, {len(summary.failed)} not acknowledged); "
+                      f"waiting for {len(expected)} document results")
+        for rejection in summary.rejected[:20]:
+            console.print(f"  [yellow]rejected[/] {rejection.where()}: {rejection.reason}: {rejection.detail}")
+        shown = 0
+        images_described = 0
+        while expected - results.keys():
+            if timeout_s is not None and time.monotonic() - started > timeout_s:
+                console.print(f"[red]timeout after {timeout_s:.0f}s[/]")
+                raise typer.Exit(1)
+            for name, proc in children.items():
+                if proc.poll() is not None:
+                    console.print(f"[red]{name} worker exited with {proc.returncode}; see {log_dir}[/]")
+                    raise typer.Exit(1)
+            for tp, records in watcher.poll(timeout_ms=500).items():
+                for record in records:
+                    try:
+                        if tp.topic == settings.topics.results:
+                            result = DocumentResult.decode(record.value)
+                            if result.doc_id in expected:
+                                results[result.doc_id] = result
+                            continue
+                        description = Description.decode(record.value)
+                    except SchemaError as exc:
+                        console.print(f"[red]unreadable record on {tp.topic}: {exc}[/]")
+                        continue
+                    if description.doc_id not in expected:
+                        continue
+                    images_described += 1
+                    if shown < show:
+                        shown += 1
+                        text = description.text.replace("\n", " ")
+                        console.print(f"[bold]{description.doc_id}[/][{description.image_index}] {text[:160]}")
+                    elif shown == show:
+                        shown += 1
+                        console.print(f"[dim](further descriptions not shown; --show to change)[/]")
+        watcher.close()
+    finally:
+        codes = _stop_children(children) if children else {}
+        config_file.unlink(missing_ok=True)
+    elapsed = time.monotonic() - started
+    _print_summary(results, elapsed, codes)
+    raise typer.Exit(0 if all(code == 0 for code in codes.values()) else 1)
+
+
+def _print_summary(results: dict[str, Any], elapsed: float, codes: dict[str, int | None]) -> None:
+    images = sum(r.image_count for r in results.values())
+    ok = sum(r.succeeded for r in results.values())
+    failed = sum(r.failed for r in results.values())
+    kinds: dict[str, int] = {}
+    for result in results.values():
+        for image in result.images:
+            if image.get("status") == "failed":
+                key = f"{image.get('stage')}:{image.get('error_kind')}"
+                kinds[key] = kinds.get(key, 0) + 1
+    table = Table(title="vlmstream run")
+    table.add_column("documents", justify="right")
+    table.add_column("images", justify="right")
+    table.add_column("described", justify="right")
+    table.add_column("failed", justify="right")
+    table.add_column("seconds", justify="right")
+    table.add_column("images/s", justify="right")
+    table.add_row(str(len(results)), str(images), str(ok), str(failed), f"{elapsed:.1f}",
+                  f"{images / elapsed:.2f}" if elapsed > 0 else "-")
+    console.print(table)
+    for key, count in sorted(kinds.items()):
+        console.print(f"  failed {count} x {key}")
+    console.print(f"workers stopped: {codes}")
+
+
+BENCHMARKS = {
+    "producer": "bench_producer.py",
+    "decode": "bench_decode.py",
+    "decode-fleet": "bench_decode_fleet.py",
+    "infer": "bench_infer_consumer.py",
+    "gpu": "gpu/gpu_bench.py",
+}
+
+
+def bench(
+    ctx: typer.Context,
+    name: str = typer.Argument(..., help=f"One of: {', '.join(BENCHMARKS)}."),
+    args: Optional[List[str]] = typer.Argument(None, help="Arguments for the benchmark script (after --)."),
+) -> None:
+    """Run one of the benchmark scripts in benchmarks/ (they print their figures and ratios)."""
+    script = BENCHMARKS.get(name)
+    if script is None:
+        raise typer.BadParameter(f"unknown benchmark {name!r}; choose from {', '.join(BENCHMARKS)}")
+    path = REPO_ROOT / "benchmarks" / script
+    if not path.exists():
+        console.print(f"[red]{path} not found: benchmarks run from a source checkout[/]")
+        raise typer.Exit(2)
+    raise typer.Exit(subprocess.call([sys.executable, str(path), *(args or [])]))
