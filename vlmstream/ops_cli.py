@@ -34,6 +34,8 @@ def replay(
                       str(p.new), str(p.end), str(p.redo), "-" if p.images is None else str(p.images))
     table.add_row("total", "", "", "", str(plan.messages), "-" if plan.images is None else str(plan.images))
     console.print(table)
+    images = "" if plan.images is None else f", {plan.images} image(s)"
+    print(f"to redo: {plan.messages} message(s){images}")
     if plan.members or plan.state not in ("Empty", "Dead"):
         console.print(f"[red]refusing: group {plan.group_id} is {plan.state} with {plan.members} member(s); "
                       f"stop the {plan.stage} workers first (their next commit would undo the rewind)[/]")
