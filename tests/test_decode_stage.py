@@ -1,0 +1,159 @@
+"""The decode stage end to end on files: every supported format, EXIF orientation, alpha, and bad inputs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from PIL import Image, ImageOps
+
+from consumers.decode.codec import decode as decode_payload
+from consumers.decode.decode import Decoder, jpeg_exif_orientation, pick_dct_scale
+from consumers.decode.stage import DecodeStage
+from consumers.decode.types import ImageFailure, PreparedImage
+from tests import images
+from vlmstream.config import DecodeSettings
+
+
+def make_stage(tmp_path, **overrides) -> DecodeStage:
+    settings = DecodeSettings(allowed_roots=[str(tmp_path)], codec="raw", **overrides)
+    return DecodeStage(settings, str(tmp_path / "claims"))
+
+
+def pixels_of(result: PreparedImage) -> np.ndarray:
+    assert isinstance(result, PreparedImage), result
+    return decode_payload(result.data, "raw", result.height, result.width)
+
+
+@pytest.mark.parametrize("name", sorted(images.supported_formats()))
+def test_every_supported_format_decodes_to_the_smart_resize_size(tmp_path, name):
+    data = images.supported_formats()[name]
+    path = tmp_path / f"{name}.img"  # a name that says nothing: the format comes from the bytes
+    path.write_bytes(data)
+    result = make_stage(tmp_path)(str(path))
+    pixels = pixels_of(result)
+    with Image.open(path) as reference:
+        width, height = reference.size
+    from consumers.decode.resize import smart_resize
+
+    assert (result.height, result.width) == smart_resize(height, width, 28, 56 * 56, 28 * 28 * 16384)
+    assert (result.orig_width, result.orig_height) == (width, height)
+    assert result.grid_thw == (1, result.height // 14, result.width // 14)
+    assert result.source_format == name.split("_")[0]
+    assert pixels.dtype == np.uint8 and pixels.shape == (result.height, result.width, 3)
+    assert set(result.timings) >= {"fetch_ms", "decode_ms", "resize_ms", "encode_ms"}
+
+
+def test_photo_formats_agree_with_pillow_in_colour(tmp_path):
+    """CMYK, grey, 16-bit and the rest land on the same RGB as Pillow's own conversion of the 8-bit RGB original."""
+    formats = images.supported_formats()
+    stage = make_stage(tmp_path)
+    import cv2
+
+    def smoothed(name):  # lossy codecs drop the test image's pixel noise; compare colour, not noise
+        return cv2.blur(pixels_of(stage.prepare(formats[name])), (9, 9)).astype(np.int16)
+
+    reference = smoothed("png_rgb")
+    for name in ("jpeg_baseline", "jpeg_progressive", "jpeg_cmyk", "webp", "tiff", "tiff_cmyk", "bmp"):
+        assert np.abs(smoothed(name) - reference).mean() < 2.5, name
+    grey = pixels_of(stage.prepare(formats["jpeg_gray"]))
+    assert (grey[..., 0] == grey[..., 1]).all() and (grey[..., 1] == grey[..., 2]).all()
+
+
+def test_sixteen_bit_pngs_are_scaled_not_clipped(tmp_path):
+    stage = make_stage(tmp_path)
+    gray = pixels_of(stage.prepare(images.png_16bit_gray(40000)))
+    assert np.all(gray == round(40000 / 257))  # 156, where a clip would give 255
+    rgb = pixels_of(stage.prepare(images.png_16bit_rgb()))
+    assert tuple(rgb[10, 10]) == (255, 128, 0)
+
+
+def test_alpha_is_composited_on_white(tmp_path):
+    pixels = pixels_of(make_stage(tmp_path).prepare(images.rgba_half_transparent()))
+    h, w = pixels.shape[:2]
+    assert tuple(pixels[h // 2, w // 4]) == (255, 0, 0)
+    assert tuple(pixels[h // 2, 3 * w // 4]) == (255, 255, 255)
+    palette = pixels_of(make_stage(tmp_path).prepare(images.supported_formats()["png_palette_transparent"]))
+    assert palette.mean() > 200  # index 0 (the transparent one) covers most of the image and became white
+
+
+def _corner_colours(pixels: np.ndarray) -> dict[str, tuple[int, int, int]]:
+    h, w = pixels.shape[:2]
+    points = {"top_left": (4, 4), "top_right": (4, w - 5), "bottom_left": (h - 5, 4), "bottom_right": (h - 5, w - 5)}
+    return {name: tuple(int(v) for v in pixels[y, x]) for name, (y, x) in points.items()}
+
+
+def _is_red(colour) -> bool:
+    return colour[0] > 200 and colour[1] < 60 and colour[2] < 60
+
+
+@pytest.mark.parametrize(
+    "orientation, red_corner", [(1, "top_left"), (3, "bottom_right"), (6, "top_right"), (8, "bottom_left")]
+)
+@pytest.mark.parametrize("container", ["jpeg", "png"])
+def test_exif_orientation_turns_the_image_upright(tmp_path, orientation, red_corner, container):
+    data = (images.jpeg_with_orientation if container == "jpeg" else images.png_with_orientation)(orientation)
+    result = make_stage(tmp_path).prepare(data)
+    pixels = pixels_of(result)
+    landscape = orientation in (1, 3)
+    assert (result.orig_width > result.orig_height) == landscape  # 280x140 stored; 6 and 8 stand it up
+    assert (result.width > result.height) == landscape
+    corners = _corner_colours(pixels)
+    assert _is_red(corners[red_corner]), corners
+    assert [name for name, colour in corners.items() if _is_red(colour)] == [red_corner]
+
+
+@pytest.mark.parametrize("orientation", range(1, 9))
+def test_all_eight_orientations_match_pillow_exif_transpose(tmp_path, orientation):
+    import io
+
+    data = images.jpeg_with_orientation(orientation, 224, 112)  # sizes already multiples of 28: no resampling
+    assert jpeg_exif_orientation(data) == orientation
+    expected = np.asarray(ImageOps.exif_transpose(Image.open(io.BytesIO(data))).convert("RGB")).astype(np.int16)
+    ours = pixels_of(make_stage(tmp_path).prepare(data)).astype(np.int16)
+    assert ours.shape == expected.shape
+    assert np.abs(ours - expected).mean() < 1.0
+
+
+@pytest.mark.parametrize("name", sorted(images.bad_inputs()))
+def test_bad_inputs_become_failures_with_the_right_kind(tmp_path, name):
+    data, expected_kind = images.bad_inputs()[name]
+    path = tmp_path / "photo.jpg"
+    path.write_bytes(data)
+    result = make_stage(tmp_path)(str(path))
+    assert isinstance(result, ImageFailure), result
+    assert result.error_kind == expected_kind, result.detail
+    assert result.retriable is False
+
+
+def test_bomb_is_refused_before_any_pixel_is_decoded(tmp_path):
+    import time
+
+    stage = make_stage(tmp_path, max_source_pixels=10_000_000)
+    (tmp_path / "big.png").write_bytes(images.png_bomb(4000, 3000))  # 12 MP header, below Pillow's own limit
+    started = time.perf_counter()
+    result = stage(str(tmp_path / "big.png"))
+    assert isinstance(result, ImageFailure) and result.error_kind == "decode_too_many_pixels", result
+    assert time.perf_counter() - started < 0.5
+
+
+def test_jpeg_is_decoded_at_the_smallest_dct_scale_that_covers_the_target():
+    factors = {(1, 8), (1, 4), (3, 8), (1, 2), (5, 8), (3, 4), (7, 8), (1, 1), (2, 1)}
+    assert pick_dct_scale(5120, 2880, 1316, 728, factors) == (3, 8)  # 1920x1080 >= 1316x728; 1/4 is 1280 wide
+    assert pick_dct_scale(2560, 1600, 2548, 1596, factors) == (1, 1)
+    assert pick_dct_scale(4000, 3000, 10, 10, factors) == (1, 8)
+    decoder = Decoder(max_pixels=256 * 28 * 28)
+    big = images._save(images._photo_like(1200, 900, 1), "JPEG", quality=80)
+    decoded = decoder.decode(big)
+    assert (decoded.target_height, decoded.target_width) == (364, 504)  # smart_resize(900, 1200, 28, .., 200704)
+    assert decoded.scale == 1 / 2 and decoded.pixels.shape[:2] == (450, 600)  # 3/8 would be 450 wide < 504
+
+
+def test_pillow_fallback_without_libjpeg_turbo_gives_the_same_size(tmp_path):
+    data = images._save(images._photo_like(800, 600, 2), "JPEG", quality=90)
+    settings = DecodeSettings(allowed_roots=[str(tmp_path)], codec="raw", max_pixels=64 * 28 * 28)
+    turbo, pillow = DecodeStage(settings, ""), DecodeStage(settings, "", use_turbojpeg=False)
+    assert not pillow.decoder.uses_turbojpeg
+    a, b = turbo.prepare(data), pillow.prepare(data)
+    assert (a.width, a.height) == (b.width, b.height)
+    assert b.timings["dct_scale"] < 1  # Pillow's draft() also decodes at a reduced DCT scale
+    assert np.abs(pixels_of(a).astype(int) - pixels_of(b).astype(int)).mean() < 3
