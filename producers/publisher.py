@@ -114,8 +114,8 @@ class DocumentPublisher:
         self.deadletter_topic = settings.topics.deadletter
         self.bootstrap = bootstrap_scope(settings)
         self.max_in_flight = max(1, settings.producer.max_in_flight_documents)
-        self.ledger = Ledger(ledger_path(settings)) if use_ledger else None
         self.producer = make_producer(settings, batch_size=BATCH_BYTES)
+        self.ledger = Ledger(ledger_path(settings)) if use_ledger else None
         self._in_flight: deque[_InFlight] = deque()
         self._acked: list[tuple[str, str, str, str]] = []
         # Sent this run and not yet in the ledger: a duplicate line must not go out twice either.

@@ -355,7 +355,8 @@ def watch_folder(root: str | Path, *, per_file: bool = False, settle_s: float = 
     first_scan = True
     while True:
         now_mono, now_wall = time.monotonic(), time.time()
-        for doc_id, files in folder_groups(root, per_file=per_file).items():
+        groups = folder_groups(root, per_file=per_file) if root.is_dir() else {}  # may appear later
+        for doc_id, files in groups.items():
             try:
                 stats = [p.stat() for p in files]
             except FileNotFoundError:
