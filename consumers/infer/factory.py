@@ -1,0 +1,43 @@
+"""Pick and build the inference engine the settings ask for."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from pathlib import Path
+
+from consumers.infer.engine import Engine
+from vlmstream.config import InferSettings
+
+log = logging.getLogger(__name__)
+
+
+def vllm_usable() -> bool:
+    """vLLM is importable and a CUDA device is visible (vLLM's CPU backend is not what we deploy)."""
+    if importlib.util.find_spec("vllm") is None:
+        return False
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def make_engine(settings: InferSettings, model_path: str | Path | None = None) -> Engine:
+    """``engine="auto"``: vLLM when it is installed and CUDA is available, else transformers (on CUDA when
+    available, else CPU). An empty model means the built-in tiny model (written on first use)."""
+    if not model_path:
+        model_path = settings.model
+    if not model_path:
+        from consumers.infer.tiny_model import default_tiny_model_dir
+
+        model_path = default_tiny_model_dir()
+    kind = settings.engine
+    if kind == "auto":
+        kind = "vllm" if vllm_usable() else "transformers"
+        log.info("engine=auto -> %s", kind)
+    if kind == "vllm":
+        from consumers.infer.vllm_engine import VllmEngine
+
+        return VllmEngine(model_path, settings, mode=settings.mode)
+    from consumers.infer.transformers_engine import TransformersEngine
+
+    return TransformersEngine(model_path, settings)
