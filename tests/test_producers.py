@@ -342,6 +342,25 @@ def test_watch_manifest_publishes_complete_new_lines(settings: Settings, tmp_pat
     assert [(r.line, r.reason) for r in summary.rejected] == [(3, "invalid_json")]
 
 
+@pytest.mark.kafka
+def test_stdin_stream_publishes_lines_before_eof(settings: Settings, tmp_path: Path) -> None:
+    read_fd, write_fd = os.pipe()
+    reader, writer = open(read_fd, "rb"), open(write_fd, "wb")
+    thread, box = _run_in_thread(lambda: publish_documents(settings, read_lines(reader, base_dir=tmp_path)))
+    try:
+        writer.write(b"first.jpg\n")
+        writer.flush()
+        # The pipe stays open: the document must go out (and be acknowledged) without waiting for EOF.
+        assert set(_wait_for_documents(settings, 1)) == {"first.jpg"}
+        writer.write(b"second.jpg\n")
+    finally:
+        writer.close()
+        thread.join(timeout=30)
+        reader.close()
+    assert "error" not in box, box
+    assert box["summary"].sent == 2
+
+
 def test_watch_sources_stop_on_deadline(tmp_path: Path) -> None:
     started = time.monotonic()
     items = list(watch_folder(tmp_path, poll_s=0.05, max_seconds=0.3))
