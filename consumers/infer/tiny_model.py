@@ -108,10 +108,10 @@ def write_processor_files(path: Path, max_pixels: int = MAX_PIXELS) -> None:
     })
 
 
-def model_config_dict(text_config: dict, vision_config: dict) -> dict:
+def model_config_dict(text_config: dict, vision_config: dict, dtype: str = "float32") -> dict:
     config = {
         "architectures": ["Qwen2_5_VLForConditionalGeneration"], "model_type": "qwen2_5_vl",
-        "torch_dtype": "float32", "bos_token_id": 151643, "eos_token_id": 151645, "image_token_id": 151655,
+        "torch_dtype": dtype, "bos_token_id": 151643, "eos_token_id": 151645, "image_token_id": 151655,
         "video_token_id": 151656, "vision_start_token_id": 151652, "vision_end_token_id": 151653,
         "vision_token_id": 151654, "tie_word_embeddings": text_config["tie_word_embeddings"], "transformers_version": "4.49.0",
         "text_config": text_config, "vision_config": vision_config,

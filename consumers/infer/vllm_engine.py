@@ -1,0 +1,381 @@
+"""The vLLM engine: continuous batching on one GPU, with the vision front end moved onto the GPU.
+
+Two modes:
+- ``embeds`` (default): our thread patchifies the exact-size uint8 images on the GPU and runs the
+  Qwen2.5-VL vision tower (transformers module, varlen FlashAttention 3 from vLLM) on several images per
+  forward, then hands vLLM ``image_embeds`` + ``image_grid_thw``. vLLM's single front-end process never
+  touches pixels, which is its wall (see shared/gpu/README.md). The embedding for the embeddings topic
+  is the mean of the same tower output the language model reads.
+- ``pixels``: vLLM gets the uint8 array and does its own normalise/patchify/tower; processor kwargs make
+  its resize a no-op. Embeddings, if asked for, cost a separate pass of our tower.
+
+Threads: vLLM's ``AsyncLLM`` lives in its own asyncio loop thread (its EngineCore is a child process);
+the encoder thread feeds it, so encoding of new images overlaps generation of earlier ones. Requests
+enter vLLM as soon as they are encoded: no batch barrier anywhere.
+
+vllm is imported lazily: without it, constructing the engine raises ``EngineUnavailable`` with the
+install hint, and this module still imports.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import multiprocessing
+import queue
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Sequence
+
+from consumers.infer.engine import EngineDeadError, InferenceFailure, InferenceOutput, InferenceRequest
+from consumers.infer.prompts import OutputSchema, PromptBuilder, with_schema
+from consumers.infer.vision import MERGE_SIZE, VisionEncoder, load_vision_tower, mean_pool, patchify_batch, request_problem
+from vlmstream.config import InferSettings
+
+log = logging.getLogger(__name__)
+
+INSTALL_HINT = "pip install 'vlmstream[gpu]'"
+# Qwen2.5-VL's own processor bounds; an exact-size image inside them is not resized by vLLM.
+QWEN_MIN_PIXELS = 56 * 56
+QWEN_MAX_PIXELS = 16384 * 28 * 28
+
+_STOP = object()
+_DEAD = object()
+
+
+class EngineUnavailable(RuntimeError):
+    """vLLM cannot run in this environment (not installed, or no CUDA device). Not retriable."""
+
+
+def import_vllm() -> SimpleNamespace:
+    try:
+        import vllm
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
+        from vllm.v1.engine.async_llm import AsyncLLM
+        from vllm.v1.engine.exceptions import EngineDeadError as VllmEngineDeadError
+    except ImportError as exc:
+        raise EngineUnavailable(
+            f"the vllm engine needs the vllm package, which cannot be imported here ({exc}). "
+            f"Install the GPU extra on a CUDA machine: {INSTALL_HINT} — or set infer.engine=transformers."
+        ) from exc
+    return SimpleNamespace(version=vllm.__version__, AsyncEngineArgs=AsyncEngineArgs, AsyncLLM=AsyncLLM,
+                           SamplingParams=SamplingParams, StructuredOutputsParams=StructuredOutputsParams,
+                           RequestOutputKind=RequestOutputKind, DeadError=VllmEngineDeadError)
+
+
+class VllmEngine:
+    name = "vllm"
+
+    def __init__(self, model_path: str | Path, settings: InferSettings, mode: str | None = None, *,
+                 load_format: str = "auto", embeds_only_engine: bool = True, vision_attention: str = "auto",
+                 engine_kwargs: dict | None = None):
+        """``load_format="dummy"``: random weights (a folder without safetensors); our tower is then random
+        too. ``embeds_only_engine``: in embeds mode, tell vLLM images arrive only as embeddings
+        (``limit_mm_per_prompt`` image 0 + ``enable_mm_embeds``), so it neither builds nor profiles its own
+        vision tower; False keeps vLLM's tower (the path shared/gpu/bench.py measured)."""
+        self.mode = mode or settings.mode
+        if self.mode not in ("embeds", "pixels"):
+            raise ValueError(f"vllm mode must be 'embeds' or 'pixels', got {self.mode!r}")
+        self._v = import_vllm()
+        import torch
+
+        if not torch.cuda.is_available():
+            raise EngineUnavailable("the vllm engine needs a CUDA device; none is visible here "
+                                    "(set infer.engine=transformers to run on CPU)")
+        self._torch = torch
+        self.settings = settings
+        self.model_path = str(model_path)
+        self.model_id = settings.model or self.model_path
+        self.revision = settings.revision
+        self.schema = OutputSchema.load(settings.output_schema)
+        self._ids = itertools.count()
+
+        from transformers import AutoTokenizer
+
+        self.prompts = PromptBuilder(AutoTokenizer.from_pretrained(self.model_path, revision=settings.revision))
+
+        self._inbox: queue.Queue = queue.Queue()
+        self._outbox: queue.Queue = queue.Queue()
+        self._pending = 0
+        self._lock = threading.Lock()
+        self._dead: BaseException | None = None
+        self._closed = False
+        self._tasks: set[asyncio.Future] = set()
+
+        # 1. vLLM first: it sizes its KV cache from the free memory it sees, so our tower loads afterwards
+        #    into the (1 - gpu_memory_utilization) share it leaves.
+        self._children_before = {p.pid for p in multiprocessing.active_children()}
+        self._loop = asyncio.new_event_loop()
+        self._loop_thread = threading.Thread(target=self._loop.run_forever, name="vllm-loop", daemon=True)
+        self._loop_thread.start()
+        embeds_only = self.mode == "embeds" and embeds_only_engine
+        args = dict(
+            model=self.model_path, revision=settings.revision, dtype=settings.dtype,
+            max_model_len=settings.max_model_len, gpu_memory_utilization=settings.gpu_memory_utilization,
+            load_format=load_format, seed=0, disable_log_stats=True,
+            enable_mm_embeds=self.mode == "embeds",
+            limit_mm_per_prompt={"image": 0 if embeds_only else 1, "video": 0},
+            # Every image is new: caching processed inputs only costs memory and hashing.
+            mm_processor_cache_gb=0,
+        )
+        args.update(engine_kwargs or {})
+        started = time.perf_counter()
+        try:
+            self.llm = self._call(self._start(self._v.AsyncEngineArgs(**args)), timeout=900)
+        except BaseException:
+            self._stop_loop()
+            raise
+        self.start_s = time.perf_counter() - started
+        log.info("vLLM %s up in %.1fs (mode=%s, embeds_only=%s)", self._v.version, self.start_s, self.mode, embeds_only)
+
+        # 2. Our vision tower: always in embeds mode; in pixels mode only when embeddings are published.
+        self.encoder: VisionEncoder | None = None
+        self.tower_has_real_weights = False
+        if self.mode == "embeds" or settings.publish_embeddings:
+            dtype = torch.bfloat16
+            tower, self.tower_has_real_weights = load_vision_tower(self.model_path, "cuda", dtype)
+            if not self.tower_has_real_weights and load_format != "dummy":
+                log.warning("no vision weights in %s: the tower is random, embeddings are meaningless", model_path)
+            self.encoder = VisionEncoder(tower, "cuda", dtype, attention=vision_attention)
+            log.info("vision tower on cuda, attention=%s", self.encoder.attention)
+        self._stream = torch.cuda.Stream()
+
+        # 3. The encoder thread feeds vLLM.
+        self._encoder_thread = threading.Thread(target=self._encode_loop, name="vllm-encoder", daemon=True)
+        self._encoder_thread.start()
+
+    # ----------------------------------------------------------------------------- Engine protocol
+
+    def submit(self, requests: Sequence[InferenceRequest]) -> None:
+        if self._dead is not None:
+            raise EngineDeadError(f"vLLM engine died: {self._dead!r}") from self._dead
+        if self._closed:
+            raise EngineDeadError("vLLM engine is closed")
+        now = time.perf_counter()
+        with self._lock:
+            self._pending += len(requests)
+        for request in requests:
+            self._inbox.put((request, now))
+
+    def poll(self, timeout_s: float) -> list[InferenceOutput | InferenceFailure]:
+        finished: list = []
+        try:
+            item = self._outbox.get(timeout=max(0.0, timeout_s))
+            while True:
+                if item is not _DEAD:
+                    finished.append(item)
+                item = self._outbox.get_nowait()
+        except queue.Empty:
+            pass
+        with self._lock:
+            self._pending -= len(finished)
+        if not finished and self._dead is not None:
+            raise EngineDeadError(f"vLLM engine died: {self._dead!r}") from self._dead
+        return finished
+
+    def pending(self) -> int:
+        with self._lock:
+            return self._pending
+
+    def close(self) -> None:
+        """Stop feeding, shut vLLM's EngineCore down, and make sure no child process outlives us."""
+        if self._closed:
+            return
+        self._closed = True
+        self._inbox.put(_STOP)
+        self._encoder_thread.join(timeout=60)
+        try:
+            self._call(self._shutdown(), timeout=120)
+        except Exception as exc:
+            log.warning("vLLM shutdown: %r", exc)
+        self._stop_loop()
+        self._reap_children()
+        self.encoder = None
+        self._torch.cuda.empty_cache()
+
+    def __enter__(self) -> "VllmEngine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ----------------------------------------------------------------------------- encoder thread
+
+    def _encode_loop(self) -> None:
+        try:
+            while True:
+                first = self._inbox.get()
+                if first is _STOP:
+                    return
+                batch = [first]
+                stopping = False
+                while len(batch) < max(1, self.settings.batch_size):
+                    try:
+                        item = self._inbox.get_nowait()
+                    except queue.Empty:
+                        break
+                    if item is _STOP:
+                        stopping = True
+                        break
+                    batch.append(item)
+                self._encode_and_dispatch(batch)
+                if stopping:
+                    return
+        except BaseException as exc:
+            log.exception("vLLM encoder thread died")
+            self._dead = exc
+            self._outbox.put(_DEAD)
+
+    def _encode_and_dispatch(self, batch: list[tuple[InferenceRequest, float]]) -> None:
+        valid = []
+        for request, submitted in batch:
+            problem = request_problem(request.image, request.grid_thw)
+            if problem:
+                self._outbox.put(InferenceFailure(request.request_id, "invalid_request", problem, retriable=False))
+            else:
+                valid.append((request, submitted))
+        need_tower = [(r, s) for r, s in valid if self.mode == "embeds" or (r.want_embedding and self.encoder)]
+        encoded = self._encode_splitting(need_tower) if need_tower else {}
+        for request, submitted in valid:
+            result = encoded.get(request.request_id)
+            if isinstance(result, InferenceFailure):
+                self._outbox.put(result)
+                continue
+            tokens_cpu, embedding, timings = result if result else (None, None, {})
+            timings = {"queue_ms": (time.perf_counter() - submitted) * 1e3 - timings.get("encode_ms", 0.0), **timings}
+            mm_item = ({"image_embeds": tokens_cpu, "image_grid_thw": self._torch.tensor([list(request.grid_thw)])}
+                       if self.mode == "embeds" else request.image)
+            future = asyncio.run_coroutine_threadsafe(
+                self._generate(request, mm_item, embedding if request.want_embedding else None, timings), self._loop)
+            self._tasks.add(future)
+            future.add_done_callback(self._tasks.discard)
+
+    def _encode_splitting(self, items: list[tuple[InferenceRequest, float]]) -> dict:
+        torch = self._torch
+        try:
+            return self._encode(items)
+        except torch.cuda.OutOfMemoryError as exc:
+            torch.cuda.empty_cache()
+            if len(items) == 1:
+                request = items[0][0]
+                return {request.request_id: InferenceFailure(request.request_id, "out_of_memory",
+                                                             f"vision tower: {exc}", retriable=False)}
+            half = len(items) // 2
+            log.warning("vision tower out of memory on %d images; retrying as %d + %d", len(items), half,
+                        len(items) - half)
+            return {**self._encode_splitting(items[:half]), **self._encode_splitting(items[half:])}
+
+    def _encode(self, items: list[tuple[InferenceRequest, float]]) -> dict:
+        torch = self._torch
+        started = time.perf_counter()
+        with torch.cuda.stream(self._stream):
+            pixel_values, grid_thw = patchify_batch([r.image for r, _ in items], "cuda", self.encoder.dtype)
+            tokens = self.encoder.encode_patches(pixel_values, grid_thw)
+            embeddings = [mean_pool(t) if r.want_embedding else None for (r, _), t in zip(items, tokens)]
+            # vLLM's front end serialises CPU tensors to its EngineCore process; one copy per image so no
+            # tensor is a view into a larger storage (a view would ship the whole batch each time).
+            tokens_cpu = [t.to("cpu") for t in tokens] if self.mode == "embeds" else [None] * len(tokens)
+            self._stream.synchronize()
+        encode_ms = (time.perf_counter() - started) * 1e3
+        timings = {"encode_ms": encode_ms, "encode_batch_images": float(len(items))}
+        return {r.request_id: (t, e, dict(timings)) for (r, _), t, e in zip(items, tokens_cpu, embeddings)}
+
+    # ----------------------------------------------------------------------------- asyncio side
+
+    async def _start(self, engine_args):
+        return self._v.AsyncLLM.from_engine_args(engine_args)
+
+    async def _shutdown(self) -> None:
+        for task in asyncio.all_tasks():
+            if task is not asyncio.current_task():
+                task.cancel()
+        self.llm.shutdown()
+
+    async def _generate(self, request: InferenceRequest, mm_item, embedding, timings: dict) -> None:
+        # A retried request reuses its request_id; vLLM needs ids unique among live requests.
+        engine_request_id = f"{request.request_id}#{next(self._ids)}"
+        prompt = {"prompt": self.prompts.prompt(request.prompt), "multi_modal_data": {"image": mm_item},
+                  # A caller-supplied uuid spares vLLM hashing the pixels or the embeddings of every image.
+                  "multi_modal_uuids": {"image": [engine_request_id]}}
+        if self.mode == "pixels":
+            height, width = request.image.shape[:2]
+            prompt["mm_processor_kwargs"] = {"min_pixels": QWEN_MIN_PIXELS,
+                                             "max_pixels": max(QWEN_MAX_PIXELS, height * width),
+                                             "do_resize": False}
+        started = time.perf_counter()
+        try:
+            final = None
+            async for output in self.llm.generate(prompt, self._sampling_params(request.max_new_tokens),
+                                                  engine_request_id):
+                final = output
+            result = self._output(request, final, embedding,
+                                  {**timings, "generate_ms": (time.perf_counter() - started) * 1e3})
+        except asyncio.CancelledError:
+            raise
+        except self._v.DeadError as exc:
+            self._dead = exc
+            self._outbox.put(_DEAD)
+            return
+        except ValueError as exc:  # vLLM's verdict on this request's input: the same input fails again
+            result = InferenceFailure(request.request_id, "invalid_request", str(exc)[:2000], retriable=False)
+        except Exception as exc:
+            cause = exc.__cause__ or exc
+            result = InferenceFailure(request.request_id, "inference_error", f"{type(cause).__name__}: {cause}"[:2000])
+        self._outbox.put(result)
+
+    def _sampling_params(self, max_tokens: int):
+        v = self._v
+        structured = None
+        if self.schema is not None:
+            # No free whitespace: a random or weak model would otherwise spend its token budget on blanks.
+            structured = v.StructuredOutputsParams(json=self.schema.schema, disable_any_whitespace=True)
+        return v.SamplingParams(max_tokens=max_tokens, temperature=self.settings.temperature,
+                                ignore_eos=self.settings.ignore_eos, structured_outputs=structured,
+                                output_kind=v.RequestOutputKind.FINAL_ONLY)
+
+    def _output(self, request: InferenceRequest, final, embedding, timings: dict):
+        if final is None or not final.outputs:
+            return InferenceFailure(request.request_id, "inference_error", "vLLM returned no output")
+        completion = final.outputs[0]
+        if completion.finish_reason == "abort":
+            return InferenceFailure(request.request_id, "inference_error", "vLLM aborted the request")
+        _, grid_h, grid_w = request.grid_thw
+        output = InferenceOutput(
+            request_id=request.request_id,
+            text=completion.text,
+            prompt_tokens=len(final.prompt_token_ids or []),
+            output_tokens=len(completion.token_ids),
+            visual_tokens=grid_h * grid_w // (MERGE_SIZE * MERGE_SIZE),
+            embedding=embedding,
+            timings_ms=timings,
+        )
+        return with_schema(self.schema, output)
+
+    # ----------------------------------------------------------------------------- plumbing
+
+    def _call(self, coroutine, timeout: float):
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout=timeout)
+
+    def _stop_loop(self) -> None:
+        if self._loop.is_running():
+            self._loop.call_soon_threadsafe(self._loop.stop)
+        self._loop_thread.join(timeout=30)
+
+    def _reap_children(self) -> None:
+        """vLLM's shutdown normally ends its EngineCore; an orphan would hold the GPU (and a device run)
+        until killed, so any child process this engine started and that is still alive is ended here."""
+        for child in multiprocessing.active_children():
+            if child.pid in self._children_before:
+                continue
+            child.join(timeout=10)
+            if child.is_alive():
+                log.warning("terminating leftover vLLM process %s (pid %s)", child.name, child.pid)
+                child.terminate()
+                child.join(timeout=10)
+            if child.is_alive():
+                child.kill()
+                child.join(timeout=5)

@@ -1,0 +1,212 @@
+"""Inference engines on CPU with the tiny model and real corpus images (no mocks): device-side patchify
+against transformers' processor, the transformers engine's text + embedding from one vision pass,
+batching without a barrier, schema violations as values, and vLLM's absence reported clearly."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from consumers.decode.resize import resize_exact, smart_resize
+from consumers.infer.engine import EngineDeadError, InferenceFailure, InferenceOutput, InferenceRequest
+from consumers.infer.prompts import OutputSchema, OutputSchemaViolation
+from consumers.infer.tiny_model import default_tiny_model_dir
+from vlmstream.config import InferSettings
+
+pytestmark = pytest.mark.model
+
+# Small budgets keep the CPU run short: <= 64 visual tokens per image.
+MAX_PIXELS = 64 * 28 * 28
+PROMPT = "Describe this image in one sentence."
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    # The test machine is shared: two OpenMP threads spinning against other processes run ~10x slower
+    # than one thread on the tiny model's small matrices.
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="module")
+def model_dir() -> Path:
+    return default_tiny_model_dir()
+
+
+@pytest.fixture(scope="module")
+def images(corpus_dir) -> list[np.ndarray]:
+    """Real corpus images at their exact smart_resize size, as the decode stage hands them over."""
+    files = sorted((p for p in corpus_dir.rglob("*") if p.suffix.lower() in (".jpg", ".png", ".webp")),
+                   key=lambda p: p.stat().st_size)[:5]
+    out = []
+    for path in files:
+        rgb = np.asarray(Image.open(path).convert("RGB"))
+        height, width = smart_resize(rgb.shape[0], rgb.shape[1], max_pixels=MAX_PIXELS)
+        out.append(np.ascontiguousarray(resize_exact(rgb, height, width)))
+    assert len({im.shape for im in out}) > 1, "want images of different sizes in one batch"
+    return out
+
+
+def _request(i: int, image: np.ndarray, max_new_tokens: int = 6, **kw) -> InferenceRequest:
+    return InferenceRequest(f"doc{i}/0", image, (1, image.shape[0] // 14, image.shape[1] // 14), PROMPT,
+                            max_new_tokens, **kw)
+
+
+def _collect(engine, n: int, timeout_s: float = 120.0) -> list[list]:
+    """Every poll's answer until n results arrived (the list of lists shows how they trickled in)."""
+    polls, total, deadline = [], 0, time.monotonic() + timeout_s
+    while total < n:
+        assert time.monotonic() < deadline, f"only {total} of {n} results after {timeout_s}s"
+        got = engine.poll(1.0)
+        if got:
+            polls.append(got)
+            total += len(got)
+    return polls
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir):
+    from consumers.infer.transformers_engine import TransformersEngine
+
+    with TransformersEngine(model_dir, InferSettings(batch_size=8), device="cpu") as eng:
+        yield eng
+
+
+def test_patchify_matches_the_processor(images, model_dir):
+    from transformers import AutoImageProcessor
+
+    from consumers.infer.vision import patchify_batch
+
+    processor = AutoImageProcessor.from_pretrained(model_dir)
+    expected = processor(images=images, do_resize=False, return_tensors="pt")
+    pixel_values, grid_thw = patchify_batch(images)
+    assert torch.equal(grid_thw, expected["image_grid_thw"])
+    assert pixel_values.shape == expected["pixel_values"].shape
+    torch.testing.assert_close(pixel_values, expected["pixel_values"], atol=1e-5, rtol=1e-5)
+
+
+def test_text_counts_and_embedding_from_one_vision_pass(engine, images, model_dir):
+    from transformers import AutoImageProcessor
+
+    requests = [_request(i, im, want_embedding=(i != 1)) for i, im in enumerate(images[:4])]
+    engine.submit(requests)
+    results = {r.request_id: r for poll in _collect(engine, len(requests)) for r in poll}
+    assert engine.pending() == 0
+
+    processor = AutoImageProcessor.from_pretrained(model_dir)
+    before, after = engine._prompt_parts(PROMPT)
+    for request in requests:
+        out = results[request.request_id]
+        assert isinstance(out, InferenceOutput), out
+        _, gh, gw = request.grid_thw
+        assert out.visual_tokens == gh * gw // 4
+        assert out.prompt_tokens == len(before) + out.visual_tokens + len(after)
+        assert 1 <= out.output_tokens <= request.max_new_tokens
+        assert out.text and out.timings_ms["generate_ms"] > 0
+        if not request.want_embedding:
+            assert out.embedding is None
+            continue
+        # Reference: the model's own vision tower on the processor's own pixels.
+        ref = processor(images=[request.image], do_resize=False, return_tensors="pt")
+        with torch.inference_mode():
+            tokens = engine.model.model.get_image_features(ref["pixel_values"], ref["image_grid_thw"]).pooler_output[0]
+        assert out.embedding.shape == (engine.model.config.text_config.hidden_size,)
+        assert out.embedding.dtype == np.float16
+        np.testing.assert_allclose(out.embedding.astype(np.float32), tokens.float().mean(0).numpy(), atol=2e-3, rtol=2e-3)
+    assert len({results[r.request_id].embedding.tobytes() for r in requests if r.want_embedding}) == 3
+
+
+def test_batched_output_equals_single(engine, images):
+    """Left padding and M-RoPE positions are right when a request's tokens do not depend on its batch-mates."""
+    alone = []
+    for i in (0, 2):
+        engine.submit([_request(100 + i, images[i])])
+        alone.append(_collect(engine, 1)[0][0])
+    engine.submit([_request(200 + i, im) for i, im in enumerate(images)])
+    batched = {r.request_id: r for poll in _collect(engine, len(images)) for r in poll}
+    assert [a.text for a in alone] == [batched["doc200/0"].text, batched["doc202/0"].text]
+
+
+def test_more_requests_than_batch_size_arrive_as_batches_finish(model_dir, images):
+    from consumers.infer.transformers_engine import TransformersEngine
+
+    settings = InferSettings(batch_size=2, ignore_eos=True)
+    with TransformersEngine(model_dir, settings, device="cpu") as eng:
+        requests = [_request(i, images[i % len(images)], max_new_tokens=5) for i in range(7)]
+        eng.submit(requests)
+        polls = _collect(eng, len(requests))
+        assert eng.pending() == 0
+        # No barrier: the first answers came while later batches were still queued.
+        assert len(polls[0]) <= 2 and len(polls) >= 4, [len(p) for p in polls]
+        results = [r for poll in polls for r in poll]
+        assert sorted(r.request_id for r in results) == sorted(r.request_id for r in requests)
+        assert all(isinstance(r, InferenceOutput) and r.output_tokens == 5 for r in results)  # ignore_eos
+
+        bad = np.zeros((30, 56, 3), np.uint8)  # not a multiple of 28: fails alone, the engine lives on
+        eng.submit([InferenceRequest("bad/0", bad, (1, 2, 4), PROMPT, 4), _request(50, images[0], 4)])
+        by_id = {r.request_id: r for poll in _collect(eng, 2) for r in poll}
+        assert isinstance(by_id["bad/0"], InferenceFailure) and by_id["bad/0"].error_kind == "invalid_request"
+        assert not by_id["bad/0"].retriable
+        assert isinstance(by_id["doc50/0"], InferenceOutput)
+    with pytest.raises(EngineDeadError):
+        eng.submit([_request(60, images[0])])
+
+
+def test_output_that_cannot_satisfy_the_schema_is_a_failure(model_dir, images, tmp_path):
+    from consumers.infer.transformers_engine import TransformersEngine
+
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps({"type": "object", "required": ["caption"],
+                                  "properties": {"caption": {"type": "string"}}}))
+    with TransformersEngine(model_dir, InferSettings(output_schema=str(schema)), device="cpu") as eng:
+        eng.submit([_request(0, images[0], max_new_tokens=4)])
+        [[result]] = _collect(eng, 1)
+    assert isinstance(result, InferenceFailure), result
+    assert result.error_kind == "output_schema_violation" and result.retriable is False
+
+
+def test_schema_check_parses_fenced_json_and_names_the_violation():
+    schema = OutputSchema.from_dict({"type": "object", "required": ["caption"],
+                                     "properties": {"caption": {"type": "string"}}})
+    assert schema.check('```json\n{"caption": "a red car"}\n```') == {"caption": "a red car"}
+    with pytest.raises(OutputSchemaViolation, match="caption"):
+        schema.check('{"title": "a red car"}')
+
+
+def test_vllm_engine_says_how_to_install_vllm(model_dir):
+    pytest.importorskip("torch")
+    try:
+        import vllm  # noqa: F401
+
+        pytest.skip("vllm is installed here")
+    except ImportError:
+        pass
+    from consumers.infer.factory import make_engine
+    from consumers.infer.vllm_engine import EngineUnavailable, VllmEngine
+
+    with pytest.raises(EngineUnavailable, match=r"pip install 'vlmstream\[gpu\]'"):
+        VllmEngine(model_dir, InferSettings())
+    with pytest.raises(EngineUnavailable):
+        make_engine(InferSettings(engine="vllm"), model_dir)
+
+
+def test_factory_picks_transformers_without_vllm_and_the_tiny_model_by_default(model_dir, images):
+    from consumers.infer.factory import make_engine
+
+    engine = make_engine(InferSettings(engine="auto", model=""))
+    try:
+        assert engine.name == "transformers" and engine.mode is None
+        assert Path(engine.model_id) == model_dir
+        engine.submit([_request(0, images[0], max_new_tokens=2)])
+        [[result]] = _collect(engine, 1)
+        assert isinstance(result, InferenceOutput)
+    finally:
+        engine.close()
