@@ -81,7 +81,7 @@ def validated(doc: DocumentRef) -> DocumentRef:
 _KNOWN_KEYS = {"doc_id", "image_uris", "images", "metadata", "source", "schema_version", "published_at"}
 
 
-def parse_json_line(raw: bytes, *, line: int, origin: str, base_dir: Path) -> DocumentRef | Rejection:
+def parse_json_line(raw: bytes, *, line: int, origin: str, base_dir: str | Path) -> DocumentRef | Rejection:
     """One manifest line: {"doc_id": ..., "image_uris"|"images": [...], "metadata": {...}}.
 
     Other top-level keys join the metadata (like a CSV manifest's extra columns); an explicit
@@ -123,7 +123,7 @@ def parse_json_line(raw: bytes, *, line: int, origin: str, base_dir: Path) -> Do
 
 def read_jsonl(path: str | Path) -> Iterator[DocumentRef | Rejection]:
     path = Path(path).absolute()
-    base_dir, origin = path.parent, str(path)
+    base_dir, origin = str(path.parent), str(path)
     with open(path, "rb") as fh:
         for line_no, raw in enumerate(fh, start=1):
             raw = raw.rstrip(b"\r\n")
@@ -159,7 +159,7 @@ def read_csv(path: str | Path) -> Iterator[DocumentRef | Rejection]:
     the document without that image would change it without anyone noticing.
     """
     path = Path(path).absolute()
-    base_dir, origin = path.parent, str(path)
+    base_dir, origin = str(path.parent), str(path)
     with open(path, newline="", encoding="utf-8-sig") as fh:
         reader = csv.reader(fh)
         header = next(reader, None)
@@ -230,7 +230,7 @@ def read_manifest(path: str | Path) -> Iterator[DocumentRef | Rejection]:
 # --- stdin ---------------------------------------------------------------------------------------
 
 
-def parse_stdin_line(raw: bytes, *, line: int, base_dir: Path, origin: str = "stdin") -> DocumentRef | Rejection:
+def parse_stdin_line(raw: bytes, *, line: int, base_dir: str | Path, origin: str = "stdin") -> DocumentRef | Rejection:
     """A JSON object like a manifest line, or a bare path/URI: one image, one document, id = the text."""
     text = raw.strip()
     if text.startswith(b"{"):
@@ -390,7 +390,7 @@ def follow_jsonl(path: str | Path, *, poll_s: float = 0.5, stop: threading.Event
     path = Path(path).absolute()
     if path.suffix.lower() == ".csv":
         raise ValueError("watching follows JSON-lines manifests; a CSV document's rows cannot be known complete")
-    base_dir, origin = path.parent, str(path)
+    base_dir, origin = str(path.parent), str(path)
     deadline = time.monotonic() + max_seconds if max_seconds is not None else None
     fh: IO[bytes] | None = None
     inode = None
