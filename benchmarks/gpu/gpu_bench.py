@@ -114,7 +114,9 @@ def kill_tree(proc: subprocess.Popen | None, grace_s: float = 10.0, sig: int = s
     if proc is None:
         return
     pids = [proc.pid, *descendants(proc.pid)]
-    groups = set()
+    # spawn() made proc the leader of its own group: its pgid is its pid even after it exited, and children it left
+    # behind (a vLLM EngineCore, API servers) are still in that group though no longer its descendants.
+    groups = {proc.pid}
     for p in pids:
         try:
             groups.add(os.getpgid(p))
@@ -395,13 +397,24 @@ class TopicWatcher:
     was published (record timestamp) and when its description (or dead letter) arrived here."""
 
     def __init__(self, bootstrap: str, topics: dict[str, str], measured_prefix: str, warm_prefix: str) -> None:
-        from kafka import KafkaConsumer
+        from kafka import KafkaConsumer, TopicPartition
 
         self.topics, self.measured_prefix, self.warm_prefix = topics, measured_prefix, warm_prefix
-        self.consumer = KafkaConsumer(topics["documents"], topics["descriptions"], topics["deadletter"],
-                                      bootstrap_servers=bootstrap.split(","), group_id=None,
+        self.consumer = KafkaConsumer(bootstrap_servers=bootstrap.split(","), group_id=None,
                                       auto_offset_reset="earliest", enable_auto_commit=False,
-                                      max_partition_fetch_bytes=64 * 1024 * 1024, metadata_max_age_ms=2000)
+                                      max_partition_fetch_bytes=64 * 1024 * 1024)
+        assignment = []
+        for topic in (topics["documents"], topics["descriptions"], topics["deadletter"]):
+            deadline = time.monotonic() + 60
+            parts = self.consumer.partitions_for_topic(topic)
+            while not parts and time.monotonic() < deadline:
+                time.sleep(0.3)
+                parts = self.consumer.partitions_for_topic(topic)
+            if not parts:
+                raise RuntimeError(f"topic {topic} has no partitions")
+            assignment += [TopicPartition(topic, p) for p in parts]
+        self.consumer.assign(assignment)
+        self.consumer.seek_to_beginning()
         self.published_ms: list[int] = []
         self.done_at: dict[str, float] = {}
         self.warm_done: set[str] = set()
@@ -668,7 +681,10 @@ def markdown(results: dict) -> str:
         if r is None:
             continue
         if r.get("error"):
-            lines.append(f"| {name} | failed | | | | | | {r['error'].splitlines()[0][:120]} |")
+            last = [ln.strip(" │|'\")") for ln in r["error"].replace("\\n", "\n").splitlines()
+                    if len(ln.strip(" │|'\")")) > 3]
+            named = [ln for ln in last if "rror" in ln or "imeout" in ln or "exited" in ln] or last or ["?"]
+            lines.append(f"| {name} | failed | | | | | | {named[-1][:160].replace('|', '/')} |")
             continue
         note = []
         if name.startswith("pipeline"):
