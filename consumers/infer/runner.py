@@ -57,10 +57,30 @@ class RunnerStats:
     run_s: float = 0.0
     engine_idle_s: float = 0.0  # wall time with nothing submitted to the engine
     idle_with_work_s: float = 0.0  # ... while records were waiting: the runner, not the input, starved it
+    first_record_at: float | None = None  # monotonic
+    last_done_at: float | None = None
+    idle_after_first_s: float = 0.0
 
     @property
     def engine_idle_fraction(self) -> float:
         return self.engine_idle_s / self.run_s if self.run_s else 0.0
+
+    @property
+    def active_s(self) -> float:
+        """From the first record fetched to the last one finished: the span where the engine could work."""
+        if self.first_record_at is None or self.last_done_at is None:
+            return 0.0
+        return self.last_done_at - self.first_record_at
+
+    @property
+    def active_idle_fraction(self) -> float:
+        """Share of ``active_s`` with nothing submitted to the engine (group joins and the idle tail excluded)."""
+        if not self.active_s:
+            return 0.0
+        tail = max(0.0, self.run_s_end - self.last_done_at) if self.last_done_at is not None else 0.0
+        return min(1.0, max(0.0, self.idle_after_first_s - tail) / self.active_s)
+
+    run_s_end: float = 0.0
 
 
 @dataclass
@@ -147,6 +167,7 @@ class InferenceRunner:
         committed_on_exit = False
         try:
             self._loop(stop_event, started, max_seconds, until_idle_s)
+            self.stats.run_s_end = time.monotonic()
             self._drain(time.monotonic() + self.stop_drain_s)
             self._commit()
             committed_on_exit = True
@@ -205,6 +226,8 @@ class InferenceRunner:
     def _account_idle(self, dt: float) -> None:
         if self.engine.pending() == 0:
             self.stats.engine_idle_s += dt
+            if self.stats.first_record_at is not None:
+                self.stats.idle_after_first_s += dt
             self._window[1] += dt
             if self._backlog or self._retries:
                 self.stats.idle_with_work_s += dt
@@ -239,6 +262,8 @@ class InferenceRunner:
     def _accept(self, tp: TopicPartition, record: Any) -> None:
         self.stats.records += 1
         self._last_activity = time.monotonic()
+        if self.stats.first_record_at is None:
+            self.stats.first_record_at = self._last_activity
         self._tracker.track(tp, record.offset)
         try:
             meta = decode_image_payload(record.headers)
@@ -370,6 +395,7 @@ class InferenceRunner:
                 self._send(output)
         self._tracker.done(work.tp, work.offset)
         self._done_since_commit += 1
+        self.stats.last_done_at = time.monotonic()
 
     def _send(self, output: Output) -> None:
         topic, key, value, headers = output
