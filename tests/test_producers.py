@@ -282,7 +282,7 @@ def _run_in_thread(target) -> tuple[threading.Thread, dict]:
     return thread, box
 
 
-def _wait_for_documents(settings: Settings, count: int, timeout_s: float = 20.0) -> dict[str, DocumentRef]:
+def _wait_for_documents(settings: Settings, count: int, timeout_s: float = 30.0) -> dict[str, DocumentRef]:
     deadline = time.monotonic() + timeout_s
     records = []
     while time.monotonic() < deadline:
@@ -355,10 +355,11 @@ def test_stdin_stream_publishes_lines_before_eof(settings: Settings, tmp_path: P
         writer.write(b"second.jpg\n")
     finally:
         writer.close()
-        thread.join(timeout=30)
+        thread.join(timeout=60)
         reader.close()
+    assert not thread.is_alive(), "the publisher did not finish after EOF"
     assert "error" not in box, box
-    assert box["summary"].sent == 2
+    assert box["summary"].sent == 2, box["summary"].render()
 
 
 def test_watch_sources_stop_on_deadline(tmp_path: Path) -> None:
