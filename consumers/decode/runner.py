@@ -36,7 +36,7 @@ from typing import Any, Callable
 
 from kafka.consumer.subscription_state import AsyncConsumerRebalanceListener
 from kafka.coordinator.assignors.cooperative_sticky import CooperativeStickyAssignor
-from kafka.errors import CommitFailedError
+from kafka.errors import CommitFailedError, RebalanceInProgressError
 from kafka.structs import OffsetAndMetadata
 
 from consumers.decode import metrics
@@ -134,6 +134,7 @@ class DecodeWorker:
             session_timeout_ms=settings.decode.session_timeout_ms,
             heartbeat_interval_ms=max(1000, settings.decode.session_timeout_ms // 3),
         )
+        self._wait_for_topic_metadata(settings.topics.documents)
         self.consumer.subscribe([settings.topics.documents], listener=_Rebalance(self))
         log.info("decode worker %d (pid %d) joined group %s on %s, %s", self.index, os.getpid(),
                  settings.decode.group_id, settings.topics.documents,
@@ -163,6 +164,15 @@ class DecodeWorker:
             _close_quietly(getattr(self._stage, "close", lambda: None), "decode stage")
         return status
 
+    def _wait_for_topic_metadata(self, topic: str, timeout_s: float = 60.0) -> None:
+        """A group leader that assigns before its metadata names the topic's partitions hands out nothing, and
+        the group then waits for a metadata refresh to rebalance: know the partitions before joining."""
+        deadline = time.monotonic() + timeout_s
+        while self.consumer.partitions_for_topic(topic) is None:
+            if time.monotonic() >= deadline or self._stop_requested():
+                raise FatalPipelineError(f"topic {topic} has no partitions in the cluster metadata")
+            time.sleep(0.2)
+
     def _should_stop(self) -> bool:
         if self._stop_requested():
             return True
@@ -184,12 +194,15 @@ class DecodeWorker:
                 self._checkpoint()
             self.metrics.maybe_log()
 
-    def _process_batch(self, batch: dict[Any, list[Any]]) -> bool:
-        """Decode and send every record of ``batch``; False when asked to stop between documents."""
-        for tp, records in batch.items():
-            for record in records:
-                if self._stop_requested():
-                    return False
+    def _process_batch(self, batch: dict[Any, list[Any]]) -> None:
+        """Decode and send the records of ``batch``, stopping early between documents when asked to stop or
+        when the group is rebalancing (the rebalance waits for our next poll; a batch can take seconds)."""
+        partitions = list(batch.items())
+        for position, (tp, records) in enumerate(partitions):
+            for index, record in enumerate(records):
+                if self._stop_requested() or self._rebalance_pending():
+                    self._rewind([(tp, records[index:])] + partitions[position + 1:])
+                    return
                 self._handle_record(record)
                 self._done[tp] = record.offset + 1
                 if self._unflushed_bytes >= self._max_unflushed:
@@ -199,7 +212,20 @@ class DecodeWorker:
                         self._unflushed_bytes = 0
                     else:
                         self._checkpoint()
-        return True
+
+    def _rebalance_pending(self) -> bool:
+        # kafka-python's heartbeat thread sets this when the coordinator answers REBALANCE_IN_PROGRESS.
+        need_rejoin = getattr(getattr(self.consumer, "_coordinator", None), "need_rejoin", None)
+        try:
+            return bool(need_rejoin and need_rejoin())
+        except Exception:  # noqa: BLE001 - a private API: without it we only rebalance between batches
+            return False
+
+    def _rewind(self, unprocessed: list[tuple[Any, list[Any]]]) -> None:
+        """The consumer's position is past records we did not handle: fetch them again (if we keep the partition)."""
+        for tp, records in unprocessed:
+            if records:
+                self.consumer.seek(tp, records[0].offset)
 
     def _transactional_batch(self, batch: dict[Any, list[Any]]) -> None:
         self.producer.begin_transaction()
@@ -305,9 +331,14 @@ class DecodeWorker:
         offsets = {tp: OffsetAndMetadata(offset, "", -1) for tp, offset in self._done.items()}
         try:
             self.consumer.commit(offsets)
+        except RebalanceInProgressError:
+            # Not an error: our next poll() joins the new generation. The revoke listener then commits what
+            # leaves us, and the next checkpoint commits what stays.
+            log.info("decode worker %d: commit deferred, the group is rebalancing", self.index)
+            return
         except CommitFailedError as exc:
-            # The group moved on (we were too slow or were evicted): whoever owns these partitions now
-            # starts from the previous commit and decodes these documents again.
+            # We were evicted (too slow, or the session expired): whoever owns these partitions now starts
+            # from the previous commit and decodes these documents again.
             log.warning("decode worker %d: commit failed (%s); duplicates may follow", self.index, exc)
         self._done.clear()
 
@@ -379,6 +410,9 @@ def _worker_main(settings: Settings, index: int, stop_event: Any, until_idle_s: 
     logging.basicConfig(level=settings.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(processName)s %(name)s: %(message)s")
     logging.getLogger("kafka").setLevel(logging.WARNING)
+    # Decoding holds this process's CPU (and at times the GIL), so kafka-python's IO loop reports "slow" tasks
+    # all the time; heartbeats still go out (they would show as session timeouts, which are logged).
+    logging.getLogger("kafka.net.selector").setLevel(logging.ERROR)
     stopping = threading.Event()
 
     def request_stop(signum, _frame):
