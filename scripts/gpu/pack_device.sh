@@ -8,7 +8,7 @@
 # and, outside the stream (JPEGs do not compress), <last part folder>/imgs/: real JPEGs of at least 1 MP from the
 # corpus, smallest files first, up to IMG_MB (~11 MB, 16 files, mean 5.8 MP) for benchmarks/gpu/gpu_bench.py.
 # Usage: bash scripts/gpu/pack_device.sh
-#   env: CORPUS=/work/shared/corpus IMG_MB=12 PART_MIB=60 LEVEL=19 WORK=/tmp/vlmstream-gpu-pack
+#   env: CORPUS=/work/shared/corpus IMG_MB=12 LEVEL=19 (PART_MIB=62: see split_parts.sh) WORK=/tmp/vlmstream-gpu-pack
 # Wheels are cached in $WORK/whl between runs. zstd -19 takes ~4 min on 2 idle cores and far longer on a busy shared
 # machine; LEVEL=12 is ~10x faster for a few per cent more bytes.
 set -euo pipefail
@@ -70,15 +70,5 @@ PY
 
 echo "tree (uncompressed):"; du -sh "$tree"/*
 tar -C "$tree" -cf - . | zstd -"${LEVEL:-19}" -T0 -q -o "$work/all.tar.zst"
-rm -rf "$repo"/.gpu/p[0-9]*; mkdir -p "$repo/.gpu/split"
-# n equal parts small enough that the last one plus imgs/ still fits one call's 60 MiB.
-limit=$(( ${PART_MIB:-60} * 1048576 )); stream=$(stat -c %s "$work/all.tar.zst"); imgs=$(du -sb "$work/imgs" | cut -f1)
-n=$(( (stream + limit - imgs - 1) / (limit - imgs) )); size=$(( (stream + n - 1) / n ))
-( cd "$repo/.gpu/split" && rm -f part.* && split -b "$size" "$work/all.tar.zst" part. )
-i=0; for p in "$repo"/.gpu/split/part.*; do i=$((i + 1)); mkdir -p "$repo/.gpu/p$i"; mv "$p" "$repo/.gpu/p$i/"; done
-rmdir "$repo/.gpu/split"
-sha256sum "$work/all.tar.zst" | cut -d' ' -f1 > "$repo/.gpu/p$i/all.sha256"
-cp -r "$work/imgs" "$repo/.gpu/p$i/imgs"
-echo "parts (carry one folder per run call; the last one also holds all.sha256 and imgs/):"
-for d in "$repo"/.gpu/p*; do du -sb "$d" | awk '{printf "  %s  %.1f MiB\n", $2, $1/1048576}'; done
-echo "total $(du -b "$work/all.tar.zst" | awk '{printf "%.1f MiB", $1/1048576}') in $(( $(date +%s) - t0 )) s"
+bash "$here/split_parts.sh"
+echo "built in $(( $(date +%s) - t0 )) s"

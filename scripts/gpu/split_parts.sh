@@ -1,0 +1,18 @@
+#!/bin/bash
+# Split the stream pack_device.sh built ($WORK/all.tar.zst, $WORK/imgs) into <repo>/.gpu/p1, p2, ...: n equal parts,
+# n as small as lets the last folder (part + all.sha256 + imgs/) stay within PART_MIB (default 62: a call carries at
+# most 64 MiB, the working tree included). Re-run alone to re-split without compressing again.
+set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd); repo=$(cd "$here/../.." && pwd); work=${WORK:-/tmp/vlmstream-gpu-pack}
+rm -rf "$repo"/.gpu/p[0-9]*; mkdir -p "$repo/.gpu/split"
+# n equal parts small enough that the last one plus imgs/ stays within PART_MIB.
+limit=$(( ${PART_MIB:-62} * 1048576 )); stream=$(stat -c %s "$work/all.tar.zst"); imgs=$(du -sb "$work/imgs" | cut -f1)
+n=$(( (stream + limit - imgs - 1) / (limit - imgs) )); size=$(( (stream + n - 1) / n ))
+( cd "$repo/.gpu/split" && rm -f part.* && split -b "$size" "$work/all.tar.zst" part. )
+i=0; for p in "$repo"/.gpu/split/part.*; do i=$((i + 1)); mkdir -p "$repo/.gpu/p$i"; mv "$p" "$repo/.gpu/p$i/"; done
+rmdir "$repo/.gpu/split"
+sha256sum "$work/all.tar.zst" | cut -d' ' -f1 > "$repo/.gpu/p$i/all.sha256"
+cp -r "$work/imgs" "$repo/.gpu/p$i/imgs"
+echo "parts (carry one folder per run call; the last one also holds all.sha256 and imgs/):"
+for d in "$repo"/.gpu/p*; do du -sb "$d" | awk '{printf "  %s  %.1f MiB\n", $2, $1/1048576}'; done
+echo "stream $(du -b "$work/all.tar.zst" | awk '{printf "%.1f MiB", $1/1048576}') in $i parts"
