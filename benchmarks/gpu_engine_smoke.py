@@ -162,7 +162,16 @@ def main() -> None:
                                     embeds_only_engine=False)
             entry: dict = {"start_s": round(time.perf_counter() - t, 1),
                            "vision_attention": engine.encoder.attention if engine.encoder else None}
-            run_all(engine, requests_for(warm, args.tokens, f"warm-{mode}-"))
+            _, warm_run = run_all(engine, requests_for(warm, args.tokens, f"warm-{mode}-"))
+            if warm_run["failed"] and mode == "embeds":
+                # Embedding-only vLLM (no tower of its own) rejected the inputs: measure the bench.py setup.
+                print("EMBEDS_ONLY_REQUESTS_FAILED", warm_run["first_failure"], flush=True)
+                report["embeds_only_error"] = warm_run["first_failure"]
+                engine.close()
+                engine = VllmEngine(model_dir, settings.model_copy(update={"mode": mode}), load_format="dummy",
+                                    embeds_only_engine=False)
+                run_all(engine, requests_for(warm, args.tokens, f"warm2-{mode}-"))
+            entry["embeds_only_engine"] = "embeds_only_error" not in report if mode == "embeds" else None
             want = mode == "embeds"  # pixels mode: pure vLLM path, no extra tower pass
             results, entry["run"] = run_all(engine, requests_for(images, args.tokens, f"{mode}-", want))
             first = next(iter(results.values()))
