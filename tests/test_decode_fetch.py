@@ -1,0 +1,238 @@
+"""Fetching: local roots, hostile URIs, and HTTP against a real server on 127.0.0.1 (http.server in a thread)."""
+
+from __future__ import annotations
+
+import http.server
+import os
+import threading
+import time
+
+import pytest
+
+from consumers.decode.fetch import Fetcher
+from consumers.decode.stage import DecodeStage
+from consumers.decode.types import ImageError, ImageFailure, PreparedImage
+from tests import images
+from vlmstream.config import DecodeSettings
+
+JPEG = images.supported_formats()["jpeg_baseline"]
+MAX_BYTES = 64 * 1024
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    hits: dict[str, int] = {}
+
+    def log_message(self, *args):  # keep pytest output clean
+        pass
+
+    def _send(self, status: int, body: bytes = b"", headers: dict | None = None):
+        self.send_response(status)
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
+        if "Content-Length" not in (headers or {}):
+            self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        try:
+            self.wfile.write(body)
+        except (BrokenPipeError, ConnectionResetError):  # the client gave up first, as some tests intend
+            pass
+
+    def do_GET(self):
+        path = self.path
+        count = self.hits[path] = self.hits.get(path, 0) + 1
+        if path == "/image.jpg":
+            self._send(200, JPEG, {"Content-Type": "image/jpeg"})
+        elif path == "/missing.jpg":
+            self._send(404, b"not here")
+        elif path == "/huge-undeclared":
+            # No Content-Length: the cap must trip while streaming, not from a header.
+            self.send_response(200)
+            self.end_headers()
+            chunk = b"\xff" * 8192
+            try:
+                for _ in range(MAX_BYTES // len(chunk) * 4):
+                    self.wfile.write(chunk)
+            except (BrokenPipeError, ConnectionResetError):
+                pass
+        elif path == "/huge-declared":
+            self._send(200, b"", {"Content-Length": str(MAX_BYTES * 100)})
+        elif path.startswith("/flaky"):
+            if count == 1:
+                self._send(503, b"busy", {"Retry-After": "0"})
+            else:
+                self._send(200, JPEG)
+        elif path == "/always-503":
+            self._send(503, b"busy")
+        elif path == "/redirect-ok":
+            self._send(302, b"", {"Location": "/image.jpg"})
+        elif path == "/redirect-metadata":
+            self._send(302, b"", {"Location": "http://169.254.169.254/latest/meta-data/"})
+        elif path == "/redirect-ftp":
+            self._send(302, b"", {"Location": "ftp://127.0.0.1/x.jpg"})
+        elif path == "/redirect-loop":
+            self._send(302, b"", {"Location": "/redirect-loop"})
+        elif path == "/slow":
+            time.sleep(1.0)
+            self._send(200, JPEG)
+        else:
+            self._send(404)
+
+
+@pytest.fixture(scope="module")
+def server():
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
+    httpd.daemon_threads = True
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd.shutdown()
+    httpd.server_close()
+
+
+def fetcher(tmp_path, **kwargs) -> Fetcher:
+    options = dict(allowed_roots=[str(tmp_path)], max_bytes=MAX_BYTES, connect_timeout_s=1.0,
+                   read_timeout_s=2.0, retries=2, backoff_s=0.01)
+    options.update(kwargs)
+    return Fetcher(**options)
+
+
+def kind_of(call) -> str:
+    with pytest.raises(ImageError) as info:
+        call()
+    return info.value.error_kind
+
+
+# ---- local files -----------------------------------------------------------------------------------------------
+
+def test_local_paths_inside_the_roots_are_read(tmp_path):
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "a.jpg").write_bytes(JPEG)
+    f = fetcher(tmp_path)
+    assert f.fetch(str(tmp_path / "sub" / "a.jpg")) == JPEG
+    assert f.fetch("sub/a.jpg") == JPEG  # relative to the first root
+    assert f.fetch((tmp_path / "sub" / "a.jpg").as_uri()) == JPEG  # file://
+    os.symlink(tmp_path / "sub" / "a.jpg", tmp_path / "inside-link.jpg")
+    assert f.fetch(str(tmp_path / "inside-link.jpg")) == JPEG
+
+
+def test_local_paths_that_escape_the_roots_are_refused(tmp_path):
+    root = tmp_path / "root"
+    root.mkdir()
+    outside = tmp_path / "secret.jpg"
+    outside.write_bytes(JPEG)
+    os.symlink(outside, root / "escape.jpg")
+    f = fetcher(root)
+    assert kind_of(lambda: f.fetch(str(outside))) == "fetch_forbidden_path"
+    assert kind_of(lambda: f.fetch(str(root / ".." / "secret.jpg"))) == "fetch_forbidden_path"
+    assert kind_of(lambda: f.fetch("../secret.jpg")) == "fetch_forbidden_path"
+    assert kind_of(lambda: f.fetch(str(root / "escape.jpg"))) == "fetch_forbidden_path"
+    assert kind_of(lambda: f.fetch("/etc/passwd")) == "fetch_forbidden_path"
+    assert kind_of(lambda: f.fetch("file:///etc/passwd")) == "fetch_forbidden_path"
+    assert kind_of(lambda: f.fetch("file://evil.example.com/etc/passwd")) == "fetch_forbidden_host"
+
+
+def test_missing_and_oversized_local_files(tmp_path):
+    f = fetcher(tmp_path)
+    assert kind_of(lambda: f.fetch(str(tmp_path / "nope.jpg"))) == "fetch_not_found"
+    (tmp_path / "big.bin").write_bytes(b"\0" * (MAX_BYTES + 1))
+    assert kind_of(lambda: f.fetch(str(tmp_path / "big.bin"))) == "fetch_too_large"
+
+
+def test_empty_allowed_roots_means_the_working_directory(tmp_path, monkeypatch):
+    (tmp_path / "a.jpg").write_bytes(JPEG)
+    monkeypatch.chdir(tmp_path)
+    f = Fetcher(allowed_roots=[])
+    assert f.fetch("a.jpg") == JPEG
+    assert kind_of(lambda: f.fetch("/etc/hostname")) == "fetch_forbidden_path"
+
+
+# ---- schemes and hosts -----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(
+    "uri, kind",
+    [
+        ("ftp://127.0.0.1/a.jpg", "fetch_forbidden_scheme"),
+        ("javascript:alert(1)", "fetch_forbidden_scheme"),
+        ("data:image/png;base64,iVBORw0KGgo=", "fetch_forbidden_scheme"),
+        ("zip://a.jpg::file:///tmp/x.zip", "fetch_forbidden_scheme"),
+        ("simplecache::memory://bucket/a.jpg", "fetch_forbidden_scheme"),
+        ("gopher://127.0.0.1/", "fetch_forbidden_scheme"),
+        ("http://127.0.0.1:9/a.jpg", "fetch_forbidden_host"),
+        ("http://localhost:9/a.jpg", "fetch_forbidden_host"),
+        ("http://[::1]:9/a.jpg", "fetch_forbidden_host"),
+        ("http://10.1.2.3/a.jpg", "fetch_forbidden_host"),
+        ("http://169.254.169.254/latest/meta-data/", "fetch_forbidden_host"),
+        ("http://0.0.0.0/a.jpg", "fetch_forbidden_host"),
+        ("http://user:pw@example.com/a.jpg", "fetch_forbidden_host"),
+    ],
+)
+def test_hostile_uris_are_refused_before_any_connection(tmp_path, uri, kind):
+    assert kind_of(lambda: fetcher(tmp_path).fetch(uri)) == kind
+
+
+def test_link_local_stays_refused_even_with_private_hosts_allowed(tmp_path):
+    f = fetcher(tmp_path, allow_private_hosts=True)
+    assert kind_of(lambda: f.fetch("http://169.254.169.254/")) == "fetch_forbidden_host"
+
+
+def test_fsspec_memory_urls(tmp_path):
+    import fsspec
+
+    memory = fsspec.filesystem("memory")
+    memory.pipe_file("/vlmstream-test/a.jpg", JPEG)
+    f = fetcher(tmp_path)
+    assert f.fetch("memory://vlmstream-test/a.jpg") == JPEG
+    assert kind_of(lambda: f.fetch("memory://vlmstream-test/missing.jpg")) == "fetch_not_found"
+    memory.pipe_file("/vlmstream-test/big.bin", b"\0" * (MAX_BYTES + 1))
+    assert kind_of(lambda: f.fetch("memory://vlmstream-test/big.bin")) == "fetch_too_large"
+    memory.rm("/vlmstream-test", recursive=True)
+
+
+# ---- http against a real local server --------------------------------------------------------------------------
+
+def test_http_fetch_and_redirects(server, tmp_path):
+    f = fetcher(tmp_path, allow_private_hosts=True)
+    assert f.fetch(f"{server}/image.jpg") == JPEG
+    assert f.fetch(f"{server}/redirect-ok") == JPEG
+
+
+def test_http_failures_have_the_right_kind(server, tmp_path):
+    f = fetcher(tmp_path, allow_private_hosts=True)
+    assert kind_of(lambda: f.fetch(f"{server}/missing.jpg")) == "fetch_not_found"
+    assert kind_of(lambda: f.fetch(f"{server}/huge-undeclared")) == "fetch_too_large"
+    assert kind_of(lambda: f.fetch(f"{server}/huge-declared")) == "fetch_too_large"
+    assert kind_of(lambda: f.fetch(f"{server}/redirect-metadata")) == "fetch_forbidden_host"
+    assert kind_of(lambda: f.fetch(f"{server}/redirect-ftp")) == "fetch_forbidden_scheme"
+    assert kind_of(lambda: f.fetch(f"{server}/redirect-loop")) == "fetch_http_error"
+
+
+def test_transient_http_errors_are_retried_with_backoff(server, tmp_path):
+    f = fetcher(tmp_path, allow_private_hosts=True)
+    _Handler.hits.clear()
+    assert f.fetch(f"{server}/flaky-1") == JPEG
+    assert _Handler.hits["/flaky-1"] == 2
+    with pytest.raises(ImageError) as info:
+        f.fetch(f"{server}/always-503")
+    assert info.value.error_kind == "fetch_http_error" and info.value.retriable
+    assert _Handler.hits["/always-503"] == 3  # first try + http_retries (2)
+
+
+def test_slow_server_times_out_within_the_deadline(server, tmp_path):
+    f = fetcher(tmp_path, allow_private_hosts=True, read_timeout_s=0.2, retries=5, deadline_s=0.6)
+    started = time.monotonic()
+    with pytest.raises(ImageError) as info:
+        f.fetch(f"{server}/slow")
+    assert info.value.error_kind == "fetch_timeout" and info.value.retriable
+    assert time.monotonic() - started < 1.5
+
+
+def test_stage_turns_fetch_errors_into_failure_values(server, tmp_path):
+    settings = DecodeSettings(allowed_roots=[str(tmp_path)], allow_private_hosts=False, max_image_bytes=MAX_BYTES)
+    stage = DecodeStage(settings, "")
+    failure = stage(f"{server}/image.jpg")
+    assert isinstance(failure, ImageFailure) and failure.error_kind == "fetch_forbidden_host"
+    assert stage(str(tmp_path / "missing.jpg")).error_kind == "fetch_not_found"
+    allowed = DecodeStage(settings.model_copy(update={"allow_private_hosts": True}), "")
+    result = allowed(f"{server}/image.jpg")
+    assert isinstance(result, PreparedImage) and result.fetch_bytes == len(JPEG)
+    assert result.timings["fetch_ms"] > 0
