@@ -129,6 +129,7 @@ class TransformersEngine:
         if self._closed:
             return
         self._closed = True
+        _drop_queued(self._inbox)  # closing abandons work not yet started; the runner has not committed it
         self._inbox.put(_STOP)
         self._thread.join(timeout=60)
         self.encoder = None
@@ -306,3 +307,11 @@ class TransformersEngine:
     def _sync(self) -> None:
         if self.device.startswith("cuda"):
             self._torch.cuda.synchronize()
+
+
+def _drop_queued(inbox: queue.Queue) -> None:
+    try:
+        while True:
+            inbox.get_nowait()
+    except queue.Empty:
+        pass

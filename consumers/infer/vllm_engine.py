@@ -186,6 +186,7 @@ class VllmEngine:
         if self._closed:
             return
         self._closed = True
+        _drop_queued(self._inbox)  # closing abandons work not yet started; the runner has not committed it
         self._inbox.put(_STOP)
         self._encoder_thread.join(timeout=60)
         try:
@@ -379,3 +380,11 @@ class VllmEngine:
             if child.is_alive():
                 child.kill()
                 child.join(timeout=5)
+
+
+def _drop_queued(inbox: queue.Queue) -> None:
+    try:
+        while True:
+            inbox.get_nowait()
+    except queue.Empty:
+        pass
