@@ -93,6 +93,14 @@ def test_patchify_matches_the_processor(images, model_dir):
     torch.testing.assert_close(pixel_values, expected["pixel_values"], atol=1e-5, rtol=1e-5)
 
 
+def test_one_encoder_forward_over_mixed_sizes_equals_one_image_at_a_time(engine, images):
+    together = engine.encoder.encode(images)
+    for image, batched in zip(images, together):
+        [alone] = engine.encoder.encode([image])
+        assert batched.grid_thw == (1, image.shape[0] // 14, image.shape[1] // 14)
+        torch.testing.assert_close(batched.tokens, alone.tokens, atol=1e-5, rtol=1e-5)
+
+
 def test_text_counts_and_embedding_from_one_vision_pass(engine, images, model_dir):
     from transformers import AutoImageProcessor
 
