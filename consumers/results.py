@@ -37,6 +37,7 @@ from kafka.structs import OffsetAndMetadata
 
 from schemas import DeadLetter, Description, DocumentResult, SchemaError, now
 from vlmstream.config import Settings
+from consumers.infer.runner import GROUP_MOVED_ON
 from vlmstream.kafka_io import FatalPipelineError, make_consumer, make_producer
 
 log = logging.getLogger(__name__)
@@ -132,7 +133,9 @@ class ResultsAggregator:
         started = last_record = last_commit = time.monotonic()
         self.producer = make_producer(self.settings)
         self.consumer = make_consumer(self.settings, self.group_id, (),
-                                      partition_assignment_strategy=(SingleOwnerAssignor,), session_timeout_ms=10_000)
+                                      partition_assignment_strategy=(SingleOwnerAssignor,),
+                                      # Failover is not latency-critical here; a loaded host must not evict it.
+                                      session_timeout_ms=30_000)
         t = self.settings.topics
         self.consumer.subscribe([t.descriptions, t.deadletter], listener=_Rebalance(self))
         code = 0
@@ -158,6 +161,9 @@ class ResultsAggregator:
         except FatalPipelineError as exc:
             log.error("results aggregator stopping without committing: %s", exc)
             code = 4
+        except Exception:  # noqa: BLE001 - in a thread an exception would vanish; say it and stop
+            log.exception("results aggregator failed; stopping without committing")
+            code = 1
         finally:
             self.open_at_stop = self.open_documents()  # closing revokes the partitions and clears the state
             try:
@@ -310,7 +316,16 @@ class ResultsAggregator:
         self._dirty = False
         # 3. commit synchronously
         if changed:
-            (committer or self.consumer.commit)({tp: OffsetAndMetadata(p, "", -1) for tp, p in changed.items()})
+            offsets = {tp: OffsetAndMetadata(p, "", -1) for tp, p in changed.items()}
+            if committer is not None:
+                committer(offsets)
+            else:
+                try:
+                    self.consumer.commit(offsets)
+                except GROUP_MOVED_ON as exc:
+                    # Rebalanced under us: the next owner rebuilds from the last commit (duplicate results at most).
+                    log.warning("commit refused, the group moved on: %r", exc)
+                    return {}
             self._committed.update(changed)
             self.stats.commits += 1
         return changed

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 import time
 from collections import Counter
 
@@ -14,8 +13,9 @@ from typer.testing import CliRunner
 from schemas import DocumentRef, decode_image_payload
 from tests.kafka_helpers import read_topic
 from tests.test_infer_runner import (committed_offsets, description_counts, documents, end_offsets, infer_settings,
-                                     payload_record, prepared_corpus, produce_images, real_engine, subprocess_env,
-                                     wait_for)
+                                     payload_record, prepared_corpus, produce_images, run_until_idle,
+                                     subprocess_env, wait_for)
+from tests.test_infer_runner import engine  # noqa: F401 - the shared module fixture
 from vlmstream.cli import app
 from vlmstream.kafka_io import make_admin, make_consumer
 
@@ -26,21 +26,13 @@ def cli(settings, *args: str):
     return result.exit_code, result.output
 
 
-def run_inference(settings) -> None:
-    from consumers.infer.runner import InferenceRunner
-
-    engine = real_engine(settings)
-    try:
-        assert InferenceRunner(settings, engine).run(threading.Event(), max_seconds=120, until_idle_s=2.5) == 0
-    finally:
-        engine.close()
 
 
 @pytest.mark.kafka
 @pytest.mark.model
 @pytest.mark.slow
 def test_replay_to_a_timestamp_redoes_exactly_the_later_messages_and_redrive_republishes(
-        topic_names, corpus_dir, unique):
+        topic_names, corpus_dir, unique, engine):  # noqa: F811
     settings = infer_settings(topic_names, unique)
     batch_a = documents(corpus_dir, f"a-{unique}", [2])
     meta, value = payload_record(f"a-{unique}-poison", 0, 1, *prepared_corpus(str(corpus_dir))[2])
@@ -51,7 +43,7 @@ def test_replay_to_a_timestamp_redoes_exactly_the_later_messages_and_redrive_rep
     time.sleep(1.5)
     batch_b = documents(corpus_dir, f"b-{unique}", [3])
     produce_images(settings, batch_b)
-    run_inference(settings)
+    run_until_idle(settings, engine)
     assert description_counts(settings, expected=5) == Counter({(m.doc_id, m.image_index): 1
                                                                 for m, _ in batch_a + batch_b})
 
@@ -63,7 +55,7 @@ def test_replay_to_a_timestamp_redoes_exactly_the_later_messages_and_redrive_rep
 
     code, out = cli(settings, "replay", "--stage", "infer", "--to", f"timestamp:{middle_ms}")
     assert code == 0, out
-    run_inference(settings)
+    run_until_idle(settings, engine)
     counts = description_counts(settings, expected=8)
     assert counts == Counter({**{(m.doc_id, m.image_index): 1 for m, _ in batch_a},
                               **{(m.doc_id, m.image_index): 2 for m, _ in batch_b}})

@@ -28,6 +28,8 @@ from typing import Any, Callable
 import numpy as np
 from kafka import TopicPartition
 from kafka.consumer.subscription_state import AsyncConsumerRebalanceListener
+from kafka.errors import (CommitFailedError, IllegalGenerationError, RebalanceInProgressError,
+                          UnknownMemberIdError)
 from kafka.structs import OffsetAndMetadata
 
 from consumers.infer.engine import Engine, EngineDeadError, InferenceFailure, InferenceOutput, InferenceRequest
@@ -42,6 +44,8 @@ log = logging.getLogger(__name__)
 EXIT_OK = 0
 EXIT_ENGINE_DEAD = 3
 EXIT_PIPELINE_FATAL = 4
+
+GROUP_MOVED_ON = (CommitFailedError, IllegalGenerationError, RebalanceInProgressError, UnknownMemberIdError)
 
 PayloadDecoder = Callable[[ImagePayload, bytes], np.ndarray]
 
@@ -142,6 +146,9 @@ class InferenceRunner:
         self._last_activity = time.monotonic()
         self._warned: dict[str, float] = {}
         self._assigned = False
+        self._fetched_last = 0
+        self._no_commit = False
+        self._fatal: BaseException | None = None  # raised in the rebalance listener, re-raised by the loop
         self._window = [time.monotonic(), 0.0, 0.0]  # start, idle, idle while records waited
         self.consumer = None
         self.producer = None
@@ -175,9 +182,11 @@ class InferenceRunner:
             # The engine is gone: whatever it had in flight is lost, so nothing may be committed past it.
             log.error("engine died, stopping without committing: %s", exc)
             exit_code = EXIT_ENGINE_DEAD
+            self._no_commit = True
         except FatalPipelineError as exc:
             log.error("stopping without committing: %s", exc)
             exit_code = EXIT_PIPELINE_FATAL
+            self._no_commit = True
         finally:
             self.stats.run_s = time.monotonic() - started
             self._close(committed_on_exit)
@@ -203,6 +212,8 @@ class InferenceRunner:
               until_idle_s: float | None) -> None:
         last = time.monotonic()
         while not stop_event.is_set():
+            if self._fatal is not None:
+                raise self._fatal
             t = time.monotonic()
             self._account_idle(t - last)
             last = t
@@ -252,12 +263,19 @@ class InferenceRunner:
         paused = self.consumer.paused()
         if paused:
             self.consumer.resume(*paused)
-        busy = self.engine.pending() > 0 or bool(self._retries)
+        if self.engine.pending() > 0:
+            timeout_ms = 0  # the engine wait below is where this thread sleeps
+        elif self._retries:
+            timeout_ms = int(max(0.0, min(0.1, self._retries[0][0] - time.monotonic())) * 1000)
+        else:
+            timeout_ms = 100
         free = self.cfg.max_images_in_flight - len(self._in_flight)
-        batches = self.consumer.poll(timeout_ms=0 if busy else 100, max_records=max(1, free))
+        batches = self.consumer.poll(timeout_ms=timeout_ms, max_records=max(1, free))
+        self._fetched_last = 0
         for tp, records in batches.items():
             for record in records:
                 self._accept(tp, record)
+                self._fetched_last += 1
 
     def _accept(self, tp: TopicPartition, record: Any) -> None:
         self.stats.records += 1
@@ -313,9 +331,9 @@ class InferenceRunner:
         if self.engine.pending() == 0:
             return
         if timeout_s is None:
-            # Wait on the engine only when there is nothing to fetch or submit meanwhile.
-            can_fetch = not self._backlog and len(self._in_flight) < self.cfg.max_images_in_flight
-            timeout_s = 0.0 if can_fetch else 0.05
+            # Wait on the engine unless records are arriving: spinning on two zero-timeout polls would take
+            # a core from a CPU engine and add nothing on a GPU one.
+            timeout_s = 0.0 if self._fetched_last else 0.05
         for result in self.engine.poll(timeout_s):
             work = self._in_flight.pop(result.request_id, None)
             if work is None:
@@ -426,10 +444,18 @@ class InferenceRunner:
             # 2. raise if a send failed: committing past its message would lose that output for good
             self._raise_on_send_errors()
             # 3. commit synchronously, so a crash after this line never redoes these messages
-            (committer or self.consumer.commit)(offsets)
+            (committer or self._commit_sync)(offsets)
         self.stats.commits += 1
         log.debug("committed %s", {f"{tp.topic}/{tp.partition}": p for tp, p in points.items()})
         return points
+
+    def _commit_sync(self, offsets: dict) -> None:
+        try:
+            self.consumer.commit(offsets)
+        except GROUP_MOVED_ON as exc:
+            # The group rebalanced under us (a long stall, a new member): these partitions may be someone else's
+            # now. Nothing is lost: their new owner redoes what we could not commit (duplicates may follow).
+            log.warning("commit refused, the group moved on; duplicates may follow: %r", exc)
 
     def _commit_transaction(self, points: dict[TopicPartition, int], offsets: dict) -> None:
         self.producer.begin_transaction()
@@ -476,8 +502,8 @@ class InferenceRunner:
         """Runs on the consumer's IO thread while ``run``'s thread is blocked inside ``poll`` or ``close``.
         Returns the offsets still to commit (the listener awaits the commit)."""
         revoked = set(revoked)
-        if not revoked:
-            return {}
+        if not revoked or self._no_commit:
+            return {}  # closing after a fatal error: the next owner redoes everything since the last commit
         self._drain(time.monotonic() + self.revoke_drain_s, revoked)
         # What did not finish in time is dropped: the next owner starts again from the commit point.
         for rid in [rid for rid, w in self._in_flight.items() if w.tp in revoked]:
@@ -533,7 +559,12 @@ class _Rebalance(AsyncConsumerRebalanceListener):
         self.runner = runner
 
     async def on_partitions_revoked(self, revoked):
-        offsets = self.runner.on_revoked(set(revoked))
+        try:
+            offsets = self.runner.on_revoked(set(revoked))
+        except (EngineDeadError, FatalPipelineError) as exc:
+            # kafka-python would only log it; the run loop must stop without committing.
+            self.runner._fatal = exc
+            return
         if offsets and not self.runner.exactly_once:
             coordinator = self.runner.consumer._coordinator  # noqa: SLF001 - the only non-blocking commit path
             try:
