@@ -55,9 +55,11 @@ def produce(
         raise typer.BadParameter("--stdin already streams until EOF; --watch is for --folder or --manifest")
     if per_file and not folder:
         raise typer.BadParameter("--per-file goes with --folder")
-    for path in (manifest, folder):
-        if path is not None and not path.exists() and not watch:
-            raise typer.BadParameter(f"{path} does not exist")
+    # Watch mode may start before the folder or manifest exists; a one-shot run may not.
+    if manifest is not None and (manifest.is_dir() or (not watch and not manifest.is_file())):
+        raise typer.BadParameter(f"--manifest {manifest} is not a file")
+    if folder is not None and (folder.is_file() or (not watch and not folder.is_dir())):
+        raise typer.BadParameter(f"--folder {folder} is not a folder")
     if watch and manifest is not None and manifest.suffix.lower() == ".csv":
         raise typer.BadParameter("--watch follows JSON-lines manifests only (a CSV document's rows span lines)")
 
