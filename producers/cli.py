@@ -45,7 +45,7 @@ def produce(
     from producers.publisher import publish_documents
     from producers.sources import follow_jsonl, read_lines, read_manifest, scan_folder, watch_folder
     from vlmstream.cli_support import bootstrap, settings_from
-    from vlmstream.kafka_io import create_topics
+    from vlmstream.kafka_io import FatalPipelineError, create_topics
 
     console = Console(stderr=True)
     chosen = [name for name, given in (("--manifest", manifest), ("--folder", folder), ("--stdin", stdin)) if given]
@@ -77,8 +77,13 @@ def produce(
     else:
         items = read_lines(sys.stdin.buffer, stop=stop)
 
-    with _progress(console, enabled=not quiet and console.is_terminal) as on_progress:
-        summary = publish_documents(settings, items, force=force, stop=stop, on_progress=on_progress)
+    try:
+        with _progress(console, enabled=not quiet and console.is_terminal) as on_progress:
+            summary = publish_documents(settings, items, force=force, stop=stop, on_progress=on_progress)
+    except FatalPipelineError as exc:
+        # The broker is unreachable: acknowledged documents are in the ledger, the rest go out next run.
+        console.print(f"[red]fatal:[/] {exc}")
+        raise typer.Exit(1) from None
     console.print(summary.render(), highlight=False, markup=False, soft_wrap=True)
     sys.stdout.write(orjson.dumps(summary.as_dict()).decode() + "\n")
     if not summary.ok:
