@@ -6,6 +6,7 @@ One call = fetch -> sniff + decode (DCT-scaled for JPEG) -> exact resize -> EXIF
 
 from __future__ import annotations
 
+import logging
 import time
 
 from consumers.decode.claimcheck import ClaimCheckStore
@@ -14,6 +15,8 @@ from consumers.decode.decode import Decoder
 from consumers.decode.fetch import Fetcher
 from consumers.decode.resize import apply_orientation, resize_exact
 from consumers.decode.types import ImageError, ImageFailure, PreparedImage
+
+log = logging.getLogger(__name__)
 
 # Source size classes for metrics labels (megapixels of the upright source image).
 SIZE_CLASSES = ((0.5, "lt0.5mp"), (2.0, "0.5-2mp"), (8.0, "2-8mp"), (24.0, "8-24mp"))
@@ -54,6 +57,12 @@ class DecodeStage:
             return self.prepare(data, fetch_ms=(fetched - started) * 1000)
         except ImageError as error:
             return ImageFailure.from_error(error)
+        except MemoryError:
+            # Another image on this worker may have held the memory; the same input can succeed later.
+            return ImageFailure("decode_out_of_memory", f"out of memory preparing {uri[:200]}", True)
+        except Exception as exc:  # a library choking on hostile bytes must not stop the partition
+            log.exception("unexpected error preparing %s", uri[:200])
+            return ImageFailure("decode_unexpected", f"{type(exc).__name__}: {exc}"[:500], False)
 
     def prepare(self, data: bytes, *, fetch_ms: float = 0.0) -> PreparedImage:
         """Bytes already in memory -> PreparedImage; raises ImageError (``__call__`` turns it into a value)."""
