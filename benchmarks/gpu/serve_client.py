@@ -45,14 +45,18 @@ def worker(args: argparse.Namespace, rank: int, conc: int, start_at: float, stop
                     first = False
                     i = counter
                     counter += args.procs
-                    async with s.post(args.url + "/v1/chat/completions", json=body(i)) as r:
-                        j = await r.json(content_type=None)
-                        if r.status == 200:
-                            ok += 1
-                            last = time.time()
-                        else:
-                            failed += 1
-                            first_err = first_err or str(j)[:300]
+                    try:
+                        async with s.post(args.url + "/v1/chat/completions", json=body(i)) as r:
+                            j = await r.json(content_type=None)
+                            if r.status == 200:
+                                ok += 1
+                                last = time.time()
+                            else:
+                                failed += 1
+                                first_err = first_err or str(j)[:300]
+                    except Exception as exc:  # noqa: BLE001 - a dropped connection is one failed request
+                        failed += 1
+                        first_err = first_err or repr(exc)[:300]
             while time.time() < start_at:
                 await asyncio.sleep(0.01)
             await asyncio.gather(*[loop() for _ in range(conc)])
@@ -67,7 +71,7 @@ def warm_up(args: argparse.Namespace) -> None:
     p = mp.Process(target=worker, args=(args, 0, 16, now, now + 0.5, q))
     p.start()
     p.join()
-    ok, failed, _, err = q.get()
+    ok, failed, _, err = q.get(timeout=600)
     print(f"warm-up: ok {ok} failed {failed} {err}", flush=True)
 
 
@@ -92,7 +96,7 @@ def main() -> None:
           for k in range(args.procs)]
     for p in ps:
         p.start()
-    outs = [q.get() for _ in ps]
+    outs = [q.get(timeout=args.seconds + 900) for _ in ps]  # a dead worker ends the run, not hangs it
     for p in ps:
         p.join()
     ok = sum(o[0] for o in outs)
