@@ -1,12 +1,13 @@
 #!/bin/bash
-# Build everything the H200 device lacks into parts of at most 60 MiB under <repo>/.gpu/p1, p2, ... (git-ignored).
+# Build everything the H200 device lacks into parts under <repo>/.gpu/p1, p2, ... (git-ignored; one `run` call
+# carries one folder; split_parts.sh keeps each folder within 62 MiB).
 # One zstd stream (the device has no zstd binary; pyarrow decompresses it there) holding:
 #   site/                 vLLM 0.26.0 + deps.txt (as ../shared/gpu/pack.sh builds it) + deps_vlmstream.txt wheels
 #   lib/libturbojpeg.so.0 this Debian's libjpeg-turbo 2.1 (PyTurboJPEG 1.x drives it; the device has none)
 #   jre/                  jlink'ed Java 17 runtime with only the modules the Kafka 4.1 broker uses
 #   kafka-4.1.1-jars/     the broker's jars (what vlmstream/broker.py would fetch with mvn), minus unused ones
 # and, outside the stream (JPEGs do not compress), <last part folder>/imgs/: real JPEGs of at least 1 MP from the
-# corpus, smallest files first, up to IMG_MB (~11 MB, 16 files, mean 5.8 MP) for benchmarks/gpu/gpu_bench.py.
+# corpus, smallest files first, up to IMG_MB (2026-11-30: 15 files, 10.2 MiB, mean 5.83 MP) for gpu_bench.py.
 # Usage: bash scripts/gpu/pack_device.sh
 #   env: CORPUS=/work/shared/corpus IMG_MB=12 LEVEL=19 (PART_MIB=62: see split_parts.sh) WORK=/tmp/vlmstream-gpu-pack
 # Wheels are cached in $WORK/whl between runs. zstd -19 takes ~4 min on 2 idle cores and far longer on a busy shared
@@ -40,8 +41,8 @@ cp -L /usr/lib/x86_64-linux-gnu/libturbojpeg.so.0 "$tree/lib/libturbojpeg.so.0"
 bash "$here/jlink_jre.sh" "$tree/jre"
 mkdir -p "$tree/kafka-4.1.1-jars"
 cp "$jars_src"/*.jar "$tree/kafka-4.1.1-jars/"
-# Not loaded by a single-node KRaft broker serving uncompressed/lz4 clients (tested here with the jlink'ed JRE):
-# tools-only parsers and the Jackson/Commons pieces only the CLI tools use.
+# Never loaded by a single-node KRaft broker whose clients send uncompressed/gzip/lz4 records: zstd-jni, snappy,
+# scala-reflect, Jackson CSV/YAML + snakeyaml (checked with broker_smoke.py on the jlink'ed JRE; 43 -> 28 MB).
 for j in $(grep -v '^#' "$here/kafka_jars_drop.txt"); do rm -f "$tree/kafka-4.1.1-jars/$j"; done
 
 # images: real JPEGs of at least 1 MP (no thumbnails), smallest files first, until IMG_MB
