@@ -126,6 +126,9 @@ def test_local_paths_that_escape_the_roots_are_refused(tmp_path):
     assert kind_of(lambda: f.fetch(str(root / ".." / "secret.jpg"))) == "fetch_forbidden_path"
     assert kind_of(lambda: f.fetch("../secret.jpg")) == "fetch_forbidden_path"
     assert kind_of(lambda: f.fetch(str(root / "escape.jpg"))) == "fetch_forbidden_path"
+    os.symlink(root / "loop-b", root / "loop-a")
+    os.symlink(root / "loop-a", root / "loop-b")
+    assert kind_of(lambda: f.fetch(str(root / "loop-a"))) in ("fetch_not_found", "fetch_forbidden_path")
     assert kind_of(lambda: f.fetch("/etc/passwd")) == "fetch_forbidden_path"
     assert kind_of(lambda: f.fetch("file:///etc/passwd")) == "fetch_forbidden_path"
     assert kind_of(lambda: f.fetch("file://evil.example.com/etc/passwd")) == "fetch_forbidden_host"
@@ -164,6 +167,8 @@ def test_empty_allowed_roots_means_the_working_directory(tmp_path, monkeypatch):
         ("http://169.254.169.254/latest/meta-data/", "fetch_forbidden_host"),
         ("http://0.0.0.0/a.jpg", "fetch_forbidden_host"),
         ("http://user:pw@example.com/a.jpg", "fetch_forbidden_host"),
+        ("http://[::1/a.jpg", "fetch_bad_uri"),
+        ("http://example.com:99999/a.jpg", "fetch_bad_uri"),
     ],
 )
 def test_hostile_uris_are_refused_before_any_connection(tmp_path, uri, kind):

@@ -20,6 +20,7 @@ when producers are untrusted.
 
 from __future__ import annotations
 
+import errno
 import ipaddress
 import os
 import random
@@ -33,6 +34,17 @@ from consumers.decode.types import ImageError
 
 class FetchError(ImageError):
     error_kind = "fetch_error"
+
+
+class BadUri(FetchError):
+    error_kind = "fetch_bad_uri"
+
+
+class IoError(FetchError):
+    """A read failed below us (NFS, a disk): the same file may read fine later."""
+
+    error_kind = "fetch_io_error"
+    retriable = True
 
 
 class NotFound(FetchError):
@@ -109,7 +121,10 @@ class Fetcher:
         )
 
     def fetch(self, uri: str) -> bytes:
-        parts = urlsplit(uri)
+        try:
+            parts = urlsplit(uri)
+        except ValueError as exc:
+            raise BadUri(f"unparseable URI {uri[:200]!r}: {exc}") from exc
         scheme = parts.scheme.lower()
         if scheme == "" or (len(scheme) == 1 and uri[1:2] == ":"):
             return self._read_local(uri)
@@ -139,7 +154,10 @@ class Fetcher:
         if not path.is_absolute():
             path = self.roots[0] / path
         # Resolve symlinks and '..' first: the check must see where the bytes really are.
-        resolved = path.resolve()
+        try:
+            resolved = path.resolve()
+        except (OSError, RuntimeError) as exc:  # symlink loop, name too long
+            raise NotFound(f"{raw_path}: cannot resolve: {exc}") from exc
         if not any(resolved.is_relative_to(root) for root in self.roots):
             raise ForbiddenPath(f"{raw_path} resolves to {resolved}, outside the allowed roots")
         try:
@@ -154,6 +172,10 @@ class Fetcher:
             raise NotFound(f"{raw_path} is a directory") from exc
         except PermissionError as exc:
             raise ForbiddenPath(f"{raw_path}: permission denied") from exc
+        except OSError as exc:
+            if exc.errno in (errno.ENAMETOOLONG, errno.ENOTDIR, errno.ELOOP, errno.ENXIO):
+                raise NotFound(f"{raw_path}: {exc.strerror}") from exc
+            raise IoError(f"{raw_path}: {exc}") from exc
         if len(data) > self.max_bytes:  # the file grew while we read it
             raise TooLarge(f"{raw_path} has more than {self.max_bytes} bytes")
         return data
@@ -232,7 +254,9 @@ class Fetcher:
                     return self._read_capped(url, response, deadline)
             except httpx.TimeoutException as exc:
                 raise FetchTimeout(f"{url}: {type(exc).__name__}") from exc
-            except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError) as exc:
+            except (httpx.InvalidURL, httpx.UnsupportedProtocol) as exc:
+                raise BadUri(f"{url[:200]}: {exc}") from exc
+            except httpx.TransportError as exc:  # connection refused/reset, protocol errors: worth a retry
                 raise HttpError(f"{url}: {type(exc).__name__}: {exc}", retriable=True) from exc
         raise HttpError(f"{uri}: more than {MAX_REDIRECTS} redirects")
 
@@ -273,7 +297,11 @@ class Fetcher:
             raise ForbiddenHost(f"URL without a host: {url[:200]}")
         if parts.username or parts.password:
             raise ForbiddenHost("credentials in URLs are not accepted")
-        for address in _resolve(host, parts.port or (443 if parts.scheme == "https" else 80)):
+        try:
+            port = parts.port or (443 if parts.scheme == "https" else 80)
+        except ValueError as exc:
+            raise BadUri(f"bad port in {url[:200]}: {exc}") from exc
+        for address in _resolve(host, port):
             reason = self._forbidden_reason(address)
             if reason:
                 raise ForbiddenHost(f"{host} resolves to {address} ({reason})")
