@@ -50,12 +50,8 @@ def prepare_payloads(corpus: Path, count: int, max_pixels: int):
 
 
 def make_engine(settings, model: str):
-    try:
-        from consumers.infer.factory import make_engine as factory
-    except ImportError:
-        from consumers.infer.transformers_engine import TransformersEngine
+    from consumers.infer.factory import make_engine as factory
 
-        return TransformersEngine(model, settings.infer)
     return factory(settings.infer, model)
 
 

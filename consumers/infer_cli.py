@@ -29,6 +29,7 @@ def infer(
     import signal
     import threading
 
+    from consumers.infer.factory import make_engine
     from consumers.infer.runner import InferenceRunner
     from consumers.results import ResultsAggregator
     from vlmstream.cli_support import bootstrap, settings_from
@@ -54,7 +55,7 @@ def infer(
     if not no_results:
         aggregator = ResultsAggregator(settings)
         aggregator_thread = aggregator.start_thread(aggregator_stop)
-    engine_impl = _make_engine(settings, model_path)
+    engine_impl = make_engine(settings.infer, model_path)
     try:
         code = InferenceRunner(settings, engine_impl).run(stop, max_seconds=max_seconds, until_idle_s=until_idle_s)
     finally:
@@ -78,12 +79,3 @@ def tiny_model(ctx: typer.Context, path: str = typer.Argument(..., help="Folder 
 
     print(write_tiny_model(path))
 
-
-def _make_engine(settings, model_path: str):
-    try:
-        from consumers.infer.factory import make_engine
-    except ImportError:  # a checkout without the factory still runs the CPU engine
-        from consumers.infer.transformers_engine import TransformersEngine
-
-        return TransformersEngine(model_path, settings.infer)
-    return make_engine(settings.infer, model_path)

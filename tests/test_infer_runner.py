@@ -101,14 +101,9 @@ def tiny_model_dir() -> str:
 
 
 def real_engine(settings: Settings):
-    infer = settings.infer.model_copy(update={"engine": "transformers"})
-    try:
-        from consumers.infer.factory import make_engine
-    except ImportError:  # the factory is optional for these tests: the engine itself is what runs
-        from consumers.infer.transformers_engine import TransformersEngine
+    from consumers.infer.factory import make_engine
 
-        return TransformersEngine(tiny_model_dir(), infer)
-    return make_engine(infer, tiny_model_dir())
+    return make_engine(settings.infer.model_copy(update={"engine": "transformers"}), tiny_model_dir())
 
 
 @pytest.fixture(scope="module")
@@ -282,6 +277,7 @@ def test_end_to_end_descriptions_embeddings_and_document_results(topic_names, co
     results = read_topic(settings, settings.topics.results, expected=3, timeout_s=60)
     aggregator_stop.set()
     aggregator_thread.join(30)
+    assert len(results) == 3, (aggregator.stats, aggregator.open_at_stop)
 
     described = [Description.decode(r.value) for r in read_topic(settings, settings.topics.descriptions,
                                                                  expected=6, timeout_s=10)]
@@ -438,7 +434,7 @@ def test_a_dead_engine_stops_the_runner_without_committing(topic_names, corpus_d
     try:
         wait_for(lambda: sum(description_counts(settings, timeout_s=1.5).values()) >= 1, 90, "a description")
         engine.close()  # the engine is gone: submit and poll now raise EngineDeadError
-        thread.join(60)
+        thread.join(120)
     finally:
         stop.set()
     assert result["code"] == EXIT_ENGINE_DEAD

@@ -119,6 +119,9 @@ class TransformersEngine:
         # Results already finished are handed over first; the death is reported on the next poll.
         if not finished and self._dead is not None:
             raise EngineDeadError(f"transformers engine thread died: {self._dead!r}") from self._dead
+        if not finished and self._closed:
+            # Closed under a runner with requests out: they will never come back, which is what dead means.
+            raise EngineDeadError("transformers engine is closed")
         return finished
 
     def pending(self) -> int:
