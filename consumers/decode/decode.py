@@ -246,6 +246,8 @@ def _decode_cv2(data: bytes, width: int, height: int) -> np.ndarray | None:
     if array.ndim == 2:
         return cv2.cvtColor(array, cv2.COLOR_GRAY2RGB)
     if array.shape[2] == 4:
+        if array[..., 3].min() == 255:
+            return cv2.cvtColor(array, cv2.COLOR_BGRA2RGB)
         return composite_on_white(cv2.cvtColor(array, cv2.COLOR_BGRA2RGBA))
     if array.shape[2] == 3:
         return cv2.cvtColor(array, cv2.COLOR_BGR2RGB)
@@ -303,6 +305,9 @@ def to_rgb(image: Image.Image) -> np.ndarray:
 
 
 def composite_on_white(rgba: np.ndarray) -> np.ndarray:
+    """RGBA -> RGB over a white background (what transformers' convert_rgb does)."""
+    if rgba[..., 3].min() == 255:  # many RGBA files are fully opaque: skip the arithmetic on every pixel
+        return cv2.cvtColor(rgba, cv2.COLOR_RGBA2RGB)
     alpha = rgba[..., 3:4].astype(np.uint16)
     rgb = rgba[..., :3].astype(np.uint16)
     out = (rgb * alpha + 255 * (255 - alpha) + 127) // 255
@@ -350,6 +355,14 @@ def tiff_orientation(tiff: bytes) -> int:
 
 def _pillow_orientation(image: Image.Image) -> int:
     try:
+        if image.format in ("PNG", "WEBP"):
+            # PngImageFile.getexif() decodes the whole image to look for an eXIf chunk after the pixels; read only
+            # what the header pass already found (eXIf before IDAT, the usual place).
+            raw = image.info.get("exif")
+            if not raw:
+                return 1
+            raw = raw[6:] if raw.startswith(b"Exif\x00\x00") else raw
+            return tiff_orientation(raw)
         value = image.getexif().get(EXIF_ORIENTATION_TAG, 1)
     except Exception:  # a broken EXIF block must not fail an otherwise good image
         return 1
