@@ -31,7 +31,9 @@ def size_class(width: int, height: int) -> str:
 
 
 class DecodeStage:
-    """``stage(uri) -> PreparedImage | ImageFailure``; never raises for bad input (a bug still raises).
+    """``stage(uri) -> PreparedImage | ImageFailure``; never raises. Known bad input gets a stable error_kind
+    (see fetch.py / decode.py / resize.py); anything a library throws unexpectedly becomes ``decode_unexpected``
+    and is logged with its traceback, so one hostile file cannot stop a partition.
 
     ``store`` is the claim-check store for payloads over the record limit; the runner decides when to use it."""
 
