@@ -131,7 +131,7 @@ class Fleet:
         with open(self.log_file, "wb") as log:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "vlmstream.cli", "--config", str(config_file), "decode", *args],
-                cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env)
+                cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
     def log(self) -> str:
         return self.log_file.read_text(errors="replace")
@@ -152,8 +152,16 @@ class Fleet:
         try:
             return self.process.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            self.process.kill()
+            self.kill()
             raise AssertionError(f"fleet did not exit within {timeout_s}s\n{self.log()}") from None
+
+    def kill(self) -> None:
+        """The supervisor and its workers (their own session, so nothing else is touched)."""
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.process.wait()
 
     def stop(self, timeout_s: float = 60) -> int:
         if self.process.poll() is None:
@@ -164,9 +172,7 @@ class Fleet:
         return self
 
     def __exit__(self, *exc) -> None:
-        if self.process.poll() is None:
-            self.process.kill()
-            self.process.wait()
+        self.kill()  # also any worker left behind by a failed test
 
 
 def image_keys(records) -> list[str]:

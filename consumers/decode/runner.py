@@ -413,6 +413,10 @@ def _worker_main(settings: Settings, index: int, stop_event: Any, until_idle_s: 
     # Decoding holds this process's CPU (and at times the GIL), so kafka-python's IO loop reports "slow" tasks
     # all the time; heartbeats still go out (they would show as session timeouts, which are logged).
     logging.getLogger("kafka.net.selector").setLevel(logging.ERROR)
+    # Parallelism is one process per core; an OpenCV thread pool in each would only oversubscribe the cores.
+    import cv2
+
+    cv2.setNumThreads(1)
     stopping = threading.Event()
 
     def request_stop(signum, _frame):
@@ -424,8 +428,13 @@ def _worker_main(settings: Settings, index: int, stop_event: Any, until_idle_s: 
     deadline = None
     if deadline_epoch is not None:
         deadline = time.monotonic() + max(0.0, deadline_epoch - time.time())
-    worker = DecodeWorker(settings, index, stop=lambda: stopping.is_set() or stop_event.is_set(),
-                          until_idle_s=until_idle_s, deadline=deadline)
+    supervisor = os.getppid()
+
+    def should_stop() -> bool:
+        # A supervisor killed with SIGKILL cannot tell us: being re-parented means it is gone.
+        return stopping.is_set() or stop_event.is_set() or os.getppid() != supervisor
+
+    worker = DecodeWorker(settings, index, stop=should_stop, until_idle_s=until_idle_s, deadline=deadline)
     raise SystemExit(worker.run())
 
 
