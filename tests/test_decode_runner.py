@@ -83,6 +83,24 @@ def end_offsets(settings: Settings, topic: str, *, read_committed: bool = False)
         consumer.close()
 
 
+class EndOffsets:
+    """The images topic's high watermark and last stable offset (read_committed end), one client each, reused:
+    a new client per look costs a second on a loaded machine and the moment to look is short."""
+
+    def __init__(self, settings: Settings, topic: str):
+        self.written = KafkaConsumer(**settings.kafka.client_kwargs(), group_id=None)
+        self.stable = KafkaConsumer(**settings.kafka.client_kwargs(), group_id=None, isolation_level="read_committed")
+        self.partitions = [TopicPartition(topic, p) for p in sorted(self.written.partitions_for_topic(topic) or ())]
+
+    def __call__(self) -> tuple[int, int]:
+        return (sum(self.written.end_offsets(self.partitions).values()),
+                sum(self.stable.end_offsets(self.partitions).values()))
+
+    def close(self) -> None:
+        self.written.close()
+        self.stable.close()
+
+
 def committed_offsets(settings: Settings, group_id: str, topic: str) -> dict[int, int]:
     admin = make_admin(settings)
     try:
@@ -314,27 +332,33 @@ def test_two_workers_share_the_work_without_loss_or_duplicates(topic_names, corp
 
 def _kill_mid_stream_then_recover(topic_names, corpus_dir, tmp_path, unique, *, exactly_once: bool):
     images = corpus_images(corpus_dir, 24, JPEG)
-    docs = documents(f"kill-{unique}", images, 16, 3)
-    expected = sorted(f"{d.doc_id}/{i}" for d in docs for i in range(3))
+    # Exactly-once: longer documents make each transaction (4 documents) last seconds, so the kill lands in one.
+    per_doc = 6 if exactly_once else 3
+    docs = documents(f"kill-{unique}", images, 10 if exactly_once else 16, per_doc)
+    expected = sorted(f"{d.doc_id}/{i}" for d in docs for i in range(per_doc))
     publish(topic_names, docs)
     args = ["--workers", "1", "--max-pixels", str(SMALL), "--allowed-root", str(corpus_dir)]
     if exactly_once:
         args.append("--exactly-once")
     images_topic = topic_names.topics.images
+    probe = EndOffsets(topic_names, images_topic)
     with Fleet(topic_names, tmp_path, *args, decode={"max_poll_records": 4}) as fleet:
-        if exactly_once:
-            # Kill while a transaction is open: records written but not yet committed (high watermark > LSO).
-            def transaction_open():
-                written = sum(end_offsets(topic_names, images_topic).values())
-                stable = sum(end_offsets(topic_names, images_topic, read_committed=True).values())
-                return written >= 3 and written > stable and written
-            written_at_kill = wait_for(transaction_open, 60, "an open transaction with images", fleet, 0.05)
-        else:
-            written_at_kill = wait_for(lambda: sum(end_offsets(topic_names, images_topic).values()) >= 6 and
-                                       sum(end_offsets(topic_names, images_topic).values()), 60, "first images", fleet)
-        first_pid = fleet.worker_pids(0)[-1]
-        os.kill(first_pid, signal.SIGKILL)
-        assert written_at_kill < len(expected), "the worker finished before the kill: nothing was tested"
+        uncommitted = [0]
+
+        def moment_to_kill():
+            written, stable = probe()
+            if exactly_once:
+                # An open transaction's records are written but not stable (high watermark > LSO). Growing
+                # between two looks means still producing, not committing (the test checks the abort after).
+                before, uncommitted[0] = uncommitted[0], written - stable
+                return 0 < before < uncommitted[0]
+            assert written < len(expected), f"the worker finished before the kill: nothing was tested\n{fleet.log()}"
+            return written >= 6
+        try:
+            wait_for(moment_to_kill, 60, "the moment to kill", fleet, 0.05)
+        finally:
+            probe.close()
+        os.kill(fleet.worker_pids(0)[-1], signal.SIGKILL)
         wait_for(lambda: len(fleet.worker_pids(0)) >= 2, 30, "the supervisor to restart the worker", fleet)
         documents_end = end_offsets(topic_names, topic_names.topics.documents)
         wait_for(lambda: committed_offsets(topic_names, fleet.group_id, topic_names.topics.documents)
