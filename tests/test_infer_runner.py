@@ -214,7 +214,7 @@ class HoldFirstEngine:
                 self.ready.append(request)
 
     def poll(self, timeout_s):
-        if self.held is not None and self.release.is_set():
+        if self.held not in (None, "released") and self.release.is_set():
             self.ready.append(self.held)
             self.held = "released"
         if not self.ready:

@@ -147,6 +147,7 @@ class InferenceRunner:
         self._warned: dict[str, float] = {}
         self._assigned = False
         self._fetched_last = 0
+        self._liveness_at = time.monotonic()
         self._no_commit = False
         self._fatal: BaseException | None = None  # raised in the rebalance listener, re-raised by the loop
         self._window = [time.monotonic(), 0.0, 0.0]  # start, idle, idle while records waited
@@ -329,7 +330,11 @@ class InferenceRunner:
 
     def _poll_engine(self, timeout_s: float | None = None) -> None:
         if self.engine.pending() == 0:
-            return
+            if time.monotonic() - self._liveness_at < 1.0:
+                return
+            # An idle engine is asked too, so a dead one stops the runner before it fetches more work.
+            self._liveness_at = time.monotonic()
+            timeout_s = 0.0
         if timeout_s is None:
             # Wait on the engine unless records are arriving: spinning on two zero-timeout polls would take
             # a core from a CPU engine and add nothing on a GPU one.
