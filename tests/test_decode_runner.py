@@ -233,7 +233,7 @@ def test_good_images_flow_and_each_bad_one_is_a_dead_letter(topic_names, corpus_
     images = read_topic(topic_names, topic_names.topics.images, expected=4, timeout_s=30, idle_s=1)
     assert sorted(image_keys(images)) == sorted([f"mixed-{unique}/0", f"mixed-{unique}/2", f"mixed-{unique}/5",
                                                  f"after-{unique}/0"])
-    sources = {f"mixed-{unique}": (good, coords[0], 7, mixed.metadata), f"after-{unique}": ([good[3]], coords[2], 1, {})}
+    sources = {mixed.doc_id: (good, coords[0], 7, mixed.metadata), after.doc_id: ([good[3]], coords[2], 1, {})}
     for record in images:
         payload = decode_image_payload(record.headers)
         paths, source, count, metadata = sources[payload.doc_id]

@@ -134,19 +134,19 @@ class DecodeWorker:
             session_timeout_ms=settings.decode.session_timeout_ms,
             heartbeat_interval_ms=max(1000, settings.decode.session_timeout_ms // 3),
         )
-        self._wait_for_topic_metadata(settings.topics.documents)
-        self.consumer.subscribe([settings.topics.documents], listener=_Rebalance(self))
-        log.info("decode worker %d (pid %d) joined group %s on %s, %s", self.index, os.getpid(),
-                 settings.decode.group_id, settings.topics.documents,
-                 f"exactly-once as {tid}" if tid else "at-least-once")
         status = EXIT_OK
         try:
+            self._wait_for_topic_metadata(settings.topics.documents)
+            self.consumer.subscribe([settings.topics.documents], listener=_Rebalance(self))
+            log.info("decode worker %d (pid %d) joined group %s on %s, %s", self.index, os.getpid(),
+                     settings.decode.group_id, settings.topics.documents,
+                     f"exactly-once as {tid}" if tid else "at-least-once")
             self._loop()
             if not self.exactly_once:
                 self._checkpoint()
         except Exception as exc:  # noqa: BLE001 - fatal for this process: restart from the last commit
-            log.log(logging.ERROR, "decode worker %d: %s, exiting without commit", self.index,
-                    "fatal" if isinstance(exc, FatalPipelineError) else "unexpected error", exc_info=True)
+            log.error("decode worker %d: %s, exiting without commit", self.index,
+                      "fatal" if isinstance(exc, FatalPipelineError) else "unexpected error", exc_info=True)
             status = EXIT_FATAL
             # close() calls the revoke listener: it must not commit what this failure left unsure.
             self._done.clear()
@@ -168,8 +168,8 @@ class DecodeWorker:
         """A group leader that assigns before its metadata names the topic's partitions hands out nothing, and
         the group then waits for a metadata refresh to rebalance: know the partitions before joining."""
         deadline = time.monotonic() + timeout_s
-        while self.consumer.partitions_for_topic(topic) is None:
-            if time.monotonic() >= deadline or self._stop_requested():
+        while self.consumer.partitions_for_topic(topic) is None and not self._stop_requested():
+            if time.monotonic() >= deadline:
                 raise FatalPipelineError(f"topic {topic} has no partitions in the cluster metadata")
             time.sleep(0.2)
 
@@ -190,7 +190,8 @@ class DecodeWorker:
                     self._transactional_batch(batch)
                 else:
                     self._process_batch(batch)
-            if not self.exactly_once and time.monotonic() - self._last_checkpoint >= self.settings.decode.commit_interval_s:
+            due = time.monotonic() - self._last_checkpoint >= self.settings.decode.commit_interval_s
+            if due and not self.exactly_once:
                 self._checkpoint()
             self.metrics.maybe_log()
 
