@@ -64,12 +64,13 @@ def run_direct(engine, records, settings) -> dict:
     bound = settings.infer.max_images_in_flight
     todo = list(enumerate(records))
     done = tokens = 0
-    idle = 0.0
+    idle = in_flight_area = 0.0
     started = last = time.perf_counter()
     while done < len(records):
         now = time.perf_counter()
         if engine.pending() == 0:
             idle += now - last
+        in_flight_area += (now - last) * engine.pending()
         last = now
         batch = []
         while todo and engine.pending() + len(batch) < bound:
@@ -83,7 +84,7 @@ def run_direct(engine, records, settings) -> dict:
             tokens += getattr(result, "visual_tokens", 0)
     elapsed = time.perf_counter() - started
     return {"images_s": len(records) / elapsed, "tokens_s": tokens / elapsed, "idle": idle / elapsed,
-            "seconds": elapsed}
+            "seconds": elapsed, "in_flight": in_flight_area / elapsed}
 
 
 def produce(records, settings) -> None:
@@ -108,7 +109,7 @@ def run_broker(engine, records, settings, round_no: int) -> dict:
     if code != 0 or stats.described + stats.dead_lettered != len(records):
         raise SystemExit(f"runner exit {code}, {stats.described} described of {len(records)}")
     return {"images_s": stats.described / stats.active_s, "tokens_s": stats.visual_tokens / stats.active_s,
-            "idle": stats.active_idle_fraction, "seconds": stats.active_s}
+            "idle": stats.active_idle_fraction, "seconds": stats.active_s, "in_flight": stats.mean_in_flight}
 
 
 def main() -> None:
@@ -160,9 +161,10 @@ def main() -> None:
     finally:
         engine.close()
         delete_topics(base, scoped)
-    print(f"{'':26}{'images/s':>10}{'vis tok/s':>12}{'engine idle':>13}{'seconds':>9}")
+    print(f"{'':26}{'images/s':>10}{'vis tok/s':>12}{'engine idle':>13}{'in flight':>11}{'seconds':>9}")
     for name, r in rows:
-        print(f"{name:26}{r['images_s']:>10.2f}{r['tokens_s']:>12.0f}{r['idle']:>12.1%}{r['seconds']:>9.1f}")
+        print(f"{name:26}{r['images_s']:>10.2f}{r['tokens_s']:>12.0f}{r['idle']:>12.1%}{r['in_flight']:>11.1f}"
+              f"{r['seconds']:>9.1f}")
 
     def best(kind: str, key: str) -> float:
         # Best of the rounds: on a shared machine other work only ever slows a round down.

@@ -64,6 +64,7 @@ class RunnerStats:
     first_record_at: float | None = None  # monotonic
     last_done_at: float | None = None
     idle_after_first_s: float = 0.0
+    in_flight_area: float = 0.0  # integral of images in the engine over time, after the first record
 
     @property
     def engine_idle_fraction(self) -> float:
@@ -85,6 +86,11 @@ class RunnerStats:
         return min(1.0, max(0.0, self.idle_after_first_s - tail) / self.active_s)
 
     run_s_end: float = 0.0
+
+    @property
+    def mean_in_flight(self) -> float:
+        """Images in the engine on average over the active window: below the batch size, batches run part-empty."""
+        return self.in_flight_area / self.active_s if self.active_s else 0.0
 
 
 @dataclass
@@ -236,6 +242,8 @@ class InferenceRunner:
         return bool(self._backlog or self._retries or self._in_flight)
 
     def _account_idle(self, dt: float) -> None:
+        if self.stats.first_record_at is not None:
+            self.stats.in_flight_area += dt * len(self._in_flight)
         if self.engine.pending() == 0:
             self.stats.engine_idle_s += dt
             if self.stats.first_record_at is not None:
