@@ -537,7 +537,10 @@ def run_pipeline(args: argparse.Namespace, mode: str, bootstrap: str, out: Path)
             genv = dict(env, CUDA_VISIBLE_DEVICES=str(g))
             infers.append(spawn(vlmstream_cmd("infer", "--engine", args.engine, "--mode", mode, "--model", args.model,
                                               "--max-new-tokens", str(args.max_tokens), "--ignore-eos",
-                                              "--prompt", PROMPT_TEXT),
+                                              "--prompt", PROMPT_TEXT,
+                                              # pixels mode has no embeddings of its own: publishing them would
+                                              # cost a second vision pass, so it runs without (embeds mode keeps them)
+                                              *(["--no-embeddings"] if mode == "pixels" else [])),
                                 logp, genv, tag=f"infer gpu{g}"))
         procs += infers
 
