@@ -51,9 +51,11 @@ def _child(args: list[str], config: Path, log_path: Path) -> subprocess.Popen:
 
 def _stop_children(children: dict[str, subprocess.Popen], grace_s: float = 60.0) -> dict[str, int | None]:
     """SIGTERM (drain, commit, leave the group), then SIGKILL whatever outlives the grace period."""
+    # Only the worker's main process: it drains and stops its own children (a vLLM EngineCore signalled
+    # directly would abort the requests in flight instead of finishing them).
     for proc in children.values():
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
+            proc.send_signal(signal.SIGTERM)
     deadline = time.monotonic() + grace_s
     for proc in children.values():
         try:

@@ -313,6 +313,13 @@ class VllmEngine:
             async for output in self.llm.generate(prompt, self._sampling_params(request.max_new_tokens),
                                                   engine_request_id):
                 final = output
+            if final is not None and final.outputs and final.outputs[0].finish_reason == "abort":
+                # We never abort requests ourselves: an abort means the engine is going away (its EngineCore
+                # got a signal). That is fatal, not this image's fault; dead-lettering it would record a
+                # failure for work the next owner of the partition redoes.
+                self._dead = RuntimeError("vLLM aborted a request: the engine is shutting down")
+                self._outbox.put(_DEAD)
+                return
             result = self._output(request, final, embedding,
                                   {**timings, "generate_ms": (time.perf_counter() - started) * 1e3})
         except asyncio.CancelledError:
