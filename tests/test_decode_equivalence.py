@@ -130,14 +130,16 @@ def test_smart_resize_is_transformers_smart_resize(height, width, max_pixels):
     assert smart_resize(height, width, 28, 56 * 56, max_pixels) == expected
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=400, deadline=None, derandomize=True)
 @given(height=st.integers(28, 20_000), width=st.integers(28, 20_000), max_pixels=budgets)
 def test_smart_resize_properties(height, width, max_pixels):
     if max(height, width) / min(height, width) > 200:
         return
     h, w = smart_resize(height, width, 28, 56 * 56, max_pixels)
     assert h % 28 == 0 and w % 28 == 0 and h >= 28 and w >= 28
-    assert h * w <= max(max_pixels, 56 * 56 * 2) or min(h, w) == 28  # floor at one 28-block per side
+    # Upscaling to min_pixels (56x56) uses transformers' float ceil, which can land one block higher per side
+    # (38x38 -> 84x84 even at max_pixels 3136): that is the reference behaviour, tested for equality above.
+    assert h * w <= max(max_pixels, (3 * 28) ** 2) or min(h, w) == 28  # floor at one 28-block per side
     if h * w <= max_pixels and min(h, w) > 28 * 4:
         # Rounding each side to a multiple of 28 moves the aspect ratio by at most ~half a block per side.
         assert abs(math.log((h / w) / (height / width))) < 28 / min(h, w) + 0.01

@@ -1,0 +1,77 @@
+"""The README's main command end to end (`vlmstream run` on a folder), and the local broker's lifecycle."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from schemas import Description, DocumentResult
+from tests.kafka_helpers import read_topic
+from vlmstream import broker
+from vlmstream.config import Settings
+
+pytestmark = pytest.mark.kafka
+
+
+def test_second_start_reuses_the_running_broker(kafka_settings: Settings):
+    if not kafka_settings.uses_local_broker:
+        pytest.skip("VLMSTREAM_BOOTSTRAP_SERVERS points at another cluster")
+    before = broker.status(kafka_settings)
+    assert before["answers"] is True
+    assert broker.start(kafka_settings) == f"{kafka_settings.broker.host}:{kafka_settings.broker.port}"
+    after = broker.status(kafka_settings)
+    assert after["pid"] == before["pid"], "a second start must reuse the running broker, not start another"
+
+
+def _folder_of_documents(root: Path, corpus: Path) -> dict[str, int]:
+    images = sorted(p for p in corpus.rglob("*") if p.suffix.lower() in (".jpg", ".jpeg", ".png", ".webp"))[:5]
+    layout = {"doc-a": images[:2], "doc-b": images[2:5] or images[:1]}
+    for doc, files in layout.items():
+        (root / doc).mkdir(parents=True)
+        for index, path in enumerate(files):
+            shutil.copy(path, root / doc / f"{index:02d}{path.suffix.lower()}")
+    (root / "doc-b" / "99-broken.jpg").write_bytes(b"\xff\xd8\xff\xe0 this is not really a JPEG")
+    return {doc: len(list((root / doc).iterdir())) for doc in layout}
+
+
+@pytest.mark.model
+@pytest.mark.slow
+def test_run_describes_every_image_of_a_folder_and_reports_each_document(topic_names: Settings, corpus_dir,
+                                                                          tmp_path, unique):
+    folder = tmp_path / "docs"
+    expected = _folder_of_documents(folder, corpus_dir)
+    t = topic_names.topics
+    env = dict(os.environ,
+               VLMSTREAM_TOPICS__DOCUMENTS=t.documents, VLMSTREAM_TOPICS__IMAGES=t.images,
+               VLMSTREAM_TOPICS__DESCRIPTIONS=t.descriptions, VLMSTREAM_TOPICS__EMBEDDINGS=t.embeddings,
+               VLMSTREAM_TOPICS__RESULTS=t.results, VLMSTREAM_TOPICS__DEADLETTER=t.deadletter,
+               VLMSTREAM_TOPICS__PARTITIONS="3",
+               VLMSTREAM_DECODE__GROUP_ID=f"run-decode-{unique}", VLMSTREAM_INFER__GROUP_ID=f"run-infer-{unique}",
+               VLMSTREAM_PRODUCER__STATE_DIR=str(tmp_path / "ledger"),
+               VLMSTREAM_INFER__BATCH_SIZE="4", OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "vlmstream.cli", "run", str(folder), "--decode-workers", "1",
+                           "--max-pixels", str(128 * 28 * 28), "--max-new-tokens", "4", "--timeout-s", "400"],
+                          env=env, capture_output=True, text=True, timeout=480)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "vlmstream run" in proc.stderr  # the summary table
+
+    results = {}
+    for record in read_topic(topic_names, t.results, expected=len(expected), timeout_s=60):
+        result = DocumentResult.decode(record.value)
+        results[result.doc_id] = result
+    assert set(results) == set(expected)
+    for doc, count in expected.items():
+        assert results[doc].image_count == count
+        assert results[doc].succeeded + results[doc].failed == count
+    broken = [image for image in results["doc-b"].images if image["status"] == "failed"]
+    assert len(broken) == 1 and broken[0]["stage"] == "decode", results["doc-b"].images
+    assert results["doc-a"].failed == 0
+
+    described = {(d.doc_id, d.image_index) for d in
+                 (Description.decode(r.value) for r in read_topic(topic_names, t.descriptions, timeout_s=30))}
+    assert len(described) == sum(expected.values()) - 1
