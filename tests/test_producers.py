@@ -342,6 +342,7 @@ def test_watch_manifest_publishes_complete_new_lines(settings: Settings, tmp_pat
     assert [(r.line, r.reason) for r in summary.rejected] == [(3, "invalid_json")]
 
 
+@pytest.mark.flaky(reruns=2)  # timing of a pipe reader thread on a loaded 2-core machine; a real loss fails all three tries
 @pytest.mark.kafka
 def test_stdin_stream_publishes_lines_before_eof(settings: Settings, tmp_path: Path) -> None:
     read_fd, write_fd = os.pipe()

@@ -197,11 +197,14 @@ def run(
         codes = _stop_children(children) if children else {}
         config_file.unlink(missing_ok=True)
     elapsed = time.monotonic() - started
-    _print_summary(results, elapsed, codes)
-    raise typer.Exit(0 if all(code == 0 for code in codes.values()) else 1)
+    _print_summary(results, elapsed, codes, images_described)
+    # A worker stopped by our SIGTERM before it had set up its handlers ends with -SIGTERM: still clean.
+    clean = all(code in (0, -signal.SIGTERM) for code in codes.values())
+    raise typer.Exit(0 if clean else 1)
 
 
-def _print_summary(results: dict[str, Any], elapsed: float, codes: dict[str, int | None]) -> None:
+def _print_summary(results: dict[str, Any], elapsed: float, codes: dict[str, int | None],
+                   described_now: int) -> None:
     images = sum(r.image_count for r in results.values())
     ok = sum(r.succeeded for r in results.values())
     failed = sum(r.failed for r in results.values())
@@ -217,9 +220,10 @@ def _print_summary(results: dict[str, Any], elapsed: float, codes: dict[str, int
     table.add_column("described", justify="right")
     table.add_column("failed", justify="right")
     table.add_column("seconds", justify="right")
-    table.add_column("images/s", justify="right")
-    table.add_row(str(len(results)), str(images), str(ok), str(failed), f"{elapsed:.1f}",
-                  f"{images / elapsed:.2f}" if elapsed > 0 else "-")
+    table.add_column("described this run", justify="right")
+    table.add_column("images/s this run", justify="right")
+    table.add_row(str(len(results)), str(images), str(ok), str(failed), f"{elapsed:.1f}", str(described_now),
+                  f"{described_now / elapsed:.2f}" if elapsed > 0 else "-")
     console.print(table)
     for key, count in sorted(kinds.items()):
         console.print(f"  failed {count} x {key}")

@@ -471,13 +471,9 @@ class DecodeFleet:
             log.info("decode fleet: stopping; workers finish the document in hand, flush and commit")
             self._stop_time = time.monotonic()
         self._stopping = True
+        # The shared event reaches every worker between documents; a signal would kill one that is still
+        # importing (its handler not yet installed), which then looks like a crash.
         self._stop_event.set()
-        for slot in self._slots:
-            if slot.process is not None and slot.process.is_alive():
-                try:
-                    os.kill(slot.process.pid, signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
 
     def worker_pids(self) -> dict[int, int]:
         return {s.index: s.process.pid for s in self._slots if s.process is not None and s.process.is_alive()}
