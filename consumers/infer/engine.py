@@ -6,6 +6,9 @@ barrier, so an engine with continuous batching (vLLM) stays saturated. Engines n
 
 from __future__ import annotations
 
+import queue
+import threading
+import time
 from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
@@ -65,3 +68,67 @@ class Engine(Protocol):
 
     def close(self) -> None:
         """Stop the engine and release the device; no process may be left behind."""
+
+
+ENGINE_STOP = object()  # put on an engine's inbox to stop its worker thread
+ENGINE_DEAD = object()  # put on its outbox when the worker thread dies, to wake a waiting poll
+
+
+class QueuedEngine:
+    """The submit/poll plumbing of an engine served by worker threads: an inbox of (request, submitted_at),
+    an outbox of results, and a dead or closed engine reported as EngineDeadError. Subclasses call
+    ``_init_queues()`` and consume ``_inbox``; whatever they finish goes on ``_outbox``."""
+
+    engine_label = "engine"
+
+    def _init_queues(self) -> None:
+        self._inbox: queue.Queue = queue.Queue()
+        self._outbox: queue.Queue = queue.Queue()
+        self._pending = 0
+        self._lock = threading.Lock()
+        self._dead: BaseException | None = None
+        self._closed = False
+
+    def submit(self, requests: Sequence[InferenceRequest]) -> None:
+        if self._dead is not None:
+            raise EngineDeadError(f"{self.engine_label} died: {self._dead!r}") from self._dead
+        if self._closed:
+            raise EngineDeadError(f"{self.engine_label} is closed")
+        now = time.perf_counter()
+        with self._lock:
+            self._pending += len(requests)
+        for request in requests:
+            self._inbox.put((request, now))
+
+    def poll(self, timeout_s: float) -> list[InferenceOutput | InferenceFailure]:
+        finished: list = []
+        try:
+            item = self._outbox.get(timeout=max(0.0, timeout_s))
+            while True:
+                if item is not ENGINE_DEAD:
+                    finished.append(item)
+                item = self._outbox.get_nowait()
+        except queue.Empty:
+            pass
+        with self._lock:
+            self._pending -= len(finished)
+        # Results already finished are handed over first; the death is reported on the next poll.
+        if not finished and self._dead is not None:
+            raise EngineDeadError(f"{self.engine_label} died: {self._dead!r}") from self._dead
+        if not finished and self._closed:
+            # Closed under a runner with requests out: they will never come back, which is what dead means.
+            raise EngineDeadError(f"{self.engine_label} is closed")
+        return finished
+
+    def pending(self) -> int:
+        with self._lock:
+            return self._pending
+
+
+def drop_queued(inbox: queue.Queue) -> None:
+    """Empty an inbox: closing abandons work not yet started (the runner has not committed it)."""
+    try:
+        while True:
+            inbox.get_nowait()
+    except queue.Empty:
+        pass

@@ -18,15 +18,16 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from consumers.infer.engine import EngineDeadError, InferenceFailure, InferenceOutput, InferenceRequest
+from consumers.infer.engine import ENGINE_DEAD as _DEAD
+from consumers.infer.engine import ENGINE_STOP as _STOP
+from consumers.infer.engine import (InferenceFailure, InferenceOutput, InferenceRequest,
+                                    QueuedEngine, drop_queued)
 from consumers.infer.prompts import IMAGE_PAD, OutputSchema, PromptBuilder, with_schema
 from consumers.infer.vision import VisionEncoder, mean_pool, patchify_batch, request_problem
 from vlmstream.config import InferSettings
 
 log = logging.getLogger(__name__)
 
-_STOP = object()
-_DEAD = object()
 
 
 def resolve_dtype(name: str, device: str):
@@ -51,7 +52,8 @@ def _is_fatal(exc: BaseException) -> bool:
     return isinstance(exc, torch.AcceleratorError) or "CUDA error" in text or "device-side assert" in text
 
 
-class TransformersEngine:
+class TransformersEngine(QueuedEngine):
+    engine_label = "transformers engine"
     name = "transformers"
     mode = None
 
@@ -82,57 +84,17 @@ class TransformersEngine:
         self.eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         self._prompt_ids: dict[str, tuple[list[int], list[int]]] = {}
 
-        self._inbox: queue.Queue = queue.Queue()
-        self._outbox: queue.Queue = queue.Queue()
-        self._pending = 0
-        self._lock = threading.Lock()
-        self._dead: BaseException | None = None
-        self._closed = False
+        self._init_queues()
         self._thread = threading.Thread(target=self._serve, name="transformers-engine", daemon=True)
         self._thread.start()
 
     # ----------------------------------------------------------------------------- Engine protocol
 
-    def submit(self, requests: Sequence[InferenceRequest]) -> None:
-        if self._dead is not None:
-            raise EngineDeadError(f"transformers engine thread died: {self._dead!r}") from self._dead
-        if self._closed:
-            raise EngineDeadError("transformers engine is closed")
-        now = time.perf_counter()
-        with self._lock:
-            self._pending += len(requests)
-        for request in requests:
-            self._inbox.put((request, now))
-
-    def poll(self, timeout_s: float) -> list[InferenceOutput | InferenceFailure]:
-        finished: list = []
-        try:
-            item = self._outbox.get(timeout=max(0.0, timeout_s))
-            while True:
-                if item is not _DEAD:
-                    finished.append(item)
-                item = self._outbox.get_nowait()
-        except queue.Empty:
-            pass
-        with self._lock:
-            self._pending -= len(finished)
-        # Results already finished are handed over first; the death is reported on the next poll.
-        if not finished and self._dead is not None:
-            raise EngineDeadError(f"transformers engine thread died: {self._dead!r}") from self._dead
-        if not finished and self._closed:
-            # Closed under a runner with requests out: they will never come back, which is what dead means.
-            raise EngineDeadError("transformers engine is closed")
-        return finished
-
-    def pending(self) -> int:
-        with self._lock:
-            return self._pending
-
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
-        _drop_queued(self._inbox)  # closing abandons work not yet started; the runner has not committed it
+        drop_queued(self._inbox)  # closing abandons work not yet started; the runner has not committed it
         self._inbox.put(_STOP)
         self._thread.join(timeout=60)
         self.encoder = None
@@ -310,11 +272,3 @@ class TransformersEngine:
     def _sync(self) -> None:
         if self.device.startswith("cuda"):
             self._torch.cuda.synchronize()
-
-
-def _drop_queued(inbox: queue.Queue) -> None:
-    try:
-        while True:
-            inbox.get_nowait()
-    except queue.Empty:
-        pass

@@ -28,9 +28,12 @@ import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Sequence
 
-from consumers.infer.engine import EngineDeadError, InferenceFailure, InferenceOutput, InferenceRequest
+
+from consumers.infer.engine import ENGINE_DEAD as _DEAD
+from consumers.infer.engine import ENGINE_STOP as _STOP
+from consumers.infer.engine import (InferenceFailure, InferenceOutput, InferenceRequest,
+                                    QueuedEngine, drop_queued)
 from consumers.infer.prompts import OutputSchema, PromptBuilder, with_schema
 from consumers.infer.vision import MERGE_SIZE, VisionEncoder, load_vision_tower, mean_pool, patchify_batch, request_problem
 from vlmstream.config import InferSettings
@@ -42,8 +45,6 @@ INSTALL_HINT = "pip install 'vlmstream[gpu]'"
 QWEN_MIN_PIXELS = 56 * 56
 QWEN_MAX_PIXELS = 16384 * 28 * 28
 
-_STOP = object()
-_DEAD = object()
 
 
 class EngineUnavailable(RuntimeError):
@@ -67,7 +68,8 @@ def import_vllm() -> SimpleNamespace:
                            RequestOutputKind=RequestOutputKind, DeadError=VllmEngineDeadError)
 
 
-class VllmEngine:
+class VllmEngine(QueuedEngine):
+    engine_label = "vLLM engine"
     name = "vllm"
 
     def __init__(self, model_path: str | Path, settings: InferSettings, mode: str | None = None, *,
@@ -98,12 +100,7 @@ class VllmEngine:
 
         self.prompts = PromptBuilder(AutoTokenizer.from_pretrained(self.model_path, revision=settings.revision))
 
-        self._inbox: queue.Queue = queue.Queue()
-        self._outbox: queue.Queue = queue.Queue()
-        self._pending = 0
-        self._lock = threading.Lock()
-        self._dead: BaseException | None = None
-        self._closed = False
+        self._init_queues()
         self._tasks: set[asyncio.Future] = set()
 
         # 1. vLLM first: it sizes its KV cache from the free memory it sees, so our tower loads afterwards
@@ -150,43 +147,12 @@ class VllmEngine:
 
     # ----------------------------------------------------------------------------- Engine protocol
 
-    def submit(self, requests: Sequence[InferenceRequest]) -> None:
-        if self._dead is not None:
-            raise EngineDeadError(f"vLLM engine died: {self._dead!r}") from self._dead
-        if self._closed:
-            raise EngineDeadError("vLLM engine is closed")
-        now = time.perf_counter()
-        with self._lock:
-            self._pending += len(requests)
-        for request in requests:
-            self._inbox.put((request, now))
-
-    def poll(self, timeout_s: float) -> list[InferenceOutput | InferenceFailure]:
-        finished: list = []
-        try:
-            item = self._outbox.get(timeout=max(0.0, timeout_s))
-            while True:
-                if item is not _DEAD:
-                    finished.append(item)
-                item = self._outbox.get_nowait()
-        except queue.Empty:
-            pass
-        with self._lock:
-            self._pending -= len(finished)
-        if not finished and self._dead is not None:
-            raise EngineDeadError(f"vLLM engine died: {self._dead!r}") from self._dead
-        return finished
-
-    def pending(self) -> int:
-        with self._lock:
-            return self._pending
-
     def close(self) -> None:
         """Stop feeding, shut vLLM's EngineCore down, and make sure no child process outlives us."""
         if self._closed:
             return
         self._closed = True
-        _drop_queued(self._inbox)  # closing abandons work not yet started; the runner has not committed it
+        drop_queued(self._inbox)  # closing abandons work not yet started; the runner has not committed it
         self._inbox.put(_STOP)
         self._encoder_thread.join(timeout=60)
         try:
@@ -387,11 +353,3 @@ class VllmEngine:
             if child.is_alive():
                 child.kill()
                 child.join(timeout=5)
-
-
-def _drop_queued(inbox: queue.Queue) -> None:
-    try:
-        while True:
-            inbox.get_nowait()
-    except queue.Empty:
-        pass
