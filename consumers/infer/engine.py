@@ -124,6 +124,38 @@ class QueuedEngine:
         with self._lock:
             return self._pending
 
+    def _next_batch(self, limit: int) -> tuple[list, bool]:
+        """Wait for one request, then take what is queued now, up to ``limit``: a lone request never waits
+        for company. Returns (batch, stop requested)."""
+        first = self._inbox.get()
+        if first is ENGINE_STOP:
+            return [], True
+        batch = [first]
+        while len(batch) < max(1, limit):
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if item is ENGINE_STOP:
+                return batch, True
+            batch.append(item)
+        return batch, False
+
+    def _begin_close(self) -> bool:
+        """Mark closed and tell the worker thread to stop; False when already closed."""
+        if self._closed:
+            return False
+        self._closed = True
+        drop_queued(self._inbox)  # closing abandons work not yet started; the runner has not committed it
+        self._inbox.put(ENGINE_STOP)
+        return True
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
 
 def drop_queued(inbox: queue.Queue) -> None:
     """Empty an inbox: closing abandons work not yet started (the runner has not committed it)."""

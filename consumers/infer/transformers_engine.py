@@ -12,16 +12,14 @@ from __future__ import annotations
 import copy
 import gc
 import logging
-import queue
 import threading
 import time
 from pathlib import Path
 from typing import Sequence
 
 from consumers.infer.engine import ENGINE_DEAD as _DEAD
-from consumers.infer.engine import ENGINE_STOP as _STOP
 from consumers.infer.engine import (InferenceFailure, InferenceOutput, InferenceRequest,
-                                    QueuedEngine, drop_queued)
+                                    QueuedEngine)
 from consumers.infer.prompts import IMAGE_PAD, OutputSchema, PromptBuilder, with_schema
 from consumers.infer.vision import VisionEncoder, mean_pool, patchify_batch, request_problem
 from vlmstream.config import InferSettings
@@ -91,11 +89,8 @@ class TransformersEngine(QueuedEngine):
     # ----------------------------------------------------------------------------- Engine protocol
 
     def close(self) -> None:
-        if self._closed:
+        if not self._begin_close():
             return
-        self._closed = True
-        drop_queued(self._inbox)  # closing abandons work not yet started; the runner has not committed it
-        self._inbox.put(_STOP)
         self._thread.join(timeout=60)
         self.encoder = None
         self.model = None
@@ -103,33 +98,14 @@ class TransformersEngine(QueuedEngine):
         if self.device.startswith("cuda"):
             self._torch.cuda.empty_cache()
 
-    def __enter__(self) -> "TransformersEngine":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
     # ----------------------------------------------------------------------------- worker thread
 
     def _serve(self) -> None:
         try:
             stopping = False
             while not stopping:
-                first = self._inbox.get()
-                if first is _STOP:
-                    break
-                batch = [first]
-                # Take what is queued now, up to batch_size: a lone request never waits for company.
-                while len(batch) < self.batch_size:
-                    try:
-                        item = self._inbox.get_nowait()
-                    except queue.Empty:
-                        break
-                    if item is _STOP:
-                        stopping = True
-                        break
-                    batch.append(item)
-                for result in self._process(batch):
+                batch, stopping = self._next_batch(self.batch_size)
+                for result in (self._process(batch) if batch else ()):
                     self._outbox.put(result)
         except BaseException as exc:  # the thread is the engine: record why it died and wake any poller
             log.exception("transformers engine thread died")

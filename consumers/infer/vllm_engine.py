@@ -23,7 +23,6 @@ import asyncio
 import itertools
 import logging
 import multiprocessing
-import queue
 import threading
 import time
 from pathlib import Path
@@ -31,9 +30,8 @@ from types import SimpleNamespace
 
 
 from consumers.infer.engine import ENGINE_DEAD as _DEAD
-from consumers.infer.engine import ENGINE_STOP as _STOP
 from consumers.infer.engine import (InferenceFailure, InferenceOutput, InferenceRequest,
-                                    QueuedEngine, drop_queued)
+                                    QueuedEngine)
 from consumers.infer.prompts import OutputSchema, PromptBuilder, with_schema
 from consumers.infer.vision import MERGE_SIZE, VisionEncoder, load_vision_tower, mean_pool, patchify_batch, request_problem
 from vlmstream.config import InferSettings
@@ -149,11 +147,8 @@ class VllmEngine(QueuedEngine):
 
     def close(self) -> None:
         """Stop feeding, shut vLLM's EngineCore down, and make sure no child process outlives us."""
-        if self._closed:
+        if not self._begin_close():
             return
-        self._closed = True
-        drop_queued(self._inbox)  # closing abandons work not yet started; the runner has not committed it
-        self._inbox.put(_STOP)
         self._encoder_thread.join(timeout=60)
         try:
             self._call(self._shutdown(), timeout=120)
@@ -164,34 +159,15 @@ class VllmEngine(QueuedEngine):
         self.encoder = None
         self._torch.cuda.empty_cache()
 
-    def __enter__(self) -> "VllmEngine":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
     # ----------------------------------------------------------------------------- encoder thread
 
     def _encode_loop(self) -> None:
         try:
-            while True:
-                first = self._inbox.get()
-                if first is _STOP:
-                    return
-                batch = [first]
-                stopping = False
-                while len(batch) < max(1, self.settings.batch_size):
-                    try:
-                        item = self._inbox.get_nowait()
-                    except queue.Empty:
-                        break
-                    if item is _STOP:
-                        stopping = True
-                        break
-                    batch.append(item)
-                self._encode_and_dispatch(batch)
-                if stopping:
-                    return
+            stopping = False
+            while not stopping:
+                batch, stopping = self._next_batch(self.settings.batch_size)
+                if batch:
+                    self._encode_and_dispatch(batch)
         except BaseException as exc:
             log.exception("vLLM encoder thread died")
             self._dead = exc
