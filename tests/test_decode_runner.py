@@ -367,7 +367,7 @@ def _kill_mid_stream_then_recover(topic_names, corpus_dir, tmp_path, unique, *, 
     return expected, fleet
 
 
-@pytest.mark.flaky(reruns=2)  # process kills and group rebalances on a shared broker: a known, rare stall (see the closing note of the decode issue); a real loss fails all three tries
+@pytest.mark.flaky(reruns=2)  # process kills and rebalances on a shared, loaded broker; a real loss fails all three tries
 @pytest.mark.timeout(180)
 def test_kill_9_of_a_worker_mid_stream_loses_nothing(topic_names, corpus_dir, tmp_path, unique):
     expected, _ = _kill_mid_stream_then_recover(topic_names, corpus_dir, tmp_path, unique, exactly_once=False)
@@ -376,7 +376,7 @@ def test_kill_9_of_a_worker_mid_stream_loses_nothing(topic_names, corpus_dir, tm
     assert sorted(set(image_keys(records))) == expected
 
 
-@pytest.mark.flaky(reruns=2)  # process kills and group rebalances on a shared broker: a known, rare stall (see the closing note of the decode issue); a real loss fails all three tries
+@pytest.mark.flaky(reruns=2)  # process kills and rebalances on a shared, loaded broker; a real loss fails all three tries
 @pytest.mark.timeout(180)
 def test_exactly_once_survives_kill_9_mid_transaction(topic_names, corpus_dir, tmp_path, unique):
     expected, _ = _kill_mid_stream_then_recover(topic_names, corpus_dir, tmp_path, unique, exactly_once=True)
@@ -388,7 +388,7 @@ def test_exactly_once_survives_kill_9_mid_transaction(topic_names, corpus_dir, t
     assert len(everything) > len(expected)
 
 
-@pytest.mark.flaky(reruns=2)  # process kills and group rebalances on a shared broker: a known, rare stall (see the closing note of the decode issue); a real loss fails all three tries
+@pytest.mark.flaky(reruns=2)  # process kills and rebalances on a shared, loaded broker; a real loss fails all three tries
 @pytest.mark.timeout(120)
 def test_sigterm_drains_commits_and_leaves_the_group(topic_names, corpus_dir, tmp_path, unique):
     import httpx

@@ -257,7 +257,7 @@ def test_out_of_order_completion_commits_only_the_done_prefix(topic_names, corpu
 # --- end to end with the real engine --------------------------------------------------------------
 
 
-@pytest.mark.flaky(reruns=2)  # process kills and group rebalances on a shared broker: a known, rare stall (see the closing note of the decode issue); a real loss fails all three tries
+@pytest.mark.flaky(reruns=2)  # process kills and rebalances on a shared, loaded broker; a real loss fails all three tries
 @pytest.mark.kafka
 @pytest.mark.model
 @pytest.mark.slow
@@ -348,7 +348,7 @@ def test_retriable_failure_dead_letters_after_max_attempts(topic_names, corpus_d
 # --- processes: SIGKILL, SIGTERM, exactly-once ------------------------------------------------------
 
 
-@pytest.mark.flaky(reruns=2)  # process kills and group rebalances on a shared broker: a known, rare stall (see the closing note of the decode issue); a real loss fails all three tries
+@pytest.mark.flaky(reruns=2)  # process kills and rebalances on a shared, loaded broker; a real loss fails all three tries
 @pytest.mark.kafka
 @pytest.mark.model
 @pytest.mark.slow
