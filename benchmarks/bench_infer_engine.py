@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 from pathlib import Path
@@ -21,16 +20,9 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from consumers.decode.resize import smart_resize  # noqa: E402 - after the path insert
 
-def smart_resize(h, w, factor=28, min_pixels=3136, max_pixels=1003520):
-    hb, wb = max(factor, round(h / factor) * factor), max(factor, round(w / factor) * factor)
-    if hb * wb > max_pixels:
-        beta = math.sqrt(h * w / max_pixels)
-        hb, wb = max(factor, math.floor(h / beta / factor) * factor), max(factor, math.floor(w / beta / factor) * factor)
-    elif hb * wb < min_pixels:
-        beta = math.sqrt(min_pixels / (h * w))
-        hb, wb = math.ceil(h * beta / factor) * factor, math.ceil(w * beta / factor) * factor
-    return hb, wb
+
 
 
 def corpus_images(n: int, max_pixels: int, folder: str | None) -> list[np.ndarray]:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import time
@@ -30,18 +29,9 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from consumers.decode.resize import smart_resize  # noqa: E402 - after the path insert
 
-def smart_resize(h: int, w: int, factor: int = 28, min_pixels: int = 3136, max_pixels: int = 1003520):
-    # Same rule as consumers.decode.resize.smart_resize (which needs cv2, absent on the device image).
-    hb, wb = max(factor, round(h / factor) * factor), max(factor, round(w / factor) * factor)
-    if hb * wb > max_pixels:
-        beta = math.sqrt(h * w / max_pixels)
-        hb = max(factor, math.floor(h / beta / factor) * factor)
-        wb = max(factor, math.floor(w / beta / factor) * factor)
-    elif hb * wb < min_pixels:
-        beta = math.sqrt(min_pixels / (h * w))
-        hb, wb = math.ceil(h * beta / factor) * factor, math.ceil(w * beta / factor) * factor
-    return hb, wb
+
 
 
 def load_images(folder: str | None, n: int, max_pixels: int) -> list[np.ndarray]:

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import glob
 import json
-import math
 import os
 import signal
 import subprocess
@@ -39,6 +38,9 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
+sys.path.insert(0, str(REPO))
+
+from consumers.decode.resize import smart_resize  # noqa: E402 - the pipeline's own rule, after the path insert
 BUDGETS = {"256": 256 * 28 * 28, "1280": 1280 * 28 * 28, "default": 28 * 28 * 16384}
 MIN_PIXELS = 56 * 56
 PROMPT_TEXT = "Describe this image in detail."
@@ -224,15 +226,6 @@ class CpuSampler:
 # --- offline arms (one engine, child process) ---------------------------------------------------------------------
 
 
-def smart_resize(h: int, w: int, max_pixels: int, factor: int = 28, min_pixels: int = MIN_PIXELS) -> tuple[int, int]:
-    hb, wb = max(factor, round(h / factor) * factor), max(factor, round(w / factor) * factor)
-    if hb * wb > max_pixels:
-        beta = math.sqrt(h * w / max_pixels)
-        hb, wb = max(factor, math.floor(h / beta / factor) * factor), max(factor, math.floor(w / beta / factor) * factor)
-    elif hb * wb < min_pixels:
-        beta = math.sqrt(min_pixels / (h * w))
-        hb, wb = math.ceil(h * beta / factor) * factor, math.ceil(w * beta / factor) * factor
-    return hb, wb
 
 
 class ArmTimeout(Exception):
@@ -307,7 +300,7 @@ def offline_worker(args: argparse.Namespace) -> None:
                 elif arm == "ceiling-preresized":
                     pre = []
                     for b in base:
-                        h, w = smart_resize(b.size[1], b.size[0], budget)
+                        h, w = smart_resize(b.size[1], b.size[0], min_pixels=MIN_PIXELS, max_pixels=budget)
                         pre.append(np.asarray(b.resize((w, h), Image.BICUBIC)).copy())
                     timed_arm(arm, lambda i: {"prompt": CHAT_PROMPT, "multi_modal_data": {"image": pre[i % len(pre)]}},
                               mmkw)
@@ -316,7 +309,7 @@ def offline_worker(args: argparse.Namespace) -> None:
                     # (merged tokens x 3584) with the grid of each image at the budget.
                     embs = []
                     for b in base:
-                        h, w = smart_resize(b.size[1], b.size[0], budget)
+                        h, w = smart_resize(b.size[1], b.size[0], min_pixels=MIN_PIXELS, max_pixels=budget)
                         gh, gw = h // 14, w // 14
                         embs.append((torch.randn(gh * gw // 4, 3584, dtype=torch.bfloat16),
                                      torch.tensor([[1, gh, gw]])))

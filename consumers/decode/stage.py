@@ -100,8 +100,5 @@ class DecodeStage:
             timings=timings,
         )
 
-    def size_class(self, image: PreparedImage) -> str:
-        return size_class(image.orig_width, image.orig_height)
-
     def close(self) -> None:
         self.fetcher.close()
