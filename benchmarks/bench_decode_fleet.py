@@ -54,7 +54,7 @@ def in_process_rate(settings: Settings, uris: list[str], warmup: int) -> tuple[f
     """Images/s of the stage alone on one CPU, its CPU seconds per image, and how many failed."""
     import cv2
 
-    from consumers.decode.runner import claim_check_url
+    from consumers.decode.claimcheck import claim_check_url
     from consumers.decode.stage import DecodeStage
 
     stage = DecodeStage(settings.decode, claim_check_url(settings))

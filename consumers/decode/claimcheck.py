@@ -89,3 +89,9 @@ class ClaimCheckStore:
         if not path.startswith(self._root + "/") or ".." in path.split("/"):
             raise ClaimCheckError(f"reference {ref!r} is outside the claim-check store {self.url}")
         return path
+
+
+def claim_check_url(settings) -> str:
+    """Where oversized payloads go (decode) and are read back (inference): one rule, so both sides agree.
+    ``settings`` is the whole vlmstream Settings."""
+    return settings.decode.claim_check_url or str(settings.broker.home / "claim-check")

@@ -42,6 +42,7 @@ from kafka.structs import OffsetAndMetadata
 from consumers.decode import metrics
 from consumers.decode.metrics import DecodeMetrics
 from consumers.decode.types import ImageFailure, PreparedImage
+from consumers.decode.claimcheck import claim_check_url
 from schemas import DeadLetter, DocumentRef, ImagePayload, SchemaError, now, source_coords
 from vlmstream.config import Settings
 from vlmstream.kafka_io import FatalPipelineError, dead_letter_from_record, make_consumer, make_producer
@@ -58,10 +59,6 @@ POLL_TIMEOUT_MS = 200
 MAX_RESTART_BACKOFF_S = 30.0
 # How long the supervisor waits for a stopping worker to finish its batch, flush and commit.
 DRAIN_TIMEOUT_S = 120.0
-
-
-def claim_check_url(settings: Settings) -> str:
-    return settings.decode.claim_check_url or str(settings.broker.home / "claim-check")
 
 
 def transactional_id(settings: Settings, worker_index: int) -> str:

@@ -626,15 +626,14 @@ def _with_header(letter: DeadLetter, name: str, value: bytes) -> DeadLetter:
 def default_payload_decoder(settings: Settings) -> PayloadDecoder:
     """The decode stage's own codec and claim-check store, so both sides agree on the payload format.
     The store is opened on the first claim-checked payload only."""
-    from consumers.decode.claimcheck import ClaimCheckStore
+    from consumers.decode.claimcheck import ClaimCheckStore, claim_check_url
     from consumers.decode.codec import payload_to_array
 
     stores: list[Any] = []
 
     def decoder(meta: ImagePayload, value: bytes) -> np.ndarray:
         if meta.claim_check and not stores:
-            url = settings.decode.claim_check_url or str(settings.broker.home / "claim-check")
-            stores.append(ClaimCheckStore(url))
+            stores.append(ClaimCheckStore(claim_check_url(settings)))
         return payload_to_array(meta, value, stores[0] if stores else None)
 
     return decoder
