@@ -182,10 +182,10 @@ def dead_letter_from_record(record: Any, *, stage: str, error_kind: str, detail:
                             image_count: int | None = None, source_uri: str | None = None,
                             attempts: int = 1) -> DeadLetter:
     """A dead letter that carries the original record, so `vlmstream redrive` can publish it again."""
+    # Every header travels, the image metadata header included: `redrive` republishes image records, which
+    # are useless without it.
     headers = {}
     for key, value in record.headers or ():
-        if key == "vlmstream-meta":
-            continue  # repeated in original_value for payloads? no: kept small; the meta is re-derivable
         try:
             headers[key] = value.decode()
         except (UnicodeDecodeError, AttributeError):

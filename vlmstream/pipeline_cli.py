@@ -191,7 +191,7 @@ def run(
                         console.print(f"[bold]{description.doc_id}[/][{description.image_index}] {text[:160]}")
                     elif shown == show:
                         shown += 1
-                        console.print(f"[dim](further descriptions not shown; --show to change)[/]")
+                        console.print("[dim](further descriptions not shown; --show to change)[/]")
         watcher.close()
     finally:
         codes = _stop_children(children) if children else {}

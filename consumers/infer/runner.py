@@ -33,9 +33,9 @@ from kafka.errors import (CommitFailedError, IllegalGenerationError, RebalanceIn
 from kafka.structs import OffsetAndMetadata
 
 from consumers.infer.engine import Engine, EngineDeadError, InferenceFailure, InferenceOutput, InferenceRequest
-from schemas import (DeadLetter, Description, Embedding, ImagePayload, SchemaError, decode_image_payload, now,
+from schemas import (Description, Embedding, ImagePayload, SchemaError, decode_image_payload, now,
                      source_coords)
-from schemas.messages import HEADER_ATTEMPT, HEADER_META
+from schemas.messages import HEADER_ATTEMPT
 from vlmstream.config import Settings
 from vlmstream.kafka_io import FatalPipelineError, OffsetTracker, dead_letter_from_record, make_consumer, make_producer
 
@@ -414,9 +414,6 @@ class InferenceRunner:
             doc_id=meta.doc_id if meta else None, image_index=meta.image_index if meta else None,
             image_count=meta.image_count if meta else None, source_uri=meta.source_uri if meta else None,
             attempts=max(1, work.attempts))
-        if meta is not None:
-            # `redrive` republishes the image record, which is useless without its metadata header.
-            letter = _with_header(letter, HEADER_META, meta.encode())
         self.stats.dead_lettered += 1
         log.warning("dead letter %s/%d@%d: %s after %d attempt(s): %s", work.tp.topic, work.tp.partition,
                     work.offset, error_kind, max(1, work.attempts), detail[:200])
@@ -613,14 +610,6 @@ class _Rebalance(AsyncConsumerRebalanceListener):
 
 _NO_META = ImagePayload(doc_id="-", image_index=0, image_count=1, source_uri="-", codec="raw", width=0, height=0,
                         grid_thw=(1, 0, 0))
-
-
-def _with_header(letter: DeadLetter, name: str, value: bytes) -> DeadLetter:
-    import dataclasses
-
-    headers = dict(letter.original_headers or {})
-    headers[name] = value.decode()
-    return dataclasses.replace(letter, original_headers=headers)
 
 
 def default_payload_decoder(settings: Settings) -> PayloadDecoder:
