@@ -93,6 +93,23 @@ def test_patchify_matches_the_processor(images, model_dir):
     torch.testing.assert_close(pixel_values, expected["pixel_values"], atol=1e-5, rtol=1e-5)
 
 
+def test_linear_patch_embedding_equals_the_convolution_it_replaces(images, model_dir):
+    from consumers.infer.vision import PatchProjection, load_vision_tower, patchify_batch, use_linear_patch_embedding
+
+    convolution, _ = load_vision_tower(model_dir, "cpu", torch.float32)
+    linear, _ = load_vision_tower(model_dir, "cpu", torch.float32)
+    keys_before = {k: v.shape for k, v in linear.state_dict().items()}
+    use_linear_patch_embedding(linear)
+    assert isinstance(linear.patch_embed.proj, PatchProjection)
+    assert {k: v.shape for k, v in linear.state_dict().items()} == keys_before  # checkpoints still load
+    pixel_values, grid_thw = patchify_batch(images[:3])
+    with torch.inference_mode():
+        expected = convolution(pixel_values, grid_thw=grid_thw).pooler_output
+        got = linear(pixel_values, grid_thw=grid_thw).pooler_output
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
+    assert use_linear_patch_embedding(linear).patch_embed.proj is linear.patch_embed.proj  # idempotent
+
+
 def test_one_encoder_forward_over_mixed_sizes_equals_one_image_at_a_time(engine, images):
     together = engine.encoder.encode(images)
     for image, batched in zip(images, together):

@@ -161,6 +161,9 @@ class InferSettings(BaseModel):
     dtype: str = "auto"
     gpu_memory_utilization: float = 0.85
     max_model_len: int = 32768
+    enable_prefix_caching: bool = Field(
+        True, description="vLLM prefix caching. Every image is new, so only the shared prompt text is ever reused; "
+        "benchmarks turn it off to match offline arms that must (they reuse images).")
 
 
 class Settings(BaseSettings):

@@ -189,6 +189,37 @@ def pick_vision_attention(device: torch.device | str, dtype: torch.dtype, reques
     return "sdpa"
 
 
+class PatchProjection(torch.nn.Module):
+    """The patch embedding's Conv3d as the matrix product it is.
+
+    Its kernel equals its stride and covers the whole (channel, frame, 14, 14) patch, so the convolution is one
+    GEMM. cuDNN has no fast algorithm for that shape in bf16: since torch 2.9 it falls back to a slow path that
+    dominated the whole tower on the H200 (pytorch/pytorch#174051; vLLM's Conv3dLayer and transformers'
+    opt-in fusion do the same substitution). The Parameter is the convolution's own, so its state-dict key and
+    shape are unchanged and weights load before or after the swap.
+    """
+
+    def __init__(self, conv: torch.nn.Conv3d):
+        super().__init__()
+        if conv.bias is not None or tuple(conv.kernel_size) != tuple(conv.stride) or conv.padding != (0, 0, 0):
+            raise ValueError("only a bias-free Conv3d whose kernel equals its stride is a plain matrix product")
+        self.weight = conv.weight
+        self.out_channels = conv.out_channels
+
+    def forward(self, patches: torch.Tensor) -> torch.Tensor:
+        # (patches, C, T, P, P) -> (patches, out_channels); the caller's view(-1, embed_dim) accepts either shape.
+        flat = patches.reshape(patches.shape[0], -1)
+        return torch.nn.functional.linear(flat, self.weight.view(self.out_channels, -1))
+
+
+def use_linear_patch_embedding(visual: torch.nn.Module) -> torch.nn.Module:
+    """Swap the tower's patch-embedding Conv3d for ``PatchProjection`` (idempotent); returns the tower."""
+    embed = getattr(visual, "patch_embed", None)
+    if embed is not None and isinstance(getattr(embed, "proj", None), torch.nn.Conv3d):
+        embed.proj = PatchProjection(embed.proj)
+    return visual
+
+
 @dataclass
 class EncodedImage:
     tokens: torch.Tensor  # (visual tokens, out_hidden) on the encoder's device, after the patch merger
@@ -214,10 +245,12 @@ class VisionEncoder:
 
     def __init__(self, visual: torch.nn.Module, device: torch.device | str = "cpu",
                  dtype: torch.dtype | None = None, attention: str = "auto",
-                 max_patches_per_call: int = 65536):
+                 max_patches_per_call: int = 65536, linear_patch_embedding: bool = True):
         self.device = torch.device(device)
         self.dtype = dtype or next(visual.parameters()).dtype
         self.visual = visual.to(self.device, self.dtype).eval()
+        if linear_patch_embedding:  # False only to measure what the swap is worth
+            use_linear_patch_embedding(self.visual)
         self.attention = pick_vision_attention(self.device, self.dtype, attention)
         # The tower's config object is its own (vision_config); the language model keeps its implementation.
         self.visual.config._attn_implementation = self.attention

@@ -116,6 +116,7 @@ class VllmEngine(QueuedEngine):
             limit_mm_per_prompt={"image": 0 if embeds_only else 1, "video": 0},
             # Every image is new: caching processed inputs only costs memory and hashing.
             mm_processor_cache_gb=0,
+            enable_prefix_caching=settings.enable_prefix_caching,
         )
         args.update(engine_kwargs or {})
         started = time.perf_counter()

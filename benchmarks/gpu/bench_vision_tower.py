@@ -1,0 +1,144 @@
+"""The Qwen2.5-VL-7B vision tower alone on the GPU: how fast our encoder turns exact-size images into tokens.
+
+Variants, side by side in one process on the same images (random weights: same compute as real ones):
+  conv3d+<attn>   transformers' module as it ships (patch embedding through nn.Conv3d)
+  linear+<attn>   the same module with the patch embedding as a matrix product (what VisionEncoder runs)
+where <attn> is vllm_fa3 (vLLM's FlashAttention 3), torch_varlen (torch's varlen flash) or sdpa (transformers'
+per-window loop). Each timing covers GPU patchify + tower forward + merger for a batch of images, synchronised,
+after warm-up; it prints ms per image and images/s per budget, then a torch.profiler table of where one forward
+of the default variant spends its GPU time.
+
+Usage (device, after scripts/gpu/unpack_device.sh and `source scripts/gpu/env.sh`):
+  python3 benchmarks/gpu/bench_vision_tower.py --model /root/model --imgs /root/imgs --out $OUT/tower.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+from consumers.decode.resize import smart_resize  # noqa: E402 - after the path insert
+from consumers.infer.vision import VisionEncoder, load_vision_tower, patchify_batch  # noqa: E402
+
+BUDGETS = {"256": 256 * 28 * 28, "1280": 1280 * 28 * 28, "default": 16384 * 28 * 28}
+# Images per forward: what the engine's encoder thread batches at each budget (bounded by patches per call).
+BATCH = {"256": 16, "1280": 8, "default": 2}
+
+
+def exact_size_images(folder: str, n: int, max_pixels: int) -> list[np.ndarray]:
+    from PIL import Image
+
+    files = sorted(p for p in Path(folder).glob("*") if p.suffix.lower() in (".jpg", ".jpeg", ".png", ".webp"))
+    if not files:
+        raise SystemExit(f"no images in {folder}")
+    bases = [Image.open(f).convert("RGB") for f in files[:n]]
+    out = []
+    for i in range(n):
+        base = bases[i % len(bases)]
+        h, w = smart_resize(base.size[1], base.size[0], min_pixels=56 * 56, max_pixels=max_pixels)
+        out.append(np.asarray(base.resize((w, h), Image.BICUBIC)).copy())
+    return out
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_encoder(encoder: VisionEncoder, images: list[np.ndarray], batch: int, min_seconds: float) -> dict:
+    groups = [images[i:i + batch] for i in range(0, len(images), batch)]
+
+    def one_pass():
+        for g in groups:
+            pixel_values, grid_thw = patchify_batch(g, encoder.device, encoder.dtype)
+            encoder.encode_patches(pixel_values, grid_thw)
+
+    one_pass()  # warm-up: kernels chosen, allocator grown
+    synchronize(encoder.device)
+    passes, started = 0, time.perf_counter()
+    while True:
+        one_pass()
+        passes += 1
+        synchronize(encoder.device)
+        elapsed = time.perf_counter() - started
+        if elapsed >= min_seconds:
+            break
+    n = passes * len(images)
+    return {"ms_per_image": round(elapsed / n * 1e3, 2), "img_per_s": round(n / elapsed, 1), "images": n,
+            "batch": batch, "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1)
+            if encoder.device.type == "cuda" else None}
+
+
+def profile_table(encoder: VisionEncoder, images: list[np.ndarray], rows: int = 15) -> str:
+    from torch.profiler import ProfilerActivity, profile
+
+    pixel_values, grid_thw = patchify_batch(images, encoder.device, encoder.dtype)
+    encoder.encode_patches(pixel_values, grid_thw)
+    synchronize(encoder.device)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if encoder.device.type == "cuda" else [])
+    sort_by = "self_cuda_time_total" if encoder.device.type == "cuda" else "self_cpu_time_total"
+    with profile(activities=activities) as prof:
+        pixel_values, grid_thw = patchify_batch(images, encoder.device, encoder.dtype)
+        encoder.encode_patches(pixel_values, grid_thw)
+        synchronize(encoder.device)
+    return prof.key_averages().table(sort_by=sort_by, row_limit=rows, max_name_column_width=60)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="/root/model")
+    ap.add_argument("--imgs", default="/root/imgs")
+    ap.add_argument("--budgets", default="256,1280,default")
+    ap.add_argument("--variants", default="conv3d+vllm_fa3,linear+vllm_fa3,linear+torch_varlen,linear+sdpa")
+    ap.add_argument("--seconds", type=float, default=4.0, help="Minimum timed seconds per variant and budget.")
+    ap.add_argument("--profile-budget", default="1280")
+    ap.add_argument("--out", default="tower.json")
+    ap.add_argument("--device", default="cuda", help="cpu runs the same code in float32 (a plumbing check)")
+    args = ap.parse_args()
+
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    tower, _ = load_vision_tower(args.model, device, dtype)
+    # The linear swap happens in place on the shared tower, so every conv3d variant runs before any linear one.
+    variants = sorted(args.variants.split(","), key=lambda v: not v.startswith("conv3d"))
+    report: dict = {"gpu": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+                    "torch": torch.__version__, "budgets": {}}
+    for budget in args.budgets.split(","):
+        n = BATCH[budget] * 2
+        images = exact_size_images(args.imgs, n, BUDGETS[budget])
+        rows = report["budgets"][budget] = {
+            "mean_visual_tokens": round(float(np.mean([im.shape[0] * im.shape[1] / 28 / 28 for im in images])), 1)}
+        for variant in variants:
+            patch_embedding, attention = variant.split("+")
+            if budget == "default" and attention == "sdpa":
+                rows[variant] = {"skipped": "per-window Python loop: minutes per image at 12.8 MP"}
+                continue
+            try:
+                encoder = VisionEncoder(tower, device, dtype, attention=attention,
+                                        linear_patch_embedding=patch_embedding == "linear")
+                if device.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats()
+                rows[variant] = time_encoder(encoder, images, BATCH[budget], args.seconds)
+            except Exception as exc:  # noqa: BLE001 - one variant failing must not hide the others
+                rows[variant] = {"error": repr(exc)[:400]}
+            print("RESULT", budget, variant, json.dumps(rows[variant]), flush=True)
+            Path(args.out).write_text(json.dumps(report, indent=1))
+    budget = args.profile_budget
+    encoder = VisionEncoder(tower, device, dtype, attention="auto")
+    table = profile_table(encoder, exact_size_images(args.imgs, BATCH[budget], BUDGETS[budget]))
+    report["profile"] = {"budget": budget, "attention": encoder.attention, "table": table}
+    print(table, flush=True)
+    Path(args.out).write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
