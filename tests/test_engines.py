@@ -110,6 +110,31 @@ def test_linear_patch_embedding_equals_the_convolution_it_replaces(images, model
     assert use_linear_patch_embedding(linear).patch_embed.proj is linear.patch_embed.proj  # idempotent
 
 
+def test_fast_vision_blocks_compute_what_transformers_blocks_compute(images, model_dir):
+    from consumers.infer.vision import FastVisionBlocks, VisionEncoder, load_vision_tower, patchify_batch
+
+    tower, _ = load_vision_tower(model_dir, "cpu", torch.float32)
+    keys = set(tower.state_dict())
+    pixel_values, grid_thw = patchify_batch(images[:3])
+    with torch.inference_mode():
+        expected = tower(pixel_values, grid_thw=grid_thw).pooler_output
+        # Alignment 48 pads the tiny tower's MLP width (128) to 144: the zero padding must change nothing.
+        FastVisionBlocks(tower, attention=None, alignment=48)
+        assert all(block._vlmstream_merged_mlp[0].shape[0] == 2 * 144 for block in tower.blocks)
+        got = tower(pixel_values, grid_thw=grid_thw).pooler_output
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
+    assert set(tower.state_dict()) == keys  # checkpoints still load
+
+    # The encoder installs them by default and removes them when asked, on the same tower.
+    VisionEncoder(tower, "cpu", torch.float32, attention="sdpa", fast_blocks=False)
+    assert not any("forward" in vars(block) for block in tower.blocks)
+    encoder = VisionEncoder(tower, "cpu", torch.float32, attention="sdpa")
+    assert encoder.fast is not None and all("forward" in vars(block) for block in tower.blocks)
+    for g, e in zip(encoder.encode_patches(pixel_values, grid_thw), expected.split(
+            (grid_thw.prod(-1) // 4).tolist()), strict=True):
+        torch.testing.assert_close(g, e, atol=1e-5, rtol=1e-4)
+
+
 def test_one_encoder_forward_over_mixed_sizes_equals_one_image_at_a_time(engine, images):
     together = engine.encoder.encode(images)
     for image, batched in zip(images, together):

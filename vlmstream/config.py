@@ -161,6 +161,13 @@ class InferSettings(BaseModel):
     dtype: str = "auto"
     gpu_memory_utilization: float = 0.85
     max_model_len: int = 32768
+    max_num_seqs: int = Field(1024, description="vLLM: most sequences in one step. Its offline LLM default on "
+                              "80 GB GPUs; its async engine would otherwise take 128, which caps decode batching.")
+    max_num_batched_tokens: int = Field(16384, description="vLLM: most tokens in one step (offline LLM default on "
+                                        "80 GB GPUs; the async default is 2048).")
+    vision_batch_images: int = Field(32, description="vLLM engine: most images per vision-tower forward (also "
+                                     "bounded to 65,536 patches).")
+    vision_compile: bool = Field(True, description="torch.compile the vision blocks on CUDA (falls back to eager).")
     enable_prefix_caching: bool = Field(
         True, description="vLLM prefix caching. Every image is new, so only the shared prompt text is ever reused; "
         "benchmarks turn it off to match offline arms that must (they reuse images).")

@@ -1,12 +1,14 @@
 """The Qwen2.5-VL-7B vision tower alone on the GPU: how fast our encoder turns exact-size images into tokens.
 
-Variants, side by side in one process on the same images (random weights: same compute as real ones):
-  conv3d+<attn>   transformers' module as it ships (patch embedding through nn.Conv3d)
-  linear+<attn>   the same module with the patch embedding as a matrix product (what VisionEncoder runs)
-where <attn> is vllm_fa3 (vLLM's FlashAttention 3), torch_varlen (torch's varlen flash) or sdpa (transformers'
-per-window loop). Each timing covers GPU patchify + tower forward + merger for a batch of images, synchronised,
-after warm-up; it prints ms per image and images/s per budget, then a torch.profiler table of where one forward
-of the default variant spends its GPU time.
+Variants, side by side in one process on the same images (random weights: same compute as real ones), named
+<blocks>+<attention>:
+  transformers+...  transformers' blocks as they ship (patch embedding as a matrix product)
+  fast+...          FastVisionBlocks, compiled (what VisionEncoder runs on CUDA)
+  fast-eager+...    FastVisionBlocks without torch.compile
+with attention vllm_fa3 (vLLM's FlashAttention 3), torch_varlen (torch's varlen flash) or sdpa. Each timing covers
+GPU patchify + tower forward + merger for a batch of images, synchronised, after warm-up; it prints ms per image
+and images/s per budget, then torch.profiler tables of where one forward spends its GPU time (transformers'
+blocks and the fast ones).
 
 Usage (device, after scripts/gpu/unpack_device.sh and `source scripts/gpu/env.sh`):
   python3 benchmarks/gpu/bench_vision_tower.py --model /root/model --imgs /root/imgs --out $OUT/tower.json
@@ -98,7 +100,7 @@ def main() -> None:
     ap.add_argument("--model", default="/root/model")
     ap.add_argument("--imgs", default="/root/imgs")
     ap.add_argument("--budgets", default="256,1280,default")
-    ap.add_argument("--variants", default="conv3d+vllm_fa3,linear+vllm_fa3,linear+torch_varlen,linear+sdpa")
+    ap.add_argument("--variants", default="transformers+vllm_fa3,fast-eager+vllm_fa3,fast+vllm_fa3,fast+torch_varlen")
     ap.add_argument("--seconds", type=float, default=4.0, help="Minimum timed seconds per variant and budget.")
     ap.add_argument("--profile-budget", default="1280")
     ap.add_argument("--out", default="tower.json")
@@ -108,8 +110,7 @@ def main() -> None:
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     tower, _ = load_vision_tower(args.model, device, dtype)
-    # The linear swap happens in place on the shared tower, so every conv3d variant runs before any linear one.
-    variants = sorted(args.variants.split(","), key=lambda v: not v.startswith("conv3d"))
+    variants = args.variants.split(",")
     report: dict = {"gpu": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                     "torch": torch.__version__, "budgets": {}}
     for budget in args.budgets.split(","):
@@ -118,13 +119,13 @@ def main() -> None:
         rows = report["budgets"][budget] = {
             "mean_visual_tokens": round(float(np.mean([im.shape[0] * im.shape[1] / 28 / 28 for im in images])), 1)}
         for variant in variants:
-            patch_embedding, attention = variant.split("+")
+            blocks, attention = variant.split("+")
             if budget == "default" and attention == "sdpa":
                 rows[variant] = {"skipped": "per-window Python loop: minutes per image at 12.8 MP"}
                 continue
             try:
-                encoder = VisionEncoder(tower, device, dtype, attention=attention,
-                                        linear_patch_embedding=patch_embedding == "linear")
+                encoder = VisionEncoder(tower, device, dtype, attention=attention, fast_blocks=blocks != "transformers",
+                                        compile_blocks=blocks == "fast")
                 if device.type == "cuda":
                     torch.cuda.reset_peak_memory_stats()
                 rows[variant] = time_encoder(encoder, images, BATCH[budget], args.seconds)
@@ -133,10 +134,12 @@ def main() -> None:
             print("RESULT", budget, variant, json.dumps(rows[variant]), flush=True)
             Path(args.out).write_text(json.dumps(report, indent=1))
     budget = args.profile_budget
-    encoder = VisionEncoder(tower, device, dtype, attention="auto")
-    table = profile_table(encoder, exact_size_images(args.imgs, BATCH[budget], BUDGETS[budget]))
-    report["profile"] = {"budget": budget, "attention": encoder.attention, "table": table}
-    print(table, flush=True)
+    report["profile"] = {"budget": budget}
+    for blocks in ("transformers", "fast"):
+        encoder = VisionEncoder(tower, device, dtype, attention="auto", fast_blocks=blocks == "fast")
+        table = profile_table(encoder, exact_size_images(args.imgs, BATCH[budget], BUDGETS[budget]))
+        report["profile"][blocks] = {"attention": encoder.attention, "compiled": encoder.compiled, "table": table}
+        print(f"PROFILE {blocks} blocks, budget {budget}, attention {encoder.attention}\n{table}", flush=True)
     Path(args.out).write_text(json.dumps(report, indent=1))
 
 

@@ -117,7 +117,14 @@ class VllmEngine(QueuedEngine):
             # Every image is new: caching processed inputs only costs memory and hashing.
             mm_processor_cache_gb=0,
             enable_prefix_caching=settings.enable_prefix_caching,
+            max_num_seqs=settings.max_num_seqs, max_num_batched_tokens=settings.max_num_batched_tokens,
         )
+        from vllm.config import StructuredOutputsConfig
+
+        # No free whitespace in guided JSON: a random or weak model would otherwise spend its whole token budget
+        # on blanks between tokens (seen on the H200 with dummy weights). vLLM 0.26 reads this switch from the
+        # engine's config, not from the request's StructuredOutputsParams. It only affects guided requests.
+        args["structured_outputs_config"] = StructuredOutputsConfig(disable_any_whitespace=True)
         args.update(engine_kwargs or {})
         started = time.perf_counter()
         try:
@@ -136,9 +143,12 @@ class VllmEngine(QueuedEngine):
             tower, self.tower_has_real_weights = load_vision_tower(self.model_path, "cuda", dtype)
             if not self.tower_has_real_weights and load_format != "dummy":
                 log.warning("no vision weights in %s: the tower is random, embeddings are meaningless", model_path)
-            self.encoder = VisionEncoder(tower, "cuda", dtype, attention=vision_attention)
-            log.info("vision tower on cuda, attention=%s", self.encoder.attention)
-        self._stream = torch.cuda.Stream()
+            self.encoder = VisionEncoder(tower, "cuda", dtype, attention=vision_attention,
+                                         compile_blocks=settings.vision_compile)
+            log.info("vision tower on cuda, attention=%s, compiled=%s", self.encoder.attention, self.encoder.compiled)
+        # High priority: the tower feeds the language model. When both have kernels queued, the tower's go
+        # first, so the engine's queue of ready requests does not run dry while it decodes.
+        self._stream = torch.cuda.Stream(priority=-1)
 
         # 3. The encoder thread feeds vLLM.
         self._encoder_thread = threading.Thread(target=self._encode_loop, name="vllm-encoder", daemon=True)
@@ -166,7 +176,7 @@ class VllmEngine(QueuedEngine):
         try:
             stopping = False
             while not stopping:
-                batch, stopping = self._next_batch(self.settings.batch_size)
+                batch, stopping = self._next_batch(self.settings.vision_batch_images)
                 if batch:
                     self._encode_and_dispatch(batch)
         except BaseException as exc:
@@ -183,8 +193,27 @@ class VllmEngine(QueuedEngine):
             else:
                 valid.append((request, submitted))
         need_tower = [(r, s) for r, s in valid if self.mode == "embeds" or (r.want_embedding and self.encoder)]
-        encoded = self._encode_splitting(need_tower) if need_tower else {}
-        for request, submitted in valid:
+        tower_ids = {id(r) for r, _ in need_tower}
+        self._dispatch([(r, s) for r, s in valid if id(r) not in tower_ids], {})
+        for group in self._patch_groups(need_tower):
+            # Each group goes to vLLM as soon as it is encoded: the language model starts on the first images
+            # while the tower works on the next.
+            self._dispatch(group, self._encode_splitting(group))
+
+    def _patch_groups(self, items: list[tuple[InferenceRequest, float]]):
+        group, patches = [], 0
+        for item in items:
+            _, grid_h, grid_w = item[0].grid_thw
+            if group and patches + grid_h * grid_w > self.encoder.max_patches_per_call:
+                yield group
+                group, patches = [], 0
+            group.append(item)
+            patches += grid_h * grid_w
+        if group:
+            yield group
+
+    def _dispatch(self, items: list[tuple[InferenceRequest, float]], encoded: dict) -> None:
+        for request, submitted in items:
             result = encoded.get(request.request_id)
             if isinstance(result, InferenceFailure):
                 self._outbox.put(result)
