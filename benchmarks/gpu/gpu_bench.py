@@ -7,18 +7,23 @@ Arms (same model, prompt, output length with ignore_eos, one image per request a
   pipeline-embeds     Kafka broker + `vlmstream produce` + `vlmstream decode` fleet + `vlmstream infer --mode embeds`
   pipeline-pixels     the same with `vlmstream infer --mode pixels`
   serve               `vllm serve --api-server-count K`, file:// full-resolution images from a multi-process client
-`--arms naive,ceiling,...` picks a subset (`ceiling` = both ceiling arms). naive and ceiling share one engine in one
-child process. Every arm runs under a hard time limit in its own process groups, which are killed afterwards; results
-are written to $OUT (gpu_bench.json, gpu_bench.md) after every arm, logs to $OUT/<arm>.log.
+`--arms naive,ceiling,...` picks a subset (`ceiling` = both ceiling arms). `--budgets 256,1280,default` measures the
+arms at each budget in turn while every arm group starts its engine once (a start costs 60-95 s, a budget about
+--seconds): the offline arms share one engine in one child process and run budget after budget; a pipeline mode keeps
+its broker, topics and `vlmstream infer` processes and runs one phase per budget (a decode fleet at that budget, a
+warm-up set, the measured documents); `vllm serve` starts once and its client runs once per budget. Every arm runs
+under a hard time limit in its own process groups, which are killed afterwards; results are written to $OUT
+(gpu_bench.json, gpu_bench.md) after every arm and phase, logs to $OUT/<arm>.log, and every measured (budget, arm)
+prints one `PHASE ... RESULT {json}` line, so a truncated log still holds the figures.
 
-No cache can make a repeated image cheap in any arm: engines run with prefix caching off and the multimodal processor
-cache at 0 GB, so vLLM identifies every image by its request (vllm/renderers/base.py `_process_mm_uuids`), and the
-pipeline's documents are distinct files (hard links) with distinct ids. The few source JPEGs are reused to reach the
-counts.
+No cache can make a repeated image cheap in any arm: engines run with prefix caching off (the pipeline's
+`vlmstream infer` too, unless --prefix-caching) and the multimodal processor cache at 0 GB, so vLLM identifies every
+image by its request (vllm/renderers/base.py `_process_mm_uuids`), and the pipeline's documents are distinct files
+(hard links) with distinct ids. The few source JPEGs are reused to reach the counts.
 
 Usage (device, after scripts/gpu/unpack_device.sh; see benchmarks/gpu/README.md):
   source scripts/gpu/env.sh
-  python3 benchmarks/gpu/gpu_bench.py --budget 256 --max-tokens 64 --seconds 30 --arms naive,ceiling
+  python3 benchmarks/gpu/gpu_bench.py --budgets 256,1280,default --max-tokens 64 --seconds 30 --arms naive,ceiling
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ import time
 import traceback
 import urllib.request
 from pathlib import Path
+from typing import Callable
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
@@ -48,9 +54,16 @@ CHAT_PROMPT = ("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im
                "<|vision_start|><|image_pad|><|vision_end|>" + PROMPT_TEXT + "<|im_end|>\n<|im_start|>assistant\n")
 OFFLINE_ARMS = ("naive", "ceiling-preresized", "ceiling-embeds")
 ALL_ARMS = OFFLINE_ARMS + ("pipeline-embeds", "pipeline-pixels", "serve")
-# Used only to size the pipeline's batch of documents (count = rate x --seconds); a wrong guess changes how long the
-# arm runs, not what it measures (it stops at --stop-after x --seconds and reports what it had).
+# Used only to size a pipeline phase's documents (count = rate x --seconds); a wrong guess changes how long the
+# phase runs, not what it measures (it stops at --stop-after x --seconds and reports what it had).
 EXPECTED_RATE = {"256": 100.0, "1280": 35.0, "default": 6.0}
+# Warm-up documents per GPU of a pipeline phase. The first phase's also carry the freshly started engines' first
+# requests (graph capture, compilation), later ones only need the new decode fleet in its group and the new shapes.
+FIRST_WARM_DOCS_PER_GPU = 16
+LATER_WARM_DOCS_PER_GPU = 8
+# A pipeline phase's time beyond its measurement: stopping one decode fleet (SIGTERM drain), starting the next,
+# publishing and waiting for the warm-up set.
+PHASE_OVERHEAD_S = 90.0
 
 
 def log(msg: str) -> None:
@@ -226,36 +239,37 @@ class CpuSampler:
 # --- offline arms (one engine, child process) ---------------------------------------------------------------------
 
 
-
-
 class ArmTimeout(Exception):
     pass
 
 
 def offline_worker(args: argparse.Namespace) -> None:
-    """Child process: one vLLM engine, the offline arms in order, one JSON line per arm appended to --results-file."""
+    """Child process: one vLLM engine; for each budget in turn the offline arms, one JSON line per (budget, arm)
+    appended to --results-file."""
     import numpy as np
     import torch
     from PIL import Image
     from vllm import LLM, SamplingParams
 
     arms = [a for a in args.arms.split(",") if a]
-    budget = BUDGETS[args.budget]
     files = image_files(args.imgs)
     t = time.perf_counter()
     base = [Image.open(f).convert("RGB") for f in files]
     log(f"decoded {len(base)} images in {time.perf_counter() - t:.1f}s, mean "
         f"{np.mean([b.size[0] * b.size[1] for b in base]) / 1e6:.2f} MP")
-    emit = lambda name, rec: open(args.results_file, "a").write(json.dumps({"arm": name, **rec}) + "\n")  # noqa: E731
+
+    def emit(budget: str | None, arm: str, rec: dict) -> None:
+        with open(args.results_file, "a") as f:  # one write per line: the parent reads the file while it grows
+            f.write(json.dumps({"budget": budget, "arm": arm, **rec}) + "\n")
+
     t = time.perf_counter()
     llm = LLM(model=args.model, load_format="dummy", max_model_len=args.max_model_len, enable_mm_embeds=True,
               limit_mm_per_prompt={"image": 1}, gpu_memory_utilization=args.gpu_memory_utilization, seed=0,
               enable_prefix_caching=False, mm_processor_cache_gb=0)
     init_s = time.perf_counter() - t
     log(f"engine ready in {init_s:.1f}s")
-    emit("_engine", {"init_s": round(init_s, 1), "gpu_mem": gpu_mem()})
+    emit(None, "_engine", {"init_s": round(init_s, 1), "gpu_mem": gpu_mem()})
     sp = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
-    mmkw = {"min_pixels": MIN_PIXELS, "max_pixels": budget}
     gpu = GpuSampler().start()
 
     def on_alarm(*_):
@@ -269,10 +283,10 @@ def offline_worker(args: argparse.Namespace) -> None:
         outs = llm.wait_for_completion(use_tqdm=False)
         return time.perf_counter() - t0, outs
 
-    def timed_arm(name: str, make, kw: dict | None) -> None:
+    def timed_arm(budget: str, name: str, make, kw: dict | None) -> None:
         signal.alarm(int(args.arm_limit))
         try:
-            run([make(i) for i in range(8)], kw)  # warm-up: compile paths for this input kind
+            run([make(i) for i in range(8)], kw)  # warm-up: compile paths for this input kind and budget
             n_cal = 48
             dt_cal, _ = run([make(i) for i in range(n_cal)], kw)
             # Size the measured batch to last about --seconds. A 48-request batch runs at about 0.7 of a large
@@ -288,42 +302,45 @@ def offline_worker(args: argparse.Namespace) -> None:
                    calibration_img_per_s=round(n_cal / dt_cal, 2),
                    mean_prompt_tokens=round(float(np.mean([len(o.prompt_token_ids) for o in outs])), 1),
                    gen_tokens=sum(len(o.outputs[0].token_ids) for o in outs), gpu_busy=gpu.busy(w0, w1))
-        log(f"RESULT {name} {json.dumps(rec)}")
-        emit(name, rec)
+        log(f"PHASE budget={budget} arm={name} RESULT {json.dumps(rec)}")
+        emit(budget, name, rec)
 
+    # Budget outer, arm inner: each budget's inputs (sizes, pre-resized arrays, embeddings) are made for it, before
+    # the arm's clock starts.
+    phases = [(budget, arm) for budget in args.budgets for arm in arms]
     try:
-        for arm in arms:
+        for k, (budget, arm) in enumerate(phases):
+            max_pixels = BUDGETS[budget]
+            mmkw = {"min_pixels": MIN_PIXELS, "max_pixels": max_pixels}
+            sizes = [smart_resize(b.size[1], b.size[0], min_pixels=MIN_PIXELS, max_pixels=max_pixels) for b in base]
             try:
                 if arm == "naive":
-                    timed_arm(arm, lambda i: {"prompt": CHAT_PROMPT, "multi_modal_data": {"image": base[i % len(base)]}},
-                              mmkw)
+                    timed_arm(budget, arm, lambda i: {"prompt": CHAT_PROMPT,
+                                                      "multi_modal_data": {"image": base[i % len(base)]}}, mmkw)
                 elif arm == "ceiling-preresized":
-                    pre = []
-                    for b in base:
-                        h, w = smart_resize(b.size[1], b.size[0], min_pixels=MIN_PIXELS, max_pixels=budget)
-                        pre.append(np.asarray(b.resize((w, h), Image.BICUBIC)).copy())
-                    timed_arm(arm, lambda i: {"prompt": CHAT_PROMPT, "multi_modal_data": {"image": pre[i % len(pre)]}},
-                              mmkw)
+                    pre = [np.asarray(b.resize((w, h), Image.BICUBIC)).copy() for b, (h, w) in zip(base, sizes)]
+                    timed_arm(budget, arm, lambda i: {"prompt": CHAT_PROMPT,
+                                                      "multi_modal_data": {"image": pre[i % len(pre)]}}, mmkw)
                 elif arm == "ceiling-embeds":
                     # Values do not matter to the language model's cost: random embeddings of the exact shape
                     # (merged tokens x 3584) with the grid of each image at the budget.
-                    embs = []
-                    for b in base:
-                        h, w = smart_resize(b.size[1], b.size[0], min_pixels=MIN_PIXELS, max_pixels=budget)
-                        gh, gw = h // 14, w // 14
-                        embs.append((torch.randn(gh * gw // 4, 3584, dtype=torch.bfloat16),
-                                     torch.tensor([[1, gh, gw]])))
-                    timed_arm(arm, lambda i: {"prompt": CHAT_PROMPT, "multi_modal_data": {"image": {
+                    embs = [(torch.randn((h // 14) * (w // 14) // 4, 3584, dtype=torch.bfloat16),
+                             torch.tensor([[1, h // 14, w // 14]])) for h, w in sizes]
+                    timed_arm(budget, arm, lambda i: {"prompt": CHAT_PROMPT, "multi_modal_data": {"image": {
                         "image_embeds": embs[i % len(embs)][0], "image_grid_thw": embs[i % len(embs)][1]}}}, None)
                 else:
-                    emit(arm, {"error": "unknown offline arm"})
+                    emit(budget, arm, {"error": "unknown offline arm"})
             except ArmTimeout:
-                log(f"ARM TIMEOUT {arm} after {args.arm_limit}s: later offline arms skipped (engine still busy)")
-                emit(arm, {"error": f"timed out after {args.arm_limit}s"})
+                log(f"ARM TIMEOUT budget {budget} {arm} after {args.arm_limit}s: later offline arms skipped "
+                    "(engine still busy)")
+                emit(budget, arm, {"error": f"timed out after {args.arm_limit}s"})
+                for later_budget, later_arm in phases[k + 1:]:
+                    emit(later_budget, later_arm, {"error": f"not run: budget {budget} {arm} timed out before it "
+                                                            "with the engine still busy"})
                 break
             except Exception as exc:  # noqa: BLE001 - record and go on with the next arm
                 traceback.print_exc()
-                emit(arm, {"error": repr(exc)[:600]})
+                emit(budget, arm, {"error": repr(exc)[:600]})
     finally:
         gpu.stop()
         try:
@@ -349,50 +366,80 @@ def image_files(folder: str) -> list[str]:
 
 
 def run_offline(args: argparse.Namespace, arms: list[str], out: Path, results: dict) -> None:
+    """The offline arms at every budget in one child process (one engine start). Its records are taken as they
+    come, so the files in $OUT follow each (budget, arm) even if this call is cut short."""
     res_file = out / "offline_results.jsonl"
     res_file.unlink(missing_ok=True)
     cmd = [sys.executable, str(Path(__file__).resolve()), "--offline-worker", "--arms", ",".join(arms),
            "--results-file", str(res_file)] + passthrough(args)
-    limit = args.start_limit + len(arms) * args.arm_limit + 30
+    # One engine start, then every (budget, arm) under its own --arm-limit alarm.
+    limit = args.start_limit + len(args.budgets) * len(arms) * args.arm_limit + 30
     proc = spawn(cmd, out / "offline.log", tag="offline")
-    log(f"offline arms {arms} (pid {proc.pid}, hard limit {limit:.0f}s)")
+    log(f"offline arms {arms} at budgets {args.budgets} (pid {proc.pid}, hard limit {limit:.0f}s)")
+    deadline = time.monotonic() + limit
+    read_to = 0
     try:
-        proc.wait(timeout=limit)
-    except subprocess.TimeoutExpired:
-        log("offline worker over its hard limit: killed")
-        results["arms"].setdefault("offline", {})["error"] = f"killed after {limit:.0f}s"
+        while True:
+            exited = proc.poll() is not None  # before reading: all it wrote is then in the file
+            read_to = take_offline_records(res_file, read_to, results, out)
+            if exited:
+                break
+            if time.monotonic() > deadline:
+                log("offline worker over its hard limit: killed")
+                results.setdefault("offline_engine", {})["error"] = f"killed after {limit:.0f}s"
+                break
+            time.sleep(1)
     finally:
         kill_tree(proc, grace_s=5)
-    if res_file.exists():
-        for line in res_file.read_text().splitlines():
-            rec = json.loads(line)
-            name = rec.pop("arm")
-            if name == "_engine":
-                results["offline_engine"] = rec
-            else:
-                results["arms"][name] = rec
-        res_file.unlink()
-    for arm in arms:
-        results["arms"].setdefault(arm, {"error": "no result (see offline.log)\n" + log_tail(out / "offline.log")})
+    take_offline_records(res_file, read_to, results, out)  # whatever it wrote while being stopped
+    res_file.unlink(missing_ok=True)
+    for budget in args.budgets:
+        for arm in arms:
+            arms_at(results, budget).setdefault(arm, {"error": "no result (see offline.log)\n"
+                                                               + log_tail(out / "offline.log")})
+
+
+def take_offline_records(path: Path, offset: int, results: dict, out: Path) -> int:
+    """Store the offline worker's complete lines after byte offset in results (saved at once); the new offset."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            data = f.read()
+    except FileNotFoundError:
+        return offset
+    complete = data[:data.rfind(b"\n") + 1]  # a line still being written waits for the next call
+    for line in complete.splitlines():
+        rec = json.loads(line)
+        budget, arm = rec.pop("budget"), rec.pop("arm")
+        if arm == "_engine":
+            results["offline_engine"] = rec
+            log(f"offline engine {json.dumps(rec)}")
+        else:
+            arms_at(results, budget)[arm] = rec
+            log(f"PHASE {arm} budget={budget} RESULT {json.dumps(rec)}")
+        save(results, out)
+    return offset + len(complete)
 
 
 def passthrough(args: argparse.Namespace) -> list[str]:
-    return ["--model", args.model, "--imgs", args.imgs, "--budget", args.budget, "--max-tokens", str(args.max_tokens),
-            "--seconds", str(args.seconds), "--arm-limit", str(args.arm_limit), "--max-requests", str(args.max_requests),
-            "--max-model-len", str(args.max_model_len), "--gpu-memory-utilization", str(args.gpu_memory_utilization)]
+    return ["--model", args.model, "--imgs", args.imgs, "--budgets", ",".join(args.budgets),
+            "--max-tokens", str(args.max_tokens), "--seconds", str(args.seconds), "--arm-limit", str(args.arm_limit),
+            "--max-requests", str(args.max_requests), "--max-model-len", str(args.max_model_len),
+            "--gpu-memory-utilization", str(args.gpu_memory_utilization)]
 
 
 # --- pipeline arms ------------------------------------------------------------------------------------------------
 
 
 class TopicWatcher:
-    """Reads the run's documents, descriptions and dead-letter topics from the beginning: when each measured document
-    was published (record timestamp) and when its description (or dead letter) arrived here."""
+    """Reads a mode's documents, descriptions and dead-letter topics from the beginning. Documents are grouped by the
+    prefix of their id, up to and including the first "_" (`warm0_`, `d0_`: one per phase and kind): when each was
+    published (record timestamp) and when its description or dead letter arrived here."""
 
-    def __init__(self, bootstrap: str, topics: dict[str, str], measured_prefix: str, warm_prefix: str) -> None:
+    def __init__(self, bootstrap: str, topics: dict[str, str]) -> None:
         from kafka import KafkaConsumer, TopicPartition
 
-        self.topics, self.measured_prefix, self.warm_prefix = topics, measured_prefix, warm_prefix
+        self.topics = topics
         self.consumer = KafkaConsumer(bootstrap_servers=bootstrap.split(","), group_id=None,
                                       auto_offset_reset="earliest", enable_auto_commit=False,
                                       max_partition_fetch_bytes=64 * 1024 * 1024)
@@ -408,33 +455,61 @@ class TopicWatcher:
             assignment += [TopicPartition(topic, p) for p in parts]
         self.consumer.assign(assignment)
         self.consumer.seek_to_beginning()
-        self.published_ms: list[int] = []
-        self.done_at: dict[str, float] = {}
-        self.warm_done: set[str] = set()
-        self.dead = 0
+        # Written by the reader thread, read by the phases: under the lock.
+        self._lock = threading.Lock()
+        self._published_ms: dict[str, list[int]] = {}
+        self._done_at: dict[str, dict[str, float]] = {}
+        self._dead: dict[str, int] = {}
+        self._arrivals: list[tuple[float, str]] = []  # every description and dead letter: (time here, prefix)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
+
+    @staticmethod
+    def prefix_of(doc: str) -> str:
+        head, sep, _ = doc.partition("_")
+        return head + sep
 
     def _run(self) -> None:
         while not self._stop.is_set():
             batch = self.consumer.poll(timeout_ms=200, max_records=5000)
             now = time.time()
-            for tp, records in batch.items():
-                for r in records:
-                    key = (r.key or b"").decode(errors="replace")
-                    doc = key.split("/")[0]
-                    if tp.topic == self.topics["documents"]:
-                        if doc.startswith(self.measured_prefix):
-                            self.published_ms.append(r.timestamp)
-                    elif tp.topic == self.topics["deadletter"]:
-                        self.dead += 1
-                        if doc.startswith(self.measured_prefix):
-                            self.done_at.setdefault(doc, now)
-                    elif doc.startswith(self.warm_prefix):
-                        self.warm_done.add(doc)
-                    elif doc.startswith(self.measured_prefix):
-                        self.done_at.setdefault(doc, now)
+            with self._lock:
+                for tp, records in batch.items():
+                    for r in records:
+                        doc = (r.key or b"").decode(errors="replace").split("/")[0]
+                        prefix = self.prefix_of(doc)
+                        if tp.topic == self.topics["documents"]:
+                            self._published_ms.setdefault(prefix, []).append(r.timestamp)
+                            continue
+                        if tp.topic == self.topics["deadletter"]:
+                            self._dead[prefix] = self._dead.get(prefix, 0) + 1
+                        self._done_at.setdefault(prefix, {}).setdefault(doc, now)
+                        self._arrivals.append((now, prefix))
+
+    def finished(self, prefix: str) -> int:
+        """Documents of prefix with a description or a dead letter."""
+        with self._lock:
+            return len(self._done_at.get(prefix, {}))
+
+    def dead_letters(self, prefix: str) -> int:
+        with self._lock:
+            return self._dead.get(prefix, 0)
+
+    def published_ms(self, prefix: str) -> list[int]:
+        with self._lock:
+            return list(self._published_ms.get(prefix, []))
+
+    def done_times(self, prefix: str) -> list[float]:
+        """When each finished document of prefix finished, in order."""
+        with self._lock:
+            return sorted(self._done_at.get(prefix, {}).values())
+
+    def others_between(self, t0: float, t1: float, prefix: str) -> int:
+        """Descriptions and dead letters of other prefixes that arrived in [t0, t1]: work the GPUs did inside a
+        phase's clock for documents that are not the phase's (0 unless a previous phase's documents came again)."""
+        with self._lock:
+            return sum(1 for t, p in self._arrivals if t0 <= t <= t1 and p != prefix)
 
     def close(self) -> None:
         self._stop.set()
@@ -460,7 +535,9 @@ def pipeline_env(tag: str, args: argparse.Namespace, work: Path) -> dict[str, st
         env[f"VLMSTREAM_TOPICS__{name.upper()}"] = f"{tag}.{name}"
     env.update({"VLMSTREAM_TOPICS__PARTITIONS": str(args.partitions),
                 "VLMSTREAM_DECODE__GROUP_ID": f"{tag}-decode", "VLMSTREAM_INFER__GROUP_ID": f"{tag}-infer",
-                "VLMSTREAM_PRODUCER__STATE_DIR": str(work / "ledger"), "PYTHONUNBUFFERED": "1"})
+                "VLMSTREAM_PRODUCER__STATE_DIR": str(work / "ledger"), "PYTHONUNBUFFERED": "1",
+                # Off like the offline engine and `vllm serve` (they reuse images, so they must run without it).
+                "VLMSTREAM_INFER__ENABLE_PREFIX_CACHING": "true" if args.prefix_caching else "false"})
     return env
 
 
@@ -497,35 +574,38 @@ def stop_broker() -> None:
             pass
 
 
-def run_pipeline(args: argparse.Namespace, mode: str, bootstrap: str, out: Path) -> dict:
+def run_pipeline(args: argparse.Namespace, mode: str, bootstrap: str, out: Path,
+                 on_phase: Callable[[str, dict], None]) -> None:
+    """One mode (embeds|pixels): topics, watcher and one `vlmstream infer` per GPU are started once; then one phase
+    per budget: a decode fleet at that budget, a warm-up set, the measured documents. on_phase(budget, record) gets
+    each phase's figures as soon as they exist. Raises when a phase cannot be measured; later phases are then not
+    run (the caller records them)."""
     tag = f"gb{int(time.time()) % 10**7}{mode[0]}"
     work = Path(args.work) / tag
     logp = out / f"pipeline-{mode}.log"
     env = pipeline_env(tag, args, work)
     files = image_files(args.imgs)
-    n_docs = args.pipeline_docs or int(EXPECTED_RATE[args.budget] * args.gpus * args.seconds)
-    n_warm = 16 * args.gpus
-    make_docs(work / "warm", "warm", n_warm, files)
-    make_docs(work / "docs", "doc", n_docs, files)
-    budget = BUDGETS[args.budget]
-    deadline = time.monotonic() + args.start_limit + args.stop_after * args.seconds + 60
-    procs: list[subprocess.Popen] = []
+    deadline = (time.monotonic() + args.start_limit
+                + len(args.budgets) * (args.stop_after * args.seconds + PHASE_OVERHEAD_S) + 60)
+    infers: list[subprocess.Popen] = []
+    decode: subprocess.Popen | None = None
     watcher = None
     gpu = GpuSampler().start()
-    rec: dict = {"mode": mode, "n_docs": n_docs, "decode_workers": args.workers, "gpus": args.gpus,
-                 "partitions": args.partitions}
+
+    def alive_or_raise() -> None:
+        for p in [*infers, decode]:
+            if p is not None and p.poll() is not None:
+                raise RuntimeError(f"a pipeline process exited ({p.returncode}):\n{log_tail(logp)}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"arm over its hard limit\n{log_tail(logp)}")
+
     try:
         r = subprocess.run(vlmstream_cmd("topics", "create", "--partitions", str(args.partitions)), env=env,
                            capture_output=True, text=True, timeout=120, cwd=str(REPO))
         if r.returncode != 0:
             raise RuntimeError(f"topics create failed: {(r.stdout + r.stderr)[-1500:]}")
         watcher = TopicWatcher(bootstrap, {k: env[f"VLMSTREAM_TOPICS__{k.upper()}"] for k in
-                                           ("documents", "descriptions", "deadletter")}, "doc", "warm")
-        decode = spawn(vlmstream_cmd("decode", "--workers", str(args.workers), "--max-pixels", str(budget),
-                                     "--min-pixels", str(MIN_PIXELS), "--allowed-root", str(work)),
-                       logp, env, tag="decode")
-        procs.append(decode)
-        infers = []
+                                           ("documents", "descriptions", "deadletter")})
         for g in range(args.gpus):
             genv = dict(env, CUDA_VISIBLE_DEVICES=str(g))
             infers.append(spawn(vlmstream_cmd("infer", "--engine", args.engine, "--mode", mode, "--model", args.model,
@@ -535,57 +615,89 @@ def run_pipeline(args: argparse.Namespace, mode: str, bootstrap: str, out: Path)
                                               # cost a second vision pass, so it runs without (embeds mode keeps them)
                                               *(["--no-embeddings"] if mode == "pixels" else [])),
                                 logp, genv, tag=f"infer gpu{g}"))
-        procs += infers
 
-        def alive_or_raise() -> None:
-            for p in procs:
-                if p.poll() is not None:
-                    raise RuntimeError(f"a pipeline process exited ({p.returncode}):\n{log_tail(logp)}")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"arm over its hard limit\n{log_tail(logp)}")
+        for phase, budget in enumerate(args.budgets):
+            max_pixels = BUDGETS[budget]
+            # Every phase's fleet uses the same consumer group: it starts where the previous fleet committed, past
+            # the previous phases' documents (a new group would read the documents topic from the beginning).
+            decode = spawn(vlmstream_cmd("decode", "--workers", str(args.workers), "--max-pixels", str(max_pixels),
+                                         "--min-pixels", str(MIN_PIXELS), "--allowed-root", str(work)),
+                           logp, env, tag=f"decode phase {phase} budget {budget}")
+            warm_prefix, measured_prefix = f"warm{phase}_", f"d{phase}_"
+            n_warm = (FIRST_WARM_DOCS_PER_GPU if phase == 0 else LATER_WARM_DOCS_PER_GPU) * args.gpus
+            n_docs = args.pipeline_docs or int(EXPECTED_RATE[budget] * args.gpus * args.seconds)
+            make_docs(work / f"warm{phase}", warm_prefix, n_warm, files)
+            make_docs(work / f"docs{phase}", measured_prefix, n_docs, files)
+            rec: dict = {"mode": mode, "budget": budget, "max_pixels": max_pixels, "phase": phase, "n_docs": n_docs,
+                         "decode_workers": args.workers, "gpus": args.gpus, "partitions": args.partitions,
+                         "prefix_caching": args.prefix_caching}
 
-        # Warm-up: engines started, graphs captured, every stage has handled records before the clock starts.
-        t = time.monotonic()
-        r = subprocess.run(vlmstream_cmd("produce", "--folder", str(work / "warm"), "--per-file", "--force", "-q"),
-                           env=env, capture_output=True, text=True, timeout=120, cwd=str(REPO))
-        if r.returncode != 0:
-            raise RuntimeError(f"produce (warm-up) failed: {(r.stdout + r.stderr)[-1500:]}")
-        while len(watcher.warm_done) < n_warm:
-            if time.monotonic() - t > args.start_limit:
-                raise TimeoutError(f"warm-up: {len(watcher.warm_done)}/{n_warm} descriptions after "
-                                   f"{args.start_limit}s\n{log_tail(logp)}")
-            alive_or_raise()
-            time.sleep(0.5)
-        rec["warmup_s"] = round(time.monotonic() - t, 1)
-        log(f"pipeline-{mode}: warm after {rec['warmup_s']}s; publishing {n_docs} documents")
-        cpu = CpuSampler([decode.pid])
-        t_launch = time.time()
-        producer = spawn(vlmstream_cmd("produce", "--folder", str(work / "docs"), "--per-file", "--force", "-q"),
-                         logp, env, tag="produce")
-        stop_at = time.monotonic() + args.stop_after * args.seconds
-        while len(watcher.done_at) < n_docs and time.monotonic() < stop_at:
-            alive_or_raise()
-            time.sleep(0.5)
-        producer_rc = producer.poll()
-        kill_tree(producer, grace_s=2)
-        cpu.stop()
-        done = sorted(watcher.done_at.values())
-        t0 = min(watcher.published_ms) / 1000.0 if watcher.published_ms else t_launch
-        t_end = done[-1] if done else time.time()
-        wall = max(1e-6, t_end - t0)
-        win = min(args.window, wall / 3)
-        first = sum(1 for t in done if t <= t0 + win)
-        last = sum(1 for t in done if t >= t_end - win)
-        rec.update(complete=len(done) >= n_docs, described=len(done), dead_letters=watcher.dead,
-                   wall_s=round(wall, 2), img_per_s=round(len(done) / wall, 2), window_s=round(win, 1),
-                   first_window_img_per_s=round(first / win, 2), last_window_img_per_s=round(last / win, 2),
-                   gpu_busy=gpu.busy(t0, t_end), gpu_busy_first_window=gpu.busy(t0, t0 + win),
-                   gpu_busy_last_window=gpu.busy(t_end - win, t_end), decode_cores=cpu.cores(t0, t_end),
-                   producer_rc=producer_rc, publish_lag_s=round(t0 - t_launch, 2))
-        log(f"RESULT pipeline-{mode} {json.dumps(rec)}")
-        return rec
+            # Warm-up: engines started (phase 0), this budget's shapes seen, the new decode fleet in its group and
+            # every stage has handled records before the clock starts.
+            t = time.monotonic()
+            r = subprocess.run(vlmstream_cmd("produce", "--folder", str(work / f"warm{phase}"), "--per-file",
+                                             "--force", "-q"),
+                               env=env, capture_output=True, text=True, timeout=120, cwd=str(REPO))
+            if r.returncode != 0:
+                raise RuntimeError(f"produce (warm-up, phase {phase}) failed: {(r.stdout + r.stderr)[-1500:]}")
+            while watcher.finished(warm_prefix) < n_warm:
+                if time.monotonic() - t > args.start_limit:
+                    raise TimeoutError(f"warm-up of phase {phase} (budget {budget}): "
+                                       f"{watcher.finished(warm_prefix)}/{n_warm} back after "
+                                       f"{args.start_limit}s\n{log_tail(logp)}")
+                alive_or_raise()
+                time.sleep(0.5)
+            rec.update(warmup_s=round(time.monotonic() - t, 1), warmup_dead_letters=watcher.dead_letters(warm_prefix))
+            log(f"pipeline-{mode} phase {phase} budget {budget}: warm after {rec['warmup_s']}s; "
+                f"publishing {n_docs} documents")
+
+            cpu = CpuSampler([decode.pid])
+            t_launch = time.time()
+            producer = spawn(vlmstream_cmd("produce", "--folder", str(work / f"docs{phase}"), "--per-file",
+                                           "--force", "-q"), logp, env, tag=f"produce phase {phase}")
+            stop_at = time.monotonic() + args.stop_after * args.seconds
+            while watcher.finished(measured_prefix) < n_docs and time.monotonic() < stop_at:
+                alive_or_raise()
+                time.sleep(0.5)
+            producer_rc = producer.poll()
+            kill_tree(producer, grace_s=2)
+            cpu.stop()
+            done = watcher.done_times(measured_prefix)
+            published = watcher.published_ms(measured_prefix)
+            t0 = min(published) / 1000.0 if published else t_launch
+            t_end = done[-1] if done else time.time()
+            wall = max(1e-6, t_end - t0)
+            win = min(args.window, wall / 3)
+            first = sum(1 for t in done if t <= t0 + win)
+            last = sum(1 for t in done if t >= t_end - win)
+            rec.update(complete=len(done) >= n_docs, described=len(done),
+                       dead_letters=watcher.dead_letters(measured_prefix),
+                       wall_s=round(wall, 2), img_per_s=round(len(done) / wall, 2), window_s=round(win, 1),
+                       first_window_img_per_s=round(first / win, 2), last_window_img_per_s=round(last / win, 2),
+                       gpu_busy=gpu.busy(t0, t_end), gpu_busy_first_window=gpu.busy(t0, t0 + win),
+                       gpu_busy_last_window=gpu.busy(t_end - win, t_end), decode_cores=cpu.cores(t0, t_end),
+                       producer_rc=producer_rc, publish_lag_s=round(t0 - t_launch, 2),
+                       other_phase_records=watcher.others_between(t0, t_end, measured_prefix))
+            log(f"PHASE pipeline-{mode} budget={budget} RESULT {json.dumps(rec)}")
+            on_phase(budget, rec)
+
+            if not rec["complete"] and phase + 1 < len(args.budgets):
+                # The rest of this phase's documents are still queued: the next fleet (same group) would decode them
+                # at its budget and the GPUs would describe them inside the next phase's clock. Let them finish
+                # first, unmeasured.
+                log(f"pipeline-{mode} phase {phase}: draining {n_docs - len(done)} documents before the next phase")
+                while watcher.finished(measured_prefix) < n_docs:
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"phase {phase} (budget {budget}) still had "
+                                           f"{n_docs - watcher.finished(measured_prefix)} documents in flight at the "
+                                           "arm's hard limit; the next phase would have measured them too")
+                    alive_or_raise()
+                    time.sleep(0.5)
+            # SIGTERM: the fleet drains, flushes and commits, so the next phase's fleet starts past these documents.
+            kill_tree(decode, grace_s=20)
+            decode = None
     finally:
-        for p in reversed(procs):  # SIGTERM: each drains and leaves its group; then SIGKILL what is left
+        for p in [decode, *reversed(infers)]:  # SIGTERM: each drains and leaves its group; then SIGKILL what is left
             kill_tree(p, grace_s=20)
         if watcher is not None:
             watcher.close()
@@ -595,16 +707,17 @@ def run_pipeline(args: argparse.Namespace, mode: str, bootstrap: str, out: Path)
 # --- vllm serve ---------------------------------------------------------------------------------------------------
 
 
-def run_serve(args: argparse.Namespace, out: Path) -> dict:
+def run_serve(args: argparse.Namespace, out: Path, on_phase: Callable[[str, dict], None]) -> None:
+    """One `vllm serve` start; the client runs once per budget (the budget travels in each request's
+    mm_processor_kwargs). on_phase(budget, record) gets each budget's figures, or its error when the client failed
+    and the server still runs. Raises when the server does not come up or exits."""
     logp = out / "serve.log"
-    budget = BUDGETS[args.budget]
     cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", args.model, "--load-format", "dummy",
            "--api-server-count", str(args.serve_k), "--max-model-len", str(args.max_model_len),
            "--limit-mm-per-prompt", '{"image":1}', "--gpu-memory-utilization", str(args.gpu_memory_utilization),
            "--mm-processor-cache-gb", "0", "--no-enable-prefix-caching", "--seed", "0",
            "--allowed-local-media-path", str(Path(args.imgs).resolve()), "--port", str(args.serve_port)]
     server = spawn(cmd, logp, tag="serve")
-    client = None
     gpu = GpuSampler().start()
     t = time.monotonic()
     try:
@@ -622,28 +735,52 @@ def run_serve(args: argparse.Namespace, out: Path) -> dict:
             time.sleep(1)
         start_s = round(time.monotonic() - t, 1)
         log(f"serve healthy after {start_s}s")
-        client_cmd = [sys.executable, str(HERE / "serve_client.py"), "--url", url, "--model", args.model,
-                      "--imgs", str(Path(args.imgs).resolve()), "--seconds", str(args.seconds),
-                      "--procs", str(args.serve_procs), "--conc", str(args.serve_conc),
-                      "--max-tokens", str(args.max_tokens), "--max-pixels", str(budget),
-                      "--min-pixels", str(MIN_PIXELS), "--prompt", PROMPT_TEXT]
-        client = spawn(client_cmd, logp, tag="serve_client")
-        client.wait(timeout=args.arm_limit)
-        res = [ln for ln in log_tail(logp, 20000).splitlines() if ln.startswith("RESULT ")]
-        if not res:
-            raise RuntimeError(f"serve client gave no RESULT:\n{log_tail(logp)}")
-        rec = json.loads(res[-1][len("RESULT "):])
-        rec.update(api_servers=args.serve_k, start_s=start_s,
-                   gpu_busy=gpu.busy(rec["t0"], rec["t0"] + rec["wall_s"]) if "t0" in rec else None)
-        log(f"RESULT serve {json.dumps(rec)}")
-        return rec
+        for budget in args.budgets:
+            client_cmd = [sys.executable, str(HERE / "serve_client.py"), "--url", url, "--model", args.model,
+                          "--imgs", str(Path(args.imgs).resolve()), "--seconds", str(args.seconds),
+                          "--procs", str(args.serve_procs), "--conc", str(args.serve_conc),
+                          "--max-tokens", str(args.max_tokens), "--max-pixels", str(BUDGETS[budget]),
+                          "--min-pixels", str(MIN_PIXELS), "--prompt", PROMPT_TEXT]
+            # The log is shared by the server and every client run: this run's RESULT is the one after this offset.
+            log_from = logp.stat().st_size
+            client = spawn(client_cmd, logp, tag=f"serve_client budget {budget}")
+            try:
+                client.wait(timeout=args.arm_limit)
+                lines = logp.read_bytes()[log_from:].decode(errors="replace").splitlines()
+                res = [ln for ln in lines if ln.startswith("RESULT ")]
+                if not res:
+                    raise RuntimeError(f"serve client (budget {budget}) gave no RESULT:\n{log_tail(logp)}")
+                rec = json.loads(res[-1][len("RESULT "):])
+                rec.update(budget=budget, api_servers=args.serve_k, start_s=start_s,
+                           gpu_busy=gpu.busy(rec["t0"], rec["t0"] + rec["wall_s"]) if "t0" in rec else None)
+                log(f"PHASE serve budget={budget} RESULT {json.dumps(rec)}")
+            except Exception as exc:  # noqa: BLE001 - this budget failed; the server may still serve the next
+                traceback.print_exc()
+                rec = {"error": f"{exc!r}"[:3000]}
+            finally:
+                kill_tree(client, grace_s=2)
+            on_phase(budget, rec)
+            if server.poll() is not None:
+                raise RuntimeError(f"vllm serve exited ({server.returncode}):\n{log_tail(logp)}")
     finally:
-        kill_tree(client, grace_s=2)
         kill_tree(server, grace_s=10)
         gpu.stop()
 
 
 # --- report -------------------------------------------------------------------------------------------------------
+
+
+def arms_at(results: dict, budget: str) -> dict:
+    """The arms' records at one budget."""
+    return results["budgets"].setdefault(budget, {"arms": {}, "ratios": {}})["arms"]
+
+
+def record_failure(results: dict, arm: str, budgets: list[str], error: str) -> None:
+    """arm stopped with error at the first budget that has no record of it; the later budgets were never run."""
+    missing = [b for b in budgets if arm not in arms_at(results, b)]
+    for k, budget in enumerate(missing):
+        arms_at(results, budget)[arm] = {"error": error[:3000] if k == 0 else
+                                         f"not run: the arm stopped at budget {missing[0]}"}
 
 
 def ratios(arms: dict) -> dict:
@@ -667,39 +804,52 @@ def ratios(arms: dict) -> dict:
 
 
 def markdown(results: dict) -> str:
+    """One table (and one ratio table) per budget."""
     c = results["config"]
-    lines = [f"## gpu_bench: budget {c['budget']} ({c['max_pixels']} px), {c['max_tokens']} output tokens "
-             f"(ignore_eos), {c['seconds']} s per arm, {c.get('gpu_name', '?')}",
-             "", "| arm | img/s | first window | last window | GPU busy | decode cores | n | note |",
-             "|---|---|---|---|---|---|---|---|"]
-    for name in ALL_ARMS:
-        r = results["arms"].get(name)
-        if r is None:
-            continue
-        if r.get("error"):
-            last = [ln.strip(" │|'\")") for ln in r["error"].replace("\\n", "\n").splitlines()
-                    if len(ln.strip(" │|'\")")) > 3]
-            named = [ln for ln in last if "rror" in ln or "imeout" in ln or "exited" in ln] or last or ["?"]
-            lines.append(f"| {name} | failed | | | | | | {named[-1][:160].replace('|', '/')} |")
-            continue
-        note = []
-        if name.startswith("pipeline"):
-            note.append(f"{r.get('decode_workers')} decode workers, {r.get('gpus')} GPU(s), "
-                        f"{'complete' if r.get('complete') else 'INCOMPLETE'}, dead letters {r.get('dead_letters')}")
-        if name == "serve":
-            note.append(f"--api-server-count {r.get('api_servers')}, {r.get('procs')} client procs, conc {r.get('conc')}")
-        if "mean_prompt_tokens" in r:
-            note.append(f"prompt {r['mean_prompt_tokens']} tok")
-        lines.append(f"| {name} | {r.get('img_per_s')} | {r.get('first_window_img_per_s', '')} | "
-                     f"{r.get('last_window_img_per_s', '')} | {r.get('gpu_busy', '')} | {r.get('decode_cores', '')} | "
-                     f"{r.get('n', r.get('described', r.get('ok', '')))} | {'; '.join(note)} |")
-    if results.get("ratios"):
-        lines += ["", "| ratio | value |", "|---|---|"] + [f"| {k} | {v} |" for k, v in results["ratios"].items()]
+    lines: list[str] = []
+    for budget, section in results["budgets"].items():
+        if lines:
+            lines.append("")
+        lines += [f"## gpu_bench: budget {budget} ({BUDGETS[budget]} px), {c['max_tokens']} output tokens "
+                  f"(ignore_eos), {c['seconds']} s per arm, {c.get('gpu_name') or '?'}",
+                  "", "| arm | img/s | first window | last window | GPU busy | decode cores | n | note |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for name in ALL_ARMS:
+            r = section["arms"].get(name)
+            if r is None:
+                continue
+            if r.get("error"):
+                last = [ln.strip(" │|'\")") for ln in r["error"].replace("\\n", "\n").splitlines()
+                        if len(ln.strip(" │|'\")")) > 3]
+                named = [ln for ln in last if "rror" in ln or "imeout" in ln or "exited" in ln or "not run" in ln]
+                lines.append(f"| {name} | failed | | | | | | {(named or last or ['?'])[-1][:160].replace('|', '/')} |")
+                continue
+            note = []
+            if name.startswith("pipeline"):
+                note.append(f"phase {r.get('phase')}, {r.get('decode_workers')} decode workers, {r.get('gpus')} GPU(s), "
+                            f"{'complete' if r.get('complete') else 'INCOMPLETE'}, dead letters {r.get('dead_letters')}, "
+                            f"warm-up {r.get('warmup_s')} s")
+                if r.get("other_phase_records"):
+                    note.append(f"{r['other_phase_records']} records of other phases in the window")
+                if r.get("prefix_caching"):
+                    note.append("prefix caching on")
+            if name == "serve":
+                note.append(f"--api-server-count {r.get('api_servers')}, {r.get('procs')} client procs, "
+                            f"conc {r.get('conc')}")
+            if "mean_prompt_tokens" in r:
+                note.append(f"prompt {r['mean_prompt_tokens']} tok")
+            lines.append(f"| {name} | {r.get('img_per_s')} | {r.get('first_window_img_per_s', '')} | "
+                         f"{r.get('last_window_img_per_s', '')} | {r.get('gpu_busy', '')} | "
+                         f"{r.get('decode_cores', '')} | {r.get('n', r.get('described', r.get('ok', '')))} | "
+                         f"{'; '.join(note)} |")
+        if section.get("ratios"):
+            lines += ["", "| ratio | value |", "|---|---|"] + [f"| {k} | {v} |" for k, v in section["ratios"].items()]
     return "\n".join(lines) + "\n"
 
 
 def save(results: dict, out: Path) -> None:
-    results["ratios"] = ratios(results["arms"])
+    for section in results["budgets"].values():
+        section["ratios"] = ratios(section["arms"])
     (out / "gpu_bench.json").write_text(json.dumps(results, indent=1))
     (out / "gpu_bench.md").write_text(markdown(results))
 
@@ -712,9 +862,11 @@ def ensure_model(path: str) -> None:
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--arms", default="naive,ceiling,pipeline-embeds,pipeline-pixels,serve")
-    ap.add_argument("--budget", choices=sorted(BUDGETS), default="256")
+    ap.add_argument("--budgets", default=None, help="Comma list of pixel budgets, measured in this order with one "
+                    f"engine start per arm group; of {','.join(BUDGETS)} (default 256).")
+    ap.add_argument("--budget", choices=sorted(BUDGETS), default=None, help="One budget: --budgets B.")
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--seconds", type=float, default=30.0, help="Measured time per arm (roughly).")
+    ap.add_argument("--seconds", type=float, default=30.0, help="Measured time per arm and budget (roughly).")
     ap.add_argument("--model", default="/root/model", help="Built with mk_model.py when it has no config.json.")
     ap.add_argument("--imgs", default="/root/imgs", help="Folder of JPEGs (reused to reach the counts).")
     ap.add_argument("--out", default=os.environ.get("OUT", "gpu_bench_out"))
@@ -722,16 +874,21 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--workers", type=int, default=12, help="Decode worker processes (pipeline arms).")
     ap.add_argument("--gpus", type=int, default=1, help="Pipeline arms: one `vlmstream infer` per GPU, one group.")
     ap.add_argument("--partitions", type=int, default=32)
-    ap.add_argument("--pipeline-docs", type=int, default=0, help="Documents per pipeline arm (0: rate guess x seconds).")
+    ap.add_argument("--pipeline-docs", type=int, default=0,
+                    help="Documents per pipeline phase (0: rate guess at the budget x GPUs x seconds).")
+    ap.add_argument("--prefix-caching", action="store_true",
+                    help="Pipeline arms: vLLM prefix caching on in `vlmstream infer` (default off, as the offline "
+                    "engine and `vllm serve` must run: they reuse images).")
     ap.add_argument("--stop-after", type=float, default=2.5,
-                    help="Pipeline arms stop measuring after this many x --seconds and report what they had.")
+                    help="A pipeline phase stops measuring after this many x --seconds and reports what it had.")
     ap.add_argument("--window", type=float, default=30.0, help="Length of the first/last rate windows (s).")
     ap.add_argument("--serve-k", type=int, default=8, help="vllm serve --api-server-count.")
     ap.add_argument("--serve-procs", type=int, default=6)
     ap.add_argument("--serve-conc", type=int, default=192)
     ap.add_argument("--serve-port", type=int, default=8000)
     ap.add_argument("--start-limit", type=float, default=300.0, help="Engine/server start limit (s).")
-    ap.add_argument("--arm-limit", type=float, default=0.0, help="Hard limit per measured arm (0: 3 x seconds + 90).")
+    ap.add_argument("--arm-limit", type=float, default=0.0,
+                    help="Hard limit per measured arm and budget (0: 3 x seconds + 90).")
     ap.add_argument("--max-requests", type=int, default=20000)
     ap.add_argument("--max-model-len", type=int, default=20480)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.85)
@@ -740,6 +897,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--offline-worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--results-file", default="", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.budget and args.budgets:
+        ap.error("give --budgets or --budget, not both")
+    budgets = [b.strip() for b in (args.budgets or args.budget or "256").split(",") if b.strip()]
+    unknown = [b for b in budgets if b not in BUDGETS]
+    if unknown or not budgets:
+        ap.error(f"unknown budgets {unknown}; choose from {list(BUDGETS)}")
+    args.budgets = list(dict.fromkeys(budgets))  # each budget once, in the order given
     if not args.arm_limit:
         args.arm_limit = 3 * args.seconds + 90
     return args
@@ -759,13 +923,22 @@ def main() -> None:
     if unknown:
         raise SystemExit(f"unknown arms {unknown}; choose from {ALL_ARMS} or ceiling")
     ensure_model(args.model)
-    results: dict = {"config": {"budget": args.budget, "max_pixels": BUDGETS[args.budget], "max_tokens": args.max_tokens,
-                                "seconds": args.seconds, "arms": arms, "model": args.model, "prompt": PROMPT_TEXT,
-                                "images": len(image_files(args.imgs)), "workers": args.workers, "gpus": args.gpus,
+    results: dict = {"config": {"budgets": args.budgets, "max_pixels": {b: BUDGETS[b] for b in args.budgets},
+                                "max_tokens": args.max_tokens, "seconds": args.seconds, "arms": arms,
+                                "model": args.model, "prompt": PROMPT_TEXT, "images": len(image_files(args.imgs)),
+                                "workers": args.workers, "gpus": args.gpus, "prefix_caching": args.prefix_caching,
                                 "gpu_name": subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
                                                            capture_output=True, text=True).stdout.strip()
                                 if _has("nvidia-smi") else None},
-                     "arms": {}}
+                     "budgets": {b: {"arms": {}, "ratios": {}} for b in args.budgets}}
+
+    def recorder(arm: str) -> Callable[[str, dict], None]:
+        """Stores one budget's record of arm and rewrites the files at once."""
+        def on_phase(budget: str, rec: dict) -> None:
+            arms_at(results, budget)[arm] = rec
+            save(results, out)
+        return on_phase
+
     t_all = time.monotonic()
     offline = [a for a in arms if a in OFFLINE_ARMS]
     if offline:
@@ -780,25 +953,25 @@ def main() -> None:
             bootstrap, started = start_broker(out)
             for arm in pipeline:
                 try:
-                    results["arms"][arm] = run_pipeline(args, arm.split("-")[1], bootstrap, out)
+                    run_pipeline(args, arm.split("-")[1], bootstrap, out, recorder(arm))
                 except Exception as exc:  # noqa: BLE001 - record it, go on with the next arm
                     traceback.print_exc()
-                    results["arms"][arm] = {"error": f"{exc!r}"[:3000]}
+                    record_failure(results, arm, args.budgets, f"{exc!r}")
                 finally:
                     save(results, out)
         except Exception as exc:  # noqa: BLE001
             for arm in pipeline:
-                results["arms"].setdefault(arm, {"error": f"broker: {exc!r}"[:3000]})
+                record_failure(results, arm, args.budgets, f"broker: {exc!r}")
         finally:
             if started:
                 stop_broker()
             save(results, out)
     if "serve" in arms:
         try:
-            results["arms"]["serve"] = run_serve(args, out)
+            run_serve(args, out, recorder("serve"))
         except Exception as exc:  # noqa: BLE001
             traceback.print_exc()
-            results["arms"]["serve"] = {"error": f"{exc!r}"[:3000]}
+            record_failure(results, "serve", args.budgets, f"{exc!r}")
         finally:
             save(results, out)
     results["total_s"] = round(time.monotonic() - t_all, 1)

@@ -200,9 +200,10 @@ class PatchProjection(torch.nn.Module):
     """The patch embedding's Conv3d as the matrix product it is.
 
     Its kernel equals its stride and covers the whole (channel, frame, 14, 14) patch, so the convolution is one
-    GEMM. cuDNN has no fast algorithm for that shape in bf16: since torch 2.9 it falls back to a slow path that
-    dominated the whole tower on the H200 (pytorch/pytorch#174051; vLLM's Conv3dLayer and transformers'
-    opt-in fusion do the same substitution). The Parameter is the convolution's own, so its state-dict key and
+    GEMM. With torch 2.9 cuDNN had no fast bf16 algorithm for that shape and the Conv3d dominated whole towers
+    (pytorch/pytorch#174051; vLLM's Conv3dLayer does the same substitution). On the device's torch 2.11 both
+    run at the same speed (benchmarks/gpu/bench_vision_tower.py, 2026-11-30); the swap guards other versions.
+    The Parameter is the convolution's own, so its state-dict key and
     shape are unchanged and weights load before or after the swap.
     """
 
