@@ -492,6 +492,11 @@ class TopicWatcher:
         with self._lock:
             return len(self._done_at.get(prefix, {}))
 
+    def in_flight(self, prefix: str) -> int:
+        """Documents of prefix published and not finished yet."""
+        with self._lock:
+            return len(self._published_ms.get(prefix, [])) - len(self._done_at.get(prefix, {}))
+
     def dead_letters(self, prefix: str) -> int:
         with self._lock:
             return self._dead.get(prefix, 0)
@@ -534,11 +539,27 @@ def pipeline_env(tag: str, args: argparse.Namespace, work: Path) -> dict[str, st
     for name in ("documents", "images", "descriptions", "embeddings", "results", "deadletter"):
         env[f"VLMSTREAM_TOPICS__{name.upper()}"] = f"{tag}.{name}"
     env.update({"VLMSTREAM_TOPICS__PARTITIONS": str(args.partitions),
-                "VLMSTREAM_DECODE__GROUP_ID": f"{tag}-decode", "VLMSTREAM_INFER__GROUP_ID": f"{tag}-infer",
+                "VLMSTREAM_INFER__GROUP_ID": f"{tag}-infer",  # decode: a group per phase (run_pipeline)
                 "VLMSTREAM_PRODUCER__STATE_DIR": str(work / "ledger"), "PYTHONUNBUFFERED": "1",
                 # Off like the offline engine and `vllm serve` (they reuse images, so they must run without it).
                 "VLMSTREAM_INFER__ENABLE_PREFIX_CACHING": "true" if args.prefix_caching else "false"})
     return env
+
+
+def commit_group_at_end(bootstrap: str, topic: str, group: str) -> None:
+    """Commit the new, empty consumer group at the end of topic, so a fleet joining it skips every earlier record
+    (the pipeline's consumers start a group without commits at the beginning)."""
+    from kafka import KafkaConsumer, TopicPartition
+    from kafka.structs import OffsetAndMetadata
+
+    consumer = KafkaConsumer(bootstrap_servers=bootstrap.split(","), group_id=group, enable_auto_commit=False)
+    try:
+        parts = [TopicPartition(topic, p) for p in consumer.partitions_for_topic(topic) or ()]
+        if not parts:
+            raise RuntimeError(f"topic {topic} has no partitions")
+        consumer.commit({tp: OffsetAndMetadata(end, "", -1) for tp, end in consumer.end_offsets(parts).items()})
+    finally:
+        consumer.close()
 
 
 def start_broker(out: Path) -> tuple[str, bool]:
@@ -618,10 +639,14 @@ def run_pipeline(args: argparse.Namespace, mode: str, bootstrap: str, out: Path,
 
         for phase, budget in enumerate(args.budgets):
             max_pixels = BUDGETS[budget]
-            # Every phase's fleet uses the same consumer group: it starts where the previous fleet committed, past
-            # the previous phases' documents (a new group would read the documents topic from the beginning).
+            # A group of its own, committed at the end of the documents topic: every earlier document is described
+            # by now (phase complete or drained), and decode is at-least-once, so the previous fleet's last commits
+            # may not all have landed (seen on CPU: a fleet in the same group decoded 30 of them again).
+            decode_group = f"{tag}-decode{phase}"
+            commit_group_at_end(bootstrap, env["VLMSTREAM_TOPICS__DOCUMENTS"], decode_group)
             decode = spawn(vlmstream_cmd("decode", "--workers", str(args.workers), "--max-pixels", str(max_pixels),
-                                         "--min-pixels", str(MIN_PIXELS), "--allowed-root", str(work)),
+                                         "--min-pixels", str(MIN_PIXELS), "--allowed-root", str(work),
+                                         "--group-id", decode_group),
                            logp, env, tag=f"decode phase {phase} budget {budget}")
             warm_prefix, measured_prefix = f"warm{phase}_", f"d{phase}_"
             n_warm = (FIRST_WARM_DOCS_PER_GPU if phase == 0 else LATER_WARM_DOCS_PER_GPU) * args.gpus
@@ -682,19 +707,21 @@ def run_pipeline(args: argparse.Namespace, mode: str, bootstrap: str, out: Path,
             on_phase(budget, rec)
 
             if not rec["complete"] and phase + 1 < len(args.budgets):
-                # The rest of this phase's documents are still queued: the next fleet (same group) would decode them
-                # at its budget and the GPUs would describe them inside the next phase's clock. Let them finish
-                # first, unmeasured.
-                log(f"pipeline-{mode} phase {phase}: draining {n_docs - len(done)} documents before the next phase")
-                while watcher.finished(measured_prefix) < n_docs:
+                # The rest of this phase's published documents are still in the pipeline: the GPUs would describe
+                # them inside the next phase's clock. Let them finish first, unmeasured, this fleet decoding them at
+                # this phase's budget (then the next group may start at the end of the topic). Only published ones:
+                # the producer was stopped above, maybe early.
+                time.sleep(1.0)  # the watcher reads the producer's last records
+                log(f"pipeline-{mode} phase {phase}: draining {watcher.in_flight(measured_prefix)} documents "
+                    "before the next phase")
+                while watcher.in_flight(measured_prefix) > 0:
                     if time.monotonic() > deadline:
                         raise TimeoutError(f"phase {phase} (budget {budget}) still had "
-                                           f"{n_docs - watcher.finished(measured_prefix)} documents in flight at the "
-                                           "arm's hard limit; the next phase would have measured them too")
+                                           f"{watcher.in_flight(measured_prefix)} documents in flight at the arm's "
+                                           "hard limit; the next phase would have measured them")
                     alive_or_raise()
                     time.sleep(0.5)
-            # SIGTERM: the fleet drains, flushes and commits, so the next phase's fleet starts past these documents.
-            kill_tree(decode, grace_s=20)
+            kill_tree(decode, grace_s=20)  # SIGTERM: the fleet finishes what it holds and leaves its group
             decode = None
     finally:
         for p in [decode, *reversed(infers)]:  # SIGTERM: each drains and leaves its group; then SIGKILL what is left
@@ -838,10 +865,10 @@ def markdown(results: dict) -> str:
                             f"conc {r.get('conc')}")
             if "mean_prompt_tokens" in r:
                 note.append(f"prompt {r['mean_prompt_tokens']} tok")
-            lines.append(f"| {name} | {r.get('img_per_s')} | {r.get('first_window_img_per_s', '')} | "
-                         f"{r.get('last_window_img_per_s', '')} | {r.get('gpu_busy', '')} | "
-                         f"{r.get('decode_cores', '')} | {r.get('n', r.get('described', r.get('ok', '')))} | "
-                         f"{'; '.join(note)} |")
+            cells = [r.get("img_per_s"), r.get("first_window_img_per_s"), r.get("last_window_img_per_s"),
+                     r.get("gpu_busy"), r.get("decode_cores"), r.get("n", r.get("described", r.get("ok")))]
+            lines.append(f"| {name} | " + " | ".join("" if v is None else str(v) for v in cells)
+                         + f" | {'; '.join(note)} |")
         if section.get("ratios"):
             lines += ["", "| ratio | value |", "|---|---|"] + [f"| {k} | {v} |" for k, v in section["ratios"].items()]
     return "\n".join(lines) + "\n"
