@@ -260,3 +260,21 @@ def test_factory_picks_transformers_without_vllm_and_the_tiny_model_by_default(m
         assert isinstance(result, InferenceOutput)
     finally:
         engine.close()
+
+
+def test_encoder_groups_keep_order_and_stay_within_the_patch_bound():
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from consumers.infer.vision import groups_by_patches
+
+    @settings(max_examples=200, deadline=None)
+    @given(st.lists(st.integers(1, 5000), max_size=40), st.integers(1, 8000))
+    def check(sizes, bound):
+        groups = list(groups_by_patches(sizes, lambda n: n, bound))
+        assert [n for g in groups for n in g] == sizes
+        assert all(g and (sum(g) <= bound or len(g) == 1) for g in groups)
+        # Greedy: a group closes only because the next item would not fit.
+        assert all(sum(a) + b[0] > bound for a, b in zip(groups, groups[1:]))
+
+    check()

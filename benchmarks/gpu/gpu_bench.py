@@ -595,6 +595,65 @@ def stop_broker() -> None:
             pass
 
 
+class ProgressLog:
+    """Appends the phase's figures so far to progress.jsonl every `every` seconds: a sustained run that is killed at
+    the device's command limit still leaves its rate curve behind."""
+
+    def __init__(self, path: Path, mode: str, budget: str, every: float) -> None:
+        self.path, self.mode, self.budget, self.every = path, mode, budget, every
+        self.next_at = time.monotonic() + every
+
+    def maybe_write(self, done: list[float], published_ms: list[int], gpu: "GpuSampler") -> None:
+        if time.monotonic() < self.next_at or not published_ms:
+            return
+        self.next_at += self.every
+        now, t0 = time.time(), min(published_ms) / 1000.0
+        recent = sum(1 for t in done if t >= now - self.every)
+        rec = {"mode": self.mode, "budget": self.budget, "s_since_first_publish": round(now - t0, 1),
+               "described": len(done), "img_per_s_overall": round(len(done) / max(1e-6, now - t0), 2),
+               f"img_per_s_last_{int(self.every)}s": round(recent / self.every, 2),
+               "gpu_busy_last": gpu.busy(now - self.every, now)}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+        log(f"PROGRESS {json.dumps(rec)}")
+
+
+def minute_rates(done: list[float], t0: float, t_end: float) -> list[float]:
+    """Images/s in each whole minute from the first publish: the sustained curve of a long run."""
+    return [round(sum(1 for t in done if t0 + 60 * i <= t < t0 + 60 * (i + 1)) / 60.0, 2)
+            for i in range(int((t_end - t0) // 60))]
+
+
+def runner_stats(log_path: Path) -> dict:
+    """The inference runners' own account (their RunnerStats line at exit): how long each engine sat idle after its
+    first record, and idle while work was waiting (the pipeline starving it), summed over GPUs."""
+    import re
+
+    fields = ("records", "described", "dead_lettered", "visual_tokens", "run_s", "engine_idle_s",
+              "idle_with_work_s", "idle_after_first_s", "first_record_at", "last_done_at")
+    total: dict = {}
+    try:
+        lines = [ln for ln in log_path.read_text(errors="replace").splitlines() if "RunnerStats(" in ln]
+    except OSError:
+        return {}
+    for line in lines:
+        for name in fields:
+            m = re.search(rf"\b{name}=([0-9.]+)", line)
+            if m:
+                total.setdefault(name, []).append(float(m.group(1)))
+    if not total.get("run_s"):
+        return {}
+    busy_span = sum(b - a for a, b in zip(total.get("first_record_at", []), total.get("last_done_at", [])))
+    out = {"runners": len(total["run_s"]), **{k: round(sum(v), 2) for k, v in total.items()
+                                               if k not in ("first_record_at", "last_done_at")}}
+    if busy_span > 0:
+        out["span_s"] = round(busy_span, 1)
+        out["engine_idle_fraction"] = round(sum(total.get("idle_after_first_s", [0])) / busy_span, 3)
+        out["idle_with_work_fraction"] = round(sum(total.get("idle_with_work_s", [0])) / busy_span, 3)
+        out["visual_tokens_per_s"] = round(sum(total.get("visual_tokens", [0])) / busy_span, 1)
+    return out
+
+
 def run_pipeline(args: argparse.Namespace, mode: str, bootstrap: str, out: Path,
                  on_phase: Callable[[str, dict], None]) -> None:
     """One mode (embeds|pixels): topics, watcher and one `vlmstream infer` per GPU are started once; then one phase
@@ -681,8 +740,10 @@ def run_pipeline(args: argparse.Namespace, mode: str, bootstrap: str, out: Path,
             producer = spawn(vlmstream_cmd("produce", "--folder", str(work / f"docs{phase}"), "--per-file",
                                            "--force", "-q"), logp, env, tag=f"produce phase {phase}")
             stop_at = time.monotonic() + args.stop_after * args.seconds
+            progress = ProgressLog(out / "progress.jsonl", mode, budget, args.progress_every)
             while watcher.finished(measured_prefix) < n_docs and time.monotonic() < stop_at:
                 alive_or_raise()
+                progress.maybe_write(watcher.done_times(measured_prefix), watcher.published_ms(measured_prefix), gpu)
                 time.sleep(0.5)
             producer_rc = producer.poll()
             kill_tree(producer, grace_s=2)
@@ -695,6 +756,7 @@ def run_pipeline(args: argparse.Namespace, mode: str, bootstrap: str, out: Path,
             win = min(args.window, wall / 3)
             first = sum(1 for t in done if t <= t0 + win)
             last = sum(1 for t in done if t >= t_end - win)
+            rec["minute_rates"] = minute_rates(done, t0, t_end)
             rec.update(complete=len(done) >= n_docs, described=len(done),
                        dead_letters=watcher.dead_letters(measured_prefix),
                        wall_s=round(wall, 2), img_per_s=round(len(done) / wall, 2), window_s=round(win, 1),
@@ -729,6 +791,10 @@ def run_pipeline(args: argparse.Namespace, mode: str, bootstrap: str, out: Path,
         if watcher is not None:
             watcher.close()
         gpu.stop()
+        stats = runner_stats(logp)
+        if stats:
+            log(f"RUNNER pipeline-{mode} {json.dumps(stats)}")
+            on_phase("_runner", stats)
 
 
 # --- vllm serve ---------------------------------------------------------------------------------------------------
@@ -871,6 +937,15 @@ def markdown(results: dict) -> str:
                          + f" | {'; '.join(note)} |")
         if section.get("ratios"):
             lines += ["", "| ratio | value |", "|---|---|"] + [f"| {k} | {v} |" for k, v in section["ratios"].items()]
+    if results.get("runner_stats"):
+        lines += ["", "Inference runners' own account (all phases of the arm, warm-ups included): engine idle after its "
+                  "first record, and idle while records were waiting (the pipeline starving the engine).", "",
+                  "| arm | runners | span s | engine idle | idle with work waiting | visual tokens/s | described |",
+                  "|---|---|---|---|---|---|---|"]
+        for arm, st in results["runner_stats"].items():
+            lines.append(f"| {arm} | {st.get('runners')} | {st.get('span_s')} | {st.get('engine_idle_fraction')} | "
+                         f"{st.get('idle_with_work_fraction')} | {st.get('visual_tokens_per_s')} | "
+                         f"{st.get('described')} |")
     return "\n".join(lines) + "\n"
 
 
@@ -909,6 +984,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--stop-after", type=float, default=2.5,
                     help="A pipeline phase stops measuring after this many x --seconds and reports what it had.")
     ap.add_argument("--window", type=float, default=30.0, help="Length of the first/last rate windows (s).")
+    ap.add_argument("--progress-every", type=float, default=30.0,
+                    help="Pipeline phases append their figures so far to progress.jsonl this often (s).")
     ap.add_argument("--serve-k", type=int, default=8, help="vllm serve --api-server-count.")
     ap.add_argument("--serve-procs", type=int, default=6)
     ap.add_argument("--serve-conc", type=int, default=192)
@@ -962,7 +1039,10 @@ def main() -> None:
     def recorder(arm: str) -> Callable[[str, dict], None]:
         """Stores one budget's record of arm and rewrites the files at once."""
         def on_phase(budget: str, rec: dict) -> None:
-            arms_at(results, budget)[arm] = rec
+            if budget == "_runner":  # the inference runners' own account, over all of this arm's phases
+                results.setdefault("runner_stats", {})[arm] = rec
+            else:
+                arms_at(results, budget)[arm] = rec
             save(results, out)
         return on_phase
 

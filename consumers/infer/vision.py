@@ -350,6 +350,22 @@ class FastVisionBlocks:
         return forward
 
 
+def groups_by_patches(items: Sequence, patches_of, max_patches: int):
+    """Consecutive groups of items whose patches (``patches_of(item)``) stay within max_patches; an item larger
+    than the bound forms a group of its own."""
+    group: list = []
+    patches = 0
+    for item in items:
+        n = patches_of(item)
+        if group and patches + n > max_patches:
+            yield group
+            group, patches = [], 0
+        group.append(item)
+        patches += n
+    if group:
+        yield group
+
+
 @dataclass
 class EncodedImage:
     tokens: torch.Tensor  # (visual tokens, out_hidden) on the encoder's device, after the patch merger
@@ -429,17 +445,8 @@ class VisionEncoder:
         return results
 
     def _groups(self, images: Sequence[np.ndarray]):
-        group: list[np.ndarray] = []
-        patches = 0
-        for image in images:
-            n = (image.shape[0] // PATCH_SIZE) * (image.shape[1] // PATCH_SIZE)
-            if group and patches + n > self.max_patches_per_call:
-                yield group
-                group, patches = [], 0
-            group.append(image)
-            patches += n
-        if group:
-            yield group
+        return groups_by_patches(images, lambda im: (im.shape[0] // PATCH_SIZE) * (im.shape[1] // PATCH_SIZE),
+                                 self.max_patches_per_call)
 
 
 # ---------------------------------------------------------------------------------------------------------

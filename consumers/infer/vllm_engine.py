@@ -33,7 +33,8 @@ from consumers.infer.engine import ENGINE_DEAD as _DEAD
 from consumers.infer.engine import (InferenceFailure, InferenceOutput, InferenceRequest,
                                     QueuedEngine)
 from consumers.infer.prompts import OutputSchema, PromptBuilder, with_schema
-from consumers.infer.vision import MERGE_SIZE, VisionEncoder, load_vision_tower, mean_pool, patchify_batch, request_problem
+from consumers.infer.vision import (MERGE_SIZE, VisionEncoder, groups_by_patches, load_vision_tower, mean_pool,
+                                    patchify_batch, request_problem)
 from vlmstream.config import InferSettings
 
 log = logging.getLogger(__name__)
@@ -124,7 +125,7 @@ class VllmEngine(QueuedEngine):
         # No free whitespace in guided JSON: a random or weak model would otherwise spend its whole token budget
         # on blanks between tokens (seen on the H200 with dummy weights). vLLM 0.26 reads this switch from the
         # engine's config, not from the request's StructuredOutputsParams. It only affects guided requests.
-        args["structured_outputs_config"] = StructuredOutputsConfig(disable_any_whitespace=True)
+        args["structured_outputs_config"] = StructuredOutputsConfig(backend="guidance", disable_any_whitespace=True)
         args.update(engine_kwargs or {})
         started = time.perf_counter()
         try:
@@ -195,22 +196,11 @@ class VllmEngine(QueuedEngine):
         need_tower = [(r, s) for r, s in valid if self.mode == "embeds" or (r.want_embedding and self.encoder)]
         tower_ids = {id(r) for r, _ in need_tower}
         self._dispatch([(r, s) for r, s in valid if id(r) not in tower_ids], {})
-        for group in self._patch_groups(need_tower):
+        patches = lambda item: item[0].grid_thw[1] * item[0].grid_thw[2]  # noqa: E731
+        for group in groups_by_patches(need_tower, patches, self.encoder.max_patches_per_call if need_tower else 1):
             # Each group goes to vLLM as soon as it is encoded: the language model starts on the first images
             # while the tower works on the next.
             self._dispatch(group, self._encode_splitting(group))
-
-    def _patch_groups(self, items: list[tuple[InferenceRequest, float]]):
-        group, patches = [], 0
-        for item in items:
-            _, grid_h, grid_w = item[0].grid_thw
-            if group and patches + grid_h * grid_w > self.encoder.max_patches_per_call:
-                yield group
-                group, patches = [], 0
-            group.append(item)
-            patches += grid_h * grid_w
-        if group:
-            yield group
 
     def _dispatch(self, items: list[tuple[InferenceRequest, float]], encoded: dict) -> None:
         for request, submitted in items:
