@@ -625,32 +625,33 @@ def minute_rates(done: list[float], t0: float, t_end: float) -> list[float]:
 
 
 def runner_stats(log_path: Path) -> dict:
-    """The inference runners' own account (their RunnerStats line at exit): how long each engine sat idle after its
-    first record, and idle while work was waiting (the pipeline starving it), summed over GPUs."""
+    """The inference runners' own account (their RunnerStats line at exit): how long each engine had nothing submitted
+    after its first record, and how long of that the runner itself held fetched records (the runner starving it). Fractions are over all runners' spans
+    together; visual tokens/s is the sum of the runners' rates (the whole group's)."""
     import re
 
     fields = ("records", "described", "dead_lettered", "visual_tokens", "run_s", "engine_idle_s",
               "idle_with_work_s", "idle_after_first_s", "first_record_at", "last_done_at")
-    total: dict = {}
     try:
         lines = [ln for ln in log_path.read_text(errors="replace").splitlines() if "RunnerStats(" in ln]
     except OSError:
         return {}
+    runners = []
     for line in lines:
-        for name in fields:
-            m = re.search(rf"\b{name}=([0-9.]+)", line)
-            if m:
-                total.setdefault(name, []).append(float(m.group(1)))
-    if not total.get("run_s"):
+        found = {name: float(m.group(1)) for name in fields if (m := re.search(rf"\b{name}=([0-9.]+)", line))}
+        if "run_s" in found:
+            runners.append(found)
+    if not runners:
         return {}
-    busy_span = sum(b - a for a, b in zip(total.get("first_record_at", []), total.get("last_done_at", [])))
-    out = {"runners": len(total["run_s"]), **{k: round(sum(v), 2) for k, v in total.items()
-                                               if k not in ("first_record_at", "last_done_at")}}
-    if busy_span > 0:
-        out["span_s"] = round(busy_span, 1)
-        out["engine_idle_fraction"] = round(sum(total.get("idle_after_first_s", [0])) / busy_span, 3)
-        out["idle_with_work_fraction"] = round(sum(total.get("idle_with_work_s", [0])) / busy_span, 3)
-        out["visual_tokens_per_s"] = round(sum(total.get("visual_tokens", [0])) / busy_span, 1)
+    out: dict = {"runners": len(runners)}
+    for name in ("records", "described", "dead_lettered", "visual_tokens", "engine_idle_s", "idle_with_work_s"):
+        out[name] = round(sum(r.get(name, 0.0) for r in runners), 2)
+    spans = [r.get("last_done_at", 0.0) - r.get("first_record_at", 0.0) for r in runners]
+    if all(span > 0 for span in spans):
+        out["span_s"] = [round(span, 1) for span in spans]
+        out["engine_idle_fraction"] = round(sum(r.get("idle_after_first_s", 0.0) for r in runners) / sum(spans), 3)
+        out["idle_with_work_fraction"] = round(sum(r.get("idle_with_work_s", 0.0) for r in runners) / sum(spans), 3)
+        out["visual_tokens_per_s"] = round(sum(r.get("visual_tokens", 0.0) / span for r, span in zip(runners, spans)), 1)
     return out
 
 
@@ -938,9 +939,10 @@ def markdown(results: dict) -> str:
         if section.get("ratios"):
             lines += ["", "| ratio | value |", "|---|---|"] + [f"| {k} | {v} |" for k, v in section["ratios"].items()]
     if results.get("runner_stats"):
-        lines += ["", "Inference runners' own account (all phases of the arm, warm-ups included): engine idle after its "
-                  "first record, and idle while records were waiting (the pipeline starving the engine).", "",
-                  "| arm | runners | span s | engine idle | idle with work waiting | visual tokens/s | described |",
+        lines += ["", "Inference runners' own account (all phases of the arm, warm-ups and the gaps between them "
+                  "included): engine idle = nothing submitted to it after the first record (input ran dry); idle with "
+                  "work waiting = idle while the runner held fetched records (the runner starving it).", "",
+                  "| arm | runners | span s (each) | engine idle | idle with work waiting | visual tokens/s (all) | described |",
                   "|---|---|---|---|---|---|---|"]
         for arm, st in results["runner_stats"].items():
             lines.append(f"| {arm} | {st.get('runners')} | {st.get('span_s')} | {st.get('engine_idle_fraction')} | "
