@@ -38,7 +38,7 @@ from kafka.structs import OffsetAndMetadata
 from schemas import DeadLetter, Description, DocumentResult, SchemaError, now
 from vlmstream.config import Settings
 from consumers.infer.runner import GROUP_MOVED_ON
-from vlmstream.kafka_io import FatalPipelineError, make_consumer, make_producer
+from vlmstream.kafka_io import FatalPipelineError, make_consumer, make_producer, subscribe_when_known
 
 log = logging.getLogger(__name__)
 
@@ -52,12 +52,18 @@ class SingleOwnerAssignor(AbstractPartitionAssignor):
 
     name = "vlmstream-single-owner"
     version = 0
+    # Set when this process, as group leader, assigned a topic it knew no partitions of. kafka-python should then
+    # rejoin once metadata arrives, but an aggregator was seen holding an empty assignment for good (CI stall,
+    # 2026-11-30); the aggregator checks this and rejoins itself.
+    assigned_without_partitions = threading.Event()
 
     @classmethod
     def assign(cls, cluster, members):
         owner = min(members, key=lambda m: (m.group_instance_id is None, m.group_instance_id or "", m.member_id))
         topics = sorted({t for m in members for t in m.metadata.topics})
         owned = [(t, sorted(cluster.partitions_for_topic(t) or ())) for t in topics]
+        if any(not partitions for _, partitions in owned):
+            cls.assigned_without_partitions.set()
         return {m.member_id: ConsumerProtocolAssignment(cls.version, owned if m is owner else [], b"")
                 for m in members}
 
@@ -149,6 +155,12 @@ class ResultsAggregator:
                 batches = self.consumer.poll(timeout_ms=200)
                 if not self._assigned and self.consumer.assignment():
                     self._assigned, last_record = True, time.monotonic()  # idle counts from the first assignment
+                if not batches and not self.consumer.assignment():
+                    # A standby member (or one not yet assigned): poll returns at once without partitions, and
+                    # looping on it burned a core.
+                    stop_event.wait(0.2)
+                    if SingleOwnerAssignor.assigned_without_partitions.is_set():
+                        self._rejoin_with_partitions()
                 for tp, records in batches.items():
                     for record in records:
                         self.handle(tp, record)
@@ -339,6 +351,13 @@ class ResultsAggregator:
             self._positions.pop(tp, None)
             self._committed.pop(tp, None)
         return collected
+
+    def _rejoin_with_partitions(self) -> None:
+        SingleOwnerAssignor.assigned_without_partitions.clear()
+        t = self.settings.topics
+        log.warning("results: the group was assigned before the topics' partitions were known; rejoining")
+        self.consumer.unsubscribe()
+        subscribe_when_known(self.consumer, [t.descriptions, t.deadletter], listener=_Rebalance(self))
 
     def open_documents(self) -> int:
         return sum(1 for d in self._docs.values() if not d.emitted)

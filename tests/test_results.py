@@ -119,3 +119,26 @@ def test_open_documents_survive_a_restart_without_an_external_store(topic_names,
     assert second.open_at_stop == 0
     # `done` was emitted and released before the restart: it is not rebuilt, so not emitted twice.
     assert len(got[done]) == 1
+
+
+def test_single_owner_assignment_without_known_partitions_asks_for_a_rejoin():
+    from types import SimpleNamespace
+
+    from consumers.results import SingleOwnerAssignor
+
+    class Cluster:
+        def __init__(self, known):
+            self.known = known
+
+        def partitions_for_topic(self, topic):
+            return self.known.get(topic)
+
+    members = [SimpleNamespace(member_id=m, group_instance_id=None, metadata=SimpleNamespace(topics=["d", "x"]))
+               for m in ("b", "a")]
+    SingleOwnerAssignor.assigned_without_partitions.clear()
+    known = SingleOwnerAssignor.assign(Cluster({"d": {0, 1}, "x": {0}}), members)
+    assert known["a"].assigned_partitions == [("d", [0, 1]), ("x", [0])] and known["b"].assigned_partitions == []
+    assert not SingleOwnerAssignor.assigned_without_partitions.is_set()
+    SingleOwnerAssignor.assign(Cluster({"d": {0, 1}}), members)  # "x" not in this member's metadata yet
+    assert SingleOwnerAssignor.assigned_without_partitions.is_set()
+    SingleOwnerAssignor.assigned_without_partitions.clear()

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, Iterable
 
 from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.admin import ConfigResource, ConfigResourceType, NewTopic
-from kafka.errors import TopicAlreadyExistsError
+from kafka.errors import KafkaTimeoutError, TopicAlreadyExistsError
 
 from schemas import DeadLetter, b64_or_none, now, source_coords
 from vlmstream.config import Settings
@@ -61,6 +62,30 @@ def make_consumer(settings: Settings, group_id: str | None, topics: Iterable[str
     if topics:
         consumer.subscribe(topics)
     return consumer
+
+
+def subscribe_when_known(consumer: KafkaConsumer, topics: Iterable[str], listener=None,
+                         timeout_s: float = 60.0) -> None:
+    """Subscribe once this consumer's metadata lists partitions for every topic.
+
+    A member that joins while its metadata still lacks a topic's partitions is handed an assignment without them
+    (seen: a results aggregator assigned none and never reassigned, so `vlmstream run` waited forever). Asking for
+    each topic's partitions first (a metadata request for all topics) closes that window, at the price of one
+    more rebalance right after the join (the metadata the group saw changes), so it is the rejoin path, not the
+    default.
+    """
+    topics = list(topics)
+    deadline = time.monotonic() + timeout_s
+    for topic in topics:
+        while not consumer.partitions_for_topic(topic):
+            if time.monotonic() > deadline:
+                raise KafkaTimeoutError(f"topic {topic!r} has no partitions in the cluster metadata after "
+                                        f"{timeout_s:.0f}s: does it exist? (`vlmstream topics create`)")
+            time.sleep(0.2)
+    if listener is None:
+        consumer.subscribe(topics)
+    else:
+        consumer.subscribe(topics, listener=listener)
 
 
 def make_admin(settings: Settings) -> KafkaAdminClient:
