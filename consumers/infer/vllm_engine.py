@@ -2,8 +2,9 @@
 
 Two modes:
 - ``embeds`` (default): our thread patchifies the exact-size uint8 images on the GPU and runs the
-  Qwen2.5-VL vision tower (transformers module, varlen FlashAttention 3 from vLLM) on several images per
-  forward, then hands vLLM ``image_embeds`` + ``image_grid_thw``. vLLM's single front-end process never
+  Qwen2.5-VL vision tower (transformers module with vision.FastVisionBlocks: varlen FlashAttention 3 from
+  vLLM, aligned GEMMs, compiled elementwise) on several images per forward, then hands vLLM
+  ``image_embeds`` + ``image_grid_thw``. vLLM's single front-end process never
   touches pixels, which is its wall (see shared/gpu/README.md). The embedding for the embeddings topic
   is the mean of the same tower output the language model reads.
 - ``pixels``: vLLM gets the uint8 array and does its own normalise/patchify/tower; processor kwargs make
@@ -44,6 +45,11 @@ INSTALL_HINT = "pip install 'vlmstream[gpu]'"
 QWEN_MIN_PIXELS = 56 * 56
 QWEN_MAX_PIXELS = 16384 * 28 * 28
 
+
+
+def _patches(item: tuple[InferenceRequest, float]) -> int:
+    _, grid_h, grid_w = item[0].grid_thw
+    return grid_h * grid_w
 
 
 class EngineUnavailable(RuntimeError):
@@ -196,8 +202,7 @@ class VllmEngine(QueuedEngine):
         need_tower = [(r, s) for r, s in valid if self.mode == "embeds" or (r.want_embedding and self.encoder)]
         tower_ids = {id(r) for r, _ in need_tower}
         self._dispatch([(r, s) for r, s in valid if id(r) not in tower_ids], {})
-        patches = lambda item: item[0].grid_thw[1] * item[0].grid_thw[2]  # noqa: E731
-        for group in groups_by_patches(need_tower, patches, self.encoder.max_patches_per_call if need_tower else 1):
+        for group in groups_by_patches(need_tower, _patches, self.encoder.max_patches_per_call if need_tower else 1):
             # Each group goes to vLLM as soon as it is encoded: the language model starts on the first images
             # while the tower works on the next.
             self._dispatch(group, self._encode_splitting(group))
