@@ -161,10 +161,10 @@ class InferSettings(BaseModel):
     dtype: str = "auto"
     gpu_memory_utilization: float = 0.85
     max_model_len: int = 32768
-    max_num_seqs: int = Field(1024, description="vLLM: most sequences in one step. Its offline LLM default on "
-                              "80 GB GPUs; its async engine would otherwise take 128, which caps decode batching.")
-    max_num_batched_tokens: int = Field(16384, description="vLLM: most tokens in one step (offline LLM default on "
-                                        "80 GB GPUs; the async default is 2048).")
+    max_num_seqs: int | None = Field(None, description="vLLM: most sequences per step; None lets vLLM choose (its async "
+                                     "engine takes 128). The H200 runs of 2026-11-30 used 1024 (RESULTS.md).")
+    max_num_batched_tokens: int | None = Field(None, description="vLLM: most tokens per step; None lets vLLM choose "
+                                               "(2048 for its async engine on 80 GB GPUs). The H200 runs used 16384.")
     vision_batch_images: int = Field(32, description="vLLM engine: most images per vision-tower forward (also "
                                      "bounded to 65,536 patches).")
     vision_compile: bool = Field(True, description="torch.compile the vision blocks on CUDA (falls back to eager).")

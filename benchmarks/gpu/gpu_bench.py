@@ -543,6 +543,11 @@ def pipeline_env(tag: str, args: argparse.Namespace, work: Path) -> dict[str, st
                 "VLMSTREAM_PRODUCER__STATE_DIR": str(work / "ledger"), "PYTHONUNBUFFERED": "1",
                 # Off like the offline engine and `vllm serve` (they reuse images, so they must run without it).
                 "VLMSTREAM_INFER__ENABLE_PREFIX_CACHING": "true" if args.prefix_caching else "false"})
+    # vLLM scheduler limits for the pipeline's engines: empty = vLLM's own choice (recorded as such).
+    for name in ("max_num_seqs", "max_num_batched_tokens"):
+        value = getattr(args, name)
+        if value:
+            env[f"VLMSTREAM_INFER__{name.upper()}"] = str(value)
     return env
 
 
@@ -715,7 +720,11 @@ def run_pipeline(args: argparse.Namespace, mode: str, bootstrap: str, out: Path,
             make_docs(work / f"docs{phase}", measured_prefix, n_docs, files)
             rec: dict = {"mode": mode, "budget": budget, "max_pixels": max_pixels, "phase": phase, "n_docs": n_docs,
                          "decode_workers": args.workers, "gpus": args.gpus, "partitions": args.partitions,
-                         "prefix_caching": args.prefix_caching}
+                         "prefix_caching": args.prefix_caching,
+                         # From the engines' environment: the flags, or variables exported around the run.
+                         "max_num_seqs": env.get("VLMSTREAM_INFER__MAX_NUM_SEQS", "vLLM default"),
+                         "max_num_batched_tokens": env.get("VLMSTREAM_INFER__MAX_NUM_BATCHED_TOKENS", "vLLM default"),
+                         "max_images_in_flight": env.get("VLMSTREAM_INFER__MAX_IMAGES_IN_FLIGHT", "default")}
 
             # Warm-up: engines started (phase 0), this budget's shapes seen, the new decode fleet in its group and
             # every stage has handled records before the clock starts.
@@ -927,6 +936,9 @@ def markdown(results: dict) -> str:
                     note.append(f"{r['other_phase_records']} records of other phases in the window")
                 if r.get("prefix_caching"):
                     note.append("prefix caching on")
+                if r.get("max_num_seqs") not in (None, "vLLM default"):
+                    note.append(f"max_num_seqs {r['max_num_seqs']}, max_num_batched_tokens "
+                                f"{r.get('max_num_batched_tokens')}")
             if name == "serve":
                 note.append(f"--api-server-count {r.get('api_servers')}, {r.get('procs')} client procs, "
                             f"conc {r.get('conc')}")
@@ -986,6 +998,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--stop-after", type=float, default=2.5,
                     help="A pipeline phase stops measuring after this many x --seconds and reports what it had.")
     ap.add_argument("--window", type=float, default=30.0, help="Length of the first/last rate windows (s).")
+    ap.add_argument("--max-num-seqs", type=int, default=0,
+                    help="Pipeline engines' vLLM max_num_seqs (0: vLLM's choice; the 2026-11-30 runs used 1024).")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=0,
+                    help="Pipeline engines' vLLM max_num_batched_tokens (0: vLLM's choice; 2026-11-30: 16384).")
     ap.add_argument("--progress-every", type=float, default=30.0,
                     help="Pipeline phases append their figures so far to progress.jsonl this often (s).")
     ap.add_argument("--serve-k", type=int, default=8, help="vllm serve --api-server-count.")

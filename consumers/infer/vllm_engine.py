@@ -124,8 +124,12 @@ class VllmEngine(QueuedEngine):
             # Every image is new: caching processed inputs only costs memory and hashing.
             mm_processor_cache_gb=0,
             enable_prefix_caching=settings.enable_prefix_caching,
-            max_num_seqs=settings.max_num_seqs, max_num_batched_tokens=settings.max_num_batched_tokens,
         )
+        # Scheduler limits only when set: vLLM's own choice depends on the GPU, and a larger token budget than it
+        # would pick costs KV-cache memory on smaller cards.
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            if getattr(settings, name) is not None:
+                args[name] = getattr(settings, name)
         from vllm.config import StructuredOutputsConfig
 
         # No free whitespace in guided JSON: a random or weak model would otherwise spend its whole token budget
