@@ -20,26 +20,13 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from consumers.decode.resize import smart_resize  # noqa: E402 - after the path insert
+from benchmarks.images import exact_size_images  # noqa: E402 - after the path insert
 
 
 
 
 def corpus_images(n: int, max_pixels: int, folder: str | None) -> list[np.ndarray]:
-    from PIL import Image
-
-    roots = [Path(folder)] if folder else [REPO.parent / "shared" / "corpus"]
-    files = [p for r in roots if r.is_dir() for p in sorted(r.rglob("*")) if p.suffix.lower() in (".jpg", ".png", ".webp")]
-    rng = np.random.default_rng(0)
-    out = []
-    for i in range(n):
-        if files:
-            im = Image.open(files[i % len(files)]).convert("RGB")
-        else:
-            im = Image.fromarray(rng.integers(0, 256, (1080, 1920, 3), dtype=np.uint8))
-        h, w = smart_resize(im.size[1], im.size[0], max_pixels=max_pixels)
-        out.append(np.asarray(im.resize((w, h), Image.BICUBIC)).copy())
-    return out
+    return exact_size_images(folder or REPO.parent / "shared" / "corpus", n, max_pixels)
 
 
 def bench_engine(args) -> dict:

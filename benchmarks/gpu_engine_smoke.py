@@ -29,33 +29,16 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from consumers.decode.resize import smart_resize  # noqa: E402 - after the path insert
+from benchmarks.images import exact_size_images  # noqa: E402 - after the path insert
 
 
 
 
 def load_images(folder: str | None, n: int, max_pixels: int) -> list[np.ndarray]:
-    from PIL import Image
-
-    bases = []
-    if folder and Path(folder).is_dir():
-        for path in sorted(Path(folder).rglob("*")):
-            if path.suffix.lower() in (".jpg", ".jpeg", ".png", ".webp"):
-                bases.append(Image.open(path).convert("RGB"))
-    if not bases:  # no corpus on the device: photo-like gradients with noise, varied aspect ratios
-        rng = np.random.default_rng(0)
-        for w, h in [(1920, 1080), (1080, 1920), (2560, 1600), (1600, 1200), (3000, 2000), (800, 800)]:
-            y, x = np.mgrid[0:h, 0:w].astype(np.float32)
-            base = np.stack([x / w * 255, y / h * 255, (x + y) / (w + h) * 255], -1) + rng.normal(0, 12, (h, w, 3))
-            bases.append(Image.fromarray(np.clip(base, 0, 255).astype(np.uint8)))
-    out = []
-    for i in range(n):
-        base = bases[i % len(bases)]
-        h, w = smart_resize(base.size[1], base.size[0], max_pixels=max_pixels)
-        arr = np.asarray(base.resize((w, h), Image.BICUBIC)).copy()
+    images = exact_size_images(folder, n, max_pixels)
+    for i, arr in enumerate(images):
         arr[0, 0] = (i % 251, (i // 251) % 251, 7)  # unique pixels per request
-        out.append(arr)
-    return out
+    return images
 
 
 def requests_for(images, tokens, prefix, want_embedding=True):

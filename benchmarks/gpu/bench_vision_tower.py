@@ -28,27 +28,12 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from consumers.decode.resize import smart_resize  # noqa: E402 - after the path insert
+from benchmarks.images import exact_size_images  # noqa: E402 - after the path insert
 from consumers.infer.vision import VisionEncoder, load_vision_tower, patchify_batch  # noqa: E402
 
 BUDGETS = {"256": 256 * 28 * 28, "1280": 1280 * 28 * 28, "default": 16384 * 28 * 28}
 # Images per forward: what the engine's encoder thread batches at each budget (bounded by patches per call).
 BATCH = {"256": 16, "1280": 8, "default": 2}
-
-
-def exact_size_images(folder: str, n: int, max_pixels: int) -> list[np.ndarray]:
-    from PIL import Image
-
-    files = sorted(p for p in Path(folder).glob("*") if p.suffix.lower() in (".jpg", ".jpeg", ".png", ".webp"))
-    if not files:
-        raise SystemExit(f"no images in {folder}")
-    bases = [Image.open(f).convert("RGB") for f in files[:n]]
-    out = []
-    for i in range(n):
-        base = bases[i % len(bases)]
-        h, w = smart_resize(base.size[1], base.size[0], min_pixels=56 * 56, max_pixels=max_pixels)
-        out.append(np.asarray(base.resize((w, h), Image.BICUBIC)).copy())
-    return out
 
 
 def synchronize(device: torch.device) -> None:
