@@ -608,8 +608,11 @@ class ProgressLog:
         self.path, self.mode, self.budget, self.every = path, mode, budget, every
         self.next_at = time.monotonic() + every
 
-    def maybe_write(self, done: list[float], published_ms: list[int], gpu: "GpuSampler") -> None:
-        if time.monotonic() < self.next_at or not published_ms:
+    def due(self) -> bool:
+        return time.monotonic() >= self.next_at
+
+    def write(self, done: list[float], published_ms: list[int], gpu: "GpuSampler") -> None:
+        if not published_ms:
             return
         self.next_at += self.every
         now, t0 = time.time(), min(published_ms) / 1000.0
@@ -753,7 +756,8 @@ def run_pipeline(args: argparse.Namespace, mode: str, bootstrap: str, out: Path,
             progress = ProgressLog(out / "progress.jsonl", mode, budget, args.progress_every)
             while watcher.finished(measured_prefix) < n_docs and time.monotonic() < stop_at:
                 alive_or_raise()
-                progress.maybe_write(watcher.done_times(measured_prefix), watcher.published_ms(measured_prefix), gpu)
+                if progress.due():  # copying the watcher's lists only then: a long run has tens of thousands
+                    progress.write(watcher.done_times(measured_prefix), watcher.published_ms(measured_prefix), gpu)
                 time.sleep(0.5)
             producer_rc = producer.poll()
             kill_tree(producer, grace_s=2)

@@ -77,7 +77,8 @@ ENGINE_DEAD = object()  # put on its outbox when the worker thread dies, to wake
 class QueuedEngine:
     """The submit/poll plumbing of an engine served by worker threads: an inbox of (request, submitted_at),
     an outbox of results, and a dead or closed engine reported as EngineDeadError. Subclasses call
-    ``_init_queues()`` and consume ``_inbox``; whatever they finish goes on ``_outbox``."""
+    ``_init_queues()`` and ``_start_worker(fn, name)``, whose fn consumes ``_inbox``; whatever it finishes goes on
+    ``_outbox``. ``_stop_worker()`` closes."""
 
     engine_label = "engine"
 
@@ -141,13 +142,19 @@ class QueuedEngine:
             batch.append(item)
         return batch, False
 
-    def _begin_close(self) -> bool:
-        """Mark closed and tell the worker thread to stop; False when already closed."""
+    def _start_worker(self, target, name: str) -> None:
+        """The thread that consumes ``_inbox`` (one per engine)."""
+        self._worker = threading.Thread(target=target, name=name, daemon=True)
+        self._worker.start()
+
+    def _stop_worker(self, timeout_s: float = 60.0) -> bool:
+        """Mark closed, tell the worker to stop and wait for it; False when already closed."""
         if self._closed:
             return False
         self._closed = True
         drop_queued(self._inbox)  # closing abandons work not yet started; the runner has not committed it
         self._inbox.put(ENGINE_STOP)
+        self._worker.join(timeout=timeout_s)
         return True
 
     def __enter__(self):

@@ -12,7 +12,6 @@ from __future__ import annotations
 import copy
 import gc
 import logging
-import threading
 import time
 from pathlib import Path
 from typing import Sequence
@@ -83,15 +82,13 @@ class TransformersEngine(QueuedEngine):
         self._prompt_ids: dict[str, tuple[list[int], list[int]]] = {}
 
         self._init_queues()
-        self._thread = threading.Thread(target=self._serve, name="transformers-engine", daemon=True)
-        self._thread.start()
+        self._start_worker(self._serve, "transformers-engine")
 
     # ----------------------------------------------------------------------------- Engine protocol
 
     def close(self) -> None:
-        if not self._begin_close():
+        if not self._stop_worker():
             return
-        self._thread.join(timeout=60)
         self.encoder = None
         self.model = None
         gc.collect()

@@ -162,16 +162,14 @@ class VllmEngine(QueuedEngine):
         self._stream = torch.cuda.Stream(priority=-1)
 
         # 3. The encoder thread feeds vLLM.
-        self._encoder_thread = threading.Thread(target=self._encode_loop, name="vllm-encoder", daemon=True)
-        self._encoder_thread.start()
+        self._start_worker(self._encode_loop, "vllm-encoder")
 
     # ----------------------------------------------------------------------------- Engine protocol
 
     def close(self) -> None:
         """Stop feeding, shut vLLM's EngineCore down, and make sure no child process outlives us."""
-        if not self._begin_close():
+        if not self._stop_worker():
             return
-        self._encoder_thread.join(timeout=60)
         try:
             self._call(self._shutdown(), timeout=120)
         except Exception as exc:
