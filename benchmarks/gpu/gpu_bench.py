@@ -633,33 +633,27 @@ def minute_rates(done: list[float], t0: float, t_end: float) -> list[float]:
 
 
 def runner_stats(log_path: Path) -> dict:
-    """The inference runners' own account (their RunnerStats line at exit): how long each engine had nothing submitted
-    after its first record, and how long of that the runner itself held fetched records (the runner starving it). Fractions are over all runners' spans
-    together; visual tokens/s is the sum of the runners' rates (the whole group's)."""
-    import re
-
-    fields = ("records", "described", "dead_lettered", "visual_tokens", "run_s", "engine_idle_s",
-              "idle_with_work_s", "idle_after_first_s", "first_record_at", "last_done_at")
+    """The inference runners' own account (the JSON RunnerStats line each logs at exit): how long each engine had
+    nothing submitted after its first record, and how long of that the runner itself held fetched records (the
+    runner starving it). Fractions are over all runners' spans together; visual tokens/s is the sum of the
+    runners' rates (the whole group's)."""
+    marker = "inference runner stopped: RunnerStats "
     try:
-        lines = [ln for ln in log_path.read_text(errors="replace").splitlines() if "RunnerStats(" in ln]
-    except OSError:
+        runners = [json.loads(line.split(marker, 1)[1]) for line in log_path.read_text(errors="replace").splitlines()
+                   if marker in line]
+    except (OSError, ValueError):
         return {}
-    runners = []
-    for line in lines:
-        found = {name: float(m.group(1)) for name in fields if (m := re.search(rf"\b{name}=([0-9.]+)", line))}
-        if "run_s" in found:
-            runners.append(found)
     if not runners:
         return {}
     out: dict = {"runners": len(runners)}
     for name in ("records", "described", "dead_lettered", "visual_tokens", "engine_idle_s", "idle_with_work_s"):
-        out[name] = round(sum(r.get(name, 0.0) for r in runners), 2)
-    spans = [r.get("last_done_at", 0.0) - r.get("first_record_at", 0.0) for r in runners]
+        out[name] = round(sum(r.get(name) or 0.0 for r in runners), 2)
+    spans = [(r.get("last_done_at") or 0.0) - (r.get("first_record_at") or 0.0) for r in runners]
     if all(span > 0 for span in spans):
         out["span_s"] = [round(span, 1) for span in spans]
-        out["engine_idle_fraction"] = round(sum(r.get("idle_after_first_s", 0.0) for r in runners) / sum(spans), 3)
-        out["idle_with_work_fraction"] = round(sum(r.get("idle_with_work_s", 0.0) for r in runners) / sum(spans), 3)
-        out["visual_tokens_per_s"] = round(sum(r.get("visual_tokens", 0.0) / span for r, span in zip(runners, spans)), 1)
+        out["engine_idle_fraction"] = round(sum(r["idle_after_first_s"] for r in runners) / sum(spans), 3)
+        out["idle_with_work_fraction"] = round(sum(r["idle_with_work_s"] for r in runners) / sum(spans), 3)
+        out["visual_tokens_per_s"] = round(sum(r["visual_tokens"] / span for r, span in zip(runners, spans)), 1)
     return out
 
 

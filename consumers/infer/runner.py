@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import json
 import logging
 import os
 import socket
@@ -22,7 +23,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
 import numpy as np
@@ -197,7 +198,8 @@ class InferenceRunner:
         finally:
             self.stats.run_s = time.monotonic() - started
             self._close(committed_on_exit)
-        log.info("inference runner stopped: %s", self.stats)
+        # One JSON line: benchmarks and operators parse it (gpu_bench.runner_stats) rather than a repr.
+        log.info("inference runner stopped: RunnerStats %s", json.dumps(asdict(self.stats)))
         return exit_code
 
     def _close(self, committed: bool) -> None:
