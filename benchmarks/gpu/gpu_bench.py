@@ -77,6 +77,13 @@ def vlmstream_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "vlmstream.cli", *args]
 
 
+def gpu_env(env: dict[str, str], gpu: int) -> dict[str, str]:
+    """env for a process on physical GPU `gpu`. Each GPU gets its own vLLM cache: two engines starting at once on
+    one host (two GPUs, or two benchmarks side by side) would otherwise compile into the same folder."""
+    return dict(env, CUDA_VISIBLE_DEVICES=str(gpu),
+                VLLM_CACHE_ROOT=env.get("VLLM_CACHE_ROOT") or os.path.expanduser(f"~/.cache/vllm-gpu{gpu}"))
+
+
 def spawn(cmd: list[str], log_path: Path, env: dict[str, str] | None = None, tag: str = "") -> subprocess.Popen:
     """Start cmd in a new session (its own process group) with stdout+stderr appended to log_path."""
     with open(log_path, "ab") as f:
@@ -179,7 +186,8 @@ def log_tail(path: Path, n: int = 2500) -> str:
 class GpuSampler:
     """nvidia-smi utilization.gpu once a second in the background: (time, gpu index, percent busy)."""
 
-    def __init__(self) -> None:
+    def __init__(self, gpu_ids: list[int] | None = None) -> None:
+        self.gpu_ids = set(gpu_ids) if gpu_ids is not None else None  # None: every GPU that reports
         self.samples: list[tuple[float, int, float]] = []
         self._proc: subprocess.Popen | None = None
         self._thread: threading.Thread | None = None
@@ -205,8 +213,8 @@ class GpuSampler:
                 continue
 
     def busy(self, t0: float, t1: float) -> float | None:
-        """Mean busy fraction over [t0, t1] (all GPUs that reported)."""
-        vals = [u for t, _, u in self.samples if t0 <= t <= t1]
+        """Mean busy fraction over [t0, t1] of this run's GPUs (another run may use the host's other GPUs)."""
+        vals = [u for t, i, u in self.samples if t0 <= t <= t1 and (self.gpu_ids is None or i in self.gpu_ids)]
         return round(sum(vals) / len(vals) / 100.0, 3) if vals else None
 
     def stop(self) -> None:
@@ -270,7 +278,7 @@ def offline_worker(args: argparse.Namespace) -> None:
     log(f"engine ready in {init_s:.1f}s")
     emit(None, "_engine", {"init_s": round(init_s, 1), "gpu_mem": gpu_mem()})
     sp = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
-    gpu = GpuSampler().start()
+    gpu = GpuSampler(args.gpu_ids[:1]).start()
 
     def on_alarm(*_):
         raise ArmTimeout()
@@ -374,7 +382,7 @@ def run_offline(args: argparse.Namespace, arms: list[str], out: Path, results: d
            "--results-file", str(res_file)] + passthrough(args)
     # One engine start, then every (budget, arm) under its own --arm-limit alarm.
     limit = args.start_limit + len(args.budgets) * len(arms) * args.arm_limit + 30
-    proc = spawn(cmd, out / "offline.log", tag="offline")
+    proc = spawn(cmd, out / "offline.log", env=gpu_env(os.environ.copy(), args.gpu_ids[0]), tag="offline")
     log(f"offline arms {arms} at budgets {args.budgets} (pid {proc.pid}, hard limit {limit:.0f}s)")
     deadline = time.monotonic() + limit
     read_to = 0
@@ -425,7 +433,8 @@ def passthrough(args: argparse.Namespace) -> list[str]:
     return ["--model", args.model, "--imgs", args.imgs, "--budgets", ",".join(args.budgets),
             "--max-tokens", str(args.max_tokens), "--seconds", str(args.seconds), "--arm-limit", str(args.arm_limit),
             "--max-requests", str(args.max_requests), "--max-model-len", str(args.max_model_len),
-            "--gpu-memory-utilization", str(args.gpu_memory_utilization)]
+            "--gpu-memory-utilization", str(args.gpu_memory_utilization),
+            "--gpu-ids", ",".join(map(str, args.gpu_ids))]
 
 
 # --- pipeline arms ------------------------------------------------------------------------------------------------
@@ -663,7 +672,7 @@ def run_pipeline(args: argparse.Namespace, mode: str, bootstrap: str, out: Path,
     per budget: a decode fleet at that budget, a warm-up set, the measured documents. on_phase(budget, record) gets
     each phase's figures as soon as they exist. Raises when a phase cannot be measured; later phases are then not
     run (the caller records them)."""
-    tag = f"gb{int(time.time()) % 10**7}{mode[0]}"
+    tag = f"gb{int(time.time()) % 10**7}p{os.getpid()}{mode[0]}"  # two benchmarks may share one broker
     work = Path(args.work) / tag
     logp = out / f"pipeline-{mode}.log"
     env = pipeline_env(tag, args, work)
@@ -673,7 +682,7 @@ def run_pipeline(args: argparse.Namespace, mode: str, bootstrap: str, out: Path,
     infers: list[subprocess.Popen] = []
     decode: subprocess.Popen | None = None
     watcher = None
-    gpu = GpuSampler().start()
+    gpu = GpuSampler(args.gpu_ids).start()
 
     def alive_or_raise() -> None:
         for p in [*infers, decode]:
@@ -689,8 +698,8 @@ def run_pipeline(args: argparse.Namespace, mode: str, bootstrap: str, out: Path,
             raise RuntimeError(f"topics create failed: {(r.stdout + r.stderr)[-1500:]}")
         watcher = TopicWatcher(bootstrap, {k: env[f"VLMSTREAM_TOPICS__{k.upper()}"] for k in
                                            ("documents", "descriptions", "deadletter")})
-        for g in range(args.gpus):
-            genv = dict(env, CUDA_VISIBLE_DEVICES=str(g))
+        for g in args.gpu_ids:
+            genv = gpu_env(env, g)
             infers.append(spawn(vlmstream_cmd("infer", "--engine", args.engine, "--mode", mode, "--model", args.model,
                                               "--max-new-tokens", str(args.max_tokens), "--ignore-eos",
                                               "--prompt", PROMPT_TEXT,
@@ -818,8 +827,8 @@ def run_serve(args: argparse.Namespace, out: Path, on_phase: Callable[[str, dict
            "--limit-mm-per-prompt", '{"image":1}', "--gpu-memory-utilization", str(args.gpu_memory_utilization),
            "--mm-processor-cache-gb", "0", "--no-enable-prefix-caching", "--seed", "0",
            "--allowed-local-media-path", str(Path(args.imgs).resolve()), "--port", str(args.serve_port)]
-    server = spawn(cmd, logp, tag="serve")
-    gpu = GpuSampler().start()
+    server = spawn(cmd, logp, env=gpu_env(os.environ.copy(), args.gpu_ids[0]), tag="serve")
+    gpu = GpuSampler(args.gpu_ids[:1]).start()
     t = time.monotonic()
     try:
         url = f"http://127.0.0.1:{args.serve_port}"
@@ -986,7 +995,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--out", default=os.environ.get("OUT", "gpu_bench_out"))
     ap.add_argument("--work", default="/tmp/gpu_bench", help="Scratch folder for the pipeline's documents.")
     ap.add_argument("--workers", type=int, default=12, help="Decode worker processes (pipeline arms).")
-    ap.add_argument("--gpus", type=int, default=1, help="Pipeline arms: one `vlmstream infer` per GPU, one group.")
+    ap.add_argument("--gpus", type=int, default=1, help="Pipeline arms: one `vlmstream infer` per GPU, one group "
+                    "(GPUs 0..N-1).")
+    ap.add_argument("--gpu-ids", default="", help="Physical GPUs to use instead, e.g. 1 or 0,1 (two benchmarks side "
+                    "by side on one host); the offline arms and serve use the first.")
     ap.add_argument("--partitions", type=int, default=32)
     ap.add_argument("--pipeline-docs", type=int, default=0,
                     help="Documents per pipeline phase (0: rate guess at the budget x GPUs x seconds).")
@@ -1024,12 +1036,17 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     if unknown or not budgets:
         ap.error(f"unknown budgets {unknown}; choose from {list(BUDGETS)}")
     args.budgets = list(dict.fromkeys(budgets))  # each budget once, in the order given
+    args.gpu_ids = [int(g) for g in args.gpu_ids.split(",") if g.strip()] if args.gpu_ids else list(range(args.gpus))
+    args.gpus = len(args.gpu_ids)
     if not args.arm_limit:
         args.arm_limit = 3 * args.seconds + 90
     return args
 
 
 def main() -> None:
+    # SIGTERM (an outer `timeout`, a queue stopping) unwinds through the finally blocks, which stop the engines,
+    # decode fleets and servers this run started; the default action would leave them running on the GPU.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     args = parse()
     if args.offline_worker:
         offline_worker(args)
@@ -1046,7 +1063,8 @@ def main() -> None:
     results: dict = {"config": {"budgets": args.budgets, "max_pixels": {b: BUDGETS[b] for b in args.budgets},
                                 "max_tokens": args.max_tokens, "seconds": args.seconds, "arms": arms,
                                 "model": args.model, "prompt": PROMPT_TEXT, "images": len(image_files(args.imgs)),
-                                "workers": args.workers, "gpus": args.gpus, "prefix_caching": args.prefix_caching,
+                                "workers": args.workers, "gpus": args.gpus, "gpu_ids": args.gpu_ids,
+                                "prefix_caching": args.prefix_caching,
                                 "gpu_name": subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
                                                            capture_output=True, text=True).stdout.strip()
                                 if _has("nvidia-smi") else None},

@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# One device session's measurements on a two-GPU host (kind nvidia-h200-x2), run in the background so that they
+# outlast the 10-minute limit of one device command. Pairs of runs go side by side, one per GPU, on one shared
+# broker: what they compare then ran at the same time on twin GPUs of one host.
+#
+#   S1  both GPUs: the pipeline, embeds mode, two `vlmstream infer` in one group, 0.2 MP / 64 tokens, 120 s
+#   S2  GPU 0: the sustained run, embeds mode, 0.2 MP / 64 tokens, 480 s after warm-up
+#       GPU 1: naive + ceiling (offline vLLM) at 0.2 MP and 12.8 MP, then the engine smoke (embeddings vs
+#              transformers, guided JSON)
+#   S3  GPU 0: the pipeline, embeds mode, 12.8 MP, 480 documents | GPU 1: the same in pixels mode
+#   S4  GPU 0: bench_infer_consumer.py on vLLM | GPU 1: `vllm serve --api-server-count 8` at 0.2 MP and 12.8 MP
+# A job that would end after the plan's end (second argument, seconds from now) is skipped and says so in jobs.tsv.
+#
+# On the device, after unpack_device.sh:
+#   setsid nohup bash benchmarks/gpu/plan_x2.sh /root/res 1380 > /root/plan.log 2>&1 < /dev/null &
+#   bash benchmarks/gpu/wait_plan.sh /root/res 540      # in each later call: waits, then copies /root/res to $OUT
+set -u
+RES=${1:-/root/res}
+PLAN_S=${2:-1380}
+SNAPSHOT=/root/vlmstream-plan
+if [ "$(cd "$(dirname "$0")/../.." && pwd)" != "$SNAPSHOT" ]; then
+  # Later device calls refresh the working tree in place: the plan runs from a copy of it, taken now.
+  rm -rf "$SNAPSHOT"; mkdir -p "$SNAPSHOT"
+  (cd "$(dirname "$0")/../.." && tar cf - --exclude=./.gpu --exclude=./.venv --exclude=./.git .) | tar xf - -C "$SNAPSHOT"
+  exec bash "$SNAPSHOT/benchmarks/gpu/plan_x2.sh" "$RES" "$PLAN_S"
+fi
+cd "$SNAPSHOT"
+source scripts/gpu/env.sh
+mkdir -p "$RES"
+END=$(( $(date +%s) + PLAN_S ))
+BENCH="python3 benchmarks/gpu/gpu_bench.py --model /root/model --imgs /root/imgs --max-tokens 64"
+# For scripts that use the first visible GPU (gpu_bench takes --gpu-ids and does the same itself).
+ON_GPU0="env CUDA_VISIBLE_DEVICES=0 VLLM_CACHE_ROOT=$HOME/.cache/vllm-gpu0"
+ON_GPU1="env CUDA_VISIBLE_DEVICES=1 VLLM_CACHE_ROOT=$HOME/.cache/vllm-gpu1"
+
+job() {  # job LABEL EXPECTED_S LIMIT_S CMD...: one line per job in jobs.tsv (label, rc, start, seconds)
+  local label=$1 expect=$2 limit=$3; shift 3
+  local start; start=$(date +%s)
+  if (( start + expect > END )); then
+    printf '%s\tskipped\t%s\t0\twould end %ss after the plan end\n' "$label" "$(date +%T)" $(( start + expect - END )) >> "$RES/jobs.tsv"
+    return
+  fi
+  printf '%s\tstarted\t%s\n' "$label" "$(date +%T)" >> "$RES/jobs.tsv"
+  timeout -k 30 "$limit" "$@" > "$RES/$label.log" 2>&1
+  printf '%s\trc=%s\t%s\t%s\n' "$label" "$?" "$(date -d @"$start" +%T)" $(( $(date +%s) - start )) >> "$RES/jobs.tsv"
+}
+
+vlmstream broker start > "$RES/broker_start.log" 2>&1  # shared by every pipeline run below (they reuse it)
+nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader > "$RES/gpus.txt" 2>&1
+
+job s1_two_gpus 330 480 $BENCH --gpu-ids 0,1 --budgets 256 --seconds 120 --stop-after 1.0 \
+  --arms pipeline-embeds --out "$RES/s1_two_gpus"
+
+job s2_sustained_embeds 610 700 $BENCH --gpu-ids 0 --budgets 256 --seconds 480 --stop-after 1.0 \
+  --pipeline-docs 40000 --arms pipeline-embeds --out "$RES/s2_sustained_embeds" &
+( job s2_offline 420 560 $BENCH --gpu-ids 1 --budgets 256,default --seconds 30 --arms naive,ceiling \
+    --out "$RES/s2_offline"
+  mkdir -p "$RES/s2_smoke"
+  job s2_smoke 160 240 $ON_GPU1 python3 benchmarks/gpu_engine_smoke.py --images /root/imgs --n 32 --modes embeds \
+    --out "$RES/s2_smoke/engine_smoke.json" ) &
+wait
+
+job s3_embeds_12mp 300 480 $BENCH --gpu-ids 0 --budgets default --seconds 120 --stop-after 1.5 \
+  --pipeline-docs 480 --arms pipeline-embeds --out "$RES/s3_embeds_12mp" &
+job s3_pixels_12mp 300 480 $BENCH --gpu-ids 1 --budgets default --seconds 120 --stop-after 1.5 \
+  --pipeline-docs 480 --arms pipeline-pixels --out "$RES/s3_pixels_12mp" &
+wait
+
+job s4_infer_consumer 200 300 $ON_GPU0 python3 benchmarks/bench_infer_consumer.py --engine vllm --model /root/model \
+  --corpus /root/imgs --images 1024 --max-pixels 200704 --max-new-tokens 64 --max-images-in-flight 512 \
+  --rounds 2 --partitions 8 &
+job s4_serve 240 330 $BENCH --gpu-ids 1 --budgets 256,default --seconds 30 --arms serve --out "$RES/s4_serve" &
+wait
+
+vlmstream broker stop > "$RES/broker_stop.log" 2>&1
+date +%T > "$RES/DONE"

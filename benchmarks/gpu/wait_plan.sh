@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# In a device command while plan_x2.sh runs in the background: wait up to SECONDS for it to finish, then copy its
+# results folder to $OUT as one archive (the device returns at most 8 files) and print where each job stands.
+#   bash benchmarks/gpu/wait_plan.sh /root/res 540
+RES=${1:-/root/res}
+WAIT_S=${2:-540}
+deadline=$(( $(date +%s) + WAIT_S ))
+while [ ! -e "$RES/DONE" ] && (( $(date +%s) < deadline )); do sleep 5; done
+[ -e "$RES/DONE" ] && echo "PLAN DONE at $(cat "$RES/DONE")" || echo "PLAN RUNNING at $(date +%T)"
+cat "$RES/jobs.tsv" 2>/dev/null
+grep -h -o 'PHASE .*' "$RES"/*.log 2>/dev/null | cut -c1-700
+for p in "$RES"/*/progress.jsonl; do [ -e "$p" ] && { echo "$p"; tail -1 "$p" | cut -c1-400; }; done
+grep -h '^RESULT\|ratio broker' "$RES"/*.log 2>/dev/null | cut -c1-600
+if [ -n "${OUT:-}" ]; then tar czf "$OUT/res.tgz" -C "$(dirname "$RES")" "$(basename "$RES")"; ls -la "$OUT"; fi
