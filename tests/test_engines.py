@@ -223,6 +223,33 @@ def test_output_that_cannot_satisfy_the_schema_is_a_failure(model_dir, images, t
     assert result.error_kind == "output_schema_violation" and result.retriable is False
 
 
+def test_an_output_schema_keeps_eos_even_when_ignore_eos_is_set(model_dir, tmp_path):
+    """ignore_eos (fixed output lengths for benchmarks) must not apply to guided output: the document has to be able
+    to end at its closing brace. On the H200 vLLM otherwise generated past it and every output failed the schema."""
+    from types import SimpleNamespace
+
+    from consumers.infer.transformers_engine import TransformersEngine
+    from consumers.infer.vllm_engine import VllmEngine
+
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps({"type": "object", "properties": {"kind": {"enum": ["photo", "drawing"]}}}))
+    with TransformersEngine(model_dir, InferSettings(ignore_eos=True), device="cpu") as free:
+        assert free._generation_config().eos_token_id is None
+    with TransformersEngine(model_dir, InferSettings(ignore_eos=True, output_schema=str(schema)), device="cpu") as eng:
+        assert eng._generation_config().eos_token_id is not None
+
+    # The vLLM engine's request parameters, built without a GPU (vLLM's classes stand in as plain records).
+    vllm_side = object.__new__(VllmEngine)
+    vllm_side.settings = InferSettings(ignore_eos=True)
+    vllm_side._v = SimpleNamespace(SamplingParams=lambda **kw: kw, StructuredOutputsParams=lambda **kw: kw,
+                                   RequestOutputKind=SimpleNamespace(FINAL_ONLY="final"))
+    vllm_side.schema = None
+    assert vllm_side._sampling_params(8)["ignore_eos"] is True
+    vllm_side.schema = OutputSchema.load(str(schema))
+    params = vllm_side._sampling_params(8)
+    assert params["ignore_eos"] is False and params["structured_outputs"]["json"]["properties"]["kind"]
+
+
 def test_schema_check_parses_fenced_json_and_names_the_violation():
     schema = OutputSchema.from_dict({"type": "object", "required": ["caption"],
                                      "properties": {"caption": {"type": "string"}}})

@@ -198,6 +198,11 @@ class TransformersEngine(QueuedEngine):
 
     # ----------------------------------------------------------------------------- helpers
 
+    @property
+    def _ignore_eos(self) -> bool:
+        # Not with an output schema: the document must be able to end (as in the vLLM engine).
+        return self.settings.ignore_eos and self.schema is None
+
     def _generation_config(self):
         config = copy.deepcopy(self.model.generation_config)
         config.do_sample = self.settings.temperature > 0
@@ -206,7 +211,7 @@ class TransformersEngine(QueuedEngine):
         else:  # the checkpoint's sampling defaults (top_k, top_p) would only draw warnings under greedy
             config.temperature, config.top_p, config.top_k = None, None, None
         config.pad_token_id = self.pad_token_id
-        if self.settings.ignore_eos:
+        if self._ignore_eos:
             config.eos_token_id = None
         return config
 
@@ -236,7 +241,7 @@ class TransformersEngine(QueuedEngine):
 
     def _trim(self, tokens: list[int], limit: int) -> list[int]:
         tokens = tokens[:limit]
-        if not self.settings.ignore_eos:
+        if not self._ignore_eos:
             for i, token in enumerate(tokens):
                 if token in self.eos_ids:
                     return tokens[: i + 1]  # counted like vLLM counts it: the stop token is an output token

@@ -310,8 +310,11 @@ class VllmEngine(QueuedEngine):
         if self.schema is not None:
             # No free whitespace: a random or weak model would otherwise spend its token budget on blanks.
             structured = v.StructuredOutputsParams(json=self.schema.schema, disable_any_whitespace=True)
+        # A guided document ends where its grammar ends: ignoring EOS there made vLLM generate past the closing
+        # brace (seen on the H200: `{...}<filler>...`, every output a schema violation).
         return v.SamplingParams(max_tokens=max_tokens, temperature=self.settings.temperature,
-                                ignore_eos=self.settings.ignore_eos, structured_outputs=structured,
+                                ignore_eos=self.settings.ignore_eos and structured is None,
+                                structured_outputs=structured,
                                 output_kind=v.RequestOutputKind.FINAL_ONLY)
 
     def _output(self, request: InferenceRequest, final, embedding, timings: dict):
