@@ -231,6 +231,19 @@ class HoldFirstEngine:
         pass
 
 
+def test_in_flight_window_follows_the_engines_batch_unless_set():
+    """vLLM on an H200 runs 1024 sequences at once; a fixed 256-image window would keep it three quarters empty."""
+    from types import SimpleNamespace
+
+    from consumers.infer.runner import InferenceRunner
+
+    settings = Settings()
+    assert InferenceRunner(settings, SimpleNamespace(batch_size=1024)).max_images_in_flight == 2048
+    assert InferenceRunner(settings, SimpleNamespace(batch_size=8)).max_images_in_flight == 256
+    pinned = settings.model_copy(update={"infer": settings.infer.model_copy(update={"max_images_in_flight": 100})})
+    assert InferenceRunner(pinned, SimpleNamespace(batch_size=1024)).max_images_in_flight == 100
+
+
 @pytest.mark.kafka
 def test_out_of_order_completion_commits_only_the_done_prefix(topic_names, corpus_dir, unique):
     from consumers.infer.runner import InferenceRunner

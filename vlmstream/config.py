@@ -152,7 +152,8 @@ class InferSettings(BaseModel):
     max_new_tokens: int = 64
     ignore_eos: bool = False
     temperature: float = 0.0
-    max_images_in_flight: int = 256
+    max_images_in_flight: int | None = Field(None, description="Images handed to the engine and not yet back; None: "
+                                             "twice the engine's batch (vLLM: its max_num_seqs), at least 256.")
     max_visual_tokens_in_flight: int = 262_144
     batch_size: int = Field(8, description="Largest batch handed to a synchronous engine at once.")
     publish_embeddings: bool = True
@@ -161,10 +162,10 @@ class InferSettings(BaseModel):
     dtype: str = "auto"
     gpu_memory_utilization: float = 0.85
     max_model_len: int = 32768
-    max_num_seqs: int | None = Field(None, description="vLLM: most sequences per step; None lets vLLM choose (its async "
-                                     "engine takes 128). The H200 runs of 2026-11-30 used 1024 (RESULTS.md).")
-    max_num_batched_tokens: int | None = Field(None, description="vLLM: most tokens per step; None lets vLLM choose "
-                                               "(2048 for its async engine on 80 GB GPUs). The H200 runs used 16384.")
+    max_num_seqs: int | None = Field(None, description="vLLM: most sequences per step; None takes vLLM's default for "
+                                     "offline batch inference (its LLM class: 1024 on 70 GB+ GPUs, 256 on others).")
+    max_num_batched_tokens: int | None = Field(None, description="vLLM: most tokens per step; None takes vLLM's "
+                                               "offline default (16384 on 70 GB+ GPUs other than A100, else 8192).")
     vision_batch_images: int = Field(32, description="vLLM engine: most images per vision-tower forward (also "
                                      "bounded to 65,536 patches).")
     vision_compile: bool = Field(True, description="torch.compile the vision blocks on CUDA (falls back to eager).")

@@ -32,6 +32,7 @@ import argparse
 import glob
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -635,6 +636,15 @@ class ProgressLog:
         log(f"PROGRESS {json.dumps(rec)}")
 
 
+def engine_scheduler_limits(log_path: Path) -> list[str]:
+    """The scheduler limits each `vlmstream infer` of this log reported when its vLLM engine was up."""
+    try:
+        text = log_path.read_text(errors="replace")
+    except OSError:
+        return []
+    return re.findall(r"scheduler limits (\{[^}]*\})", text)
+
+
 def minute_rates(done: list[float], t0: float, t_end: float) -> list[float]:
     """Images/s in each whole minute from the first publish: the sustained curve of a long run."""
     return [round(sum(1 for t in done if t0 + 60 * i <= t < t0 + 60 * (i + 1)) / 60.0, 2)
@@ -730,6 +740,7 @@ def run_pipeline(args: argparse.Namespace, mode: str, bootstrap: str, out: Path,
                          # From the engines' environment: the flags, or variables exported around the run.
                          "max_num_seqs": env.get("VLMSTREAM_INFER__MAX_NUM_SEQS", "vLLM default"),
                          "max_num_batched_tokens": env.get("VLMSTREAM_INFER__MAX_NUM_BATCHED_TOKENS", "vLLM default"),
+
                          "max_images_in_flight": env.get("VLMSTREAM_INFER__MAX_IMAGES_IN_FLIGHT", "default")}
 
             # Warm-up: engines started (phase 0), this budget's shapes seen, the new decode fleet in its group and
@@ -747,7 +758,9 @@ def run_pipeline(args: argparse.Namespace, mode: str, bootstrap: str, out: Path,
                                        f"{args.start_limit}s\n{log_tail(logp)}")
                 alive_or_raise()
                 time.sleep(0.5)
-            rec.update(warmup_s=round(time.monotonic() - t, 1), warmup_dead_letters=watcher.dead_letters(warm_prefix))
+            rec.update(warmup_s=round(time.monotonic() - t, 1), warmup_dead_letters=watcher.dead_letters(warm_prefix),
+                       # What the engines took (each logs it once up; the warm-up needed them up)
+                       engine_scheduler_limits=engine_scheduler_limits(logp))
             log(f"pipeline-{mode} phase {phase} budget {budget}: warm after {rec['warmup_s']}s; "
                 f"publishing {n_docs} documents")
 

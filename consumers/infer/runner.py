@@ -128,8 +128,6 @@ class InferenceRunner:
         self.engine = engine
         self.group_id = group_id or self.cfg.group_id
         self.commit_interval_s = commit_interval_s
-        # Committing every in-flight window bounds what a crash redoes to about two windows.
-        self.commit_every = commit_every or max(1, self.cfg.max_images_in_flight)
         self.revoke_drain_s = revoke_drain_s
         self.stop_drain_s = stop_drain_s
         self.retry_backoff_s = retry_backoff_s
@@ -138,6 +136,11 @@ class InferenceRunner:
             f"{self.group_id}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}")
         self._payload_decoder = payload_decoder
         self.engine_batch_size = int(getattr(engine, "batch_size", None) or self.cfg.batch_size)
+        # Unset: twice what the engine runs at once (vLLM: its max_num_seqs), so that finished requests are replaced
+        # from a queue at once; at least 256. The visual-token bound still caps large images.
+        self.max_images_in_flight = self.cfg.max_images_in_flight or max(256, 2 * self.engine_batch_size)
+        # Committing every in-flight window bounds what a crash redoes to about two windows.
+        self.commit_every = commit_every or max(1, self.max_images_in_flight)
         self.stats = RunnerStats()
 
         self._tracker = OffsetTracker()
@@ -173,7 +176,7 @@ class InferenceRunner:
         if self.exactly_once:
             self.producer.init_transactions()
         self.consumer = make_consumer(self.settings, self.group_id, (),
-                                      max_poll_records=max(1, min(self.cfg.max_images_in_flight, 500)),
+                                      max_poll_records=max(1, min(self.max_images_in_flight, 500)),
                                       # A killed worker's images move to the others after this, not after 45 s;
                                       # heartbeats run on kafka-python's IO thread, so a long batch is no risk.
                                       session_timeout_ms=getattr(self.cfg, "session_timeout_ms", 10_000))
@@ -258,12 +261,12 @@ class InferenceRunner:
     def _room(self, tokens: int) -> bool:
         if not self._in_flight:
             return True  # one image larger than the token bound must still get through, alone
-        return (len(self._in_flight) < self.cfg.max_images_in_flight
+        return (len(self._in_flight) < self.max_images_in_flight
                 and self._tokens_in_flight + tokens <= self.cfg.max_visual_tokens_in_flight)
 
     def _fetch(self) -> None:
         assigned = self.consumer.assignment()
-        full = bool(self._backlog) or len(self._in_flight) >= self.cfg.max_images_in_flight
+        full = bool(self._backlog) or len(self._in_flight) >= self.max_images_in_flight
         if full:
             # Paused partitions keep the member alive (poll still runs the group protocol) without fetching.
             to_pause = [tp for tp in assigned if tp not in self.consumer.paused()]
@@ -285,7 +288,7 @@ class InferenceRunner:
             timeout_ms = int(max(0.0, min(0.1, self._retries[0][0] - time.monotonic())) * 1000)
         else:
             timeout_ms = 100
-        free = self.cfg.max_images_in_flight - len(self._in_flight)
+        free = self.max_images_in_flight - len(self._in_flight)
         batches = self.consumer.poll(timeout_ms=timeout_ms, max_records=max(1, free))
         self._fetched_last = 0
         for tp, records in batches.items():
@@ -538,9 +541,9 @@ class InferenceRunner:
     # --- saturation warnings -----------------------------------------------------------------
 
     def _warn_static_settings(self) -> None:
-        if self.cfg.max_images_in_flight < self.engine_batch_size:
+        if self.max_images_in_flight < self.engine_batch_size:
             log.warning("max_images_in_flight=%d is below the engine's batch size %d: the engine never gets a "
-                        "full batch", self.cfg.max_images_in_flight, self.engine_batch_size)
+                        "full batch", self.max_images_in_flight, self.engine_batch_size)
 
     def _warn(self, key: str, message: str, *args: Any) -> None:
         t = time.monotonic()
@@ -550,7 +553,7 @@ class InferenceRunner:
 
     def _check_saturation(self) -> None:
         if (self._backlog and self._in_flight and len(self._in_flight) < self.engine_batch_size
-                and len(self._in_flight) < self.cfg.max_images_in_flight):
+                and len(self._in_flight) < self.max_images_in_flight):
             self._warn("tokens", "max_visual_tokens_in_flight=%d holds only %d image(s), fewer than the engine's "
                        "batch size %d: partitions are paused while the engine could take more",
                        self.cfg.max_visual_tokens_in_flight, len(self._in_flight), self.engine_batch_size)

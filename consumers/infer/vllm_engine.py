@@ -61,6 +61,7 @@ def import_vllm() -> SimpleNamespace:
         import vllm
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
+        from vllm.usage.usage_lib import UsageContext
         from vllm.v1.engine.async_llm import AsyncLLM
         from vllm.v1.engine.exceptions import EngineDeadError as VllmEngineDeadError
     except ImportError as exc:
@@ -70,7 +71,8 @@ def import_vllm() -> SimpleNamespace:
         ) from exc
     return SimpleNamespace(version=vllm.__version__, AsyncEngineArgs=AsyncEngineArgs, AsyncLLM=AsyncLLM,
                            SamplingParams=SamplingParams, StructuredOutputsParams=StructuredOutputsParams,
-                           RequestOutputKind=RequestOutputKind, DeadError=VllmEngineDeadError)
+                           RequestOutputKind=RequestOutputKind, DeadError=VllmEngineDeadError,
+                           UsageContext=UsageContext)
 
 
 class VllmEngine(QueuedEngine):
@@ -144,7 +146,12 @@ class VllmEngine(QueuedEngine):
             self._stop_loop()
             raise
         self.start_s = time.perf_counter() - started
-        log.info("vLLM %s up in %.1fs (mode=%s, embeds_only=%s)", self._v.version, self.start_s, self.mode, embeds_only)
+        scheduler = self.llm.vllm_config.scheduler_config
+        self.batch_size = scheduler.max_num_seqs  # what the runner sizes its in-flight window by
+        self.scheduler_limits = {"max_num_seqs": scheduler.max_num_seqs,
+                                 "max_num_batched_tokens": scheduler.max_num_batched_tokens}
+        log.info("vLLM %s up in %.1fs (mode=%s, embeds_only=%s, scheduler limits %s)", self._v.version, self.start_s,
+                 self.mode, embeds_only, self.scheduler_limits)
 
         # 2. Our vision tower: always in embeds mode; in pixels mode only when embeddings are published.
         self.encoder: VisionEncoder | None = None
@@ -257,7 +264,10 @@ class VllmEngine(QueuedEngine):
     # ----------------------------------------------------------------------------- asyncio side
 
     async def _start(self, engine_args):
-        return self._v.AsyncLLM.from_engine_args(engine_args)
+        # This is batch inference: vLLM's defaults for its offline LLM class (on an H200: 1024 sequences, 16384
+        # tokens per step), not the async engine's 128 / 2048, which the 2026-11-30 H200 runs had by mistake
+        # while the offline arms they were compared with had the LLM class's.
+        return self._v.AsyncLLM.from_engine_args(engine_args, usage_context=self._v.UsageContext.LLM_CLASS)
 
     async def _shutdown(self) -> None:
         for task in asyncio.all_tasks():
