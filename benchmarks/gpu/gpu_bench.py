@@ -471,6 +471,7 @@ class TopicWatcher:
         self._done_at: dict[str, dict[str, float]] = {}
         self._dead: dict[str, int] = {}
         self._arrivals: list[tuple[float, str]] = []  # every description and dead letter: (time here, prefix)
+        self._timings: dict[str, dict[str, float]] = {}  # per prefix: sums of the descriptions' timings_ms
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -494,8 +495,31 @@ class TopicWatcher:
                             continue
                         if tp.topic == self.topics["deadletter"]:
                             self._dead[prefix] = self._dead.get(prefix, 0) + 1
+                        else:
+                            self._add_timings(prefix, r.value)
                         self._done_at.setdefault(prefix, {}).setdefault(doc, now)
                         self._arrivals.append((now, prefix))
+
+    def _add_timings(self, prefix: str, value: bytes | None) -> None:
+        try:
+            timings = json.loads(value or b"{}").get("timings_ms") or {}
+        except ValueError:
+            return
+        sums = self._timings.setdefault(prefix, {"n": 0.0})
+        sums["n"] += 1
+        for key in ("queue_ms", "generate_ms", "encode_ms"):
+            if key in timings:
+                sums[key] = sums.get(key, 0.0) + timings[key]
+        if timings.get("encode_batch_images"):  # one tower forward per batch: its time shared by the batch
+            sums["encode_ms_per_image"] = (sums.get("encode_ms_per_image", 0.0)
+                                           + timings["encode_ms"] / timings["encode_batch_images"])
+
+    def mean_timings(self, prefix: str) -> dict[str, float]:
+        """Mean of each timing over the described documents of prefix (engine time per image: where it goes)."""
+        with self._lock:
+            sums = dict(self._timings.get(prefix, {}))
+        n = sums.pop("n", 0)
+        return {k: round(v / n, 1) for k, v in sums.items()} if n else {}
 
     def finished(self, prefix: str) -> int:
         """Documents of prefix with a description or a dead letter."""
@@ -794,7 +818,8 @@ def run_pipeline(args: argparse.Namespace, mode: str, bootstrap: str, out: Path,
                        gpu_busy=gpu.busy(t0, t_end), gpu_busy_first_window=gpu.busy(t0, t0 + win),
                        gpu_busy_last_window=gpu.busy(t_end - win, t_end), decode_cores=cpu.cores(t0, t_end),
                        producer_rc=producer_rc, publish_lag_s=round(t0 - t_launch, 2),
-                       other_phase_records=watcher.others_between(t0, t_end, measured_prefix))
+                       other_phase_records=watcher.others_between(t0, t_end, measured_prefix),
+                       engine_timings_mean_ms=watcher.mean_timings(measured_prefix))
             log(f"PHASE pipeline-{mode} budget={budget} RESULT {json.dumps(rec)}")
             on_phase(budget, rec)
 
