@@ -1,18 +1,20 @@
 #!/usr/bin/env bash
 # One device session's measurements on a two-GPU host (kind nvidia-h200-x2), run in the background so that they
 # outlast the 10-minute limit of one device command. Pairs of runs go side by side, one per GPU, on one shared
-# broker: what they compare then ran at the same time on twin GPUs of one host.
+# broker. Only GPU-bound runs (12.8 MP, 1 MP) keep a CPU-bound 0.2 MP run company: two 0.2 MP runs side by side
+# measured each other's CPU load (2026-11-30, third session: see benchmarks/RESULTS.md). That session ran this
+# script as of commit ba10793 (another job list); this is the list for the next one.
 #
 #   S1  both GPUs: the pipeline, embeds mode, two `vlmstream infer` in one group, 0.2 MP / 64 tokens, 120 s
-#   S2  GPU 0: the sustained run, embeds mode, 0.2 MP / 64 tokens, 480 s after warm-up
-#       GPU 1: naive + ceiling (offline vLLM) at 0.2 MP and 12.8 MP, then the engine smoke (embeddings vs
-#              transformers, guided JSON)
-#   S3  GPU 0: the pipeline, embeds mode, 12.8 MP, 480 documents | GPU 1: the same in pixels mode
-#   S4  GPU 0: bench_infer_consumer.py on vLLM | GPU 1: `vllm serve --api-server-count 8` at 0.2 MP and 12.8 MP
+#   S2  GPU 0: the sustained run, embeds mode, 0.2 MP / 64 tokens, 480 s after warm-up (one-GPU figure for S1)
+#       GPU 1: the pipeline at 12.8 MP, embeds then pixels (480 documents each; engine timings per image)
+#   S3  GPU 0: naive + ceiling (offline vLLM) at 0.2 MP, then the engine smoke (embeddings vs transformers, guided
+#       JSON) | GPU 1: the pipeline at 1 MP, embeds then pixels
+#   S4  GPU 0: `vllm serve --api-server-count 8` at 0.2 MP | GPU 1: naive + ceiling at 12.8 MP and 1 MP
 # A job that would end after the plan's end (second argument, seconds from now) is skipped and says so in jobs.tsv.
 #
 # On the device, after unpack_device.sh:
-#   setsid nohup bash benchmarks/gpu/plan_x2.sh /root/res 1380 > /root/plan.log 2>&1 < /dev/null &
+#   setsid nohup bash benchmarks/gpu/plan_x2.sh /root/res 1480 > /root/plan.log 2>&1 < /dev/null &
 #   bash benchmarks/gpu/wait_plan.sh /root/res 540      # in each later call: waits, then copies /root/res to $OUT
 set -u
 RES=${1:-/root/res}
@@ -31,7 +33,6 @@ END=$(( $(date +%s) + PLAN_S ))
 BENCH="python3 benchmarks/gpu/gpu_bench.py --model /root/model --imgs /root/imgs --max-tokens 64"
 # For scripts that use the first visible GPU (gpu_bench takes --gpu-ids and does the same itself).
 ON_GPU0="env CUDA_VISIBLE_DEVICES=0 VLLM_CACHE_ROOT=$HOME/.cache/vllm-gpu0"
-ON_GPU1="env CUDA_VISIBLE_DEVICES=1 VLLM_CACHE_ROOT=$HOME/.cache/vllm-gpu1"
 
 job() {  # job LABEL EXPECTED_S LIMIT_S CMD...: one line per job in jobs.tsv (label, rc, start, seconds)
   local label=$1 expect=$2 limit=$3; shift 3
@@ -53,23 +54,22 @@ job s1_two_gpus 330 480 $BENCH --gpu-ids 0,1 --budgets 256 --seconds 120 --stop-
 
 job s2_sustained_embeds 610 700 $BENCH --gpu-ids 0 --budgets 256 --seconds 480 --stop-after 1.0 \
   --pipeline-docs 40000 --arms pipeline-embeds --out "$RES/s2_sustained_embeds" &
-( job s2_offline 420 560 $BENCH --gpu-ids 1 --budgets 256,default --seconds 30 --arms naive,ceiling \
-    --out "$RES/s2_offline"
-  mkdir -p "$RES/s2_smoke"
-  job s2_smoke 160 240 $ON_GPU1 python3 benchmarks/gpu_engine_smoke.py --images /root/imgs --n 32 --modes embeds \
-    --out "$RES/s2_smoke/engine_smoke.json" ) &
+job s2_pipeline_12mp 560 660 $BENCH --gpu-ids 1 --budgets default --seconds 120 --stop-after 1.5 \
+  --pipeline-docs 480 --arms pipeline-embeds,pipeline-pixels --out "$RES/s2_pipeline_12mp" &
 wait
 
-job s3_embeds_12mp 300 480 $BENCH --gpu-ids 0 --budgets default --seconds 120 --stop-after 1.5 \
-  --pipeline-docs 480 --arms pipeline-embeds --out "$RES/s3_embeds_12mp" &
-job s3_pixels_12mp 300 480 $BENCH --gpu-ids 1 --budgets default --seconds 120 --stop-after 1.5 \
-  --pipeline-docs 480 --arms pipeline-pixels --out "$RES/s3_pixels_12mp" &
+( job s3_offline_256 270 400 $BENCH --gpu-ids 0 --budgets 256 --seconds 40 --arms naive,ceiling \
+    --out "$RES/s3_offline_256"
+  mkdir -p "$RES/s3_smoke"
+  job s3_smoke 120 240 $ON_GPU0 python3 benchmarks/gpu_engine_smoke.py --images /root/imgs --n 32 --modes embeds \
+    --out "$RES/s3_smoke/engine_smoke.json" ) &
+job s3_pipeline_1mp 420 560 $BENCH --gpu-ids 1 --budgets 1280 --seconds 90 --stop-after 1.5 \
+  --pipeline-docs 1800 --arms pipeline-embeds,pipeline-pixels --out "$RES/s3_pipeline_1mp" &
 wait
 
-job s4_infer_consumer 200 300 $ON_GPU0 python3 benchmarks/bench_infer_consumer.py --engine vllm --model /root/model \
-  --corpus /root/imgs --images 1024 --max-pixels 200704 --max-new-tokens 64 --max-images-in-flight 512 \
-  --rounds 2 --partitions 8 &
-job s4_serve 240 330 $BENCH --gpu-ids 1 --budgets 256,default --seconds 30 --arms serve --out "$RES/s4_serve" &
+job s4_serve_256 200 300 $BENCH --gpu-ids 0 --budgets 256 --seconds 40 --arms serve --out "$RES/s4_serve_256" &
+job s4_offline_big 330 450 $BENCH --gpu-ids 1 --budgets default,1280 --seconds 30 --arms naive,ceiling \
+  --out "$RES/s4_offline_big" &
 wait
 
 vlmstream broker stop > "$RES/broker_stop.log" 2>&1
