@@ -244,6 +244,25 @@ def test_in_flight_window_follows_the_engines_batch_unless_set():
     assert InferenceRunner(pinned, SimpleNamespace(batch_size=1024)).max_images_in_flight == 100
 
 
+def test_token_bound_warning_only_when_the_engine_lacks_work(caplog):
+    """Fewer images in flight than vLLM's 1024 sequences is fine at 12.8 MP (~7,000 tokens each fill its prefill
+    steps); it is worth a warning only when the queued tokens would not fill two steps either."""
+    from types import SimpleNamespace
+
+    from consumers.infer.runner import InferenceRunner
+
+    runner = InferenceRunner(Settings(), SimpleNamespace(batch_size=1024, step_tokens=16384))
+    runner._backlog.append(object())
+    runner._in_flight = {f"r{i}": object() for i in range(37)}
+    runner._tokens_in_flight = 37 * 7000
+    with caplog.at_level("WARNING", logger="consumers.infer.runner"):
+        runner._check_saturation()
+        assert "holds only" not in caplog.text
+        runner._tokens_in_flight = 20000
+        runner._check_saturation()
+        assert "holds only 37 image(s)" in caplog.text
+
+
 @pytest.mark.kafka
 def test_out_of_order_completion_commits_only_the_done_prefix(topic_names, corpus_dir, unique):
     from consumers.infer.runner import InferenceRunner

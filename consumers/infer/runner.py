@@ -136,6 +136,8 @@ class InferenceRunner:
             f"{self.group_id}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}")
         self._payload_decoder = payload_decoder
         self.engine_batch_size = int(getattr(engine, "batch_size", None) or self.cfg.batch_size)
+        # Tokens the engine computes per step (vLLM: max_num_batched_tokens); None for engines without one.
+        self.engine_step_tokens = getattr(engine, "step_tokens", None)
         # Unset: twice what the engine runs at once (vLLM: its max_num_seqs), so that finished requests are replaced
         # from a queue at once; at least 256. The visual-token bound still caps large images.
         self.max_images_in_flight = self.cfg.max_images_in_flight or max(256, 2 * self.engine_batch_size)
@@ -552,8 +554,11 @@ class InferenceRunner:
             log.warning(message, *args)
 
     def _check_saturation(self) -> None:
+        # Few large images can still keep an engine busy: with two steps' worth of visual tokens queued (a 12.8 MP
+        # image is ~7,000) vLLM has full prefill steps ahead, however many sequences it could decode at once.
+        starved_of_tokens = self.engine_step_tokens is None or self._tokens_in_flight < 2 * self.engine_step_tokens
         if (self._backlog and self._in_flight and len(self._in_flight) < self.engine_batch_size
-                and len(self._in_flight) < self.max_images_in_flight):
+                and len(self._in_flight) < self.max_images_in_flight and starved_of_tokens):
             self._warn("tokens", "max_visual_tokens_in_flight=%d holds only %d image(s), fewer than the engine's "
                        "batch size %d: partitions are paused while the engine could take more",
                        self.cfg.max_visual_tokens_in_flight, len(self._in_flight), self.engine_batch_size)

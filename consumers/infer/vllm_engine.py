@@ -148,6 +148,7 @@ class VllmEngine(QueuedEngine):
         self.start_s = time.perf_counter() - started
         scheduler = self.llm.vllm_config.scheduler_config
         self.batch_size = scheduler.max_num_seqs  # what the runner sizes its in-flight window by
+        self.step_tokens = scheduler.max_num_batched_tokens
         self.scheduler_limits = {"max_num_seqs": scheduler.max_num_seqs,
                                  "max_num_batched_tokens": scheduler.max_num_batched_tokens}
         log.info("vLLM %s up in %.1fs (mode=%s, embeds_only=%s, scheduler limits %s)", self._v.version, self.start_s,
