@@ -1,4 +1,4 @@
-"""Placeholder: filled in by the issue that owns this command."""
+"""`vlmstream infer` (the GPU consumer: runner + engine + document-result aggregator) and `vlmstream tiny-model`."""
 
 from typing import Optional
 
@@ -32,8 +32,10 @@ def infer(
     from consumers.infer.factory import make_engine
     from consumers.infer.runner import InferenceRunner
     from consumers.results import ResultsAggregator
+    from vlmstream import profiling
     from vlmstream.cli_support import bootstrap, settings_from
 
+    profiler = profiling.start_from_env()  # VLMSTREAM_PROFILE_OUT: where this process's CPU goes, per thread
     infer_overrides = {
         "model": model, "engine": engine, "mode": mode, "prompt": prompt, "prompt_id": prompt_id,
         "output_schema": output_schema, "max_new_tokens": max_new_tokens, "ignore_eos": ignore_eos,
@@ -70,6 +72,8 @@ def infer(
                 time.sleep(0.2)
             aggregator_stop.set()
             aggregator_thread.join(timeout=30)
+        if profiler is not None:
+            profiler.stop()
     raise typer.Exit(code)
 
 

@@ -1,4 +1,4 @@
-"""Placeholder: filled in by the issue that owns this command."""
+"""Operations on a running pipeline: `vlmstream replay`, `vlmstream redrive`, `vlmstream status`."""
 
 from typing import Optional
 
@@ -100,12 +100,3 @@ def status(ctx: typer.Context) -> None:
         dead.add_row(stage, kind, str(count))
     console.print(dead)
 
-
-def run(ctx: typer.Context) -> None:
-    """Not built yet."""
-    raise typer.Exit(2)
-
-
-def bench(ctx: typer.Context) -> None:
-    """Not built yet."""
-    raise typer.Exit(2)

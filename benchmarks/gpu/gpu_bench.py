@@ -660,6 +660,21 @@ class ProgressLog:
         log(f"PROGRESS {json.dumps(rec)}")
 
 
+def profile_summary(path: Path, threads: int = 6) -> list[dict]:
+    """The busiest threads of each window of a `vlmstream infer` self-profile (vlmstream/profiling.py) and its
+    child processes (vLLM's EngineCore): enough to tell which thread the process waits on."""
+    try:
+        windows = json.loads(path.read_text())["windows"]
+    except (OSError, ValueError, KeyError):
+        return []
+    return [{"t_end": w["t_end"], "span_s": w["span_s"], "process_cores": w["process_cores"],
+             "threads": [{"name": t["name"], "cores": t["cores"], "top_self": t.get("top_self", [])[:3]}
+                         for t in w["threads"][:threads]],
+             "children": [{"process": c["process"], "cores": c["cores"], "busiest": c["busiest_threads"][:2]}
+                          for c in w["children"] if c["cores"] > 0.05]}
+            for w in windows]
+
+
 def engine_scheduler_limits(log_path: Path) -> list[str]:
     """The scheduler limits each `vlmstream infer` of this log reported when its vLLM engine was up."""
     try:
@@ -734,6 +749,8 @@ def run_pipeline(args: argparse.Namespace, mode: str, bootstrap: str, out: Path,
                                            ("documents", "descriptions", "deadletter")})
         for g in args.gpu_ids:
             genv = gpu_env(env, g)
+            if args.profile:
+                genv["VLMSTREAM_PROFILE_OUT"] = str(out / f"profile-{mode}-gpu{g}.json")
             infers.append(spawn(vlmstream_cmd("infer", "--engine", args.engine, "--mode", mode, "--model", args.model,
                                               "--max-new-tokens", str(args.max_tokens), "--ignore-eos",
                                               "--prompt", PROMPT_TEXT,
@@ -847,6 +864,8 @@ def run_pipeline(args: argparse.Namespace, mode: str, bootstrap: str, out: Path,
             watcher.close()
         gpu.stop()
         stats = runner_stats(logp)
+        if args.profile:
+            stats["profiles"] = {g: profile_summary(out / f"profile-{mode}-gpu{g}.json") for g in args.gpu_ids}
         if stats:
             log(f"RUNNER pipeline-{mode} {json.dumps(stats)}")
             on_phase("_runner", stats)
@@ -1040,6 +1059,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--partitions", type=int, default=32)
     ap.add_argument("--pipeline-docs", type=int, default=0,
                     help="Documents per pipeline phase (0: rate guess at the budget x GPUs x seconds).")
+    ap.add_argument("--profile", action="store_true",
+                    help="Pipeline arms: each `vlmstream infer` profiles itself (per-thread CPU, sampled Python "
+                    "stacks, EngineCore's CPU; ~1-2%% of a core) into $OUT/profile-<mode>-gpu<g>.json.")
     ap.add_argument("--prefix-caching", action="store_true",
                     help="Pipeline arms: vLLM prefix caching on in `vlmstream infer` (default off, as the offline "
                     "engine and `vllm serve` must run: they reuse images).")

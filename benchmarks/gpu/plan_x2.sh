@@ -8,6 +8,7 @@
 #   S1  both GPUs: the pipeline, embeds mode, two `vlmstream infer` in one group, 0.2 MP / 64 tokens, 120 s
 #   S2  GPU 0: the sustained run, embeds mode, 0.2 MP / 64 tokens, 480 s after warm-up (one-GPU figure for S1)
 #       GPU 1: the pipeline at 12.8 MP, embeds then pixels (480 documents each; engine timings per image)
+#       Both profile their `vlmstream infer` (--profile: which thread each process waits on, EngineCore's CPU).
 #   S3  GPU 0: naive + ceiling (offline vLLM) at 0.2 MP, then the engine smoke (embeddings vs transformers, guided
 #       JSON) | GPU 1: the pipeline at 1 MP, embeds then pixels
 #   S4  GPU 0: `vllm serve --api-server-count 8` at 0.2 MP | GPU 1: naive + ceiling at 12.8 MP and 1 MP
@@ -53,9 +54,9 @@ job s1_two_gpus 330 480 $BENCH --gpu-ids 0,1 --budgets 256 --seconds 120 --stop-
   --arms pipeline-embeds --out "$RES/s1_two_gpus"
 
 job s2_sustained_embeds 610 700 $BENCH --gpu-ids 0 --budgets 256 --seconds 480 --stop-after 1.0 \
-  --pipeline-docs 40000 --arms pipeline-embeds --out "$RES/s2_sustained_embeds" &
+  --pipeline-docs 40000 --arms pipeline-embeds --profile --out "$RES/s2_sustained_embeds" &
 job s2_pipeline_12mp 560 660 $BENCH --gpu-ids 1 --budgets default --seconds 120 --stop-after 1.5 \
-  --pipeline-docs 480 --arms pipeline-embeds,pipeline-pixels --out "$RES/s2_pipeline_12mp" &
+  --pipeline-docs 480 --arms pipeline-embeds,pipeline-pixels --profile --out "$RES/s2_pipeline_12mp" &
 wait
 
 ( job s3_offline_256 270 400 $BENCH --gpu-ids 0 --budgets 256 --seconds 40 --arms naive,ceiling \

@@ -1,0 +1,44 @@
+"""The self-profiler used on the GPU machine: per-thread CPU, sampled Python stacks, child processes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+
+from vlmstream.profiling import ThreadProfiler, thread_cpu
+
+
+def burn_cpu_for_the_profiler(seconds: float) -> None:
+    end = time.monotonic() + seconds
+    x = 0
+    while time.monotonic() < end:
+        x += sum(range(200))
+
+
+def test_profile_names_the_busy_thread_its_function_and_the_busy_child(tmp_path):
+    out = tmp_path / "profile.json"
+    profiler = ThreadProfiler(out, interval_s=0.005, window_s=60).start()
+    child = subprocess.Popen([sys.executable, "-c", "import time\nt=time.time()\nwhile time.time()-t<1.5: pass"])
+    burner = threading.Thread(target=burn_cpu_for_the_profiler, args=(1.5,), name="burner")
+    burner.start()
+    burner.join()
+    time.sleep(0.1)  # the child is still running: its CPU is counted at the window's end
+    profiler.stop()
+    child.wait()
+
+    [window] = json.loads(out.read_text())["windows"]
+    row = next(t for t in window["threads"] if t["name"] == "burner")
+    assert row["cores"] > 0.2, row
+    assert row["top_inclusive"][0][0].endswith("burn_cpu_for_the_profiler") or any(
+        f.endswith("burn_cpu_for_the_profiler") and share > 0.5 for f, share in row["top_inclusive"]), row
+    [busy_child] = [c for c in window["children"] if c["pid"] == child.pid]
+    assert busy_child["cores"] > 0.2, window["children"]
+
+
+def test_thread_cpu_reads_this_process():
+    threads = thread_cpu()
+    assert threading.main_thread().native_id in threads
+    assert all(cpu >= 0 for _, cpu in threads.values())
