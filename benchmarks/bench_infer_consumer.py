@@ -61,7 +61,7 @@ def run_direct(engine, records, settings) -> dict:
     from consumers.infer.runner import default_payload_decoder
 
     decode = default_payload_decoder(settings)
-    bound = settings.infer.max_images_in_flight or max(256, 2 * int(getattr(engine, "batch_size", 0) or 0))
+    bound = settings.infer.images_in_flight(int(getattr(engine, "batch_size", None) or settings.infer.batch_size))
     todo = list(enumerate(records))
     done = tokens = 0
     idle = in_flight_area = 0.0

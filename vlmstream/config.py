@@ -173,6 +173,11 @@ class InferSettings(BaseModel):
         True, description="vLLM prefix caching. Every image is new, so only the shared prompt text is ever reused; "
         "benchmarks turn it off to match offline arms that must (they reuse images).")
 
+    def images_in_flight(self, engine_batch_size: int) -> int:
+        """max_images_in_flight, or unset: twice what the engine runs at once, so that finished requests are
+        replaced from a queue at once; at least 256. The visual-token bound still caps large images."""
+        return self.max_images_in_flight or max(256, 2 * engine_batch_size)
+
 
 class Settings(BaseSettings):
     """Everything a vlmstream process needs. Print it with secrets masked: ``settings.masked_json()``."""

@@ -138,9 +138,7 @@ class InferenceRunner:
         self.engine_batch_size = int(getattr(engine, "batch_size", None) or self.cfg.batch_size)
         # Tokens the engine computes per step (vLLM: max_num_batched_tokens); None for engines without one.
         self.engine_step_tokens = getattr(engine, "step_tokens", None)
-        # Unset: twice what the engine runs at once (vLLM: its max_num_seqs), so that finished requests are replaced
-        # from a queue at once; at least 256. The visual-token bound still caps large images.
-        self.max_images_in_flight = self.cfg.max_images_in_flight or max(256, 2 * self.engine_batch_size)
+        self.max_images_in_flight = self.cfg.images_in_flight(self.engine_batch_size)
         # Committing every in-flight window bounds what a crash redoes to about two windows.
         self.commit_every = commit_every or max(1, self.max_images_in_flight)
         self.stats = RunnerStats()
