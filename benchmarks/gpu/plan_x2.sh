@@ -7,11 +7,12 @@
 #
 #   S1  both GPUs: the pipeline, embeds mode, two `vlmstream infer` in one group, 0.2 MP / 64 tokens, 120 s
 #   S2  GPU 0: the sustained run, embeds mode, 0.2 MP / 64 tokens, 480 s after warm-up (one-GPU figure for S1)
-#       GPU 1: the pipeline at 12.8 MP, embeds then pixels (480 documents each; engine timings per image)
+#       GPU 1: the pipeline at 12.8 MP, embeds then pixels (400 documents each; engine timings per image)
 #       Both profile their `vlmstream infer` (--profile: which thread each process waits on, EngineCore's CPU).
 #   S3  GPU 0: naive + ceiling (offline vLLM) at 0.2 MP, then the engine smoke (embeddings vs transformers, guided
 #       JSON) | GPU 1: the pipeline at 1 MP, embeds then pixels
-#   S4  GPU 0: `vllm serve --api-server-count 8` at 0.2 MP | GPU 1: naive + ceiling at 12.8 MP and 1 MP
+#   S4  GPU 0: naive + ceiling at 1 MP | GPU 1: `vllm serve --api-server-count 8` at 1 MP (both CPU-heavy: a pair
+#       that may slow each other; 0.2 MP serve and the 12.8 MP arms were measured 2026-11-30)
 # A job that would end after the plan's end (second argument, seconds from now) is skipped and says so in jobs.tsv.
 #
 # On the device, after unpack_device.sh:
@@ -55,8 +56,8 @@ job s1_two_gpus 330 480 $BENCH --gpu-ids 0,1 --budgets 256 --seconds 120 --stop-
 
 job s2_sustained_embeds 610 700 $BENCH --gpu-ids 0 --budgets 256 --seconds 480 --stop-after 1.0 \
   --pipeline-docs 40000 --arms pipeline-embeds --profile --out "$RES/s2_sustained_embeds" &
-job s2_pipeline_12mp 560 660 $BENCH --gpu-ids 1 --budgets default --seconds 120 --stop-after 1.5 \
-  --pipeline-docs 480 --arms pipeline-embeds,pipeline-pixels --profile --out "$RES/s2_pipeline_12mp" &
+job s2_pipeline_12mp 540 660 $BENCH --gpu-ids 1 --budgets default --seconds 120 --stop-after 1.5 \
+  --pipeline-docs 400 --arms pipeline-embeds,pipeline-pixels --profile --out "$RES/s2_pipeline_12mp" &
 wait
 
 ( job s3_offline_256 270 400 $BENCH --gpu-ids 0 --budgets 256 --seconds 40 --arms naive,ceiling \
@@ -64,13 +65,13 @@ wait
   mkdir -p "$RES/s3_smoke"
   job s3_smoke 120 240 $ON_GPU0 python3 benchmarks/gpu_engine_smoke.py --images /root/imgs --n 32 --modes embeds \
     --out "$RES/s3_smoke/engine_smoke.json" ) &
-job s3_pipeline_1mp 420 560 $BENCH --gpu-ids 1 --budgets 1280 --seconds 90 --stop-after 1.5 \
-  --pipeline-docs 1800 --arms pipeline-embeds,pipeline-pixels --out "$RES/s3_pipeline_1mp" &
+job s3_pipeline_1mp 340 480 $BENCH --gpu-ids 1 --budgets 1280 --seconds 90 --stop-after 1.5 \
+  --pipeline-docs 1300 --arms pipeline-embeds,pipeline-pixels --out "$RES/s3_pipeline_1mp" &
 wait
 
-job s4_serve_256 200 300 $BENCH --gpu-ids 0 --budgets 256 --seconds 40 --arms serve --out "$RES/s4_serve_256" &
-job s4_offline_big 330 450 $BENCH --gpu-ids 1 --budgets default,1280 --seconds 30 --arms naive,ceiling \
-  --out "$RES/s4_offline_big" &
+job s4_offline_1mp 220 330 $BENCH --gpu-ids 0 --budgets 1280 --seconds 30 --arms naive,ceiling \
+  --out "$RES/s4_offline_1mp" &
+job s4_serve_1mp 200 300 $BENCH --gpu-ids 1 --budgets 1280 --seconds 40 --arms serve --out "$RES/s4_serve_1mp" &
 wait
 
 vlmstream broker stop > "$RES/broker_stop.log" 2>&1
