@@ -161,8 +161,9 @@ def subprocess_env(settings: Settings) -> dict[str, str]:
                 ("documents", "images", "descriptions", "embeddings", "results", "deadletter")})
     env.update({"VLMSTREAM_INFER__GROUP_ID": i.group_id, "VLMSTREAM_INFER__MAX_NEW_TOKENS": str(i.max_new_tokens),
                 "VLMSTREAM_INFER__BATCH_SIZE": str(i.batch_size), "VLMSTREAM_INFER__ENGINE": "transformers",
-                "VLMSTREAM_INFER__MAX_IMAGES_IN_FLIGHT": str(i.max_images_in_flight),
                 "VLMSTREAM_INFER__MODEL": tiny_model_dir(), "PYTHONUNBUFFERED": "1"})
+    if i.max_images_in_flight is not None:  # unset: the engine's own window (InferSettings.images_in_flight)
+        env["VLMSTREAM_INFER__MAX_IMAGES_IN_FLIGHT"] = str(i.max_images_in_flight)
     return env
 
 
