@@ -1,0 +1,79 @@
+"""gpu_bench's serve arm: `vllm serve --api-server-count K` fed by a multi-process file:// client."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+import urllib.request
+from pathlib import Path
+from typing import Callable
+
+from bench_processes import (
+    BUDGETS, GpuSampler, HERE, MIN_PIXELS, PROMPT_TEXT, gpu_env, kill_tree, log, log_tail, spawn,
+)
+
+# --- vllm serve ---------------------------------------------------------------------------------------------------
+
+
+def run_serve(args: argparse.Namespace, out: Path, on_phase: Callable[[str, dict], None]) -> None:
+    """One `vllm serve` start; the client runs once per budget (the budget travels in each request's
+    mm_processor_kwargs). on_phase(budget, record) gets each budget's figures, or its error when the client failed
+    and the server still runs. Raises when the server does not come up or exits."""
+    logp = out / "serve.log"
+    cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", args.model, "--load-format", "dummy",
+           "--api-server-count", str(args.serve_k), "--max-model-len", str(args.max_model_len),
+           "--limit-mm-per-prompt", '{"image":1}', "--gpu-memory-utilization", str(args.gpu_memory_utilization),
+           "--mm-processor-cache-gb", "0", "--no-enable-prefix-caching", "--seed", "0",
+           "--allowed-local-media-path", str(Path(args.imgs).resolve()), "--port", str(args.serve_port)]
+    server = spawn(cmd, logp, env=gpu_env(os.environ.copy(), args.gpu_ids[0]), tag="serve")
+    gpu = GpuSampler(args.gpu_ids[:1]).start()
+    t = time.monotonic()
+    try:
+        url = f"http://127.0.0.1:{args.serve_port}"
+        while True:
+            try:
+                if urllib.request.urlopen(url + "/health", timeout=2).status == 200:
+                    break
+            except Exception:  # noqa: BLE001 - not up yet
+                pass
+            if server.poll() is not None:
+                raise RuntimeError(f"vllm serve exited ({server.returncode}):\n{log_tail(logp)}")
+            if time.monotonic() - t > args.start_limit:
+                raise TimeoutError(f"vllm serve not healthy after {args.start_limit}s\n{log_tail(logp)}")
+            time.sleep(1)
+        start_s = round(time.monotonic() - t, 1)
+        log(f"serve healthy after {start_s}s")
+        for budget in args.budgets:
+            client_cmd = [sys.executable, str(HERE / "serve_client.py"), "--url", url, "--model", args.model,
+                          "--imgs", str(Path(args.imgs).resolve()), "--seconds", str(args.seconds),
+                          "--procs", str(args.serve_procs), "--conc", str(args.serve_conc),
+                          "--max-tokens", str(args.max_tokens), "--max-pixels", str(BUDGETS[budget]),
+                          "--min-pixels", str(MIN_PIXELS), "--prompt", PROMPT_TEXT]
+            # The log is shared by the server and every client run: this run's RESULT is the one after this offset.
+            log_from = logp.stat().st_size
+            client = spawn(client_cmd, logp, tag=f"serve_client budget {budget}")
+            try:
+                client.wait(timeout=args.arm_limit)
+                lines = logp.read_bytes()[log_from:].decode(errors="replace").splitlines()
+                res = [ln for ln in lines if ln.startswith("RESULT ")]
+                if not res:
+                    raise RuntimeError(f"serve client (budget {budget}) gave no RESULT:\n{log_tail(logp)}")
+                rec = json.loads(res[-1][len("RESULT "):])
+                rec.update(budget=budget, api_servers=args.serve_k, start_s=start_s,
+                           gpu_busy=gpu.busy(rec["t0"], rec["t0"] + rec["wall_s"]) if "t0" in rec else None)
+                log(f"PHASE serve budget={budget} RESULT {json.dumps(rec)}")
+            except Exception as exc:  # noqa: BLE001 - this budget failed; the server may still serve the next
+                traceback.print_exc()
+                rec = {"error": f"{exc!r}"[:3000]}
+            finally:
+                kill_tree(client, grace_s=2)
+            on_phase(budget, rec)
+            if server.poll() is not None:
+                raise RuntimeError(f"vllm serve exited ({server.returncode}):\n{log_tail(logp)}")
+    finally:
+        kill_tree(server, grace_s=10)
+        gpu.stop()

@@ -1,0 +1,107 @@
+"""gpu_bench's results: per-budget records, ratios, the markdown tables, writing them to $OUT."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from bench_processes import ALL_ARMS, BUDGETS
+
+# --- report -------------------------------------------------------------------------------------------------------
+
+
+def arms_at(results: dict, budget: str) -> dict:
+    """The arms' records at one budget."""
+    return results["budgets"].setdefault(budget, {"arms": {}, "ratios": {}})["arms"]
+
+
+def record_failure(results: dict, arm: str, budgets: list[str], error: str) -> None:
+    """arm stopped with error at the first budget that has no record of it; the later budgets were never run."""
+    missing = [b for b in budgets if arm not in arms_at(results, b)]
+    for k, budget in enumerate(missing):
+        arms_at(results, budget)[arm] = {"error": error[:3000] if k == 0 else
+                                         f"not run: the arm stopped at budget {missing[0]}"}
+
+
+def ratios(arms: dict) -> dict:
+    def rate(name: str) -> float | None:
+        r = arms.get(name, {})
+        return r.get("img_per_s") if isinstance(r, dict) and not r.get("error") else None
+
+    out = {}
+    for p in ("pipeline-embeds", "pipeline-pixels"):
+        for other in ("naive", "serve", "ceiling-preresized", "ceiling-embeds"):
+            a, b = rate(p), rate(other)
+            if a and b:
+                out[f"{p} / {other}"] = round(a / b, 2)
+    a, b = rate("ceiling-preresized"), rate("naive")
+    if a and b:
+        out["ceiling-preresized / naive"] = round(a / b, 2)
+    a, b = rate("serve"), rate("naive")
+    if a and b:
+        out["serve / naive"] = round(a / b, 2)
+    return out
+
+
+def markdown(results: dict) -> str:
+    """One table (and one ratio table) per budget."""
+    c = results["config"]
+    lines: list[str] = []
+    for budget, section in results["budgets"].items():
+        if lines:
+            lines.append("")
+        lines += [f"## gpu_bench: budget {budget} ({BUDGETS[budget]} px), {c['max_tokens']} output tokens "
+                  f"(ignore_eos), {c['seconds']} s per arm, {c.get('gpu_name') or '?'}",
+                  "", "| arm | img/s | first window | last window | GPU busy | decode cores | n | note |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for name in ALL_ARMS:
+            r = section["arms"].get(name)
+            if r is None:
+                continue
+            if r.get("error"):
+                last = [ln.strip(" │|'\")") for ln in r["error"].replace("\\n", "\n").splitlines()
+                        if len(ln.strip(" │|'\")")) > 3]
+                named = [ln for ln in last if "rror" in ln or "imeout" in ln or "exited" in ln or "not run" in ln]
+                lines.append(f"| {name} | failed | | | | | | {(named or last or ['?'])[-1][:160].replace('|', '/')} |")
+                continue
+            note = []
+            if name.startswith("pipeline"):
+                note.append(f"phase {r.get('phase')}, {r.get('decode_workers')} decode workers, {r.get('gpus')} GPU(s), "
+                            f"{'complete' if r.get('complete') else 'INCOMPLETE'}, dead letters {r.get('dead_letters')}, "
+                            f"warm-up {r.get('warmup_s')} s")
+                if r.get("other_phase_records"):
+                    note.append(f"{r['other_phase_records']} records of other phases in the window")
+                if r.get("prefix_caching"):
+                    note.append("prefix caching on")
+                if r.get("max_num_seqs") not in (None, "vLLM default"):
+                    note.append(f"max_num_seqs {r['max_num_seqs']}, max_num_batched_tokens "
+                                f"{r.get('max_num_batched_tokens')}")
+            if name == "serve":
+                note.append(f"--api-server-count {r.get('api_servers')}, {r.get('procs')} client procs, "
+                            f"conc {r.get('conc')}")
+            if "mean_prompt_tokens" in r:
+                note.append(f"prompt {r['mean_prompt_tokens']} tok")
+            cells = [r.get("img_per_s"), r.get("first_window_img_per_s"), r.get("last_window_img_per_s"),
+                     r.get("gpu_busy"), r.get("decode_cores"), r.get("n", r.get("described", r.get("ok")))]
+            lines.append(f"| {name} | " + " | ".join("" if v is None else str(v) for v in cells)
+                         + f" | {'; '.join(note)} |")
+        if section.get("ratios"):
+            lines += ["", "| ratio | value |", "|---|---|"] + [f"| {k} | {v} |" for k, v in section["ratios"].items()]
+    if results.get("runner_stats"):
+        lines += ["", "Inference runners' own account (all phases of the arm, warm-ups and the gaps between them "
+                  "included): engine idle = nothing submitted to it after the first record (input ran dry); idle with "
+                  "work waiting = idle while the runner held fetched records (the runner starving it).", "",
+                  "| arm | runners | span s (each) | engine idle | idle with work waiting | visual tokens/s (all) | described |",
+                  "|---|---|---|---|---|---|---|"]
+        for arm, st in results["runner_stats"].items():
+            lines.append(f"| {arm} | {st.get('runners')} | {st.get('span_s')} | {st.get('engine_idle_fraction')} | "
+                         f"{st.get('idle_with_work_fraction')} | {st.get('visual_tokens_per_s')} | "
+                         f"{st.get('described')} |")
+    return "\n".join(lines) + "\n"
+
+
+def save(results: dict, out: Path) -> None:
+    for section in results["budgets"].values():
+        section["ratios"] = ratios(section["arms"])
+    (out / "gpu_bench.json").write_text(json.dumps(results, indent=1))
+    (out / "gpu_bench.md").write_text(markdown(results))

@@ -1,0 +1,59 @@
+"""The GPU benchmark's pure parts, checked here because the device runs them only a few times a session: argument
+parsing, per-GPU busy figures, ratios and tables, and the readers of the engines' logs and self-profiles."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks" / "gpu"))
+
+import arm_pipeline  # noqa: E402 - gpu_bench's parts import each other by name, from their folder
+import bench_processes  # noqa: E402
+import bench_report  # noqa: E402
+import gpu_bench  # noqa: E402
+
+
+def test_gpu_ids_pick_physical_gpus_and_count_them():
+    args = gpu_bench.parse(["--budgets", "256,default,256", "--gpu-ids", "1"])
+    assert args.budgets == ["256", "default"] and args.gpu_ids == [1] and args.gpus == 1
+    assert gpu_bench.parse(["--gpus", "2"]).gpu_ids == [0, 1]
+    env = bench_processes.gpu_env({"PATH": "/bin"}, 1)
+    assert env["CUDA_VISIBLE_DEVICES"] == "1" and env["VLLM_CACHE_ROOT"].endswith("vllm-gpu1")
+
+
+def test_gpu_busy_counts_only_the_runs_own_gpus():
+    samples = [(10.0, 0, 100.0), (10.0, 1, 20.0), (11.0, 1, 40.0), (30.0, 1, 100.0)]
+    own, every = bench_processes.GpuSampler([1]), bench_processes.GpuSampler()
+    own.samples = every.samples = samples
+    assert own.busy(9.0, 12.0) == 0.3  # GPU 1 only: another benchmark had GPU 0
+    assert every.busy(9.0, 12.0) == round(160 / 3 / 100, 3)
+
+
+def test_ratios_and_tables():
+    arms = {"naive": {"img_per_s": 20.0}, "ceiling-preresized": {"img_per_s": 40.0},
+            "pipeline-embeds": {"img_per_s": 50.0}, "serve": {"error": "did not start"}}
+    assert bench_report.ratios(arms) == {"pipeline-embeds / naive": 2.5, "pipeline-embeds / ceiling-preresized": 1.25,
+                                         "ceiling-preresized / naive": 2.0}
+    results = {"config": {"max_tokens": 64, "seconds": 30, "gpu_name": "H200"},
+               "budgets": {"256": {"arms": arms, "ratios": bench_report.ratios(arms)}}}
+    table = bench_report.markdown(results)
+    assert "| pipeline-embeds | 50.0 |" in table and "pipeline-embeds / naive | 2.5" in table
+
+
+def test_engine_log_readers(tmp_path):
+    log = tmp_path / "pipeline-embeds.log"
+    log.write_text("INFO vLLM 0.26.0 up in 50.1s (mode=embeds, embeds_only=True, scheduler limits "
+                   "{'max_num_seqs': 1024, 'max_num_batched_tokens': 16384})\n")
+    assert arm_pipeline.engine_scheduler_limits(log) == ["{'max_num_seqs': 1024, 'max_num_batched_tokens': 16384}"]
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps({"windows": [{
+        "t_end": 1.0, "span_s": 60.0, "process_cores": 1.4,
+        "threads": [{"name": "vllm-loop", "cores": 0.9, "top_self": [["a.py:f", 0.5]] * 5}],
+        "children": [{"process": "EngineCore", "cores": 1.0, "busiest_threads": [["x", 0.98]]},
+                     {"process": "idle helper", "cores": 0.0, "busiest_threads": []}]}]}))
+    [window] = arm_pipeline.profile_summary(profile)
+    assert window["threads"][0]["top_self"] == [["a.py:f", 0.5]] * 3
+    assert [c["process"] for c in window["children"]] == ["EngineCore"]
+    assert arm_pipeline.minute_rates([1.0, 2.0, 61.0], 0.0, 120.0) == [0.03, 0.02]
