@@ -143,9 +143,10 @@ class ResultsAggregator:
                                       # Failover is not latency-critical here; a loaded host must not evict it.
                                       session_timeout_ms=30_000)
         t = self.settings.topics
-        self.consumer.subscribe([t.descriptions, t.deadletter], listener=_Rebalance(self))
         code = 0
         try:
+            subscribe_when_known(self.consumer, [t.descriptions, t.deadletter], listener=_Rebalance(self),
+                                 should_stop=stop_event.is_set)
             while not stop_event.is_set():
                 clock = time.monotonic()
                 if max_seconds is not None and clock - started >= max_seconds:

@@ -9,11 +9,11 @@ import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.admin import ConfigResource, ConfigResourceType, NewTopic
-from kafka.errors import KafkaTimeoutError, TopicAlreadyExistsError
+from kafka.errors import TopicAlreadyExistsError
 
 from schemas import DeadLetter, b64_or_none, now, source_coords
 from vlmstream.config import Settings
@@ -65,22 +65,24 @@ def make_consumer(settings: Settings, group_id: str | None, topics: Iterable[str
 
 
 def subscribe_when_known(consumer: KafkaConsumer, topics: Iterable[str], listener=None,
-                         timeout_s: float = 60.0) -> None:
-    """Subscribe once this consumer's metadata lists partitions for every topic.
+                         timeout_s: float = 60.0, should_stop: Callable[[], bool] | None = None) -> None:
+    """Subscribe once this consumer's metadata lists partitions for every topic: every group consumer joins so.
 
-    A member that joins while its metadata still lacks a topic's partitions is handed an assignment without them
-    (seen: a results aggregator assigned none and never reassigned, so `vlmstream run` waited forever). Asking for
-    each topic's partitions first (a metadata request for all topics) closes that window, at the price of one
-    more rebalance right after the join (the metadata the group saw changes), so it is the rejoin path, not the
-    default.
+    A group leader that assigns while its metadata still lacks a topic's partitions hands out nothing, and
+    kafka-python 3.0 does not reliably recover: an inference consumer of `vlmstream run` (topics created a moment
+    before) was assigned [], then left out of its group (the broker listed it Empty) while it polled on with a
+    zero timeout, for good (CI, 2026-11-30; a results aggregator earlier). Knowing the partitions before joining
+    closes that window. Raises FatalPipelineError when a topic has none after timeout_s (it does not exist).
     """
     topics = list(topics)
     deadline = time.monotonic() + timeout_s
     for topic in topics:
         while not consumer.partitions_for_topic(topic):
+            if should_stop is not None and should_stop():
+                return
             if time.monotonic() > deadline:
-                raise KafkaTimeoutError(f"topic {topic!r} has no partitions in the cluster metadata after "
-                                        f"{timeout_s:.0f}s: does it exist? (`vlmstream topics create`)")
+                raise FatalPipelineError(f"topic {topic!r} has no partitions in the cluster metadata after "
+                                         f"{timeout_s:.0f}s: does it exist? (`vlmstream topics create`)")
             time.sleep(0.2)
     if listener is None:
         consumer.subscribe(topics)

@@ -45,7 +45,8 @@ from consumers.decode.types import ImageFailure, PreparedImage
 from consumers.decode.claimcheck import claim_check_url
 from schemas import DeadLetter, DocumentRef, ImagePayload, SchemaError, now, source_coords
 from vlmstream.config import Settings
-from vlmstream.kafka_io import FatalPipelineError, dead_letter_from_record, make_consumer, make_producer
+from vlmstream.kafka_io import (FatalPipelineError, dead_letter_from_record, make_consumer, make_producer,
+                                subscribe_when_known)
 
 log = logging.getLogger(__name__)
 
@@ -133,8 +134,8 @@ class DecodeWorker:
         )
         status = EXIT_OK
         try:
-            self._wait_for_topic_metadata(settings.topics.documents)
-            self.consumer.subscribe([settings.topics.documents], listener=_Rebalance(self))
+            subscribe_when_known(self.consumer, [settings.topics.documents], listener=_Rebalance(self),
+                                 should_stop=self._stop_requested)
             log.info("decode worker %d (pid %d) joined group %s on %s, %s", self.index, os.getpid(),
                      settings.decode.group_id, settings.topics.documents,
                      f"exactly-once as {tid}" if tid else "at-least-once")
@@ -160,15 +161,6 @@ class DecodeWorker:
             _close_quietly(self.producer.close, "producer")
             _close_quietly(getattr(self._stage, "close", lambda: None), "decode stage")
         return status
-
-    def _wait_for_topic_metadata(self, topic: str, timeout_s: float = 60.0) -> None:
-        """A group leader that assigns before its metadata names the topic's partitions hands out nothing, and
-        the group then waits for a metadata refresh to rebalance: know the partitions before joining."""
-        deadline = time.monotonic() + timeout_s
-        while self.consumer.partitions_for_topic(topic) is None and not self._stop_requested():
-            if time.monotonic() >= deadline:
-                raise FatalPipelineError(f"topic {topic} has no partitions in the cluster metadata")
-            time.sleep(0.2)
 
     def _should_stop(self) -> bool:
         if self._stop_requested():

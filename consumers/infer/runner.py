@@ -38,7 +38,8 @@ from schemas import (Description, Embedding, ImagePayload, SchemaError, decode_i
                      source_coords)
 from schemas.messages import HEADER_ATTEMPT
 from vlmstream.config import Settings
-from vlmstream.kafka_io import FatalPipelineError, OffsetTracker, dead_letter_from_record, make_consumer, make_producer
+from vlmstream.kafka_io import (FatalPipelineError, OffsetTracker, dead_letter_from_record, make_consumer,
+                                make_producer, subscribe_when_known)
 
 log = logging.getLogger(__name__)
 
@@ -180,10 +181,11 @@ class InferenceRunner:
                                       # A killed worker's images move to the others after this, not after 45 s;
                                       # heartbeats run on kafka-python's IO thread, so a long batch is no risk.
                                       session_timeout_ms=getattr(self.cfg, "session_timeout_ms", 10_000))
-        self.consumer.subscribe([self.settings.topics.images], listener=_Rebalance(self))
         exit_code = EXIT_OK
         committed_on_exit = False
         try:
+            subscribe_when_known(self.consumer, [self.settings.topics.images], listener=_Rebalance(self),
+                                 should_stop=stop_event.is_set)
             self._loop(stop_event, started, max_seconds, until_idle_s)
             self.stats.run_s_end = time.monotonic()
             self._drain(time.monotonic() + self.stop_drain_s)
