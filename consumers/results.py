@@ -38,7 +38,8 @@ from kafka.structs import OffsetAndMetadata
 from schemas import DeadLetter, Description, DocumentResult, SchemaError, now
 from vlmstream.config import Settings
 from consumers.infer.runner import GROUP_MOVED_ON
-from vlmstream.kafka_io import FatalPipelineError, make_consumer, make_producer, subscribe_when_known
+from vlmstream.kafka_io import (FatalPipelineError, GroupMembershipWatchdog, make_consumer, make_producer, rewind,
+                                subscribe_when_known, unique_client_id)
 
 log = logging.getLogger(__name__)
 
@@ -138,7 +139,9 @@ class ResultsAggregator:
         stop_event = stop_event or threading.Event()
         started = last_record = last_commit = time.monotonic()
         self.producer = make_producer(self.settings)
-        self.consumer = make_consumer(self.settings, self.group_id, (),
+        client_id = unique_client_id(self.settings, "results")
+        membership = GroupMembershipWatchdog(self.settings, self.group_id, client_id)
+        self.consumer = make_consumer(self.settings, self.group_id, (), client_id=client_id,
                                       partition_assignment_strategy=(SingleOwnerAssignor,),
                                       # Failover is not latency-critical here; a loaded host must not evict it.
                                       session_timeout_ms=30_000)
@@ -161,6 +164,8 @@ class ResultsAggregator:
                     # looping on it burned a core.
                     stop_event.wait(0.2)
                     if SingleOwnerAssignor.assigned_without_partitions.is_set():
+                        self._rejoin_with_partitions()
+                    elif membership.left_out(self.consumer):  # a standby too must still be a member
                         self._rejoin_with_partitions()
                 for tp, records in batches.items():
                     for record in records:
@@ -345,18 +350,25 @@ class ResultsAggregator:
 
     def on_revoked(self, revoked: set[TopicPartition]) -> dict[TopicPartition, OffsetAndMetadata]:
         collected: dict[TopicPartition, OffsetAndMetadata] = {}
+        points = self.commit_points()
         self.commit(committer=collected.update)
-        # Documents span partitions; whatever we keep would be rebuilt from the commit points anyway.
-        self._docs.clear()
-        for tp in revoked:
-            self._positions.pop(tp, None)
-            self._committed.pop(tp, None)
+        self._forget(revoked, points)
         return collected
 
+    def _forget(self, partitions: set[TopicPartition], points: dict[TopicPartition, int]) -> None:
+        # Documents span partitions; whatever we keep would be rebuilt from the commit points anyway, which is
+        # where every partition, also one that comes straight back to us, must then be read from.
+        self._docs.clear()
+        rewind(self.consumer, {tp: points[tp] for tp in partitions if tp in points})
+        for tp in partitions:
+            self._positions.pop(tp, None)
+            self._committed.pop(tp, None)
+
     def _rejoin_with_partitions(self) -> None:
+        if SingleOwnerAssignor.assigned_without_partitions.is_set():
+            log.warning("results: the group was assigned before the topics' partitions were known; rejoining")
         SingleOwnerAssignor.assigned_without_partitions.clear()
         t = self.settings.topics
-        log.warning("results: the group was assigned before the topics' partitions were known; rejoining")
         self.consumer.unsubscribe()
         subscribe_when_known(self.consumer, [t.descriptions, t.deadletter], listener=_Rebalance(self))
 
@@ -382,7 +394,4 @@ class _Rebalance(AsyncConsumerRebalanceListener):
         log.info("results: assigned %d partition(s)", len(assigned))
 
     async def on_partitions_lost(self, lost):
-        self.aggregator._docs.clear()
-        for tp in lost:
-            self.aggregator._positions.pop(tp, None)
-            self.aggregator._committed.pop(tp, None)
+        self.aggregator._forget(set(lost), self.aggregator.commit_points())

@@ -287,6 +287,40 @@ def test_out_of_order_completion_commits_only_the_done_prefix(topic_names, corpu
     assert result["code"] == 0
 
 
+@pytest.mark.kafka
+def test_work_dropped_at_a_rebalance_is_redone_when_the_partition_comes_back(topic_names, corpus_dir, unique):
+    """kafka-python keeps the fetch position of a partition that returns to the same member: the image the runner
+    dropped at the revoke (still in the engine) was skipped for good until the runner rewound to it."""
+    from consumers.infer.runner import InferenceRunner
+    from kafka import KafkaConsumer
+
+    settings = infer_settings(topic_names, unique, publish_embeddings=False)
+    records = documents(corpus_dir, f"back-{unique}", [5])
+    produce_images(settings, records, partition=0)
+    engine = HoldFirstEngine()  # offset 0 stays in the engine: the revoke has to drop it
+    runner = InferenceRunner(settings, engine, commit_interval_s=0.2, revoke_drain_s=0.5)
+    stop, thread, result = run_in_thread(runner, max_seconds=120)
+    try:
+        wait_for(lambda: sum(description_counts(settings, timeout_s=2).values()) >= 4, 30, "4 descriptions")
+        # A second member joins and leaves (two rebalances). The range assignor orders members by id, and this
+        # one's sorts after the runner's ("vlmstream-infer-..."), so partition 0 stays with the runner throughout.
+        other = KafkaConsumer(settings.topics.images, **settings.kafka.client_kwargs(), client_id="zz-visitor",
+                              group_id=settings.infer.group_id, enable_auto_commit=False)
+        deadline = time.monotonic() + 30
+        while not other.assignment() and time.monotonic() < deadline:
+            other.poll(timeout_ms=200)
+        assert TopicPartition(settings.topics.images, 0) not in other.assignment()
+        other.close()
+        wait_for(lambda: description_counts(settings, timeout_s=2)[(f"back-{unique}-0", 0)] >= 1, 60,
+                 "the dropped image described after the partition came back")
+        wait_for(lambda: committed_offsets(settings, settings.infer.group_id, settings.topics.images).get(0) == 5,
+                 30, "commit past every image")
+    finally:
+        stop.set()
+        thread.join(30)
+    assert result["code"] == 0
+
+
 # --- end to end with the real engine --------------------------------------------------------------
 
 

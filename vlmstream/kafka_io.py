@@ -5,8 +5,11 @@ out-of-order offset tracking. Stages (decode, inference) never import this modul
 from __future__ import annotations
 
 import logging
+import os
+import socket
 import threading
 import time
+import uuid
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
@@ -75,6 +78,10 @@ def subscribe_when_known(consumer: KafkaConsumer, topics: Iterable[str], listene
     closes that window. Raises FatalPipelineError when a topic has none after timeout_s (it does not exist).
     """
     topics = list(topics)
+    if listener is None:
+        consumer.subscribe(topics)
+    else:
+        consumer.subscribe(topics, listener=listener)
     deadline = time.monotonic() + timeout_s
     for topic in topics:
         while not consumer.partitions_for_topic(topic):
@@ -84,10 +91,75 @@ def subscribe_when_known(consumer: KafkaConsumer, topics: Iterable[str], listene
                 raise FatalPipelineError(f"topic {topic!r} has no partitions in the cluster metadata after "
                                          f"{timeout_s:.0f}s: does it exist? (`vlmstream topics create`)")
             time.sleep(0.2)
-    if listener is None:
-        consumer.subscribe(topics)
-    else:
-        consumer.subscribe(topics, listener=listener)
+    # One more metadata update now that the subscription is set: the group protocol compares the metadata it
+    # assigned with against later updates, and a snapshot taken before the subscription made every first join
+    # rebalance twice.
+    consumer.topics()
+
+
+def unique_client_id(settings: Settings, role: str) -> str:
+    """A client id no other consumer shares, so the broker's member list can tell this one apart."""
+    return f"{settings.kafka.client_id}-{role}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
+class GroupMembershipWatchdog:
+    """Notices a consumer that its group no longer lists, so its owner can rejoin.
+
+    kafka-python 3.0 can lose a member without noticing: seen three times on a loaded machine (an inference
+    consumer assigned [], or its partitions lost, and then absent from the broker's member list for good while it
+    polled on). An empty assignment is also normal (more members than partitions, a standby), so only when it has
+    lasted ``grace_s`` does the watchdog ask the broker, at most every ``check_every_s``, whether a member with this
+    consumer's client id is in the group; when none is, ``left_out`` says so.
+    """
+
+    def __init__(self, settings: Settings, group_id: str, client_id: str, *, grace_s: float = 30.0,
+                 check_every_s: float = 15.0):
+        self.settings, self.group_id, self.client_id = settings, group_id, client_id
+        self.grace_s, self.check_every_s = grace_s, check_every_s
+        self._empty_since: float | None = None
+        self._last_check = 0.0
+
+    def left_out(self, consumer: KafkaConsumer) -> bool:
+        now = time.monotonic()
+        if consumer.assignment():
+            self._empty_since = None
+            return False
+        if self._empty_since is None:
+            self._empty_since = now
+        if now - self._empty_since < self.grace_s or now - self._last_check < self.check_every_s:
+            return False
+        self._last_check = now
+        try:
+            admin = make_admin(self.settings)
+            try:
+                group = admin.describe_groups([self.group_id])[self.group_id]
+            finally:
+                admin.close()
+        except Exception as exc:  # noqa: BLE001 - the broker is busy or away: ask again later
+            log.warning("group %s: membership check failed: %r", self.group_id, exc)
+            return False
+        members = [m.get("client_id") for m in group.get("members") or []]
+        if self.client_id in members:
+            return False
+        log.warning("group %s (%s) does not list this consumer (%s) after %.0f s without partitions: rejoining",
+                    self.group_id, group.get("group_state"), self.client_id, now - self._empty_since)
+        self._empty_since = now
+        return True
+
+
+def rewind(consumer: KafkaConsumer, points: dict[TopicPartition, int]) -> None:
+    """Seek partitions back to where their dropped work starts, from a rebalance listener.
+
+    A consumer that drops unfinished work when partitions are revoked or lost relies on their next owner starting
+    at the commit point. kafka-python 3.0 keeps the fetch position of a partition that comes straight back to the
+    same member (``assign_from_subscribed`` preserves its state, eager protocols included), so that owner would go
+    on after the dropped records and never redo them. Seeking first makes every owner, this one too, resume there.
+    """
+    for tp, offset in points.items():
+        try:
+            consumer.seek(tp, offset)
+        except Exception as exc:  # noqa: BLE001 - no longer assigned here: a new owner starts from the commit
+            log.debug("rewind of %s to %d skipped: %r", tp, offset, exc)
 
 
 def make_admin(settings: Settings) -> KafkaAdminClient:
@@ -265,6 +337,15 @@ class OffsetTracker:
                     self._committed[tp] = point
                     moved[tp] = point
         return moved
+
+    def resume_point(self, tp: TopicPartition) -> int | None:
+        """Where reading must resume for nothing of tp to be skipped: its lowest pending offset, or one past the
+        highest tracked; None when nothing was tracked."""
+        with self._lock:
+            if tp not in self._highest:
+                return None
+            pending = self._pending[tp]
+            return min(pending) if pending else self._highest[tp] + 1
 
     def in_flight(self) -> int:
         with self._lock:

@@ -38,12 +38,14 @@ from schemas import (Description, Embedding, ImagePayload, SchemaError, decode_i
                      source_coords)
 from schemas.messages import HEADER_ATTEMPT
 from vlmstream.config import Settings
-from vlmstream.kafka_io import (FatalPipelineError, OffsetTracker, dead_letter_from_record, make_consumer,
-                                make_producer, subscribe_when_known)
+from vlmstream.kafka_io import (FatalPipelineError, GroupMembershipWatchdog, OffsetTracker, dead_letter_from_record,
+                                make_consumer, make_producer, rewind, subscribe_when_known, unique_client_id)
 
 log = logging.getLogger(__name__)
 
 EXIT_OK = 0
+# How long poll() waits while a rebalance is under way (see InferenceRunner._rebalancing).
+REBALANCE_POLL_MS = 200
 EXIT_ENGINE_DEAD = 3
 EXIT_PIPELINE_FATAL = 4
 
@@ -157,6 +159,10 @@ class InferenceRunner:
         self._last_activity = time.monotonic()
         self._warned: dict[str, float] = {}
         self._assigned = False
+        # From a rebalance's start (revoke) to its end (assignment); the first join counts too. kafka-python 3.0
+        # throws away a join that completes while no poll() waits for it and sends a new JoinGroup, so a runner
+        # polling with a zero timeout (engine busy, window full) never finished a rebalance: it must wait in poll.
+        self._rebalancing = True
         self._fetched_last = 0
         self._liveness_at = time.monotonic()
         self._no_commit = False
@@ -176,7 +182,9 @@ class InferenceRunner:
                                       else None, **({"transaction_timeout_ms": 15_000} if self.exactly_once else {}))
         if self.exactly_once:
             self.producer.init_transactions()
-        self.consumer = make_consumer(self.settings, self.group_id, (),
+        client_id = unique_client_id(self.settings, "infer")
+        self._membership = GroupMembershipWatchdog(self.settings, self.group_id, client_id)
+        self.consumer = make_consumer(self.settings, self.group_id, (), client_id=client_id,
                                       max_poll_records=max(1, min(self.max_images_in_flight, 500)),
                                       # A killed worker's images move to the others after this, not after 45 s;
                                       # heartbeats run on kafka-python's IO thread, so a long batch is no risk.
@@ -184,8 +192,7 @@ class InferenceRunner:
         exit_code = EXIT_OK
         committed_on_exit = False
         try:
-            subscribe_when_known(self.consumer, [self.settings.topics.images], listener=_Rebalance(self),
-                                 should_stop=stop_event.is_set)
+            self._subscribe(stop_event)
             self._loop(stop_event, started, max_seconds, until_idle_s)
             self.stats.run_s_end = time.monotonic()
             self._drain(time.monotonic() + self.stop_drain_s)
@@ -239,11 +246,18 @@ class InferenceRunner:
                 break  # idle is measured from the first assignment: joining the group takes seconds
             self._admit()
             self._fetch()
+            if self._membership.left_out(self.consumer):
+                self.consumer.unsubscribe()
+                self._subscribe(stop_event)
             self._admit()
             self._poll_engine()
             self._check_saturation()
             if self._commit_due():
                 self._commit()
+
+    def _subscribe(self, stop_event: threading.Event) -> None:
+        subscribe_when_known(self.consumer, [self.settings.topics.images], listener=_Rebalance(self),
+                             should_stop=stop_event.is_set)
 
     def _has_work(self) -> bool:
         return bool(self._backlog or self._retries or self._in_flight)
@@ -274,7 +288,7 @@ class InferenceRunner:
             to_pause = [tp for tp in assigned if tp not in self.consumer.paused()]
             if to_pause:
                 self.consumer.pause(*to_pause)
-            self.consumer.poll(timeout_ms=0)
+            self.consumer.poll(timeout_ms=REBALANCE_POLL_MS if self._rebalancing else 0)
             # Nothing was fetched: the engine wait in _poll_engine is where this thread must sleep. Leaving
             # the last fetch count here made the loop spin on zero-timeout polls whenever the in-flight window
             # was full, holding the GIL the engine's encoder and vLLM's front end need (measured on the H200:
@@ -290,8 +304,13 @@ class InferenceRunner:
             timeout_ms = int(max(0.0, min(0.1, self._retries[0][0] - time.monotonic())) * 1000)
         else:
             timeout_ms = 100
+        if self._rebalancing:
+            timeout_ms = max(timeout_ms, REBALANCE_POLL_MS)
         free = self.max_images_in_flight - len(self._in_flight)
         batches = self.consumer.poll(timeout_ms=timeout_ms, max_records=max(1, free))
+        if not batches and not assigned and not self._has_work():
+            # Without partitions poll returns at once (kafka-python): looping on it burned half a core.
+            time.sleep(timeout_ms / 1000)
         self._fetched_last = 0
         for tp, records in batches.items():
             for record in records:
@@ -527,6 +546,7 @@ class InferenceRunner:
         if not revoked or self._no_commit:
             return {}  # closing after a fatal error: the next owner redoes everything since the last commit
         self._drain(time.monotonic() + self.revoke_drain_s, revoked)
+        resume = {tp: p for tp in revoked if (p := self._tracker.resume_point(tp)) is not None}
         # What did not finish in time is dropped: the next owner starts again from the commit point.
         for rid in [rid for rid, w in self._in_flight.items() if w.tp in revoked]:
             self._tokens_in_flight -= self._in_flight.pop(rid).tokens
@@ -538,6 +558,7 @@ class InferenceRunner:
         self._tracker.forget(revoked)
         for tp in revoked:
             self._held.pop(tp, None)
+        rewind(self.consumer, resume)  # a partition that comes back to us resumes at its dropped work
         return collected
 
     # --- saturation warnings -----------------------------------------------------------------
@@ -584,6 +605,7 @@ class _Rebalance(AsyncConsumerRebalanceListener):
         self.runner = runner
 
     async def on_partitions_revoked(self, revoked):
+        self.runner._rebalancing = True  # eager protocol: every rebalance starts here, with or without partitions
         try:
             offsets = self.runner.on_revoked(set(revoked))
         except (EngineDeadError, FatalPipelineError) as exc:
@@ -599,6 +621,7 @@ class _Rebalance(AsyncConsumerRebalanceListener):
                 log.warning("commit on revoke failed, duplicates may follow: %r", exc)
 
     async def on_partitions_assigned(self, assigned):
+        self.runner._rebalancing = False
         if not self.runner._assigned:
             self.runner._assigned = True
             self.runner._last_activity = time.monotonic()
@@ -607,7 +630,9 @@ class _Rebalance(AsyncConsumerRebalanceListener):
     async def on_partitions_lost(self, lost):
         # Membership is already gone: committing would be refused; forget the work and let the owner redo it.
         runner = self.runner
+        runner._rebalancing = True
         lost = set(lost)
+        rewind(runner.consumer, {tp: p for tp in lost if (p := runner._tracker.resume_point(tp)) is not None})
         for rid in [rid for rid, w in runner._in_flight.items() if w.tp in lost]:
             runner._tokens_in_flight -= runner._in_flight.pop(rid).tokens
         runner._backlog = deque(w for w in runner._backlog if w.tp not in lost)

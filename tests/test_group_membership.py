@@ -1,0 +1,53 @@
+"""The membership watchdog: a consumer without partitions is left alone while its group lists it (a standby, more
+members than partitions) and told to rejoin once the broker no longer does."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from kafka.admin import NewTopic
+
+from vlmstream.config import Settings
+from vlmstream.kafka_io import GroupMembershipWatchdog, make_admin, make_consumer, unique_client_id
+
+
+@pytest.mark.kafka
+def test_watchdog_rejoins_only_a_consumer_its_group_does_not_list(kafka_settings: Settings, unique: str):
+    topic, group = f"watchdog-{unique}", f"watchdog-{unique}-group"
+    admin = make_admin(kafka_settings)
+    admin.create_topics([NewTopic(topic, 1, 1)])
+    admin.close()
+    ids = [unique_client_id(kafka_settings, "test") for _ in range(2)]
+    assert ids[0] != ids[1]
+    consumers = [make_consumer(kafka_settings, group, (topic,), client_id=i) for i in ids]
+    stop = threading.Event()
+
+    def keep_polling(consumer):  # each member in its own thread: a join waits for every member to poll
+        while not stop.is_set():
+            consumer.poll(timeout_ms=100)
+
+    pollers = [threading.Thread(target=keep_polling, args=(c,), daemon=True) for c in consumers]
+    for t in pollers:
+        t.start()
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and sorted(len(c.assignment()) for c in consumers) != [0, 1]:
+            time.sleep(0.2)
+        [idle] = [(c, i) for c, i in zip(consumers, ids) if not c.assignment()]
+        member = GroupMembershipWatchdog(kafka_settings, group, idle[1], grace_s=0.2, check_every_s=0)
+        assert not member.left_out(idle[0])  # the empty assignment starts the grace period
+        time.sleep(0.3)
+        assert not member.left_out(idle[0])  # the broker lists it: a member with nothing to do stays
+        ghost = GroupMembershipWatchdog(kafka_settings, group, "vlmstream-not-in-this-group", grace_s=0.2,
+                                        check_every_s=0)
+        assert not ghost.left_out(idle[0])
+        time.sleep(0.3)
+        assert ghost.left_out(idle[0])  # no member with that client id: rejoin
+    finally:
+        stop.set()
+        for t in pollers:
+            t.join(timeout=5)
+        for c in consumers:
+            c.close()
