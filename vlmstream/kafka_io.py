@@ -78,10 +78,7 @@ def subscribe_when_known(consumer: KafkaConsumer, topics: Iterable[str], listene
     closes that window. Raises FatalPipelineError when a topic has none after timeout_s (it does not exist).
     """
     topics = list(topics)
-    if listener is None:
-        consumer.subscribe(topics)
-    else:
-        consumer.subscribe(topics, listener=listener)
+    consumer.subscribe(topics, listener=listener)
     deadline = time.monotonic() + timeout_s
     for topic in topics:
         while not consumer.partitions_for_topic(topic):
@@ -326,13 +323,17 @@ class OffsetTracker:
         with self._lock:
             self._pending[tp].discard(offset)
 
+    def _point(self, tp: TopicPartition) -> int:
+        """The lowest offset still pending, or one past the highest tracked (under the lock)."""
+        pending = self._pending[tp]
+        return min(pending) if pending else self._highest[tp] + 1
+
     def commit_point(self) -> dict[TopicPartition, int]:
         """{tp: next offset to read} for partitions whose commit point moved since the last call."""
         moved: dict[TopicPartition, int] = {}
         with self._lock:
-            for tp, highest in self._highest.items():
-                pending = self._pending[tp]
-                point = min(pending) if pending else highest + 1
+            for tp in self._highest:
+                point = self._point(tp)
                 if point > self._committed.get(tp, -1):
                     self._committed[tp] = point
                     moved[tp] = point
@@ -342,10 +343,7 @@ class OffsetTracker:
         """Where reading must resume for nothing of tp to be skipped: its lowest pending offset, or one past the
         highest tracked; None when nothing was tracked."""
         with self._lock:
-            if tp not in self._highest:
-                return None
-            pending = self._pending[tp]
-            return min(pending) if pending else self._highest[tp] + 1
+            return self._point(tp) if tp in self._highest else None
 
     def in_flight(self) -> int:
         with self._lock:
