@@ -157,16 +157,17 @@ class ResultsAggregator:
                 if until_idle_s is not None and self._assigned and clock - last_record >= until_idle_s:
                     break
                 batches = self.consumer.poll(timeout_ms=200)
-                if not self._assigned and self.consumer.assignment():
+                assigned = self.consumer.assignment()
+                if not self._assigned and assigned:
                     self._assigned, last_record = True, time.monotonic()  # idle counts from the first assignment
-                if not batches and not self.consumer.assignment():
+                if not batches and not assigned:
                     # A standby member (or one not yet assigned): poll returns at once without partitions, and
                     # looping on it burned a core.
                     stop_event.wait(0.2)
                     if SingleOwnerAssignor.assigned_without_partitions.is_set():
                         self._rejoin_with_partitions()
-                    elif membership.left_out(self.consumer):  # a standby too must still be a member
-                        self._rejoin_with_partitions()
+                if membership.left_out(assigned):  # a standby too must still be a member
+                    self._rejoin_with_partitions()
                 for tp, records in batches.items():
                     for record in records:
                         self.handle(tp, record)

@@ -37,17 +37,28 @@ def test_watchdog_rejoins_only_a_consumer_its_group_does_not_list(kafka_settings
             time.sleep(0.2)
         [idle] = [(c, i) for c, i in zip(consumers, ids) if not c.assignment()]
         member = GroupMembershipWatchdog(kafka_settings, group, idle[1], grace_s=0.2, check_every_s=0)
-        assert not member.left_out(idle[0])  # the empty assignment starts the grace period
+        assert not member.left_out(idle[0].assignment())  # the empty assignment starts the grace period
         time.sleep(0.3)
-        assert not member.left_out(idle[0])  # the broker lists it: a member with nothing to do stays
+        assert not member.left_out(idle[0].assignment())  # the broker lists it: a member with nothing to do stays
         ghost = GroupMembershipWatchdog(kafka_settings, group, "vlmstream-not-in-this-group", grace_s=0.2,
                                         check_every_s=0)
-        assert not ghost.left_out(idle[0])
+        assert not ghost.left_out(idle[0].assignment())
         time.sleep(0.3)
-        assert ghost.left_out(idle[0])  # no member with that client id: rejoin
+        assert ghost.left_out(idle[0].assignment())  # no member with that client id: rejoin
     finally:
         stop.set()
         for t in pollers:
             t.join(timeout=5)
         for c in consumers:
             c.close()
+
+
+def test_an_assignment_restarts_the_watchdogs_grace_period():
+    from kafka import TopicPartition
+
+    watchdog = GroupMembershipWatchdog(Settings(), "unused-group", "unused-client", grace_s=0.2, check_every_s=0)
+    assert not watchdog.left_out(set())
+    time.sleep(0.3)
+    assert not watchdog.left_out({TopicPartition("t", 0)})  # partitions again: the empty spell is over
+    # A new empty spell starts its own grace period: no broker is asked (none answers for this group here).
+    assert not watchdog.left_out(set())

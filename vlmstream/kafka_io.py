@@ -116,9 +116,10 @@ class GroupMembershipWatchdog:
         self._empty_since: float | None = None
         self._last_check = 0.0
 
-    def left_out(self, consumer: KafkaConsumer) -> bool:
+    def left_out(self, assignment: set[TopicPartition]) -> bool:
+        """``assignment``: the consumer's current one (its owner has just read it)."""
         now = time.monotonic()
-        if consumer.assignment():
+        if assignment:
             self._empty_since = None
             return False
         if self._empty_since is None:

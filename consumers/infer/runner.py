@@ -245,10 +245,7 @@ class InferenceRunner:
                     and t - self._last_activity >= until_idle_s):
                 break  # idle is measured from the first assignment: joining the group takes seconds
             self._admit()
-            self._fetch()
-            if self._membership.left_out(self.consumer):
-                self.consumer.unsubscribe()
-                self._subscribe(stop_event)
+            self._fetch(stop_event)
             self._admit()
             self._poll_engine()
             self._check_saturation()
@@ -280,7 +277,7 @@ class InferenceRunner:
         return (len(self._in_flight) < self.max_images_in_flight
                 and self._tokens_in_flight + tokens <= self.cfg.max_visual_tokens_in_flight)
 
-    def _fetch(self) -> None:
+    def _fetch(self, stop_event: threading.Event) -> None:
         assigned = self.consumer.assignment()
         full = bool(self._backlog) or len(self._in_flight) >= self.max_images_in_flight
         if full:
@@ -316,6 +313,9 @@ class InferenceRunner:
             for record in records:
                 self._accept(tp, record)
                 self._fetched_last += 1
+        if self._membership.left_out(assigned):  # every fetch: an assignment resets its clock
+            self.consumer.unsubscribe()
+            self._subscribe(stop_event)
 
     def _accept(self, tp: TopicPartition, record: Any) -> None:
         self.stats.records += 1
