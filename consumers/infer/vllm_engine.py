@@ -149,10 +149,9 @@ class VllmEngine(QueuedEngine):
         scheduler = self.llm.vllm_config.scheduler_config
         self.batch_size = scheduler.max_num_seqs  # what the runner sizes its in-flight window by
         self.step_tokens = scheduler.max_num_batched_tokens
-        self.scheduler_limits = {"max_num_seqs": scheduler.max_num_seqs,
-                                 "max_num_batched_tokens": scheduler.max_num_batched_tokens}
+        # gpu_bench reads this line (arm_pipeline.engine_scheduler_limits)
         log.info("vLLM %s up in %.1fs (mode=%s, embeds_only=%s, scheduler limits %s)", self._v.version, self.start_s,
-                 self.mode, embeds_only, self.scheduler_limits)
+                 self.mode, embeds_only, {"max_num_seqs": self.batch_size, "max_num_batched_tokens": self.step_tokens})
 
         # 2. Our vision tower: always in embeds mode; in pixels mode only when embeddings are published.
         self.encoder: VisionEncoder | None = None
