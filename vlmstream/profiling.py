@@ -23,6 +23,23 @@ from pathlib import Path
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
+def _stat(path: Path | str) -> tuple[str, list[str]] | None:
+    """(name, the fields after it) of a /proc stat file; None when the process or thread is gone. After the name,
+    field 0 is the state, 1 the parent pid, 11 and 12 user and system CPU in clock ticks (stat(5) fields 3, 4,
+    14, 15)."""
+    try:
+        text = Path(path).read_text()
+    except OSError:
+        return None
+    return text[text.index("(") + 1: text.rindex(")")], text[text.rindex(")") + 2:].split()
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of one process so far (0 when it is gone)."""
+    stat = _stat(f"/proc/{pid}/stat")
+    return (int(stat[1][11]) + int(stat[1][12])) / CLOCK_TICKS if stat else 0.0
+
+
 def thread_cpu(pid: int | str = "self") -> dict[int, tuple[str, float]]:
     """{native thread id: (name, CPU seconds)} of a process's threads, from /proc (empty where there is none)."""
     result = {}
@@ -32,14 +49,10 @@ def thread_cpu(pid: int | str = "self") -> dict[int, tuple[str, float]]:
     except OSError:
         return result
     for tid in tids:
-        try:
-            stat = (task_dir / tid / "stat").read_text()
-        except OSError:
-            continue  # the thread ended
-        name = stat[stat.index("(") + 1: stat.rindex(")")]
-        fields = stat[stat.rindex(")") + 2:].split()
-        # After the name: state is field 3 of stat(5), utime and stime are 14 and 15.
-        result[int(tid)] = (name, (int(fields[11]) + int(fields[12])) / CLOCK_TICKS)
+        stat = _stat(task_dir / tid / "stat")
+        if stat is not None:  # else the thread ended
+            name, fields = stat
+            result[int(tid)] = (name, (int(fields[11]) + int(fields[12])) / CLOCK_TICKS)
     return result
 
 
@@ -47,14 +60,9 @@ def child_pids(pid: int) -> list[int]:
     """Direct and indirect children of pid (a /proc scan)."""
     parents: dict[int, list[int]] = {}
     for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        ppid = int(stat[stat.rindex(")") + 2:].split()[1])
-        parents.setdefault(ppid, []).append(int(entry))
+        stat = _stat(f"/proc/{entry}/stat") if entry.isdigit() else None
+        if stat is not None:
+            parents.setdefault(int(stat[1][1]), []).append(int(entry))
     found, todo = [], [pid]
     while todo:
         for child in parents.get(todo.pop(), []):

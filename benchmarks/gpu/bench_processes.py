@@ -16,6 +16,9 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 sys.path.insert(0, str(REPO))  # the repository's packages (consumers, vlmstream) for every part of gpu_bench
 
+from vlmstream.profiling import child_pids as descendants  # noqa: E402 - after the path insert
+from vlmstream.profiling import process_cpu_seconds  # noqa: E402
+
 BUDGETS = {"256": 256 * 28 * 28, "1280": 1280 * 28 * 28, "default": 28 * 28 * 16384}
 MIN_PIXELS = 56 * 56
 PROMPT_TEXT = "Describe this image in detail."
@@ -64,40 +67,9 @@ def spawn(cmd: list[str], log_path: Path, env: dict[str, str] | None = None, tag
     return proc
 
 
-def _children_map() -> dict[int, list[int]]:
-    kids: dict[int, list[int]] = {}
-    for stat in glob.glob("/proc/[0-9]*/stat"):
-        try:
-            text = open(stat).read()
-        except OSError:
-            continue
-        pid = int(stat.split("/")[2])
-        ppid = int(text[text.rindex(")") + 2:].split()[1])
-        kids.setdefault(ppid, []).append(pid)
-    return kids
-
-
-def descendants(pid: int) -> list[int]:
-    kids, out, todo = _children_map(), [], [pid]
-    while todo:
-        for child in kids.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
-
-
 def tree_cpu_seconds(pid: int) -> float:
     """user+system CPU seconds of pid and its live descendants (from /proc; no psutil needed)."""
-    tick = os.sysconf("SC_CLK_TCK")
-    total = 0.0
-    for p in [pid, *descendants(pid)]:
-        try:
-            text = open(f"/proc/{p}/stat").read()
-        except OSError:
-            continue
-        fields = text[text.rindex(")") + 2:].split()
-        total += (int(fields[11]) + int(fields[12])) / tick
-    return total
+    return sum(process_cpu_seconds(p) for p in [pid, *descendants(pid)])
 
 
 def kill_tree(proc: subprocess.Popen | None, grace_s: float = 10.0, sig: int = signal.SIGTERM) -> None:
