@@ -57,3 +57,18 @@ def test_engine_log_readers(tmp_path):
     assert window["threads"][0]["top_self"] == [["a.py:f", 0.5]] * 3
     assert [c["process"] for c in window["children"]] == ["EngineCore"]
     assert arm_pipeline.minute_rates([1.0, 2.0, 61.0], 0.0, 120.0) == [0.03, 0.02]
+
+
+def test_offline_worker_command_enters_the_worker(tmp_path):
+    """The offline arms' child must reach the worker: on 2026-11-30 it ran a module without an entry point, exited 0
+    at once and the device session lost both offline arms. Here (no vLLM, or no model) the worker fails loudly."""
+    import subprocess
+
+    import arm_offline  # noqa: E402
+
+    args = gpu_bench.parse(["--model", str(tmp_path / "no-model"), "--imgs", str(tmp_path), "--seconds", "1"])
+    cmd = arm_offline.offline_worker_command(args, ["naive"], tmp_path / "results.jsonl")
+    assert Path(cmd[1]).name == "gpu_bench.py"
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode != 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "vllm" in done.stderr.lower() or "no-model" in done.stderr, done.stderr[-2000:]

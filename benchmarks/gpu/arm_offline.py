@@ -18,6 +18,8 @@ from bench_report import arms_at, save
 
 from consumers.decode.resize import smart_resize  # the pipeline's own rule (the path is set by bench_processes)
 
+GPU_BENCH = Path(__file__).resolve().with_name("gpu_bench.py")
+
 # --- offline arms (one engine, child process) ---------------------------------------------------------------------
 
 
@@ -132,13 +134,19 @@ def offline_worker(args: argparse.Namespace) -> None:
         os._exit(0)
 
 
+def offline_worker_command(args: argparse.Namespace, arms: list[str], res_file: Path) -> list[str]:
+    """The child's command line. It runs gpu_bench.py, which owns the flags: this module has no entry point of its
+    own (run as a script it would exit 0 having done nothing, as it did on the device on 2026-11-30)."""
+    return [sys.executable, str(GPU_BENCH), "--offline-worker", "--arms", ",".join(arms),
+            "--results-file", str(res_file)] + passthrough(args)
+
+
 def run_offline(args: argparse.Namespace, arms: list[str], out: Path, results: dict) -> None:
     """The offline arms at every budget in one child process (one engine start). Its records are taken as they
     come, so the files in $OUT follow each (budget, arm) even if this call is cut short."""
     res_file = out / "offline_results.jsonl"
     res_file.unlink(missing_ok=True)
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--offline-worker", "--arms", ",".join(arms),
-           "--results-file", str(res_file)] + passthrough(args)
+    cmd = offline_worker_command(args, arms, res_file)
     # One engine start, then every (budget, arm) under its own --arm-limit alarm.
     limit = args.start_limit + len(args.budgets) * len(arms) * args.arm_limit + 30
     proc = spawn(cmd, out / "offline.log", env=gpu_env(os.environ.copy(), args.gpu_ids[0]), tag="offline")
@@ -162,8 +170,8 @@ def run_offline(args: argparse.Namespace, arms: list[str], out: Path, results: d
     res_file.unlink(missing_ok=True)
     for budget in args.budgets:
         for arm in arms:
-            arms_at(results, budget).setdefault(arm, {"error": "no result (see offline.log)\n"
-                                                               + log_tail(out / "offline.log")})
+            arms_at(results, budget).setdefault(arm, {"error": f"no result (worker exit {proc.returncode}; see "
+                                                               f"offline.log)\n" + log_tail(out / "offline.log")})
 
 
 def take_offline_records(path: Path, offset: int, results: dict, out: Path) -> int:
