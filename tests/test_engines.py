@@ -305,3 +305,41 @@ def test_encoder_groups_keep_order_and_stay_within_the_patch_bound():
         assert all(sum(a) + b[0] > bound for a, b in zip(groups, groups[1:]))
 
     check()
+
+
+def _torch_threads_in_child(queue) -> None:
+    import torch
+
+    queue.put(torch.get_num_threads())
+
+
+def test_vllm_engine_process_starts_with_few_cpu_threads_and_this_one_keeps_its_own(monkeypatch):
+    """The context vLLM's engine process is started in: a spawned child gets one torch thread (vLLM's one-GPU engine
+    would otherwise keep one per core, spinning), the parent keeps its count, and a user's own value wins."""
+    import multiprocessing
+    import os
+
+    import torch
+
+    from consumers.infer.vllm_engine import engine_process_threads
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("VLLM_WORKER_MULTIPROC_METHOD", raising=False)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    ctx = multiprocessing.get_context("spawn")
+    with engine_process_threads(1):
+        assert os.environ["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn"
+        queue = ctx.Queue()
+        child = ctx.Process(target=_torch_threads_in_child, args=(queue,))
+        child.start()
+        assert queue.get(timeout=120) == 1
+        child.join(30)
+    assert torch.get_num_threads() == 2
+    torch.set_num_threads(before)
+    assert "OMP_NUM_THREADS" not in os.environ and "VLLM_WORKER_MULTIPROC_METHOD" not in os.environ
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    with engine_process_threads(1):
+        assert os.environ["OMP_NUM_THREADS"] == "3"
+    with engine_process_threads(None):
+        assert "VLLM_WORKER_MULTIPROC_METHOD" not in os.environ

@@ -21,9 +21,11 @@ install hint, and this module still imports.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import multiprocessing
+import os
 import threading
 import time
 from pathlib import Path
@@ -73,6 +75,26 @@ def import_vllm() -> SimpleNamespace:
                            SamplingParams=SamplingParams, StructuredOutputsParams=StructuredOutputsParams,
                            RequestOutputKind=RequestOutputKind, DeadError=VllmEngineDeadError,
                            UsageContext=UsageContext)
+
+
+@contextlib.contextmanager
+def engine_process_threads(threads: int | None):
+    """Start vLLM's engine process (inside this block) with `threads` torch/OpenMP threads; this process keeps its
+    own. vLLM lowers OMP_NUM_THREADS to 1 only when it runs several GPU workers; its one-GPU engine keeps a thread
+    per core, and at 0.2 MP those threads spun on 15 of the H200 host's 32 cores (2026-11-30 profile). libgomp
+    reads the variable when it loads, so the engine must be spawned, not forked (vLLM forks unless CUDA is already
+    up here). Variables the user exported are kept as they are."""
+    if threads is None:
+        yield
+        return
+    wanted = {"OMP_NUM_THREADS": str(threads), "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
+    added = [name for name in wanted if name not in os.environ]
+    os.environ.update({name: wanted[name] for name in added})
+    try:
+        yield
+    finally:
+        for name in added:
+            os.environ.pop(name, None)
 
 
 class VllmEngine(QueuedEngine):
@@ -141,7 +163,8 @@ class VllmEngine(QueuedEngine):
         args.update(engine_kwargs or {})
         started = time.perf_counter()
         try:
-            self.llm = self._call(self._start(self._v.AsyncEngineArgs(**args)), timeout=900)
+            with engine_process_threads(settings.engine_cpu_threads):
+                self.llm = self._call(self._start(self._v.AsyncEngineArgs(**args)), timeout=900)
         except BaseException:
             self._stop_loop()
             raise
