@@ -327,16 +327,18 @@ def test_vllm_engine_process_starts_with_few_cpu_threads_and_this_one_keeps_its_
     monkeypatch.delenv("VLLM_WORKER_MULTIPROC_METHOD", raising=False)
     before = torch.get_num_threads()
     torch.set_num_threads(2)
-    ctx = multiprocessing.get_context("spawn")
-    with engine_process_threads(1):
-        assert os.environ["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn"
-        queue = ctx.Queue()
-        child = ctx.Process(target=_torch_threads_in_child, args=(queue,))
-        child.start()
-        assert queue.get(timeout=120) == 1
-        child.join(30)
-    assert torch.get_num_threads() == 2
-    torch.set_num_threads(before)
+    try:
+        ctx = multiprocessing.get_context("spawn")
+        with engine_process_threads(1):
+            assert os.environ["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn"
+            queue = ctx.Queue()
+            child = ctx.Process(target=_torch_threads_in_child, args=(queue,))
+            child.start()
+            assert queue.get(timeout=120) == 1
+            child.join(30)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
     assert "OMP_NUM_THREADS" not in os.environ and "VLLM_WORKER_MULTIPROC_METHOD" not in os.environ
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     with engine_process_threads(1):

@@ -64,7 +64,7 @@ def test_offline_worker_command_enters_the_worker(tmp_path):
     at once and the device session lost both offline arms. Here (no vLLM, or no model) the worker fails loudly."""
     import subprocess
 
-    import arm_offline  # noqa: E402
+    import arm_offline
 
     args = gpu_bench.parse(["--model", str(tmp_path / "no-model"), "--imgs", str(tmp_path), "--seconds", "1"])
     cmd = arm_offline.offline_worker_command(args, ["naive"], tmp_path / "results.jsonl")

@@ -167,7 +167,7 @@ class InferSettings(BaseModel):
     max_num_batched_tokens: int | None = Field(None, description="vLLM: most tokens per step; None takes vLLM's "
                                                "offline default (16384 on 70 GB+ GPUs other than A100, else 8192).")
     engine_cpu_threads: int | None = Field(
-        1, description="vLLM: torch CPU threads of its engine process, which is then spawned (None: vLLM's own way, "
+        1, ge=1, description="vLLM: torch CPU threads of its engine process, which is then spawned (None: vLLM's own way, "
         "a fork with a thread per core; OMP_NUM_THREADS or VLLM_WORKER_MULTIPROC_METHOD exported by the user win). "
         "At 0.2 MP those threads spun on 15 of the H200 host's 32 cores (2026-11-30 profile).")
     vision_batch_images: int = Field(32, description="vLLM engine: most images per vision-tower forward (also "
