@@ -7,8 +7,8 @@
 # the plan's end (second argument, seconds from now) is skipped and says so in jobs.tsv, so the list may be longer
 # than one session.
 #
-#   S1  both GPUs: two `vlmstream infer` in one group, embeds, 0.2 MP / 64 tokens, 150 s, alone on the host, profiled: the
-#       two-GPU figure with EngineCore at one CPU thread (61413b6)
+#   S1  both GPUs: two `vlmstream infer` in one group, embeds, 0.2 MP / 64 tokens, 150 s, alone on the host,
+#       profiled: the two-GPU figure with EngineCore at one CPU thread (61413b6)
 #   S2  GPU 0: the sustained run, embeds, 0.2 MP / 64, 540 s (the 480 s limit stopped 6 s short of 8 minutes),
 #       profiled (EngineCore's cores after the thread fix) | GPU 1: 12.8 MP / 128 tokens: pipeline embeds and
 #       pixels, then naive + ceilings
