@@ -343,5 +343,5 @@ def test_vllm_engine_process_starts_with_few_cpu_threads_and_this_one_keeps_its_
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     with engine_process_threads(1):
         assert os.environ["OMP_NUM_THREADS"] == "3"
-    with engine_process_threads(None):
+    with engine_process_threads(0):
         assert "VLLM_WORKER_MULTIPROC_METHOD" not in os.environ

@@ -78,13 +78,13 @@ def import_vllm() -> SimpleNamespace:
 
 
 @contextlib.contextmanager
-def engine_process_threads(threads: int | None):
+def engine_process_threads(threads: int):
     """Start vLLM's engine process (inside this block) with `threads` torch/OpenMP threads; this process keeps its
     own. vLLM lowers OMP_NUM_THREADS to 1 only when it runs several GPU workers; its one-GPU engine keeps a thread
     per core, and at 0.2 MP those threads spun on 15 of the H200 host's 32 cores (2026-11-30 profile). libgomp
     reads the variable when it loads, so the engine must be spawned, not forked (vLLM forks unless CUDA is already
-    up here). Variables the user exported are kept as they are."""
-    if threads is None:
+    up here). Variables the user exported are kept as they are; 0 leaves vLLM to its own way."""
+    if threads <= 0:
         yield
         return
     wanted = {"OMP_NUM_THREADS": str(threads), "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
