@@ -8,7 +8,8 @@
 # than one session.
 #
 #   S1  both GPUs: two `vlmstream infer` in one group, embeds, 0.2 MP / 64 tokens, 150 s, alone on the host,
-#       profiled: the two-GPU figure with EngineCore at one CPU thread (61413b6)
+#       profiled, 16 decode workers (one GPU's runs use 2 of their 12 workers' cores): the two-GPU figure with
+#       EngineCore at one CPU thread (61413b6)
 #   S2  GPU 0: the sustained run, embeds, 0.2 MP / 64, 540 s (the 480 s limit stopped 6 s short of 8 minutes),
 #       profiled (EngineCore's cores after the thread fix) | GPU 1: 12.8 MP / 128 tokens: pipeline embeds and
 #       pixels, then naive + ceilings
@@ -51,7 +52,7 @@ job() {  # job LABEL EXPECTED_S LIMIT_S CMD...: one line per job in jobs.tsv (la
 vlmstream broker start > "$RES/broker_start.log" 2>&1  # shared by every pipeline run below (they reuse it)
 nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader > "$RES/gpus.txt" 2>&1
 
-job s1_two_gpus 330 480 $BENCH --gpu-ids 0,1 --budgets 256 --seconds 150 --stop-after 1.0 \
+job s1_two_gpus 330 480 $BENCH --gpu-ids 0,1 --budgets 256 --seconds 150 --stop-after 1.0 --workers 16 \
   --arms pipeline-embeds --profile --out "$RES/s1_two_gpus"
 
 job s2_sustained_embeds 680 760 $BENCH --gpu-ids 0 --budgets 256 --seconds 540 --stop-after 1.0 \
