@@ -8,7 +8,7 @@ import sys
 import threading
 import time
 
-from vlmstream.profiling import ThreadProfiler, thread_cpu
+from vlmstream.profiling import ThreadProfiler, resident_mb, thread_cpu
 
 
 def burn_cpu_for_the_profiler(seconds: float) -> None:
@@ -21,7 +21,7 @@ def burn_cpu_for_the_profiler(seconds: float) -> None:
 def test_profile_names_the_busy_thread_its_function_and_the_busy_child(tmp_path):
     out = tmp_path / "profile.json"
     profiler = ThreadProfiler(out, interval_s=0.005, window_s=60).start()
-    child = subprocess.Popen([sys.executable, "-c", "import time\nt=time.time()\nwhile time.time()-t<1.5: pass"])
+    child = subprocess.Popen([sys.executable, "-c", "import time\nt=time.time()\nwhile time.time()-t<3: pass"])
     burner = threading.Thread(target=burn_cpu_for_the_profiler, args=(1.5,), name="burner")
     burner.start()
     burner.join()
@@ -36,6 +36,16 @@ def test_profile_names_the_busy_thread_its_function_and_the_busy_child(tmp_path)
         f.endswith("burn_cpu_for_the_profiler") and share > 0.5 for f, share in row["top_inclusive"]), row
     [busy_child] = [c for c in window["children"] if c["pid"] == child.pid]
     assert busy_child["cores"] > 0.2, window["children"]
+    assert window["rss_mb"] > 5 and busy_child["rss_mb"] > 1, (window["rss_mb"], busy_child)
+
+
+def test_resident_memory_follows_an_allocation():
+    before = resident_mb()
+    block = bytearray(64 * 1024 * 1024)
+    block[:: 4096] = b"x" * len(block[:: 4096])  # touch every page: resident, not just reserved
+    assert resident_mb() - before > 48
+    del block
+    assert resident_mb(2 ** 22 + 12345) == 0.0  # no such process
 
 
 def test_thread_cpu_reads_this_process():

@@ -4,7 +4,7 @@
 window to ``path.json`` (rewritten each time, so a killed process leaves its windows) holding, per thread, the CPU it
 used (``/proc/self/task``, so threads of C++ libraries count too) and, for Python threads, how often each function
 was on top of its stack and anywhere in it (sampled ``sys._current_frames()`` at ``interval_s``); and the same CPU
-account for child processes (vLLM's EngineCore). A thread near 1.0 cores is a thread the process waits on; a
+account for child processes (vLLM's EngineCore), and each process's resident memory. A thread near 1.0 cores is a thread the process waits on; a
 Python-heavy process near one core *in total* across its Python threads is bound by its interpreter lock.
 
 Sampling holds the interpreter lock for a moment each time: 50 Hz costs ~1-2% of one core.
@@ -38,6 +38,17 @@ def process_cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of one process so far (0 when it is gone)."""
     stat = _stat(f"/proc/{pid}/stat")
     return (int(stat[1][11]) + int(stat[1][12])) / CLOCK_TICKS if stat else 0.0
+
+
+def resident_mb(pid: int | str = "self") -> float:
+    """Resident memory of a process in MiB (VmRSS; 0 when it is gone): a sustained run's memory curve."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return round(int(line.split()[1]) / 1024, 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0.0
 
 
 def thread_cpu(pid: int | str = "self") -> dict[int, tuple[str, float]]:
@@ -160,10 +171,11 @@ class ThreadProfiler:
             before = self._children_start.get(pid, {})
             per_thread = sorted(((name, round((cpu - before.get(tid, (name, 0.0))[1]) / span, 3))
                                  for tid, (name, cpu) in thread_cpu(pid).items()), key=lambda x: -x[1])
-            children.append({"pid": pid, "process": process_name(pid),
+            children.append({"pid": pid, "process": process_name(pid), "rss_mb": resident_mb(pid),
                              "cores": round(sum(c for _, c in per_thread), 3), "busiest_threads": per_thread[:5]})
         self.windows.append({"t_end": round(time.time(), 1), "span_s": round(span, 1), "samples": self._samples,
                              "process_cores": round(sum(t["cores"] or 0.0 for t in threads), 3),
+                             "rss_mb": resident_mb(),
                              "threads": threads, "children": children})
         self._write()
         self._reset_window()

@@ -244,15 +244,18 @@ class ProgressLog:
 
 def profile_summary(path: Path, threads: int = 6) -> list[dict]:
     """The busiest threads of each window of a `vlmstream infer` self-profile (vlmstream/profiling.py) and its
-    child processes (vLLM's EngineCore): enough to tell which thread the process waits on."""
+    child processes (vLLM's EngineCore), with their resident memory: which thread the process waits on, and
+    whether memory grows over a sustained run."""
     try:
         windows = json.loads(path.read_text())["windows"]
     except (OSError, ValueError, KeyError):
         return []
     return [{"t_end": w["t_end"], "span_s": w["span_s"], "process_cores": w["process_cores"],
+             "rss_mb": w.get("rss_mb"),
              "threads": [{"name": t["name"], "cores": t["cores"], "top_self": t.get("top_self", [])[:3]}
                          for t in w["threads"][:threads]],
-             "children": [{"process": c["process"], "cores": c["cores"], "busiest": c["busiest_threads"][:2]}
+             "children": [{"process": c["process"], "cores": c["cores"], "rss_mb": c.get("rss_mb"),
+                           "busiest": c["busiest_threads"][:2]}
                           for c in w["children"] if c["cores"] > 0.05]}
             for w in windows]
 
