@@ -52,3 +52,24 @@ def test_thread_cpu_reads_this_process():
     threads = thread_cpu()
     assert threading.main_thread().native_id in threads
     assert all(cpu >= 0 for _, cpu in threads.values())
+
+
+def test_python_heap_growth_names_the_line_that_keeps_memory(tmp_path):
+    """With the Python heap traced, memory a line keeps shows up as growth at that line; without it, no cost."""
+    import tracemalloc
+
+    was_tracing = tracemalloc.is_tracing()
+    profiler = ThreadProfiler(tmp_path / "p.json", window_s=3600, python_heap=True)
+    try:
+        profiler._close_window()
+        kept = [bytearray(1024) for _ in range(4096)]  # 4 MiB held by this line
+        profiler._close_window()
+    finally:
+        if not was_tracing:
+            tracemalloc.stop()
+    first, second = profiler.windows
+    assert second["python_heap_mb"] - first["python_heap_mb"] > 3.5
+    assert second["python_heap_growth"][0]["line"].startswith("test_profiling.py:")
+    assert second["python_heap_growth"][0]["kb"] > 3500
+    assert len(kept) == 4096
+    assert ThreadProfiler(tmp_path / "q.json")._python_heap() == {}

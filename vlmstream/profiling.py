@@ -4,8 +4,10 @@
 window to ``path.json`` (rewritten each time, so a killed process leaves its windows) holding, per thread, the CPU it
 used (``/proc/self/task``, so threads of C++ libraries count too) and, for Python threads, how often each function
 was on top of its stack and anywhere in it (sampled ``sys._current_frames()`` at ``interval_s``); and the same CPU
-account for child processes (vLLM's EngineCore), and each process's resident memory. A thread near 1.0 cores is a thread the process waits on; a
-Python-heavy process near one core *in total* across its Python threads is bound by its interpreter lock.
+account for child processes (vLLM's EngineCore), and each process's resident memory; with
+``VLMSTREAM_PROFILE_PYTHON_HEAP=1`` also Python's traced heap and the lines it grew at (tracemalloc). A thread near
+1.0 cores is a thread the process waits on; a Python-heavy process near one core *in total* across its Python
+threads is bound by its interpreter lock.
 
 Sampling holds the interpreter lock for a moment each time: 50 Hz costs ~1-2% of one core.
 """
@@ -17,6 +19,7 @@ import os
 import sys
 import threading
 import time
+import tracemalloc
 from collections import Counter
 from pathlib import Path
 
@@ -99,9 +102,16 @@ def _frame_name(frame) -> str:
 class ThreadProfiler:
     """Samples this process's Python stacks and its threads' and children's CPU; see the module docstring."""
 
-    def __init__(self, path: str | Path, *, interval_s: float = 0.02, window_s: float = 60.0, top: int = 15):
+    def __init__(self, path: str | Path, *, interval_s: float = 0.02, window_s: float = 60.0, top: int = 15,
+                 python_heap: bool = False):
         self.path = Path(path)
         self.interval_s, self.window_s, self.top = interval_s, window_s, top
+        # tracemalloc slows every Python allocation: only when asked, to tell a Python leak (this grows) from
+        # native memory or allocator high water (only the resident size grows).
+        self.python_heap = python_heap
+        self._heap_first: tracemalloc.Snapshot | None = None
+        if python_heap and not tracemalloc.is_tracing():
+            tracemalloc.start()
         self.windows: list[dict] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -175,10 +185,22 @@ class ThreadProfiler:
                              "cores": round(sum(c for _, c in per_thread), 3), "busiest_threads": per_thread[:5]})
         self.windows.append({"t_end": round(time.time(), 1), "span_s": round(span, 1), "samples": self._samples,
                              "process_cores": round(sum(t["cores"] or 0.0 for t in threads), 3),
-                             "rss_mb": resident_mb(),
+                             "rss_mb": resident_mb(), **self._python_heap(),
                              "threads": threads, "children": children})
         self._write()
         self._reset_window()
+
+    def _python_heap(self) -> dict:
+        """Python's traced heap now and the lines whose allocations grew most since the first window."""
+        if not self.python_heap:
+            return {}
+        snapshot = tracemalloc.take_snapshot()
+        if self._heap_first is None:
+            self._heap_first = snapshot
+        growth = [{"line": f"{Path(d.traceback[0].filename).name}:{d.traceback[0].lineno}",
+                   "kb": round(d.size_diff / 1024, 1)}
+                  for d in snapshot.compare_to(self._heap_first, "lineno")[:5] if d.size_diff > 0]
+        return {"python_heap_mb": round(tracemalloc.get_traced_memory()[0] / 2 ** 20, 1), "python_heap_growth": growth}
 
     def _write(self) -> None:
         tmp = self.path.with_suffix(".tmp")
@@ -201,4 +223,5 @@ def start_from_env() -> ThreadProfiler | None:
     if not path:
         return None
     window = float(os.environ.get("VLMSTREAM_PROFILE_WINDOW_S", "60"))
-    return ThreadProfiler(path, window_s=window).start()
+    heap = os.environ.get("VLMSTREAM_PROFILE_PYTHON_HEAP", "") not in ("", "0")
+    return ThreadProfiler(path, window_s=window, python_heap=heap).start()

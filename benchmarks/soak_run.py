@@ -1,0 +1,82 @@
+"""Memory over a long `vlmstream run`: the whole pipeline (local broker, producer, decode fleet, inference on the
+built-in tiny model unless --model says otherwise) over N documents that are links to a folder's images, with the
+inference consumer's self-profile on, then its resident memory and CPU per minute and the run's summary.
+
+    python benchmarks/soak_run.py --docs 6000 --max-pixels 200704
+
+A leak in the runner, the results aggregator or an engine shows as memory that grows minute after minute; the
+first minutes include the model's and the allocator's warm-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".webp"}
+
+
+def link_documents(source: Path, folder: Path, n: int) -> None:
+    """n links in folder, one document each, cycling through source's images (distinct ids, same pixels)."""
+    files = sorted(p.resolve() for p in source.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES)
+    if not files:
+        raise SystemExit(f"no images under {source}")
+    folder.mkdir(parents=True, exist_ok=True)
+    for i in range(n):
+        src = files[i % len(files)]
+        (folder / f"doc{i:06d}{src.suffix.lower()}").symlink_to(src)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--images",
+                    default=os.environ.get("VLMSTREAM_TEST_IMAGES") or str(REPO.parent / "shared" / "corpus"))
+    ap.add_argument("--docs", type=int, default=6000)
+    ap.add_argument("--max-pixels", type=int, default=200704)
+    ap.add_argument("--max-new-tokens", type=int, default=8)
+    ap.add_argument("--model", default="", help="Default: the built-in tiny model.")
+    ap.add_argument("--window-s", type=float, default=60.0)
+    ap.add_argument("--timeout-s", type=float, default=7200.0)
+    ap.add_argument("--python-heap", action="store_true",
+                    help="Also trace the consumer's Python heap (tracemalloc; slower): a Python leak grows there, "
+                    "native memory and allocator high water only in RSS.")
+    args = ap.parse_args()
+
+    work = Path(tempfile.mkdtemp(prefix="vlmstream-soak-"))
+    source = Path(args.images).resolve()
+    link_documents(source, work / "docs", args.docs)
+    profile = work / "infer-profile.json"
+    env = {**os.environ, "VLMSTREAM_PROFILE_OUT": str(profile), "VLMSTREAM_PROFILE_WINDOW_S": str(args.window_s),
+           "VLMSTREAM_DECODE__ALLOWED_ROOTS": json.dumps([str(work), str(source)]),
+           "VLMSTREAM_PROFILE_PYTHON_HEAP": "1" if args.python_heap else "0"}
+    cmd = [sys.executable, "-m", "vlmstream.cli", "run", str(work / "docs"), "--per-file", "--force", "--show", "0",
+           "--max-pixels", str(args.max_pixels), "--max-new-tokens", str(args.max_new_tokens),
+           "--timeout-s", str(args.timeout_s), *(["--model", args.model] if args.model else [])]
+    started = time.monotonic()
+    done = subprocess.run(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    print(done.stdout[-3000:])  # the run's summary table (and, on failure, why)
+    windows = json.loads(profile.read_text())["windows"] if profile.exists() else []
+    print(f"{args.docs} documents, {args.max_pixels} px, {time.monotonic() - started:.0f} s; inference consumer, "
+          f"one line per {args.window_s:.0f} s window:")
+    print(f"{'minute':>6} {'span s':>7} {'cores':>6} {'RSS MB':>8} {'Python heap MB':>15}  most grown since minute 1")
+    for i, w in enumerate(windows, 1):
+        grown = ", ".join(f"{g['line']} +{g['kb']:.0f} kB" for g in w.get("python_heap_growth", [])[:2])
+        print(f"{i:>6} {w['span_s']:>7.1f} {w['process_cores']:>6.2f} {w.get('rss_mb', 0):>8.1f} "
+              f"{w.get('python_heap_mb', float('nan')):>15.1f}  {grown}")
+    full = [w.get("rss_mb", 0.0) for w in windows if w["span_s"] >= 0.9 * args.window_s]
+    if len(full) >= 4:
+        half = len(full) // 2
+        print(f"RSS mean, first half of the full windows {sum(full[:half]) / half:.0f} MB, second half "
+              f"{sum(full[half:]) / (len(full) - half):.0f} MB, highest {max(full):.0f} MB")
+    sys.exit(done.returncode)
+
+
+if __name__ == "__main__":
+    main()
