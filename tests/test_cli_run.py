@@ -6,6 +6,7 @@ import os
 import shutil
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -54,9 +55,9 @@ def test_run_describes_every_image_of_a_folder_and_reports_each_document(topic_n
                VLMSTREAM_DECODE__GROUP_ID=f"run-decode-{unique}", VLMSTREAM_INFER__GROUP_ID=f"run-infer-{unique}",
                VLMSTREAM_PRODUCER__STATE_DIR=str(tmp_path / "ledger"),
                VLMSTREAM_INFER__BATCH_SIZE="4", OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-m", "vlmstream.cli", "run", str(folder), "--decode-workers", "1",
-                           "--max-pixels", str(128 * 28 * 28), "--max-new-tokens", "4", "--timeout-s", "400"],
-                          env=env, capture_output=True, text=True, timeout=480)
+    run_cmd = [sys.executable, "-m", "vlmstream.cli", "run", str(folder), "--decode-workers", "1",
+               "--max-pixels", str(128 * 28 * 28), "--max-new-tokens", "4", "--timeout-s", "400"]
+    proc = subprocess.run(run_cmd, env=env, capture_output=True, text=True, timeout=480)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "vlmstream run" in proc.stderr  # the summary table
 
@@ -72,6 +73,14 @@ def test_run_describes_every_image_of_a_folder_and_reports_each_document(topic_n
     assert len(broken) == 1 and broken[0]["stage"] == "decode", results["doc-b"].images
     assert results["doc-a"].failed == 0
 
-    described = {(d.doc_id, d.image_index) for d in
-                 (Description.decode(r.value) for r in read_topic(topic_names, t.descriptions, timeout_s=30))}
+    descriptions = [Description.decode(r.value) for r in read_topic(topic_names, t.descriptions, timeout_s=30)]
+    described = {(d.doc_id, d.image_index) for d in descriptions}
     assert len(described) == sum(expected.values()) - 1
+
+    # Again with --force: every document is described again, and the run waits for the new results (it used to
+    # count the first run's and stop the workers before they had redone anything).
+    again = subprocess.run(run_cmd + ["--force"], env=env, capture_output=True, text=True, timeout=480)
+    assert again.returncode == 0, again.stderr[-4000:]
+    counts = Counter((d.doc_id, d.image_index) for d in
+                     (Description.decode(r.value) for r in read_topic(topic_names, t.descriptions, timeout_s=30)))
+    assert set(counts) == described and min(counts.values()) >= 2, counts

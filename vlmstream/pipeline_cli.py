@@ -82,7 +82,8 @@ def run(
                                              "12845056; e.g. 1003520 = 1280*28*28)."),
     prompt: Optional[str] = typer.Option(None, "--prompt"),
     max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens"),
-    force: bool = typer.Option(False, "--force", help="Publish documents again even if already published."),
+    force: bool = typer.Option(False, "--force", help="Publish documents again even if already published, and wait "
+                               "for new results (without it, documents that have a result are done)."),
     show: int = typer.Option(40, "--show", help="Print at most this many descriptions as they arrive."),
     timeout_s: Optional[float] = typer.Option(None, "--timeout-s", help="Give up after this long."),
 ) -> None:
@@ -142,10 +143,13 @@ def run(
         tps = [TopicPartition(topic, p) for topic in (settings.topics.descriptions, settings.topics.results)
                for p in sorted(watcher.partitions_for_topic(topic) or [])]
         watcher.assign(tps)
-        ends = watcher.end_offsets([tp for tp in tps if tp.topic == settings.topics.descriptions])
-        for tp, end in ends.items():
+        # Results from the beginning: documents that already have one are done (a rerun resumes). With --force
+        # every document is described again, so only results published from now on count.
+        from_now = [tp for tp in tps if tp.topic == settings.topics.descriptions or force]
+        for tp, end in watcher.end_offsets(from_now).items():
             watcher.seek(tp, end)
-        watcher.seek_to_beginning(*[tp for tp in tps if tp.topic == settings.topics.results])
+        if earlier := [tp for tp in tps if tp not in from_now]:  # (no argument would mean every partition)
+            watcher.seek_to_beginning(*earlier)
 
         children["decode"] = _child(["decode"], config_file, log_dir / f"decode-{stamp}.log")
         children["infer"] = _child(["infer"], config_file, log_dir / f"infer-{stamp}.log")
