@@ -24,14 +24,15 @@ IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".webp"}
 
 
 def link_documents(source: Path, folder: Path, n: int) -> None:
-    """n links in folder, one document each, cycling through source's images (distinct ids, same pixels)."""
+    """n links in folder, one document each, cycling through source's images (distinct ids, same pixels). The ids
+    carry the folder's unique name: documents of an earlier run already have results."""
     files = sorted(p.resolve() for p in source.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES)
     if not files:
         raise SystemExit(f"no images under {source}")
     folder.mkdir(parents=True, exist_ok=True)
     for i in range(n):
         src = files[i % len(files)]
-        (folder / f"doc{i:06d}{src.suffix.lower()}").symlink_to(src)
+        (folder / f"{folder.parent.name}-{i:06d}{src.suffix.lower()}").symlink_to(src)
 
 
 def main() -> None:
