@@ -70,7 +70,7 @@ def main() -> None:
     for i, w in enumerate(windows, 1):
         grown = ", ".join(f"{g['line']} +{g['kb']:.0f} kB" for g in w.get("python_heap_growth", [])[:2])
         print(f"{i:>6} {w['span_s']:>7.1f} {w['process_cores']:>6.2f} {w.get('rss_mb', 0):>8.1f} "
-              f"{w.get('python_heap_mb', float('nan')):>15.1f}  {grown}")
+              f"{w['python_heap_mb'] if 'python_heap_mb' in w else '-':>15}  {grown}")
     full = [w.get("rss_mb", 0.0) for w in windows if w["span_s"] >= 0.9 * args.window_s]
     if len(full) >= 4:
         half = len(full) // 2
