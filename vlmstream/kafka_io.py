@@ -340,11 +340,11 @@ class OffsetTracker:
                     moved[tp] = point
         return moved
 
-    def resume_point(self, tp: TopicPartition) -> int | None:
-        """Where reading must resume for nothing of tp to be skipped: its lowest pending offset, or one past the
-        highest tracked; None when nothing was tracked."""
+    def resume_points(self, partitions: Iterable[TopicPartition]) -> dict[TopicPartition, int]:
+        """Where reading must resume for nothing to be skipped, for each of partitions that has tracked offsets:
+        its lowest pending offset, or one past the highest tracked."""
         with self._lock:
-            return self._point(tp) if tp in self._highest else None
+            return {tp: self._point(tp) for tp in partitions if tp in self._highest}
 
     def in_flight(self) -> int:
         with self._lock:

@@ -546,7 +546,7 @@ class InferenceRunner:
         if not revoked or self._no_commit:
             return {}  # closing after a fatal error: the next owner redoes everything since the last commit
         self._drain(time.monotonic() + self.revoke_drain_s, revoked)
-        resume = {tp: p for tp in revoked if (p := self._tracker.resume_point(tp)) is not None}
+        resume = self._tracker.resume_points(revoked)
         # What did not finish in time is dropped: the next owner starts again from the commit point.
         for rid in [rid for rid, w in self._in_flight.items() if w.tp in revoked]:
             self._tokens_in_flight -= self._in_flight.pop(rid).tokens
@@ -632,7 +632,7 @@ class _Rebalance(AsyncConsumerRebalanceListener):
         runner = self.runner
         runner._rebalancing = True
         lost = set(lost)
-        rewind(runner.consumer, {tp: p for tp in lost if (p := runner._tracker.resume_point(tp)) is not None})
+        rewind(runner.consumer, runner._tracker.resume_points(lost))
         for rid in [rid for rid, w in runner._in_flight.items() if w.tp in lost]:
             runner._tokens_in_flight -= runner._in_flight.pop(rid).tokens
         runner._backlog = deque(w for w in runner._backlog if w.tp not in lost)
