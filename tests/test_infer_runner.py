@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from kafka import KafkaProducer, TopicPartition
 
-from consumers.infer.engine import InferenceFailure, InferenceOutput
+from consumers.infer.engine import InferenceOutput
 from schemas import DeadLetter, Description, DocumentResult, Embedding, ImagePayload
 from tests.kafka_helpers import read_topic
 from vlmstream.config import Settings
@@ -232,6 +232,26 @@ class HoldFirstEngine:
         pass
 
 
+def start_holding_the_first_of_five(topic_names, corpus_dir, doc_id: str, unique: str, max_seconds: float,
+                                    **runner_kwargs):
+    """A document of five images on partition 0 and a runner whose engine holds the first (offset 0) until
+    released; returns once the other four are described: (settings, engine, run_in_thread's triple)."""
+    from consumers.infer.runner import InferenceRunner
+
+    settings = infer_settings(topic_names, unique, publish_embeddings=False)
+    produce_images(settings, documents(corpus_dir, doc_id, [5]), partition=0)
+    engine = HoldFirstEngine()
+    running = run_in_thread(InferenceRunner(settings, engine, commit_interval_s=0.2, **runner_kwargs),
+                            max_seconds=max_seconds)
+    try:
+        wait_for(lambda: sum(description_counts(settings, timeout_s=2).values()) >= 4, 30, "4 descriptions")
+    except BaseException:
+        running[0].set()
+        running[1].join(30)
+        raise
+    return settings, engine, running
+
+
 def test_in_flight_window_follows_the_engines_batch_unless_set():
     """vLLM on an H200 runs 1024 sequences at once; a fixed 256-image window would keep it three quarters empty."""
     from types import SimpleNamespace
@@ -266,16 +286,9 @@ def test_token_bound_warning_only_when_the_engine_lacks_work(caplog):
 
 @pytest.mark.kafka
 def test_out_of_order_completion_commits_only_the_done_prefix(topic_names, corpus_dir, unique):
-    from consumers.infer.runner import InferenceRunner
-
-    settings = infer_settings(topic_names, unique, publish_embeddings=False)
-    records = documents(corpus_dir, f"ooo-{unique}", [5])
-    produce_images(settings, records, partition=0)
-    engine = HoldFirstEngine()
-    runner = InferenceRunner(settings, engine, commit_interval_s=0.2)
-    stop, thread, result = run_in_thread(runner, max_seconds=60)
+    settings, engine, (stop, thread, result) = start_holding_the_first_of_five(
+        topic_names, corpus_dir, f"ooo-{unique}", unique, max_seconds=60)
     try:
-        wait_for(lambda: sum(description_counts(settings, timeout_s=2).values()) >= 4, 30, "4 descriptions")
         time.sleep(1.0)  # several commit intervals pass with offset 0 still in flight
         assert committed_offsets(settings, settings.infer.group_id, settings.topics.images).get(0, 0) == 0
         engine.release.set()
@@ -291,17 +304,12 @@ def test_out_of_order_completion_commits_only_the_done_prefix(topic_names, corpu
 def test_work_dropped_at_a_rebalance_is_redone_when_the_partition_comes_back(topic_names, corpus_dir, unique):
     """kafka-python keeps the fetch position of a partition that returns to the same member: the image the runner
     dropped at the revoke (still in the engine) was skipped for good until the runner rewound to it."""
-    from consumers.infer.runner import InferenceRunner
     from kafka import KafkaConsumer
 
-    settings = infer_settings(topic_names, unique, publish_embeddings=False)
-    records = documents(corpus_dir, f"back-{unique}", [5])
-    produce_images(settings, records, partition=0)
-    engine = HoldFirstEngine()  # offset 0 stays in the engine: the revoke has to drop it
-    runner = InferenceRunner(settings, engine, commit_interval_s=0.2, revoke_drain_s=0.5)
-    stop, thread, result = run_in_thread(runner, max_seconds=120)
+    # Offset 0 stays in the engine: the revoke has to drop it.
+    settings, engine, (stop, thread, result) = start_holding_the_first_of_five(
+        topic_names, corpus_dir, f"back-{unique}", unique, max_seconds=120, revoke_drain_s=0.5)
     try:
-        wait_for(lambda: sum(description_counts(settings, timeout_s=2).values()) >= 4, 30, "4 descriptions")
         # A second member joins and leaves (two rebalances). The range assignor orders members by id, and this
         # one's sorts after the runner's ("vlmstream-infer-..."), so partition 0 stays with the runner throughout.
         other = KafkaConsumer(settings.topics.images, **settings.kafka.client_kwargs(), client_id="zz-visitor",
