@@ -20,13 +20,15 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".webp"}
+sys.path.insert(0, str(REPO))
+
+from benchmarks.images import SUFFIXES  # noqa: E402 - after the path insert
 
 
 def link_documents(source: Path, folder: Path, n: int) -> None:
     """n links in folder, one document each, cycling through source's images (distinct ids, same pixels). The ids
     carry the folder's unique name: documents of an earlier run already have results."""
-    files = sorted(p.resolve() for p in source.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES)
+    files = sorted(p.resolve() for p in source.rglob("*") if p.suffix.lower() in SUFFIXES)
     if not files:
         raise SystemExit(f"no images under {source}")
     folder.mkdir(parents=True, exist_ok=True)
