@@ -119,7 +119,20 @@ def supported_formats() -> dict[str, bytes]:
         "tiff_float": _save(Image.fromarray(np.linspace(0, 1, 96 * 64, dtype=np.float32).reshape(64, 96), "F"),
                             "TIFF"),
         "bmp": _save(photo, "BMP"),
+        "jpeg2000": _save(photo, "JPEG2000"),
+        "jpeg2000_codestream": _save(photo, "JPEG2000", no_jp2=True),
+        "netpbm_ppm": _save(photo, "PPM"),
+        "netpbm_pgm": _save(photo.convert("L"), "PPM"),
+        "netpbm_pbm": _save(photo.convert("1"), "PPM"),
+        "qoi": _save(photo, "QOI"),
+        **({"avif": _save(photo, "AVIF", quality=90)} if pillow_reads_avif() else {}),
     }
+
+
+def pillow_reads_avif() -> bool:
+    from PIL import features
+
+    return bool(features.check("avif"))
 
 
 def _png_chunk(kind: bytes, body: bytes) -> bytes:
@@ -149,11 +162,23 @@ def jpeg_bomb(width: int = 60_000, height: int = 60_000) -> bytes:
     return bytes(data)
 
 
+def jpeg2000_bomb(width: int = 60_000, height: int = 60_000) -> bytes:
+    """A small real JPEG 2000 codestream whose SIZ segment is rewritten to claim width x height."""
+    import struct
+
+    data = bytearray(_save(_photo_like(64, 64, 2), "JPEG2000", no_jp2=True))
+    siz = data.index(b"\xff\x51")
+    # SIZ: marker, length, capabilities (2), then the reference grid's width and height.
+    struct.pack_into(">II", data, siz + 6, width, height)
+    return bytes(data)
+
+
 @lru_cache(maxsize=1)
 def bad_inputs() -> dict[str, tuple[bytes, str]]:
     """name -> (bytes, the error_kind the decode stage must report)."""
     jpeg = _save(_photo_like(320, 240, 3), "JPEG", quality=90)
     png = _save(_photo_like(320, 240, 4), "PNG")
+    jp2 = _save(_photo_like(320, 240, 5), "JPEG2000")
     rng = np.random.default_rng(0)
     return {
         "text_named_jpg": (b"Just some text, not a picture.\n" * 4, "decode_not_an_image"),
@@ -167,4 +192,7 @@ def bad_inputs() -> dict[str, tuple[bytes, str]]:
         "pdf": (b"%PDF-1.7\n%\xe2\xe3\xcf\xd3\n1 0 obj\n", "decode_unsupported"),
         "svg": (b'<svg xmlns="http://www.w3.org/2000/svg" width="10" height="10"/>', "decode_unsupported"),
         "extreme_aspect": (_save(Image.new("RGB", (4020, 20), "white"), "PNG"), "decode_bad_aspect"),
+        "heic": (b"\x00\x00\x00\x18ftypheic" + bytes(64), "decode_unsupported"),
+        "truncated_jpeg2000": (jp2[: len(jp2) // 2], "decode_truncated"),
+        "jpeg2000_bomb": (jpeg2000_bomb(), "decode_too_many_pixels"),
     }

@@ -7,7 +7,8 @@ import pytest
 from PIL import Image, ImageOps
 
 from consumers.decode.codec import decode as decode_payload
-from consumers.decode.decode import Decoder, jpeg_exif_orientation, pick_dct_scale
+from consumers.decode.decode import (Decoder, jpeg2000_decomposition_levels, jpeg2000_levels_to_drop,
+                                     jpeg_exif_orientation, pick_dct_scale)
 from consumers.decode.stage import DecodeStage
 from consumers.decode.types import ImageFailure, PreparedImage
 from tests import images
@@ -53,7 +54,9 @@ def test_photo_formats_agree_with_pillow_in_colour(tmp_path):
         return cv2.blur(pixels_of(stage.prepare(formats[name])), (9, 9)).astype(np.int16)
 
     reference = smoothed("png_rgb")
-    for name in ("jpeg_baseline", "jpeg_progressive", "jpeg_cmyk", "webp", "tiff", "tiff_cmyk", "bmp"):
+    lossy_or_not = ("jpeg_baseline", "jpeg_progressive", "jpeg_cmyk", "webp", "tiff", "tiff_cmyk", "bmp", "jpeg2000",
+                    "jpeg2000_codestream", "netpbm_ppm", "qoi", *(["avif"] if "avif" in formats else []))
+    for name in lossy_or_not:
         assert np.abs(smoothed(name) - reference).mean() < 2.5, name
     grey = pixels_of(stage.prepare(formats["jpeg_gray"]))
     assert (grey[..., 0] == grey[..., 1]).all() and (grey[..., 1] == grey[..., 2]).all()
@@ -157,3 +160,51 @@ def test_pillow_fallback_without_libjpeg_turbo_gives_the_same_size(tmp_path):
     assert (a.width, a.height) == (b.width, b.height)
     assert b.timings["dct_scale"] < 1  # Pillow's draft() also decodes at a reduced DCT scale
     assert np.abs(pixels_of(a).astype(int) - pixels_of(b).astype(int)).mean() < 3
+
+
+def test_large_jpeg2000_skips_the_resolution_levels_it_does_not_need(tmp_path):
+    """A JPEG 2000 is decoded at the smallest wavelet resolution that still covers the target: as with JPEG's DCT
+    scaling, most of a large page image is never decoded. A file with fewer levels is reduced only as far as it
+    can be, and the stage's output size is the same either way."""
+    photo = images._photo_like(1600, 1200, 9)
+    budget = 128 * 28 * 28  # 364 x 252: a 400 x 300 decode (two levels skipped) covers it, 200 x 150 does not
+    decoder = Decoder(max_pixels=budget)
+    five_levels = images._save(photo, "JPEG2000")  # openjpeg's default: 6 resolutions, 5 decomposition levels
+    one_level = images._save(photo, "JPEG2000", num_resolutions=2)
+    assert (jpeg2000_decomposition_levels(five_levels), jpeg2000_decomposition_levels(one_level)) == (5, 1)
+    assert jpeg2000_decomposition_levels(b"not a codestream") == 0
+
+    reduced = decoder.decode(five_levels)
+    assert reduced.scale == 0.25 and reduced.pixels.shape == (300, 400, 3)
+    assert min(reduced.pixels.shape[:2]) >= min(reduced.target_height, reduced.target_width)
+    assert decoder.decode(one_level).scale == 0.5
+
+    stage = make_stage(tmp_path, max_pixels=budget)
+    sizes = {(r.height, r.width) for r in (stage.prepare(five_levels), stage.prepare(one_level))}
+    assert sizes == {smart_resize_size(1200, 1600, budget)}
+
+
+def smart_resize_size(height, width, max_pixels):
+    from consumers.decode.resize import smart_resize
+
+    return smart_resize(height, width, 28, 56 * 56, max_pixels)
+
+
+@pytest.mark.parametrize("size,need,levels", [
+    ((1600, 1200), (400, 300), 2),   # 400x300 still covers it, 200x150 does not
+    ((1600, 1200), (401, 300), 1),
+    ((1600, 1200), (1600, 1200), 0),
+    ((1601, 1201), (401, 301), 2),   # sides round up at each level
+    ((100_000, 100_000), (28, 28), 5),  # never more than asked for
+])
+def test_jpeg2000_levels_to_drop(size, need, levels):
+    assert jpeg2000_levels_to_drop(*size, *need) == levels
+
+
+def test_float_pixels_that_are_not_numbers_become_black(tmp_path):
+    values = np.tile(np.linspace(0, 1, 96, dtype=np.float32), (64, 1))  # dark left, bright right
+    values[:, :8] = np.nan
+    values[:, 8:16] = np.inf
+    pixels = pixels_of(make_stage(tmp_path).prepare(images._save(Image.fromarray(values, "F"), "TIFF")))
+    assert pixels[:, :4].max() == 0  # the resize blends the edge columns; the first few stay pure
+    assert pixels[:, -4:].min() > 200

@@ -2,7 +2,8 @@
 
 The format comes from the magic number, never from the file name. JPEGs go through libjpeg-turbo with DCT-domain
 scaling (the decoder itself produces a 1/2, 1/4 or 1/8 size image, which is both the fastest path and an
-antialiased reduction); everything else through Pillow. Sizes are checked from the header before any pixel is
+antialiased reduction); everything else through Pillow (JPEG 2000 with its own reduction: whole wavelet
+resolution levels skipped). Sizes are checked from the header before any pixel is
 decoded, so a decompression bomb costs a few hundred bytes of parsing.
 
 The result stays in the file's stored orientation: rotating the small resized image is cheaper than rotating the
@@ -54,12 +55,18 @@ _MAGIC = (
     (b"II+\x00", "tiff"),  # BigTIFF
     (b"MM\x00+", "tiff"),
     (b"BM", "bmp"),
+    # Archives and digitised collections store page images as JPEG 2000 (JP2 boxes or a bare codestream).
+    (b"\x00\x00\x00\x0cjP  \r\n\x87\n", "jpeg2000"),
+    (b"\xff\x4f\xff\x51", "jpeg2000"),
+    (b"qoif", "qoi"),
 )
+# Netpbm (PBM/PGM/PPM, ASCII or binary: scanners and OCR tools write them): "P1".."P6" then whitespace.
+_NETPBM_KINDS = b"123456"
+# ISO media brands (the bytes after "ftyp") that Pillow decodes when it was built with libavif.
+_AVIF_BRANDS = (b"avif", b"avis")
 # Recognised so the failure says "unsupported" rather than "not an image".
 _KNOWN_UNSUPPORTED = (
     (b"%PDF", "pdf"),
-    (b"\x00\x00\x00\x0cjP  ", "jpeg2000"),
-    (b"\xff\x4f\xff\x51", "jpeg2000"),
     (b"\xff\x0a", "jpegxl"),
     (b"\x00\x00\x00\x0cJXL ", "jpegxl"),
 )
@@ -75,8 +82,13 @@ def sniff_format(data: bytes) -> str:
             return name
     if head[:4] == b"RIFF" and head[8:12] == b"WEBP":
         return "webp"
+    if head[:1] == b"P" and head[1:2] and head[1] in _NETPBM_KINDS and head[2:3].isspace():
+        return "netpbm"
     if head[4:8] == b"ftyp":
-        raise UnsupportedFormat(f"ISO media image ({head[8:12].decode('latin-1')!r}: HEIF/AVIF) is not supported")
+        if head[8:12] in _AVIF_BRANDS and _pillow_reads_avif():
+            return "avif"
+        raise UnsupportedFormat(f"ISO media image ({head[8:12].decode('latin-1')!r}: HEIF/AVIF) is not supported"
+                                + (" by this Pillow build" if head[8:12] in _AVIF_BRANDS else ""))
     for magic, name in _KNOWN_UNSUPPORTED:
         if head.startswith(magic):
             raise UnsupportedFormat(f"{name} is not supported")
@@ -203,7 +215,7 @@ class Decoder:
         except UnidentifiedImageError as exc:
             raise CorruptImage(f"{fmt} signature but Pillow cannot read it: {exc}") from exc
         except (OSError, SyntaxError, ValueError, EOFError, struct.error) as exc:
-            raise _pillow_failure(fmt, exc) from exc
+            raise _pillow_failure(fmt, exc, data) from exc
         try:
             with image:
                 orientation = _pillow_orientation(image)
@@ -214,10 +226,20 @@ class Decoder:
                 if fmt in ("png", "webp") and not getattr(image, "is_animated", False):
                     pixels = _decode_cv2(data, stored_w, stored_h)
                 if pixels is None:
+                    need_h, need_w = (target_w, target_h) if swaps_axes(orientation) else (target_h, target_w)
                     if image.format == "JPEG":
-                        need_h, need_w = (target_w, target_h) if swaps_axes(orientation) else (target_h, target_w)
                         image.draft(image.mode, (need_w, need_h))  # DCT-domain 1/2..1/8 reduction
                         scale = image.size[0] / stored_w
+                    elif image.format == "JPEG2000":
+                        # Wavelet resolution levels: each one dropped halves the size and skips its decoding.
+                        levels = min(jpeg2000_levels_to_drop(stored_w, stored_h, need_w, need_h),
+                                     jpeg2000_decomposition_levels(data))
+                        if levels:
+                            try:
+                                return self._decode_jpeg2000_reduced(data, levels, orientation, width, height,
+                                                                     target_w, target_h)
+                            except (OSError, ValueError):
+                                pass  # a component with fewer levels (COC): decode at full size below
                     image.load()
                     pixels = to_rgb(image)
         except ImageError:
@@ -225,8 +247,28 @@ class Decoder:
         except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
             raise TooManyPixels(str(exc)) from exc
         except (OSError, SyntaxError, ValueError, EOFError, struct.error, IndexError) as exc:
-            raise _pillow_failure(fmt, exc) from exc
+            raise _pillow_failure(fmt, exc, data) from exc
         return Decoded(pixels, orientation, width, height, target_w, target_h, fmt, scale)
+
+
+    @staticmethod
+    def _decode_jpeg2000_reduced(data: bytes, levels: int, orientation: int, width: int, height: int,
+                                 target_w: int, target_h: int) -> Decoded:
+        with Image.open(BytesIO(data)) as image:
+            stored_w = image.size[0]
+            image.reduce = levels
+            image.load()
+            pixels = to_rgb(image)
+        return Decoded(pixels, orientation, width, height, target_w, target_h, "jpeg2000", pixels.shape[1] / stored_w)
+
+
+def jpeg2000_decomposition_levels(data: bytes) -> int:
+    """The wavelet decomposition levels of a JPEG 2000 file's main header (its COD segment), 0 if not found: the
+    most resolution levels a decoder may skip."""
+    soc = data.find(b"\xff\x4f\xff\x51", 0, 4096)
+    cod = data.find(b"\xff\x52", soc if soc >= 0 else 0, 65536) if soc >= 0 else -1
+    # COD: marker (2), length (2), Scod (1), progression (1), layers (2), colour transform (1), then the levels.
+    return data[cod + 9] if cod >= 0 and cod + 9 < len(data) else 0
 
 
 def _decode_cv2(data: bytes, width: int, height: int) -> np.ndarray | None:
@@ -252,6 +294,21 @@ def _decode_cv2(data: bytes, width: int, height: int) -> np.ndarray | None:
     if array.shape[2] == 3:
         return cv2.cvtColor(array, cv2.COLOR_BGR2RGB)
     return None
+
+
+def jpeg2000_levels_to_drop(width: int, height: int, need_w: int, need_h: int, most: int = 5) -> int:
+    """How many JPEG 2000 resolution levels can be skipped with the image still at least need_w x need_h (each
+    level halves both sides, rounding up). A file with fewer levels than asked for is decoded at its smallest."""
+    levels = 0
+    while (levels < most and -(-width // (2 << levels)) >= need_w and -(-height // (2 << levels)) >= need_h):
+        levels += 1
+    return levels
+
+
+def _pillow_reads_avif() -> bool:
+    from PIL import features
+
+    return bool(features.check("avif"))
 
 
 def pick_dct_scale(
@@ -295,7 +352,8 @@ def to_rgb(image: Image.Image) -> np.ndarray:
         gray = np.clip(np.rint(values), 0, 255).astype(np.uint8)
         return cv2.cvtColor(gray, cv2.COLOR_GRAY2RGB)
     if mode == "F":
-        values = np.asarray(image).astype(np.float32)
+        # NaN and infinities (no-data pixels in scientific TIFFs, or damage) become black, not arbitrary bytes.
+        values = np.nan_to_num(np.asarray(image).astype(np.float32), nan=0.0, posinf=0.0, neginf=0.0)
         if values.max(initial=0) <= 1.0:
             values = values * 255.0  # float images are conventionally 0..1
         gray = np.clip(np.rint(values), 0, 255).astype(np.uint8)
@@ -375,11 +433,30 @@ def _jpeg_failure(data: bytes, exc: Exception) -> ImageError:
     return CorruptImage(f"JPEG: {exc}")
 
 
-def _pillow_failure(fmt: str, exc: Exception) -> ImageError:
+def _pillow_failure(fmt: str, exc: Exception, data: bytes = b"") -> ImageError:
     message = str(exc)
     if isinstance(exc, EOFError) or "truncated" in message.lower() or "Truncated" in message:
         return TruncatedImage(f"{fmt}: {message or type(exc).__name__}")
+    if fmt == "jpeg2000" and jpeg2000_is_cut_short(data):
+        # openjpeg says "broken data stream" for any failure; the codestream's own end marker tells a cut file.
+        return TruncatedImage(f"{fmt}: the codestream has no end marker ({type(exc).__name__}: {message})")
     return CorruptImage(f"{fmt}: {type(exc).__name__}: {message}")
+
+
+def jpeg2000_is_cut_short(data: bytes) -> bool:
+    """True when a JPEG 2000 file ends before its codestream does: a bare codestream not ending in EOC (FF D9),
+    or a JP2 whose contiguous-codestream box (jp2c) is declared longer than the bytes there are."""
+    if data.startswith(b"\xff\x4f\xff\x51"):
+        return not data.endswith(b"\xff\xd9")
+    box = data.find(b"jp2c")
+    if box < 4:
+        return False
+    (length,) = struct.unpack(">I", data[box - 4:box])
+    if length == 0:  # the box runs to the end of the file
+        return not data.endswith(b"\xff\xd9")
+    if length == 1 and box + 12 <= len(data):  # 64-bit length after the type
+        (length,) = struct.unpack(">Q", data[box + 4:box + 12])
+    return box - 4 + length > len(data)
 
 
 _TURBO = None
