@@ -6,6 +6,7 @@ the budget, reused in order to reach ``n``. Scripts run from the repository root
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +14,22 @@ import numpy as np
 from consumers.decode.resize import smart_resize
 
 SUFFIXES = (".jpg", ".jpeg", ".png", ".webp")
+
+
+def link_documents(files: list, folder: Path, prefix: str, n: int, link=os.link) -> None:
+    """n one-image documents in folder, cycling through files: distinct names (so distinct document ids), the
+    same pixels, no copying. link=os.link when the decode fleet's allowed root must hold the files themselves
+    (a hard link across devices falls back to a copy); os.symlink when the sources are on another device."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for i in range(n):
+        src = Path(files[i % len(files)])
+        dst = folder / f"{prefix}{i:06d}{src.suffix.lower()}"
+        try:
+            link(src, dst)
+        except OSError:
+            if link is not os.link:
+                raise
+            dst.write_bytes(src.read_bytes())
 
 
 def source_images(folder: str | Path | None):

@@ -22,19 +22,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.images import SUFFIXES  # noqa: E402 - after the path insert
-
-
-def link_documents(source: Path, folder: Path, n: int) -> None:
-    """n links in folder, one document each, cycling through source's images (distinct ids, same pixels). The ids
-    carry the folder's unique name: documents of an earlier run already have results."""
-    files = sorted(p.resolve() for p in source.rglob("*") if p.suffix.lower() in SUFFIXES)
-    if not files:
-        raise SystemExit(f"no images under {source}")
-    folder.mkdir(parents=True, exist_ok=True)
-    for i in range(n):
-        src = files[i % len(files)]
-        (folder / f"{folder.parent.name}-{i:06d}{src.suffix.lower()}").symlink_to(src)
+from benchmarks.images import SUFFIXES, link_documents  # noqa: E402 - after the path insert
 
 
 def main() -> None:
@@ -54,11 +42,22 @@ def main() -> None:
 
     work = Path(tempfile.mkdtemp(prefix="vlmstream-soak-"))
     source = Path(args.images).resolve()
-    link_documents(source, work / "docs", args.docs)
+    files = sorted(p.resolve() for p in source.rglob("*") if p.suffix.lower() in SUFFIXES)
+    if not files:
+        raise SystemExit(f"no images under {source}")
+    # Symlinks: the corpus may be on another device. The ids carry the run's unique folder name: documents of an
+    # earlier run already have results.
+    link_documents(files, work / "docs", f"{work.name}-", args.docs, link=os.symlink)
     profile = work / "infer-profile.json"
     env = {**os.environ, "VLMSTREAM_PROFILE_OUT": str(profile), "VLMSTREAM_PROFILE_WINDOW_S": str(args.window_s),
            "VLMSTREAM_DECODE__ALLOWED_ROOTS": json.dumps([str(work), str(source)]),
            "VLMSTREAM_PROFILE_PYTHON_HEAP": "1" if args.python_heap else "0"}
+    # Topics and groups of this run alone, unless set: on the default ones a local broker may still hold an earlier
+    # run's backlog, which the workers would describe first (seen: an unfinished soak's 7,000 documents).
+    for name in ("documents", "images", "descriptions", "embeddings", "results", "deadletter"):
+        env.setdefault(f"VLMSTREAM_TOPICS__{name.upper()}", f"{work.name}.{name}")
+    for stage in ("decode", "infer"):
+        env.setdefault(f"VLMSTREAM_{stage.upper()}__GROUP_ID", f"{work.name}-{stage}")
     cmd = [sys.executable, "-m", "vlmstream.cli", "run", str(work / "docs"), "--per-file", "--force", "--show", "0",
            "--max-pixels", str(args.max_pixels), "--max-new-tokens", str(args.max_new_tokens),
            "--timeout-s", str(args.timeout_s), *(["--model", args.model] if args.model else [])]

@@ -72,3 +72,21 @@ def test_offline_worker_command_enters_the_worker(tmp_path):
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert done.returncode != 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert "vllm" in done.stderr.lower() or "no-model" in done.stderr, done.stderr[-2000:]
+
+
+def test_link_documents_names_one_document_per_link_without_copying(tmp_path):
+    import os
+
+    from benchmarks.images import link_documents
+
+    sources = [tmp_path / "a.JPG", tmp_path / "b.png"]
+    for i, path in enumerate(sources):
+        path.write_bytes(bytes([i]) * 100)
+    link_documents(sources, tmp_path / "hard", "d0_", 3)
+    link_documents(sources, tmp_path / "soft", "run-", 3, link=os.symlink)
+    hard = sorted((tmp_path / "hard").iterdir())
+    assert [p.name for p in hard] == ["d0_000000.jpg", "d0_000001.png", "d0_000002.jpg"]
+    assert hard[2].stat().st_ino == sources[0].stat().st_ino  # the same file, not a copy
+    soft = sorted((tmp_path / "soft").iterdir())
+    assert [p.name for p in soft] == ["run-000000.jpg", "run-000001.png", "run-000002.jpg"]
+    assert all(p.is_symlink() for p in soft) and soft[1].resolve() == sources[1]

@@ -20,6 +20,8 @@ from bench_processes import (
     vlmstream_cmd,
 )
 
+from benchmarks.images import link_documents  # noqa: E402 - bench_processes put the repository on sys.path
+
 # --- pipeline arms ------------------------------------------------------------------------------------------------
 
 
@@ -136,18 +138,6 @@ class TopicWatcher:
         self._stop.set()
         self._thread.join(timeout=5)
         self.consumer.close()
-
-
-def make_docs(folder: Path, prefix: str, n: int, files: list[str]) -> None:
-    """n distinct documents (hard links of the source JPEGs, so distinct files and ids but no copying)."""
-    folder.mkdir(parents=True, exist_ok=True)
-    for i in range(n):
-        src = files[i % len(files)]
-        dst = folder / f"{prefix}{i:06d}{os.path.splitext(src)[1].lower()}"
-        try:
-            os.link(src, dst)
-        except OSError:
-            dst.write_bytes(Path(src).read_bytes())
 
 
 def pipeline_env(tag: str, args: argparse.Namespace, work: Path) -> dict[str, str]:
@@ -358,8 +348,8 @@ def run_pipeline(args: argparse.Namespace, mode: str, bootstrap: str, out: Path,
             warm_prefix, measured_prefix = f"warm{phase}_", f"d{phase}_"
             n_warm = (FIRST_WARM_DOCS_PER_GPU if phase == 0 else LATER_WARM_DOCS_PER_GPU) * args.gpus
             n_docs = args.pipeline_docs or int(EXPECTED_RATE[budget] * args.gpus * args.seconds)
-            make_docs(work / f"warm{phase}", warm_prefix, n_warm, files)
-            make_docs(work / f"docs{phase}", measured_prefix, n_docs, files)
+            link_documents(files, work / f"warm{phase}", warm_prefix, n_warm)
+            link_documents(files, work / f"docs{phase}", measured_prefix, n_docs)
             rec: dict = {"mode": mode, "budget": budget, "max_pixels": max_pixels, "phase": phase, "n_docs": n_docs,
                          "decode_workers": args.workers, "gpus": args.gpus, "partitions": args.partitions,
                          "prefix_caching": args.prefix_caching,
