@@ -9,6 +9,8 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
+from consumers.decode.decode import pillow_reads_avif
+
 
 def _photo_like(width: int, height: int, seed: int) -> Image.Image:
     rng = np.random.default_rng(seed)
@@ -125,14 +127,8 @@ def supported_formats() -> dict[str, bytes]:
         "netpbm_pgm": _save(photo.convert("L"), "PPM"),
         "netpbm_pbm": _save(photo.convert("1"), "PPM"),
         "qoi": _save(photo, "QOI"),
-        **({"avif": _save(photo, "AVIF", quality=90)} if pillow_reads_avif() else {}),
+        **({"avif": _save(photo, "AVIF", quality=90)} if pillow_reads_avif() else {}),  # Pillow with libavif
     }
-
-
-def pillow_reads_avif() -> bool:
-    from PIL import features
-
-    return bool(features.check("avif"))
 
 
 def _png_chunk(kind: bytes, body: bytes) -> bytes:
@@ -160,6 +156,16 @@ def jpeg_bomb(width: int = 60_000, height: int = 60_000) -> bytes:
     sof = data.index(b"\xff\xc0")
     struct.pack_into(">HH", data, sof + 5, height, width)
     return bytes(data)
+
+
+def jp2_with_box_before_codestream(jp2: bytes, size: int) -> bytes:
+    """The JP2 with an XML box of `size` bytes after its file-type box, as a large ICC profile or metadata puts
+    kilobytes between the file's start and its codestream."""
+    import struct
+
+    after_ftyp = 12 + struct.unpack(">I", jp2[12:16])[0]  # the 12-byte signature box, then ftyp
+    box = struct.pack(">I", size + 8) + b"xml " + b"<x/>".ljust(size, b" ")
+    return jp2[:after_ftyp] + box + jp2[after_ftyp:]
 
 
 def jpeg2000_bomb(width: int = 60_000, height: int = 60_000) -> bytes:

@@ -173,9 +173,11 @@ def test_large_jpeg2000_skips_the_resolution_levels_it_does_not_need(tmp_path):
     one_level = images._save(photo, "JPEG2000", num_resolutions=2)
     assert (jpeg2000_decomposition_levels(five_levels), jpeg2000_decomposition_levels(one_level)) == (5, 1)
     assert jpeg2000_decomposition_levels(b"not a codestream") == 0
+    assert jpeg2000_decomposition_levels(images.jp2_with_box_before_codestream(five_levels, 10_000)) == 5
 
     reduced = decoder.decode(five_levels)
     assert reduced.scale == 0.25 and reduced.pixels.shape == (300, 400, 3)
+    assert decoder.decode(images.jp2_with_box_before_codestream(five_levels, 10_000)).scale == 0.25
     assert min(reduced.pixels.shape[:2]) >= min(reduced.target_height, reduced.target_width)
     assert decoder.decode(one_level).scale == 0.5
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import struct
 import warnings
 from dataclasses import dataclass
+from functools import lru_cache
 from io import BytesIO
 
 import cv2
@@ -85,7 +86,7 @@ def sniff_format(data: bytes) -> str:
     if head[:1] == b"P" and head[1:2] and head[1] in _NETPBM_KINDS and head[2:3].isspace():
         return "netpbm"
     if head[4:8] == b"ftyp":
-        if head[8:12] in _AVIF_BRANDS and _pillow_reads_avif():
+        if head[8:12] in _AVIF_BRANDS and pillow_reads_avif():
             return "avif"
         raise UnsupportedFormat(f"ISO media image ({head[8:12].decode('latin-1')!r}: HEIF/AVIF) is not supported"
                                 + (" by this Pillow build" if head[8:12] in _AVIF_BRANDS else ""))
@@ -250,7 +251,6 @@ class Decoder:
             raise _pillow_failure(fmt, exc, data) from exc
         return Decoded(pixels, orientation, width, height, target_w, target_h, fmt, scale)
 
-
     @staticmethod
     def _decode_jpeg2000_reduced(data: bytes, levels: int, orientation: int, width: int, height: int,
                                  target_w: int, target_h: int) -> Decoded:
@@ -263,12 +263,20 @@ class Decoder:
 
 
 def jpeg2000_decomposition_levels(data: bytes) -> int:
-    """The wavelet decomposition levels of a JPEG 2000 file's main header (its COD segment), 0 if not found: the
-    most resolution levels a decoder may skip."""
-    soc = data.find(b"\xff\x4f\xff\x51", 0, 4096)
-    cod = data.find(b"\xff\x52", soc if soc >= 0 else 0, 65536) if soc >= 0 else -1
-    # COD: marker (2), length (2), Scod (1), progression (1), layers (2), colour transform (1), then the levels.
-    return data[cod + 9] if cod >= 0 and cod + 9 < len(data) else 0
+    """The wavelet decomposition levels in a JPEG 2000 file's main header (its COD segment), 0 if not found: the
+    most resolution levels a decoder may skip. Walks the header's segments from the codestream's start (SOC)."""
+    at = data.find(b"\xff\x4f\xff\x51", 0, 4 << 20)  # SOC + SIZ; a JP2's boxes before it may hold an ICC profile
+    if at < 0:
+        return 0
+    at += 2
+    while at + 4 <= len(data):
+        marker, length = struct.unpack(">HH", data[at:at + 4])
+        if marker == 0xFF52:  # COD: length (2), Scod (1), progression (1), layers (2), colour transform (1), levels
+            return data[at + 9] if at + 9 < len(data) else 0
+        if marker == 0xFF90 or length < 2:  # the first tile begins: no COD in the main header
+            return 0
+        at += 2 + length
+    return 0
 
 
 def _decode_cv2(data: bytes, width: int, height: int) -> np.ndarray | None:
@@ -305,7 +313,8 @@ def jpeg2000_levels_to_drop(width: int, height: int, need_w: int, need_h: int, m
     return levels
 
 
-def _pillow_reads_avif() -> bool:
+@lru_cache(maxsize=1)
+def pillow_reads_avif() -> bool:
     from PIL import features
 
     return bool(features.check("avif"))
