@@ -7,6 +7,7 @@ In-process part (this file's ``run_in_process``): for each budget,
 Prints images/s, ms/image and the ratios: processor_time / ours_time (speed-up) and ours_time / floor_time.
 
 Usage: python benchmarks/bench_decode.py [--images DIR] [--jpeg-only] [--budgets default,1280,256] [--repeat N]
+       [--transcode JPEG2000|PNG|WEBP|...]   (the same pictures re-encoded by Pillow first, into a temporary folder)
 """
 
 from __future__ import annotations
@@ -186,7 +187,23 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--budgets", default="default,1280", help="comma list of: " + ",".join(BUDGETS))
     parser.add_argument("--repeat", type=int, default=1, help="passes per path; the best is reported")
     parser.add_argument("--limit", type=int, default=0, help="use only the first N files (0: all)")
+    parser.add_argument("--transcode", default="", help="a Pillow format name: measure the pictures re-encoded in it "
+                        "(e.g. JPEG2000, which archives use for page images)")
     return parser
+
+
+def transcode(files: list[Path], fmt: str, folder: Path) -> list[Path]:
+    """The files re-encoded by Pillow in fmt with its default settings (RGB), under folder."""
+    from PIL import Image
+
+    suffix = {"JPEG2000": ".jp2", "TIFF": ".tif"}.get(fmt.upper(), "." + fmt.lower())
+    out = []
+    for i, path in enumerate(files):
+        target = folder / f"{i:04d}{suffix}"
+        with Image.open(path) as image:
+            image.convert("RGB").save(target, format=fmt.upper())
+        out.append(target)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -199,6 +216,15 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         raise SystemExit(f"unknown budgets {unknown}; choose from {list(BUDGETS)}")
     print(f"{len(files)} images from {files[0].parent.parent if len(files) > 1 else files[0]}")
+    if args.transcode:
+        import tempfile
+
+        with tempfile.TemporaryDirectory(prefix="vlmstream-bench-") as folder:
+            files = transcode(files, args.transcode, Path(folder))
+            print(f"re-encoded as {args.transcode.upper()} (Pillow's defaults), {sum(f.stat().st_size for f in files)}"
+                  " bytes in all")
+            print_report(run_in_process(files, budgets, args.repeat))
+        return 0
     print_report(run_in_process(files, budgets, args.repeat))
     return 0
 
