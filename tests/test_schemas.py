@@ -92,3 +92,14 @@ def test_schema_files_are_standalone_2020_12():
     # A validator in another language sees the same verdicts: jsonschema (not our fastjsonschema) agrees.
     for message in EXAMPLES:
         jsonschema.Draft202012Validator(schema_document(message.schema_name)).validate(message.to_dict())
+
+
+def test_documents_from_other_clients_may_leave_out_the_schema_version():
+    """The input topic is written by anyone's producer (kcat, Java, a shell script): no version means version 1.
+    Every topic the pipeline writes keeps it required."""
+    document = DocumentRef.decode(b'{"doc_id": "d", "image_uris": ["a.jpg"]}')
+    assert document == DocumentRef(doc_id="d", image_uris=("a.jpg",))
+    assert json.loads(document.encode())["schema_version"] == 1
+    with pytest.raises(SchemaError) as info:
+        Description.decode(json.dumps({k: v for k, v in EXAMPLES[2].to_dict().items() if k != "schema_version"}))
+    assert info.value.field == "schema_version"
