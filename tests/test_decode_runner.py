@@ -427,3 +427,16 @@ def test_sigterm_drains_commits_and_leaves_the_group(topic_names, corpus_dir, tm
         admin.close()
     assert not group.get("members"), (group, fleet.log())  # both workers left instead of timing out
     assert len(read_topic(topic_names, topic_names.topics.images, timeout_s=20, idle_s=1)) == 24
+
+
+@pytest.mark.timeout(120)
+def test_a_document_from_another_client_needs_no_headers_and_no_version(topic_names, corpus_dir, tmp_path, unique):
+    """What kcat or a Java producer writes: the JSON object alone, under a key of its own choosing."""
+    good = corpus_images(corpus_dir, 1)
+    publish(topic_names, [json.dumps({"doc_id": f"foreign-{unique}", "image_uris": [str(good[0])]}).encode()])
+    with Fleet(topic_names, tmp_path, "--workers", "1", "--until-idle-s", "3", "--max-pixels", str(SMALL),
+               "--allowed-root", str(corpus_dir)) as fleet:
+        assert fleet.wait(90) == 0, fleet.log()
+    images = read_topic(topic_names, topic_names.topics.images, expected=1, timeout_s=30, idle_s=1)
+    assert image_keys(images) == [f"foreign-{unique}/0"]
+    assert decode_image_payload(images[0].headers).source_uri == str(good[0])
