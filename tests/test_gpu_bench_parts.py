@@ -90,3 +90,20 @@ def test_link_documents_names_one_document_per_link_without_copying(tmp_path):
     soft = sorted((tmp_path / "soft").iterdir())
     assert [p.name for p in soft] == ["run-000000.jpg", "run-000001.png", "run-000002.jpg"]
     assert all(p.is_symlink() for p in soft) and soft[1].resolve() == sources[1]
+
+
+def test_scaling_matches_progress_lines_by_time_after_the_first_document(tmp_path):
+    import scaling
+
+    def lines(path, rows):
+        path.write_text("".join(json.dumps({"mode": "embeds", "budget": "256", "s_since_first_publish": s,
+                                            "img_per_s_overall": o, "img_per_s_last_30s": l}) + "\n"
+                                for s, o, l in rows))
+        return path
+
+    two = lines(tmp_path / "two.jsonl", [(26.6, 100.0, 90.0), (56.6, 120.0, 130.0), (300.0, 1.0, 1.0)])
+    one = lines(tmp_path / "one.jsonl", [(24.1, 50.0, 40.0), (54.1, 60.0, 65.0)])
+    rows = scaling.matched(scaling.progress_lines(two, "embeds", "256"), scaling.progress_lines(one, "embeds", "256"))
+    assert [(r["s_two"], r["s_one"], r["overall_ratio"], r["last30_ratio"]) for r in rows] == [
+        (26.6, 24.1, 2.0, 2.25), (56.6, 54.1, 2.0, 2.0)]  # 300 s has no one-GPU line within 10 s
+    assert scaling.progress_lines(two, "pixels", "256") == []
