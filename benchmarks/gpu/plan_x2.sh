@@ -10,8 +10,9 @@
 #
 #   S1  0.2 MP / 64, embeds, 150 s, side by side: GPU 0 with `infer.vision_batch_images` 64 | GPU 1 with the default
 #       32. The fifth session's one-GPU run was bound by our tower's thread while vLLM ran ~100 requests at a time;
-#       bursts of 64 should keep its decode batches larger (RESULTS.md, fifth session). Since 61413b6 a 0.2 MP run
-#       uses ~5 cores, so two of them side by side on 32 cores no longer measure each other.
+#       one reading (RESULTS.md, fifth session, not settled) is that bursts of 64 keep its decode batches larger.
+#       Since 61413b6 a 0.2 MP run uses ~5 cores, so two of them side by side on 32 cores no longer measure each
+#       other.
 #   S2  GPU 0: the same with `infer.engine_cpu_threads=0` (vLLM's own start, the fourth session's faster one-GPU
 #       rate), then `vllm serve` at 0.2, 1 and 12.8 MP / 128 | GPU 1: pipelines at 1 MP / 128, both modes
 #   S3  both GPUs: two `vlmstream infer` in one group at 1 MP / 64, embeds, 150 s
