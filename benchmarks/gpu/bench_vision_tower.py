@@ -87,7 +87,9 @@ def main() -> None:
     ap.add_argument("--budgets", default="256,1280,default")
     ap.add_argument("--variants", default="transformers+vllm_fa3,fast-eager+vllm_fa3,fast+vllm_fa3,fast+torch_varlen")
     ap.add_argument("--seconds", type=float, default=4.0, help="Minimum timed seconds per variant and budget.")
-    ap.add_argument("--profile-budget", default="1280")
+    ap.add_argument("--batches", default="", help="comma list of images per forward, each timed (default: what the "
+                    "engine batches at each budget; infer.vision_batch_images sets the engine's)")
+    ap.add_argument("--profile-budget", default="1280", help="budget of the profiler tables; empty: none")
     ap.add_argument("--out", default="tower.json")
     ap.add_argument("--device", default="cuda", help="cpu runs the same code in float32 (a plumbing check)")
     args = ap.parse_args()
@@ -99,8 +101,8 @@ def main() -> None:
     report: dict = {"gpu": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                     "torch": torch.__version__, "budgets": {}}
     for budget in args.budgets.split(","):
-        n = BATCH[budget] * 2
-        images = exact_size_images(args.imgs, n, BUDGETS[budget])
+        batches = [int(b) for b in args.batches.split(",")] if args.batches else [BATCH[budget]]
+        images = exact_size_images(args.imgs, max(batches) * 2, BUDGETS[budget])
         rows = report["budgets"][budget] = {
             "mean_visual_tokens": round(float(np.mean([im.shape[0] * im.shape[1] / 28 / 28 for im in images])), 1)}
         for variant in variants:
@@ -108,17 +110,21 @@ def main() -> None:
             if budget == "default" and attention == "sdpa":
                 rows[variant] = {"skipped": "per-window Python loop: minutes per image at 12.8 MP"}
                 continue
-            try:
-                encoder = VisionEncoder(tower, device, dtype, attention=attention, fast_blocks=blocks != "transformers",
-                                        compile_blocks=blocks == "fast")
-                if device.type == "cuda":
-                    torch.cuda.reset_peak_memory_stats()
-                rows[variant] = time_encoder(encoder, images, BATCH[budget], args.seconds)
-            except Exception as exc:  # noqa: BLE001 - one variant failing must not hide the others
-                rows[variant] = {"error": repr(exc)[:400]}
-            print("RESULT", budget, variant, json.dumps(rows[variant]), flush=True)
-            Path(args.out).write_text(json.dumps(report, indent=1))
+            for batch in batches:
+                key = f"{variant} x{batch}" if args.batches else variant
+                try:
+                    encoder = VisionEncoder(tower, device, dtype, attention=attention,
+                                            fast_blocks=blocks != "transformers", compile_blocks=blocks == "fast")
+                    if device.type == "cuda":
+                        torch.cuda.reset_peak_memory_stats()
+                    rows[key] = time_encoder(encoder, images, batch, args.seconds)
+                except Exception as exc:  # noqa: BLE001 - one variant failing must not hide the others
+                    rows[key] = {"error": repr(exc)[:400]}
+                print("RESULT", budget, key, json.dumps(rows[key]), flush=True)
+                Path(args.out).write_text(json.dumps(report, indent=1))
     budget = args.profile_budget
+    if not budget:
+        return
     report["profile"] = {"budget": budget}
     for blocks in ("transformers", "fast"):
         encoder = VisionEncoder(tower, device, dtype, attention="auto", fast_blocks=blocks == "fast")

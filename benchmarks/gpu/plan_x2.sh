@@ -14,7 +14,9 @@
 #       Since 61413b6 a 0.2 MP run uses ~5 cores, so two of them side by side on 32 cores no longer measure each
 #       other.
 #   S2  GPU 0: the same with `infer.engine_cpu_threads=0` (vLLM's own start, the fourth session's faster one-GPU
-#       rate), then `vllm serve` at 0.2, 1 and 12.8 MP / 128 | GPU 1: pipelines at 1 MP / 128, both modes
+#       rate), then `vllm serve` at 0.2, 1 and 12.8 MP / 128 | GPU 1: pipelines at 1 MP / 128, both modes, then our
+#       tower alone at 0.2 MP with 16, 32 and 64 images per forward (this host's own figure: the pipeline's tower
+#       took 15.5-16 ms per image in the fifth session, the second session's host 3.8 alone)
 #   S3  both GPUs: two `vlmstream infer` in one group at 1 MP / 64, embeds, 150 s
 #   S4  both GPUs: the same at 12.8 MP / 64 (600 documents)
 #
@@ -65,8 +67,11 @@ wait
     --seconds 150 --stop-after 1.0 --arms pipeline-embeds --profile --out "$RES/s2_engine_threads0"
   job s2_serve_128 300 450 $BENCH128 --gpu-ids 0 --budgets 256,1280,default --seconds 40 --arms serve \
     --out "$RES/s2_serve_128" ) &
-job s2_pipeline_1mp_128 420 560 $BENCH128 --gpu-ids 1 --budgets 1280 --seconds 120 --stop-after 1.5 \
-  --pipeline-docs 2000 --arms pipeline-embeds,pipeline-pixels --out "$RES/s2_pipeline_1mp_128" &
+( job s2_pipeline_1mp_128 420 560 $BENCH128 --gpu-ids 1 --budgets 1280 --seconds 120 --stop-after 1.5 \
+    --pipeline-docs 2000 --arms pipeline-embeds,pipeline-pixels --out "$RES/s2_pipeline_1mp_128"
+  job s2_tower_alone 150 300 env CUDA_VISIBLE_DEVICES=1 python3 benchmarks/gpu/bench_vision_tower.py \
+    --model /root/model --imgs /root/imgs --budgets 256 --variants fast+vllm_fa3 --batches 16,32,64 --seconds 4 \
+    --profile-budget '' --out "$RES/s2_tower_alone.json" ) &
 wait
 
 job s3_two_gpus_1mp 330 480 $BENCH --gpu-ids 0,1 --budgets 1280 --seconds 150 --stop-after 1.0 --workers 16 \
