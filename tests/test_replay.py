@@ -107,3 +107,53 @@ def test_decode_dry_run_counts_the_images_of_the_documents_to_redo(topic_names, 
     assert "to redo: 4 message(s), 10 image(s)" in out  # 4 documents, 2+3+1+4 images
     assert committed_offsets(settings, decode.group_id, settings.topics.documents) == {
         tp.partition: e for tp, e in ends.items()}  # the dry run changed nothing
+
+
+@pytest.mark.kafka
+def test_status_counts_throughput_by_record_time_and_a_sample_measures_each_stage(topic_names, unique):
+    """The throughput table counts what each topic gained in a window by the records' own timestamps; a sample
+    turns the stages' commits into consumption rates and the time their backlog takes."""
+    import threading
+
+    from vlmstream.replay import StageStatus, pipeline_status, pipeline_throughput
+
+    decode = topic_names.decode.model_copy(update={"group_id": f"test-decode-{unique}"})
+    settings = topic_names.model_copy(update={"decode": decode})
+    topic = settings.topics.documents
+    now_ms = int(time.time() * 1000)
+    producer = KafkaProducer(**settings.kafka.client_kwargs())
+    for i in range(8):  # three from two hours ago, then five now
+        doc = DocumentRef(doc_id=f"t{i}-{unique}", image_uris=("/img/a.jpg",))
+        producer.send(topic, key=doc.key(), value=doc.encode(), timestamp_ms=now_ms - (7_200_000 if i < 3 else 0))
+    producer.flush()
+    producer.close()
+
+    rows = {r.topic: r for r in pipeline_throughput(settings, (300, 10_800), now_ms=now_ms + 1000)}
+    assert rows[topic].records == {300: 5, 10_800: 8} and rows[topic].meaning == "documents published"
+    assert rows[settings.topics.images].records == {300: 0, 10_800: 0}
+
+    ends = {TopicPartition(topic, p): e for p, e in end_offsets(settings, topic).items() if e}
+    admin = make_admin(settings)
+
+    def workers_commit_all_but_one_record_per_partition():
+        time.sleep(1.0)
+        admin.alter_group_offsets(decode.group_id, {tp: OffsetAndMetadata(e - 1, "", -1) for tp, e in ends.items()})
+
+    committer = threading.Thread(target=workers_commit_all_but_one_record_per_partition)
+    committer.start()
+    try:
+        stages, _letters = pipeline_status(settings, sample_s=3.0)
+    finally:
+        committer.join()
+        admin.close()
+    decode_stage = next(s for s in stages if s.stage == "decode")
+    left = len(ends)
+    assert decode_stage.lag == {topic: left}
+    assert decode_stage.consumed_per_s == pytest.approx((8 - left) / 3.0)
+    assert decode_stage.eta_s == pytest.approx(left / ((8 - left) / 3.0))
+    assert next(s for s in stages if s.stage == "infer").eta_s == 0.0  # no backlog
+    assert StageStatus("infer", "g", "Empty", 0, {"t": 5}, 0.0, 3.0).eta_s is None  # a backlog and no progress
+
+    code, out = cli(settings, "status", "--sample", "0.5", "--windows", "60,10800")
+    assert code == 0, out
+    assert "consumed/s" in out and "documents published" in out and "last 3.0 h" in out, out

@@ -1,5 +1,6 @@
 """Operations on a running pipeline: `vlmstream replay`, `vlmstream redrive`, `vlmstream status`."""
 
+import sys
 from typing import Optional
 
 import typer
@@ -73,26 +74,52 @@ def redrive(
         console.print(f"[yellow]skipped {count}[/]: {reason}")
 
 
-def status(ctx: typer.Context) -> None:
-    """Consumer lag, group state and members per stage, and dead-letter counts by stage and error kind."""
+def status(
+    ctx: typer.Context,
+    windows: str = typer.Option("300,3600", "--windows", help="Seconds, comma-separated: the throughput table's "
+                                "windows (records each topic gained in the last N seconds)."),
+    sample: float = typer.Option(0.0, "--sample", help="Seconds to watch the groups' commits, for each stage's "
+                                 "consumption rate and the time its backlog takes at that rate (0: no sample)."),
+) -> None:
+    """Consumer lag, group state and members per stage; each topic's throughput over recent windows; dead-letter
+    counts by stage and error kind."""
     from rich.console import Console
     from rich.table import Table
 
     from vlmstream.cli_support import bootstrap, settings_from
-    from vlmstream.replay import pipeline_status
+    from vlmstream.replay import pipeline_status, pipeline_throughput
 
-    console = Console()
+    # Piped into a file or a log, rich would assume 80 columns and cut the tables' cells short.
+    console = Console() if sys.stdout.isatty() else Console(width=160)
     settings = bootstrap(settings_from(ctx))
-    stages, letters = pipeline_status(settings)
-    table = Table(title="stages")
-    for column in ("stage", "group", "state", "members", "topic", "lag"):
+    try:
+        window_s = tuple(int(w) for w in windows.split(",") if w.strip())
+    except ValueError:
+        console.print(f"[red]--windows takes whole seconds, comma-separated; got {windows!r}[/]")
+        raise typer.Exit(2)
+    stages, letters = pipeline_status(settings, sample_s=sample)
+    table = Table(title="stages" + (f" (rates over a {sample:g} s sample)" if sample > 0 else ""))
+    columns = ["stage", "group", "state", "members", "topic", "lag"] + (["consumed/s", "backlog clears in"]
+                                                                        if sample > 0 else [])
+    for column in columns:
         table.add_column(column)
     for s in stages:
         for i, (topic, lag) in enumerate(s.lag.items()):
             first = i == 0
-            table.add_row(s.stage if first else "", s.group_id if first else "", s.state if first else "",
-                          str(s.members) if first else "", topic, str(lag))
+            row = [s.stage if first else "", s.group_id if first else "", s.state if first else "",
+                   str(s.members) if first else "", topic, str(lag)]
+            if sample > 0:
+                row += [f"{s.consumed_per_s:.2f}" if first else "", _duration(s.eta_s) if first else ""]
+            table.add_row(*row)
     console.print(table)
+    throughput = Table(title="throughput (records per second, by record time)")
+    throughput.add_column("topic")
+    throughput.add_column("records are")
+    for w in window_s:
+        throughput.add_column(f"last {_duration(w)}", justify="right")
+    for row in pipeline_throughput(settings, window_s):
+        throughput.add_row(row.topic, row.meaning, *(f"{row.per_s(w):.2f}" for w in window_s))
+    console.print(throughput)
     dead = Table(title=f"dead letters ({sum(letters.values())})")
     for column in ("stage", "error_kind", "count"):
         dead.add_column(column)
@@ -100,3 +127,13 @@ def status(ctx: typer.Context) -> None:
         dead.add_row(stage, kind, str(count))
     console.print(dead)
 
+
+def _duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "- (not moving)"
+    seconds = int(round(seconds))
+    if seconds < 120:
+        return f"{seconds} s"
+    if seconds < 7200:
+        return f"{seconds // 60} min"
+    return f"{seconds / 3600:.1f} h"
