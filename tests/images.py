@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from consumers.decode.decode import pillow_reads_avif
+from consumers.decode.decode import pillow_reads_avif, pillow_reads_heif
 
 
 def _photo_like(width: int, height: int, seed: int) -> Image.Image:
@@ -128,6 +128,7 @@ def supported_formats() -> dict[str, bytes]:
         "netpbm_pbm": _save(photo.convert("1"), "PPM"),
         "qoi": _save(photo, "QOI"),
         **({"avif": _save(photo, "AVIF", quality=90)} if pillow_reads_avif() else {}),  # Pillow with libavif
+        **({"heif": _save(photo, "HEIF", quality=90)} if pillow_reads_heif() else {}),  # with pillow-heif
     }
 
 
@@ -198,7 +199,9 @@ def bad_inputs() -> dict[str, tuple[bytes, str]]:
         "pdf": (b"%PDF-1.7\n%\xe2\xe3\xcf\xd3\n1 0 obj\n", "decode_unsupported"),
         "svg": (b'<svg xmlns="http://www.w3.org/2000/svg" width="10" height="10"/>', "decode_unsupported"),
         "extreme_aspect": (_save(Image.new("RGB", (4020, 20), "white"), "PNG"), "decode_bad_aspect"),
-        "heic": (b"\x00\x00\x00\x18ftypheic" + bytes(64), "decode_unsupported"),
+        "heic_brand_only": (b"\x00\x00\x00\x18ftypheic" + bytes(64),
+                            "decode_corrupt" if pillow_reads_heif() else "decode_unsupported"),
+        "iso_media_video": (b"\x00\x00\x00\x18ftypisom" + bytes(64), "decode_unsupported"),
         "truncated_jpeg2000": (jp2[: len(jp2) // 2], "decode_truncated"),
         "jpeg2000_bomb": (jpeg2000_bomb(), "decode_too_many_pixels"),
     }

@@ -55,7 +55,7 @@ def test_photo_formats_agree_with_pillow_in_colour(tmp_path):
 
     reference = smoothed("png_rgb")
     lossy_or_not = ("jpeg_baseline", "jpeg_progressive", "jpeg_cmyk", "webp", "tiff", "tiff_cmyk", "bmp", "jpeg2000",
-                    "jpeg2000_codestream", "netpbm_ppm", "qoi", *(["avif"] if "avif" in formats else []))
+                    "jpeg2000_codestream", "netpbm_ppm", "qoi", *(n for n in ("avif", "heif") if n in formats))
     for name in lossy_or_not:
         assert np.abs(smoothed(name) - reference).mean() < 2.5, name
     grey = pixels_of(stage.prepare(formats["jpeg_gray"]))
@@ -210,3 +210,29 @@ def test_float_pixels_that_are_not_numbers_become_black(tmp_path):
     pixels = pixels_of(make_stage(tmp_path).prepare(images._save(Image.fromarray(values, "F"), "TIFF")))
     assert pixels[:, :4].max() == 0  # the resize blends the edge columns; the first few stay pure
     assert pixels[:, -4:].min() > 200
+
+
+def test_heic_needs_pillow_heif_and_says_so_without_it(tmp_path, monkeypatch):
+    from consumers.decode import decode
+
+    assert "heif" in images.supported_formats()  # the test extra installs pillow-heif: HEIC decodes (above)
+    monkeypatch.setattr(decode, "pillow_reads_heif", lambda: False)
+    path = tmp_path / "phone.heic"
+    path.write_bytes(images.supported_formats()["heif"])
+    result = make_stage(tmp_path)(str(path))
+    assert isinstance(result, ImageFailure) and result.error_kind == "decode_unsupported"
+    assert "pip install 'vlmstream[heif]'" in result.detail
+
+
+def test_heic_rotation_is_applied_once(tmp_path):
+    """pillow-heif turns a HEIF's rotation (and an EXIF orientation written into it) into upright pixels and
+    reports orientation 1: the stage must not rotate again."""
+    landscape = np.zeros((140, 280, 3), np.uint8)
+    landscape[:28, :28] = (255, 0, 0)  # red in the stored top-left corner
+    exif = Image.Exif()
+    exif[0x0112] = 6  # display rotated 90 degrees clockwise
+    data = images._save(Image.fromarray(landscape), "HEIF", quality=95, exif=exif.tobytes())
+    pixels = pixels_of(make_stage(tmp_path).prepare(data))
+    assert pixels.shape[0] > pixels.shape[1]  # portrait, as displayed
+    corner = pixels[:14, -14:].reshape(-1, 3).mean(axis=0)  # clockwise: the top-left corner lands top-right
+    assert corner[0] > 150 and corner[1] < 80 and corner[2] < 80, corner

@@ -65,6 +65,8 @@ _MAGIC = (
 _NETPBM_KINDS = b"123456"
 # ISO media brands (the bytes after "ftyp") that Pillow decodes when it was built with libavif.
 _AVIF_BRANDS = (b"avif", b"avis")
+# HEIF brands (HEIC: phone cameras' default), decoded when the optional pillow-heif is installed (extra `heif`).
+_HEIF_BRANDS = (b"heic", b"heix", b"hevc", b"hevx", b"heim", b"heis", b"mif1", b"msf1")
 # Recognised so the failure says "unsupported" rather than "not an image".
 _KNOWN_UNSUPPORTED = (
     (b"%PDF", "pdf"),
@@ -86,10 +88,14 @@ def sniff_format(data: bytes) -> str:
     if head[:1] == b"P" and head[1:2] and head[1] in _NETPBM_KINDS and head[2:3].isspace():
         return "netpbm"
     if head[4:8] == b"ftyp":
-        if head[8:12] in _AVIF_BRANDS and pillow_reads_avif():
+        brand = head[8:12]
+        if brand in _AVIF_BRANDS and pillow_reads_avif():
             return "avif"
-        raise UnsupportedFormat(f"ISO media image ({head[8:12].decode('latin-1')!r}: HEIF/AVIF) is not supported"
-                                + (" by this Pillow build" if head[8:12] in _AVIF_BRANDS else ""))
+        if brand in _HEIF_BRANDS and pillow_reads_heif():
+            return "heif"
+        hint = (" by this Pillow build" if brand in _AVIF_BRANDS else
+                " without pillow-heif (pip install 'vlmstream[heif]')" if brand in _HEIF_BRANDS else "")
+        raise UnsupportedFormat(f"ISO media image ({brand.decode('latin-1')!r}: HEIF/AVIF) is not supported{hint}")
     for magic, name in _KNOWN_UNSUPPORTED:
         if head.startswith(magic):
             raise UnsupportedFormat(f"{name} is not supported")
@@ -318,6 +324,17 @@ def pillow_reads_avif() -> bool:
     from PIL import features
 
     return bool(features.check("avif"))
+
+
+@lru_cache(maxsize=1)
+def pillow_reads_heif() -> bool:
+    """True once pillow-heif's opener is registered with Pillow; False when it is not installed."""
+    try:
+        import pillow_heif
+    except ImportError:
+        return False
+    pillow_heif.register_heif_opener()
+    return True
 
 
 def pick_dct_scale(
