@@ -16,8 +16,9 @@ from rich.console import Console
 def produce(
     ctx: typer.Context,
     manifest: Optional[Path] = typer.Option(None, "--manifest", "-m", help="JSONL manifest ({doc_id, image_uris "
-                                            "| images, metadata} per line) or CSV (doc_id, image_uri | image_uris, "
-                                            "extra columns = metadata). Relative paths resolve against its folder."),
+                                            "| images, metadata} per line), a .json list of such objects, or CSV/TSV "
+                                            "(doc_id, image_uri | image_uris, extra columns = metadata; ',', tab, "
+                                            "';' or '|'). Relative paths resolve against its folder."),
     folder: Optional[Path] = typer.Option(None, "--folder", "-f", help="Folder of images: each subfolder is a "
                                           "document, each image directly inside is its own document."),
     per_file: bool = typer.Option(False, "--per-file", help="With --folder: every image file is a document."),
@@ -60,8 +61,9 @@ def produce(
         raise typer.BadParameter(f"--manifest {manifest} is not a file")
     if folder is not None and (folder.is_file() or (not watch and not folder.is_dir())):
         raise typer.BadParameter(f"--folder {folder} is not a folder")
-    if watch and manifest is not None and manifest.suffix.lower() == ".csv":
-        raise typer.BadParameter("--watch follows JSON-lines manifests only (a CSV document's rows span lines)")
+    if watch and manifest is not None and manifest.suffix.lower() in (".csv", ".tsv", ".json"):
+        raise typer.BadParameter("--watch follows JSON-lines manifests only (a CSV document's rows span lines; a "
+                                 ".json list is one value)")
 
     settings = bootstrap(settings_from(ctx, {"topics": {"documents": documents_topic}}))
     create_topics(settings)

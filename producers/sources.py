@@ -1,4 +1,4 @@
-"""Where documents come from: manifests (JSONL, CSV), folders of images, stdin, and watched folders or
+"""Where documents come from: manifests (JSONL, JSON, CSV/TSV), folders of images, stdin, and watched folders or
 manifests. Pure input parsing, no Kafka: every source yields ``DocumentRef`` (already validated against
 the document schema), ``Rejection`` (a bad input line, with its line number and raw text) or ``IDLE``
 (nothing new right now: the publisher uses the pause to settle acknowledgements).
@@ -24,7 +24,10 @@ import orjson
 
 from schemas import DocumentRef, SchemaError
 
-IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".png", ".webp", ".gif", ".tif", ".tiff", ".bmp"})
+# What a folder source picks up: every format the decode stage reads (it decides by content, not by name).
+IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".png", ".webp", ".gif", ".tif", ".tiff", ".bmp", ".jp2", ".j2k",
+                              ".jpf", ".jpx", ".heic", ".heif", ".avif", ".pbm", ".pgm", ".ppm", ".pnm", ".qoi"})
+_BOM = b"\xef\xbb\xbf"
 _URI_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://|^file:")
 _DIGITS = re.compile(r"(\d+)")
 
@@ -92,17 +95,31 @@ def parse_json_line(raw: bytes, *, line: int, origin: str, base_dir: str | Path)
         return Rejection(origin, line, reason, detail, raw, doc_id if isinstance(doc_id, str) else None)
 
     try:
-        data = orjson.loads(raw)
+        data = orjson.loads(raw.removeprefix(_BOM))  # a UTF-8 byte-order mark, as Windows editors write
     except orjson.JSONDecodeError as exc:
         return reject("invalid_json", f"not valid JSON: {exc}")
     if not isinstance(data, dict):
         return reject("not_an_object", f"expected a JSON object, got {type(data).__name__}")
+    return parse_document_object(data, raw, line=line, origin=origin, base_dir=base_dir)
+
+
+def parse_document_object(data: dict, raw: bytes, *, line: int, origin: str,
+                          base_dir: str | Path) -> DocumentRef | Rejection:
+    """A document as a JSON object (a manifest line, or an element of a JSON manifest's list)."""
+
+    def reject(reason: str, detail: str, doc_id: Any = None) -> Rejection:
+        return Rejection(origin, line, reason, detail, raw, doc_id if isinstance(doc_id, str) else None)
+
     doc_id = data.get("doc_id")
+    if isinstance(doc_id, int) and not isinstance(doc_id, bool):
+        doc_id = str(doc_id)  # numeric ids, as databases export them; their text is the id
     if doc_id is None or doc_id == "":
         return reject("missing_doc_id", "doc_id is missing or empty")
     if "image_uris" in data and "images" in data:
         return reject("ambiguous_images", "both image_uris and images are set; use one", doc_id)
     images = data.get("image_uris", data.get("images"))
+    if isinstance(images, str) and images:
+        images = [images]  # one image named without a list
     if images is None or images == []:
         return reject("empty_image_list", "image_uris (or images) is missing or empty", doc_id)
     if not isinstance(images, list):
@@ -119,6 +136,27 @@ def parse_json_line(raw: bytes, *, line: int, origin: str, base_dir: str | Path)
                                      source=f"{origin}:{line}"))
     except SchemaError as exc:
         return reject("schema_violation", str(exc), doc_id)
+
+
+def read_json_document_list(path: str | Path) -> Iterator[DocumentRef | Rejection]:
+    """A .json manifest: a list of document objects, {"documents": [...]}, or one document object. Read whole:
+    JSON lines suit manifests too large for memory."""
+    path = Path(path).absolute()
+    base_dir, origin = str(path.parent), str(path)
+    raw = path.read_bytes()
+    try:
+        data = orjson.loads(raw.removeprefix(_BOM))
+    except orjson.JSONDecodeError as exc:
+        yield Rejection(origin, None, "invalid_json", f"not valid JSON: {exc}", raw[:4096])
+        return
+    items = data.get("documents") if isinstance(data, dict) and isinstance(data.get("documents"), list) else data
+    for index, item in enumerate(items if isinstance(items, list) else [items], start=1):
+        item_raw = orjson.dumps(item)
+        if not isinstance(item, dict):
+            yield Rejection(origin, index, "not_an_object", f"item {index}: expected a JSON object, "
+                            f"got {type(item).__name__}", item_raw)
+            continue
+        yield parse_document_object(item, item_raw, line=index, origin=origin, base_dir=base_dir)
 
 
 def read_jsonl(path: str | Path) -> Iterator[DocumentRef | Rejection]:
@@ -149,7 +187,25 @@ def _split_uri_list(cell: str) -> list[str]:
 def _row_text(row: list[str]) -> bytes:
     out = io.StringIO()
     csv.writer(out, lineterminator="").writerow(row)
-    return out.getvalue().encode()
+    return out.getvalue().encode("utf-8", "surrogateescape")  # a non-UTF-8 row keeps its original bytes
+
+
+# Header names matched whatever their case; other columns keep theirs (they become metadata keys).
+_CANONICAL_COLUMNS = {"doc_id": "doc_id", "image_uri": "image_uri", "image_uris": "image_uris"}
+_NOT_UTF8 = re.compile("[\udc80-\udcff]")
+
+
+def _csv_delimiter(fh: IO[str]) -> str:
+    """The delimiter that splits the header into a doc_id column: ',' (the default), tab, ';' (spreadsheets in
+    locales with a decimal comma) or '|'. The file is left at its start."""
+    start = fh.tell()
+    first = fh.readline()
+    fh.seek(start)
+    for delimiter in (",", "\t", ";", "|"):
+        names = next(csv.reader([first], delimiter=delimiter), [])
+        if "doc_id" in (n.strip().lower() for n in names):
+            return delimiter
+    return ","
 
 
 def read_csv(path: str | Path) -> Iterator[DocumentRef | Rejection]:
@@ -160,12 +216,13 @@ def read_csv(path: str | Path) -> Iterator[DocumentRef | Rejection]:
     """
     path = Path(path).absolute()
     base_dir, origin = str(path.parent), str(path)
-    with open(path, newline="", encoding="utf-8-sig") as fh:
-        reader = csv.reader(fh)
+    # surrogateescape: a row that is not UTF-8 (a spreadsheet's Latin-1 export) is rejected alone, not the file.
+    with open(path, newline="", encoding="utf-8-sig", errors="surrogateescape") as fh:
+        reader = csv.reader(fh, delimiter=_csv_delimiter(fh))
         header = next(reader, None)
         if header is None:
             return
-        columns = [c.strip() for c in header]
+        columns = [_CANONICAL_COLUMNS.get(c.strip().lower(), c.strip()) for c in header]
         if "doc_id" not in columns or not ({"image_uri", "image_uris"} & set(columns)):
             yield Rejection(origin, 1, "invalid_csv_header",
                             f"the header must name doc_id and image_uri or image_uris; it has {columns}",
@@ -193,7 +250,12 @@ def read_csv(path: str | Path) -> Iterator[DocumentRef | Rejection]:
                 continue
             cells = dict(zip(columns, row))
             raw = _row_text(row)
+            not_utf8 = bool(_NOT_UTF8.search(raw.decode("utf-8", "surrogateescape")))
             doc_id = (cells.get("doc_id") or "").strip()
+            if not_utf8 and (not doc_id or _NOT_UTF8.search(doc_id)):
+                yield Rejection(origin, line_start, "not_utf8", "the row is not UTF-8 text (save the manifest "
+                                "as UTF-8)", raw)
+                continue
             if not doc_id:
                 yield Rejection(origin, line_start, "missing_doc_id", "doc_id is empty", raw)
                 continue
@@ -208,6 +270,10 @@ def read_csv(path: str | Path) -> Iterator[DocumentRef | Rejection]:
                 else:
                     seen[doc_id] = line_start
             group["raw"].append(raw)
+            if not_utf8:
+                group["error"] = group["error"] or ("not_utf8", "a row of the document is not UTF-8 text (save the "
+                                                    "manifest as UTF-8)", line_start)
+                continue
             single = (cells.get("image_uri") or "").strip()
             try:
                 images = _split_uri_list(cells.get("image_uris", ""))
@@ -223,8 +289,14 @@ def read_csv(path: str | Path) -> Iterator[DocumentRef | Rejection]:
 
 
 def read_manifest(path: str | Path) -> Iterator[DocumentRef | Rejection]:
-    """A CSV manifest by its .csv suffix, JSON lines otherwise."""
-    return read_csv(path) if Path(path).suffix.lower() == ".csv" else read_jsonl(path)
+    """CSV by a .csv or .tsv suffix (delimiter from the header), one JSON document list by .json, JSON lines
+    otherwise."""
+    suffix = Path(path).suffix.lower()
+    if suffix in (".csv", ".tsv"):
+        return read_csv(path)
+    if suffix == ".json":
+        return read_json_document_list(path)
+    return read_jsonl(path)
 
 
 # --- stdin ---------------------------------------------------------------------------------------
@@ -388,8 +460,9 @@ def follow_jsonl(path: str | Path, *, poll_s: float = 0.5, stop: threading.Event
     from its start; the ledger keeps that from publishing documents twice.
     """
     path = Path(path).absolute()
-    if path.suffix.lower() == ".csv":
-        raise ValueError("watching follows JSON-lines manifests; a CSV document's rows cannot be known complete")
+    if path.suffix.lower() in (".csv", ".tsv", ".json"):
+        raise ValueError("watching follows JSON-lines manifests; a CSV document's rows cannot be known complete "
+                         "and a .json list is one value")
     base_dir, origin = str(path.parent), str(path)
     deadline = time.monotonic() + max_seconds if max_seconds is not None else None
     fh: IO[bytes] | None = None

@@ -92,6 +92,40 @@ def test_bad_lines_become_rejections_naming_the_problem(tmp_path: Path) -> None:
     assert "doc_id" in too_long.detail  # the schema error names the field
 
 
+def test_manifests_as_other_tools_write_them(tmp_path: Path) -> None:
+    """What spreadsheets, editors and databases produce: a byte-order mark, tabs or semicolons, upper-case
+    headers, a Latin-1 row among UTF-8 ones, a .json list, numeric ids, one image without a list."""
+    def docs(name: str, data: bytes) -> list:
+        (tmp_path / name).write_bytes(data)
+        return list(read_manifest(tmp_path / name))
+
+    bom_lines = docs("m.jsonl", b'\xef\xbb\xbf{"doc_id": "a", "image_uris": ["x.jpg"]}\r\n\r\n'
+                                b'{"doc_id": 17, "image_uris": "y.jpg"}\n')
+    assert [(d.doc_id, d.image_uris) for d in bom_lines] == [("a", (str(tmp_path / "x.jpg"),)),
+                                                             ("17", (str(tmp_path / "y.jpg"),))]
+    for name, text in (("tabs.tsv", "doc_id\timage_uri\tpage\na\tx.jpg\t3\n"),
+                       ("semicolons.csv", "Doc_ID;Image_URI;page\na;x.jpg;3\n"),
+                       ("pipes.csv", "DOC_ID|IMAGE_URI|page\na|x.jpg|3\n")):
+        (doc,) = docs(name, text.encode())
+        assert (doc.doc_id, doc.image_uris, doc.metadata) == ("a", (str(tmp_path / "x.jpg"),), {"page": "3"}), name
+    latin1 = docs("latin1.csv", "doc_id,image_uri\na,x.jpg\nd\u00e9j\u00e0,y.jpg\nb,z.jpg\nc,1.jpg\nc,\u00e9t\u00e9.jpg\n"
+                  .encode("latin-1"))
+    published = [d.doc_id for d in latin1 if isinstance(d, DocumentRef)]
+    rejected = {r.line: r for r in latin1 if isinstance(r, Rejection)}
+    assert published == ["a", "b"] and sorted(rejected) == [3, 6]  # line 6: the row at fault
+    assert rejected[3].reason == "not_utf8" and rejected[3].doc_id is None
+    assert rejected[3].raw == "d\u00e9j\u00e0,y.jpg".encode("latin-1")  # the row's own bytes in the dead letter
+    assert (rejected[6].reason, rejected[6].doc_id) == ("not_utf8", "c")  # one bad row rejects its whole document
+    listed = docs("m.json", b'[{"doc_id": "a", "image_uris": ["x.jpg"]}, 5, {"doc_id": "b", "images": ["y.jpg"]}]')
+    assert [getattr(d, "doc_id", None) for d in listed] == ["a", None, "b"]
+    assert (listed[1].reason, listed[1].line) == ("not_an_object", 2)
+    (wrapped,) = docs("w.json", b'{"documents": [{"doc_id": "c", "image_uris": ["z.jpg"]}]}')
+    assert wrapped.doc_id == "c"
+    assert docs("bad.json", b"[{")[0].reason == "invalid_json"
+    assert parse_json_line(b'{"doc_id": true, "image_uris": ["x"]}', line=1, origin="m",
+                           base_dir=tmp_path).reason == "schema_violation"  # a boolean is not an id
+
+
 def test_folder_groups_subfolders_and_loose_files(tmp_path: Path) -> None:
     for name in ("book/p10.jpg", "book/p2.jpg", "book/notes.txt", "book/sub/p1.png", "loose.webp",
                  "empty/readme.md", ".hidden/x.jpg"):
@@ -103,6 +137,12 @@ def test_folder_groups_subfolders_and_loose_files(tmp_path: Path) -> None:
                                                                            "book/sub/p1.png"]
     assert sorted(folder_groups(tmp_path, per_file=True)) == ["book/p10.jpg", "book/p2.jpg", "book/sub/p1.png",
                                                               "loose.webp"]
+
+
+def test_folder_sources_pick_every_format_the_decode_stage_reads(tmp_path: Path) -> None:
+    for name in ("scan.jp2", "phone.HEIC", "page.pgm", "photo.avif", "notes.txt", "data.pdf"):
+        (tmp_path / name).write_bytes(b"not checked here")
+    assert sorted(folder_groups(tmp_path, per_file=True)) == ["page.pgm", "phone.HEIC", "photo.avif", "scan.jp2"]
 
 
 # --- sources on the real broker -----------------------------------------------------------------
@@ -203,7 +243,7 @@ def test_bad_lines_reported_with_line_numbers_and_dead_lettered(settings: Settin
         "this is not json",
         '{"image_uris": ["b.jpg"]}',
         '{"doc_id": "empty", "image_uris": []}',
-        '{"doc_id": "bad-type", "image_uris": "c.jpg"}',
+        '{"doc_id": "bad-type", "image_uris": {"c.jpg": 1}}',
         '{"doc_id": "good-2", "images": ["d.jpg"]}',
     ])
 
