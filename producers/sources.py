@@ -253,7 +253,7 @@ def read_csv(path: str | Path) -> Iterator[DocumentRef | Rejection]:
             not_utf8 = bool(_NOT_UTF8.search(raw.decode("utf-8", "surrogateescape")))
             doc_id = (cells.get("doc_id") or "").strip()
             if not_utf8 and (not doc_id or _NOT_UTF8.search(doc_id)):
-                yield Rejection(origin, line_start, "not_utf8", "the row is not UTF-8 text (save the manifest "
+                yield Rejection(origin, line_start, "invalid_utf8", "the row is not UTF-8 text (save the manifest "
                                 "as UTF-8)", raw)
                 continue
             if not doc_id:
@@ -271,7 +271,7 @@ def read_csv(path: str | Path) -> Iterator[DocumentRef | Rejection]:
                     seen[doc_id] = line_start
             group["raw"].append(raw)
             if not_utf8:
-                group["error"] = group["error"] or ("not_utf8", "a row of the document is not UTF-8 text (save the "
+                group["error"] = group["error"] or ("invalid_utf8", "a row of the document is not UTF-8 text (save the "
                                                     "manifest as UTF-8)", line_start)
                 continue
             single = (cells.get("image_uri") or "").strip()
@@ -304,7 +304,7 @@ def read_manifest(path: str | Path) -> Iterator[DocumentRef | Rejection]:
 
 def parse_stdin_line(raw: bytes, *, line: int, base_dir: str | Path, origin: str = "stdin") -> DocumentRef | Rejection:
     """A JSON object like a manifest line, or a bare path/URI: one image, one document, id = the text."""
-    text = raw.strip()
+    text = raw.strip().removeprefix(_BOM)  # PowerShell pipes start with one
     if text.startswith(b"{"):
         return parse_json_line(text, line=line, origin=origin, base_dir=base_dir)
     try:

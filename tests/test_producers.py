@@ -113,15 +113,18 @@ def test_manifests_as_other_tools_write_them(tmp_path: Path) -> None:
     published = [d.doc_id for d in latin1 if isinstance(d, DocumentRef)]
     rejected = {r.line: r for r in latin1 if isinstance(r, Rejection)}
     assert published == ["a", "b"] and sorted(rejected) == [3, 6]  # line 6: the row at fault
-    assert rejected[3].reason == "not_utf8" and rejected[3].doc_id is None
+    assert rejected[3].reason == "invalid_utf8" and rejected[3].doc_id is None
     assert rejected[3].raw == "d\u00e9j\u00e0,y.jpg".encode("latin-1")  # the row's own bytes in the dead letter
-    assert (rejected[6].reason, rejected[6].doc_id) == ("not_utf8", "c")  # one bad row rejects its whole document
+    assert (rejected[6].reason, rejected[6].doc_id) == ("invalid_utf8", "c")  # one bad row rejects its whole document
     listed = docs("m.json", b'[{"doc_id": "a", "image_uris": ["x.jpg"]}, 5, {"doc_id": "b", "images": ["y.jpg"]}]')
     assert [getattr(d, "doc_id", None) for d in listed] == ["a", None, "b"]
     assert (listed[1].reason, listed[1].line) == ("not_an_object", 2)
     (wrapped,) = docs("w.json", b'{"documents": [{"doc_id": "c", "image_uris": ["z.jpg"]}]}')
     assert wrapped.doc_id == "c"
     assert docs("bad.json", b"[{")[0].reason == "invalid_json"
+    from producers.sources import parse_stdin_line
+
+    assert parse_stdin_line(b"\xef\xbb\xbfscan.jpg\r\n", line=1, base_dir=tmp_path).doc_id == "scan.jpg"
     assert parse_json_line(b'{"doc_id": true, "image_uris": ["x"]}', line=1, origin="m",
                            base_dir=tmp_path).reason == "schema_violation"  # a boolean is not an id
 
