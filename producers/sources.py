@@ -250,7 +250,7 @@ def read_csv(path: str | Path) -> Iterator[DocumentRef | Rejection]:
                 continue
             cells = dict(zip(columns, row))
             raw = _row_text(row)
-            not_utf8 = bool(_NOT_UTF8.search(raw.decode("utf-8", "surrogateescape")))
+            not_utf8 = any(_NOT_UTF8.search(cell) for cell in row)
             doc_id = (cells.get("doc_id") or "").strip()
             if not_utf8 and (not doc_id or _NOT_UTF8.search(doc_id)):
                 yield Rejection(origin, line_start, "invalid_utf8", "the row is not UTF-8 text (save the manifest "
