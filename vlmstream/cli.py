@@ -102,6 +102,7 @@ def _register_optional_commands() -> None:
     app.command("replay")(ops_cli.replay)
     app.command("redrive")(ops_cli.redrive)
     app.command("status")(ops_cli.status)
+    app.command("export")(ops_cli.export)
     app.command("run")(pipeline_cli.run)
     app.command("bench")(pipeline_cli.bench)
 

@@ -1,6 +1,7 @@
-"""Operations on a running pipeline: `vlmstream replay`, `vlmstream redrive`, `vlmstream status`."""
+"""Operations on a running pipeline: `vlmstream replay`, `redrive`, `status` and `export`."""
 
 import sys
+from pathlib import Path
 from typing import Optional
 
 import typer
@@ -137,3 +138,35 @@ def _duration(seconds: float | None) -> str:
     if seconds < 7200:
         return f"{seconds // 60} min"
     return f"{seconds / 3600:.1f} h"
+
+
+def export(
+    ctx: typer.Context,
+    out: Path = typer.Argument(..., help="Folder for the files (created; new records are appended)."),
+    what: str = typer.Option("descriptions,embeddings,results,deadletter", "--what",
+                             help="Comma-separated: descriptions, embeddings, results, deadletter."),
+    follow: bool = typer.Option(False, "--follow", help="Keep appending as records arrive, until Ctrl-C/SIGTERM."),
+    group_id: str = typer.Option("vlmstream-export", "--group-id", help="Remembers how far the files go; another "
+                                 "group id exports everything again into another folder."),
+) -> None:
+    """Append the output topics' records since the last export to JSON-lines files (vectors to one binary file)."""
+    import signal
+    import threading
+
+    from vlmstream.cli_support import bootstrap, settings_from
+    from vlmstream.export import export as run_export
+
+    settings = bootstrap(settings_from(ctx))
+    stop = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stop.set())
+    try:
+        report = run_export(settings, out, tuple(k.strip() for k in what.split(",") if k.strip()), follow=follow,
+                            group_id=group_id, should_stop=stop.is_set)
+    except (ValueError, RuntimeError) as exc:
+        print(f"export: {exc}", file=sys.stderr)
+        raise typer.Exit(2)
+    written = ", ".join(f"{n} {kind}" for kind, n in report.written.items())
+    print(f"appended {written}" + (f"; {report.unreadable} unreadable record(s) left out" if report.unreadable else ""))
+    for name in report.files:
+        print(f"  {name}")

@@ -1,0 +1,102 @@
+"""`vlmstream export` on the real broker: output topics into files, each record once across runs."""
+
+from __future__ import annotations
+
+import numpy as np
+import orjson
+import pytest
+from kafka import KafkaProducer
+from typer.testing import CliRunner
+
+from schemas import DeadLetter, Description, DocumentResult, Embedding
+from vlmstream.cli import app
+from vlmstream.export import export
+
+pytestmark = pytest.mark.kafka
+
+
+def publish(settings, records: list[tuple[str, bytes]]) -> None:
+    producer = KafkaProducer(**settings.kafka.client_kwargs())
+    for topic, value in records:
+        producer.send(topic, key=b"k", value=value)
+    producer.flush()
+    producer.close()
+
+
+def description(doc: str, index: int) -> Description:
+    return Description(doc_id=doc, image_index=index, image_count=2, text=f"text {doc} {index}", model="tiny",
+                       prompt_id="p1", engine="transformers")
+
+
+def embedding(doc: str, index: int, seed: int) -> Embedding:
+    vector = np.random.default_rng(seed).standard_normal(16).astype(np.float16)
+    return Embedding.from_vector(vector, doc_id=doc, image_index=index, image_count=2, model="tiny")
+
+
+def test_export_appends_each_record_once_and_vectors_come_back_exactly(topic_names, unique, tmp_path):
+    t = topic_names.topics
+    embeddings = [embedding("d1", 0, 1), embedding("d1", 1, 2)]
+    publish(topic_names, [(t.descriptions, description("d1", 0).encode()),
+                          (t.descriptions, description("d1", 1).encode()), (t.descriptions, b"not json"),
+                          *((t.embeddings, e.encode()) for e in embeddings),
+                          (t.results, DocumentResult(doc_id="d1", image_count=2, succeeded=2, failed=0,
+                                                     images=({"image_index": 0, "status": "ok"},
+                                                             {"image_index": 1, "status": "ok"})).encode()),
+                          (t.deadletter, DeadLetter(stage="decode", error_kind="decode_truncated", detail="cut",
+                                                    doc_id="d2").encode())])
+    group = f"export-{unique}"
+    first = export(topic_names, tmp_path, group_id=group)
+    assert first.written == {"descriptions": 2, "embeddings": 2, "results": 1, "deadletter": 1}
+    assert first.unreadable == 1
+
+    lines = [orjson.loads(line) for line in (tmp_path / "descriptions.jsonl").read_bytes().splitlines()]
+    assert sorted((d["doc_id"], d["image_index"], d["text"]) for d in lines) == [("d1", 0, "text d1 0"),
+                                                                                 ("d1", 1, "text d1 1")]
+    index = [orjson.loads(line) for line in (tmp_path / "embeddings.jsonl").read_bytes().splitlines()]
+    vectors = np.fromfile(tmp_path / "embeddings.float16", dtype="<f2").reshape(-1, 16)
+    for meta in index:
+        expected = next(e for e in embeddings if e.image_index == meta["image_index"]).vector()
+        np.testing.assert_array_equal(vectors[meta["row"]], expected)
+    assert orjson.loads((tmp_path / "results.jsonl").read_bytes())["succeeded"] == 2
+    assert orjson.loads((tmp_path / "deadletter.jsonl").read_bytes())["doc_id"] == "d2"
+
+    # Nothing new: nothing appended. One new description: only it.
+    assert export(topic_names, tmp_path, group_id=group).written == {k: 0 for k in first.written}
+    publish(topic_names, [(t.descriptions, description("d3", 0).encode())])
+    env = {f"VLMSTREAM_TOPICS__{name.upper()}": getattr(t, name) for name in ("descriptions", "embeddings",
+                                                                            "results", "deadletter")}
+    env["VLMSTREAM_BOOTSTRAP_SERVERS"] = topic_names.kafka.bootstrap_servers
+    code = CliRunner().invoke(app, ["export", str(tmp_path), "--what", "descriptions", "--group-id", group], env=env)
+    assert code.exit_code == 0, code.output
+    assert "appended 1 descriptions" in code.output
+    assert len((tmp_path / "descriptions.jsonl").read_bytes().splitlines()) == 3
+
+
+def test_export_names_what_it_cannot_do(topic_names, tmp_path):
+    with pytest.raises(ValueError, match="unknown kinds"):
+        export(topic_names, tmp_path, ("descriptions", "pixels"))
+
+
+def test_follow_appends_what_arrives_until_asked_to_stop(topic_names, unique, tmp_path):
+    import threading
+    import time
+
+    stop = threading.Event()
+    reports = []
+    follower = threading.Thread(target=lambda: reports.append(
+        export(topic_names, tmp_path, ("descriptions",), follow=True, group_id=f"export-{unique}",
+               should_stop=stop.is_set)))
+    follower.start()
+    try:
+        time.sleep(1.0)  # running and caught up on an empty topic: it keeps waiting
+        assert follower.is_alive()
+        publish(topic_names, [(topic_names.topics.descriptions, description("late", 0).encode())])
+        path = tmp_path / "descriptions.jsonl"
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not (path.exists() and path.read_bytes()):
+            time.sleep(0.2)
+        assert orjson.loads(path.read_bytes())["doc_id"] == "late"
+    finally:
+        stop.set()
+        follower.join(30)
+    assert not follower.is_alive() and reports[0].written == {"descriptions": 1}
