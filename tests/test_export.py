@@ -100,3 +100,17 @@ def test_follow_appends_what_arrives_until_asked_to_stop(topic_names, unique, tm
         stop.set()
         follower.join(30)
     assert not follower.is_alive() and reports[0].written == {"descriptions": 1}
+
+
+def test_a_topic_written_in_transactions_is_exported_and_the_export_ends(topic_names, unique, tmp_path):
+    """With infer.exactly_once every commit leaves a marker after the records: the export must still see the end."""
+    producer = KafkaProducer(**topic_names.kafka.client_kwargs(), transactional_id=f"export-test-{unique}",
+                             enable_idempotence=True)
+    producer.init_transactions()
+    for doc in ("t1", "t2"):
+        producer.begin_transaction()
+        producer.send(topic_names.topics.descriptions, key=doc.encode(), value=description(doc, 0).encode())
+        producer.commit_transaction()
+    producer.close()
+    report = export(topic_names, tmp_path, ("descriptions",), group_id=f"export-{unique}")
+    assert report.written == {"descriptions": 2}
