@@ -152,7 +152,7 @@ def test_status_counts_throughput_by_record_time_and_a_sample_measures_each_stag
     assert decode_stage.consumed_per_s == pytest.approx((8 - left) / 3.0)
     assert decode_stage.eta_s == pytest.approx(left / ((8 - left) / 3.0))
     assert next(s for s in stages if s.stage == "infer").eta_s == 0.0  # no backlog
-    assert StageStatus("infer", "g", "Empty", 0, {"t": 5}, 0.0, 3.0).eta_s is None  # a backlog and no progress
+    assert StageStatus("infer", "g", "Empty", 0, {"t": 5}, 0.0).eta_s is None  # a backlog and no progress
 
     code, out = cli(settings, "status", "--sample", "0.5", "--windows", "60,10800")
     assert code == 0, out

@@ -291,7 +291,6 @@ class StageStatus:
     members: int
     lag: dict[str, int]  # topic -> end offsets - committed (uncommitted partitions count from the earliest)
     consumed_per_s: float | None = None  # over the status command's sample, when it took one
-    sample_s: float = 0.0
 
     @property
     def eta_s(self) -> float | None:
@@ -302,9 +301,9 @@ class StageStatus:
         return total / self.consumed_per_s if total else 0.0
 
 
-def _stage_positions(admin: Any, stage: str, settings: Settings) -> tuple[str, list[str], Counter, int]:
-    """(group, topics, lag per topic, how far the group has got: its committed offsets summed, the earliest
-    offset standing in for a partition it never committed)."""
+def _stage_positions(admin: Any, stage: str, settings: Settings) -> tuple[str, Counter, int]:
+    """(group, lag per topic, how far the group has got: its committed offsets summed, the earliest offset
+    standing in for a partition it never committed)."""
     group_id, topics = stage_group(settings, stage)
     tps = _partitions(admin, topics)
     committed = _retry(lambda: admin.list_group_offsets({group_id: tps}))[group_id]
@@ -317,7 +316,7 @@ def _stage_positions(admin: Any, stage: str, settings: Settings) -> tuple[str, l
         done = meta.offset if meta is not None and meta.offset >= 0 else earliest[tp].offset
         lag[tp.topic] += max(0, latest[tp].offset - done)
         position += done
-    return group_id, topics, lag, position
+    return group_id, lag, position
 
 
 def pipeline_status(settings: Settings, sample_s: float = 0.0) -> tuple[list[StageStatus], Counter]:
@@ -326,14 +325,14 @@ def pipeline_status(settings: Settings, sample_s: float = 0.0) -> tuple[list[Sta
     admin = make_admin(settings)
     stages = []
     try:
-        before = {stage: _stage_positions(admin, stage, settings)[3] for stage in STAGES} if sample_s > 0 else {}
+        before = {stage: _stage_positions(admin, stage, settings)[2] for stage in STAGES} if sample_s > 0 else {}
         if sample_s > 0:
             time.sleep(sample_s)
         for stage in STAGES:
-            group_id, _topics, lag, position = _stage_positions(admin, stage, settings)
+            group_id, lag, position = _stage_positions(admin, stage, settings)
             state, members = group_state(admin, group_id)
             rate = max(0, position - before[stage]) / sample_s if sample_s > 0 else None
-            stages.append(StageStatus(stage, group_id, state, len(members), dict(lag), rate, sample_s))
+            stages.append(StageStatus(stage, group_id, state, len(members), dict(lag), rate))
     finally:
         admin.close()
     letters: Counter = Counter()
