@@ -157,3 +157,5 @@ def test_status_counts_throughput_by_record_time_and_a_sample_measures_each_stag
     code, out = cli(settings, "status", "--sample", "0.5", "--windows", "60,10800")
     assert code == 0, out
     assert "consumed/s" in out and "documents published" in out and "last 3.0 h" in out, out
+    code, out = cli(settings, "status", "--windows", "0")
+    assert code == 2 and "above 0" in out, out

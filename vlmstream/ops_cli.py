@@ -96,7 +96,9 @@ def status(
     try:
         window_s = tuple(int(w) for w in windows.split(",") if w.strip())
     except ValueError:
-        console.print(f"[red]--windows takes whole seconds, comma-separated; got {windows!r}[/]")
+        window_s = ()
+    if not window_s or min(window_s) <= 0:
+        console.print(f"[red]--windows takes whole seconds above 0, comma-separated; got {windows!r}[/]")
         raise typer.Exit(2)
     stages, letters = pipeline_status(settings, sample_s=sample)
     table = Table(title="stages" + (f" (rates over a {sample:g} s sample)" if sample > 0 else ""))
