@@ -114,3 +114,26 @@ def test_a_topic_written_in_transactions_is_exported_and_the_export_ends(topic_n
     producer.close()
     report = export(topic_names, tmp_path, ("descriptions",), group_id=f"export-{unique}")
     assert report.written == {"descriptions": 2}
+
+
+def test_what_a_killed_export_left_half_written_is_cut_before_appending(topic_names, unique, tmp_path):
+    """Killed between writing and committing: a partial last line, a vector without its index line. The next run
+    writes those records again, so it must first cut the remains, or rows would shift."""
+    t = topic_names.topics
+    first, second = embedding("k", 0, 3), embedding("k", 1, 4)
+    publish(topic_names, [(t.embeddings, first.encode()), (t.descriptions, description("k", 0).encode())])
+    group = f"export-{unique}"
+    export(topic_names, tmp_path, group_id=group)
+    with open(tmp_path / "descriptions.jsonl", "ab") as fh:
+        fh.write(b'{"doc_id": "half-writ')
+    with open(tmp_path / "embeddings.float16", "ab") as fh:
+        fh.write(second.vector().tobytes()[:10])  # part of a vector whose index line never came
+    publish(topic_names, [(t.embeddings, second.encode())])
+    export(topic_names, tmp_path, group_id=group)
+    assert [orjson.loads(line)["doc_id"] for line in (tmp_path / "descriptions.jsonl").read_bytes().splitlines()] \
+        == ["k"]
+    vectors = np.fromfile(tmp_path / "embeddings.float16", dtype="<f2").reshape(-1, 16)
+    rows = {orjson.loads(line)["image_index"]: orjson.loads(line)["row"]
+            for line in (tmp_path / "embeddings.jsonl").read_bytes().splitlines()}
+    assert rows == {0: 0, 1: 1}
+    np.testing.assert_array_equal(vectors[1], second.vector())

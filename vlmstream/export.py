@@ -49,6 +49,27 @@ class _Files:
         folder.mkdir(parents=True, exist_ok=True)
         self.folder = folder
         self._open: dict[str, IO[bytes]] = {}
+        self._repair()
+
+    def _repair(self) -> None:
+        """Cut what a killed export left half-written: its records were never committed, so this run writes them
+        again, and a partial line or vector would corrupt what follows (a misplaced row in the vector file)."""
+        for path in self.folder.glob("*.jsonl"):
+            data = path.read_bytes()
+            if data and not data.endswith(b"\n"):
+                with open(path, "r+b") as fh:
+                    fh.truncate(data.rfind(b"\n") + 1)
+        index = self.folder / "embeddings.jsonl"
+        last = index.read_bytes().rsplit(b"\n", 2)[-2] if index.exists() and index.stat().st_size else b""
+        ends: dict[str, int] = {}
+        if last:
+            meta = orjson.loads(last)
+            ends[meta["dtype"]] = meta["offset"] + meta["dim"] * (4 if meta["dtype"] == "float32" else 2)
+        for dtype in ("float16", "float32"):
+            vectors = self.folder / f"embeddings.{dtype}"
+            if vectors.exists() and vectors.stat().st_size > ends.get(dtype, 0):
+                with open(vectors, "r+b") as fh:  # vectors written after the last index line: orphans
+                    fh.truncate(ends.get(dtype, 0))
 
     def append(self, name: str, data: bytes) -> int:
         """Appends data; returns the file's size before it (the row number of fixed-size vectors follows)."""
