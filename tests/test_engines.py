@@ -345,3 +345,39 @@ def test_vllm_engine_process_starts_with_few_cpu_threads_and_this_one_keeps_its_
         assert os.environ["OMP_NUM_THREADS"] == "3"
     with engine_process_threads(0):
         assert "VLLM_WORKER_MULTIPROC_METHOD" not in os.environ
+
+
+def test_the_encoder_hands_transformers_the_index_tensors_it_derived_on_the_cpu(images, model_dir):
+    """Derived from the grid on the CPU (a grid on the GPU makes transformers wait for the GPU several times per
+    forward), and really used: a forward given altered positions computes something else."""
+    from consumers.infer.vision import VisionEncoder, load_vision_tower, patchify_batch
+
+    tower, _ = load_vision_tower(model_dir, "cpu", torch.float32)
+    encoder = VisionEncoder(tower, "cpu", torch.float32, attention="sdpa")
+    pixel_values, grid_thw = patchify_batch(images[:3])
+    assert grid_thw.device.type == "cpu"
+    inputs = encoder._index_inputs(grid_thw)
+    assert set(inputs) == {"position_ids", "cu_seqlens", "max_seqlen", "window_index", "cu_window_seqlens",
+                           "max_window_seqlen"}
+    assert inputs["max_seqlen"] == int(grid_thw[:, 1:].prod(-1).max())  # one image's patches, unwindowed
+    given_inputs = encoder._index_inputs(grid_thw)
+    altered_inputs = {**encoder._index_inputs(grid_thw), "position_ids": torch.zeros_like(inputs["position_ids"])}
+    derivations = []
+    real_unique_consecutive = torch.unique_consecutive
+
+    def counting_unique_consecutive(*args, **kwargs):  # transformers calls it when it derives the window bounds
+        derivations.append(1)
+        return real_unique_consecutive(*args, **kwargs)
+
+    torch.unique_consecutive = counting_unique_consecutive
+    try:
+        with torch.inference_mode():
+            derived = tower(pixel_values, grid_thw=grid_thw).pooler_output
+            assert len(derivations) == 1
+            given = tower(pixel_values, grid_thw=grid_thw, **given_inputs).pooler_output
+            assert len(derivations) == 1  # with ours given, transformers derived none of its own
+            altered = tower(pixel_values, grid_thw=grid_thw, **altered_inputs)
+    finally:
+        torch.unique_consecutive = real_unique_consecutive
+    torch.testing.assert_close(given, derived, atol=1e-5, rtol=1e-4)
+    assert not torch.equal(altered.pooler_output, derived)  # the positions given are the ones used

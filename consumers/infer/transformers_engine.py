@@ -168,7 +168,7 @@ class TransformersEngine(QueuedEngine):
             # the embeddings, so the vision tower does not run again inside generate.
             sequences = self.model.generate(
                 input_ids=input_ids, inputs_embeds=embeds, attention_mask=attention_mask,
-                image_grid_thw=grid_thw, mm_token_type_ids=image_mask.int(), generation_config=config,
+                image_grid_thw=grid_thw.to(self.device), mm_token_type_ids=image_mask.int(), generation_config=config,
             )
             self._sync()
         generated = time.perf_counter()

@@ -18,6 +18,11 @@ from typing import Sequence
 import numpy as np
 import torch
 
+try:  # transformers 5: the vision forward takes its index tensors precomputed (VisionEncoder._index_inputs)
+    from transformers import vision_utils as _vision_utils
+except ImportError:  # older transformers derives them itself
+    _vision_utils = None
+
 log = logging.getLogger(__name__)
 
 PATCH_SIZE = 14
@@ -86,9 +91,10 @@ def patchify(image: np.ndarray | torch.Tensor, device: torch.device | str = "cpu
 
 def patchify_batch(images: Sequence[np.ndarray], device: torch.device | str = "cpu",
                    dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-    """Several images -> concatenated pixel_values and their (n, 3) grid_thw, as the processor returns them."""
+    """Several images -> concatenated pixel_values (on device) and their (n, 3) grid_thw, as the processor returns
+    them. The grid stays on the CPU: the encoder derives its index tensors from it there (encode_patches)."""
     parts, grids = zip(*(patchify(image, device, dtype) for image in images))
-    return torch.cat(parts), torch.tensor(grids, dtype=torch.long, device=device)
+    return torch.cat(parts), torch.tensor(grids, dtype=torch.long)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -431,10 +437,37 @@ class VisionEncoder:
     @torch.inference_mode()
     def encode_patches(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> list[torch.Tensor]:
         """Already patchified input (as the processor or ``patchify_batch`` returns it) -> per-image tokens."""
-        out = self.visual(pixel_values.to(self.device, self.dtype), grid_thw=grid_thw.to(self.device))
+        grid_cpu = grid_thw.cpu()  # free when it is there already, as patchify_batch leaves it
+        out = self.visual(pixel_values.to(self.device, self.dtype), grid_thw=grid_cpu.to(self.device),
+                          **self._index_inputs(grid_cpu))
         merged = out.pooler_output if hasattr(out, "pooler_output") else out
-        sizes = (grid_thw.prod(-1) // self.merge_unit).tolist()
+        sizes = (grid_cpu.prod(-1) // self.merge_unit).tolist()
         return list(merged.split(sizes))
+
+    def _index_inputs(self, grid_cpu: torch.Tensor) -> dict:
+        """The forward's index tensors (rotary positions, window order, sequence bounds), derived from the grid on
+        the CPU and sent over with the batch. From a grid on the GPU, transformers derives them there in many
+        small kernels and waits for the GPU several times per forward (.tolist(), .item(), unique_consecutive):
+        each wait a stall behind the language model's turn when both share the GPU. Empty (transformers derives
+        them itself) where its vision_utils cannot take them (before transformers 5)."""
+        if _vision_utils is None:
+            return {}
+        visual = self.visual
+        cu_seqlens = _vision_utils.get_vision_cu_seqlens(grid_cpu)
+        window_index, cu_window_seqlens = _vision_utils.get_vision_window_index(
+            grid_cpu, spatial_merge_size=visual.spatial_merge_size, window_size=visual.window_size,
+            patch_size=visual.patch_size)
+        position_ids = _vision_utils.get_vision_position_ids(grid_cpu, visual.spatial_merge_size)
+
+        def longest(bounds: torch.Tensor) -> int:
+            return int((bounds[1:] - bounds[:-1]).max()) if len(bounds) > 1 else 0
+
+        def there(tensor: torch.Tensor) -> torch.Tensor:
+            return tensor.to(self.device, non_blocking=True)
+
+        return {"position_ids": there(position_ids), "cu_seqlens": there(cu_seqlens), "max_seqlen": longest(cu_seqlens),
+                "window_index": there(window_index), "cu_window_seqlens": there(cu_window_seqlens),
+                "max_window_seqlen": longest(cu_window_seqlens)}
 
     def encode(self, images: Sequence[np.ndarray]) -> list[EncodedImage]:
         results: list[EncodedImage] = []
