@@ -236,3 +236,14 @@ def test_heic_rotation_is_applied_once(tmp_path):
     assert pixels.shape[0] > pixels.shape[1]  # portrait, as displayed
     corner = pixels[:14, -14:].reshape(-1, 3).mean(axis=0)  # clockwise: the top-left corner lands top-right
     assert corner[0] > 150 and corner[1] < 80 and corner[2] < 80, corner
+
+
+def test_jpeg2000_that_cannot_drop_the_levels_its_header_promised_decodes_at_full_size(tmp_path, monkeypatch):
+    """A component may have fewer levels than the main header says (a COC segment): the reduced decode fails,
+    and the picture is decoded whole rather than dead-lettered."""
+    from consumers.decode import decode
+
+    one_level = images._save(images._photo_like(1600, 1200, 9), "JPEG2000", num_resolutions=2)
+    monkeypatch.setattr(decode, "jpeg2000_decomposition_levels", lambda data: 5)
+    decoded = Decoder(max_pixels=128 * 28 * 28).decode(one_level)
+    assert decoded.scale == 1.0 and decoded.pixels.shape == (1200, 1600, 3)

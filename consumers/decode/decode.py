@@ -242,11 +242,14 @@ class Decoder:
                         levels = min(jpeg2000_levels_to_drop(stored_w, stored_h, need_w, need_h),
                                      jpeg2000_decomposition_levels(data))
                         if levels:
+                            image.reduce = levels
                             try:
-                                return self._decode_jpeg2000_reduced(data, levels, orientation, width, height,
-                                                                     target_w, target_h)
+                                image.load()
                             except (OSError, ValueError):
-                                pass  # a component with fewer levels (COC): decode at full size below
+                                # A component with fewer levels (COC): the failed load leaves this image
+                                # unusable, so the whole picture again, at full size.
+                                image = Image.open(BytesIO(data))
+                            scale = image.size[0] / stored_w
                     image.load()
                     pixels = to_rgb(image)
         except ImageError:
@@ -256,16 +259,6 @@ class Decoder:
         except (OSError, SyntaxError, ValueError, EOFError, struct.error, IndexError) as exc:
             raise _pillow_failure(fmt, exc, data) from exc
         return Decoded(pixels, orientation, width, height, target_w, target_h, fmt, scale)
-
-    @staticmethod
-    def _decode_jpeg2000_reduced(data: bytes, levels: int, orientation: int, width: int, height: int,
-                                 target_w: int, target_h: int) -> Decoded:
-        with Image.open(BytesIO(data)) as image:
-            stored_w = image.size[0]
-            image.reduce = levels
-            image.load()
-            pixels = to_rgb(image)
-        return Decoded(pixels, orientation, width, height, target_w, target_h, "jpeg2000", pixels.shape[1] / stored_w)
 
 
 def jpeg2000_decomposition_levels(data: bytes) -> int:
