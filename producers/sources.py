@@ -90,26 +90,22 @@ def parse_json_line(raw: bytes, *, line: int, origin: str, base_dir: str | Path)
     Other top-level keys join the metadata (like a CSV manifest's extra columns); an explicit
     "metadata" object wins on a clash.
     """
-
-    def reject(reason: str, detail: str, doc_id: Any = None) -> Rejection:
-        return Rejection(origin, line, reason, detail, raw, doc_id if isinstance(doc_id, str) else None)
-
     try:
         data = orjson.loads(raw.removeprefix(_BOM))  # a UTF-8 byte-order mark, as Windows editors write
     except orjson.JSONDecodeError as exc:
-        return reject("invalid_json", f"not valid JSON: {exc}")
-    if not isinstance(data, dict):
-        return reject("not_an_object", f"expected a JSON object, got {type(data).__name__}")
+        return Rejection(origin, line, "invalid_json", f"not valid JSON: {exc}", raw)
     return parse_document_object(data, raw, line=line, origin=origin, base_dir=base_dir)
 
 
-def parse_document_object(data: dict, raw: bytes, *, line: int, origin: str,
+def parse_document_object(data: Any, raw: bytes, *, line: int, origin: str,
                           base_dir: str | Path) -> DocumentRef | Rejection:
-    """A document as a JSON object (a manifest line, or an element of a JSON manifest's list)."""
+    """A parsed JSON value that should be a document (a manifest line, or an element of a JSON manifest's list)."""
 
     def reject(reason: str, detail: str, doc_id: Any = None) -> Rejection:
         return Rejection(origin, line, reason, detail, raw, doc_id if isinstance(doc_id, str) else None)
 
+    if not isinstance(data, dict):
+        return reject("not_an_object", f"expected a JSON object, got {type(data).__name__}")
     doc_id = data.get("doc_id")
     if isinstance(doc_id, int) and not isinstance(doc_id, bool):
         doc_id = str(doc_id)  # numeric ids, as databases export them; their text is the id
@@ -151,12 +147,7 @@ def read_json_document_list(path: str | Path) -> Iterator[DocumentRef | Rejectio
         return
     items = data.get("documents") if isinstance(data, dict) and isinstance(data.get("documents"), list) else data
     for index, item in enumerate(items if isinstance(items, list) else [items], start=1):
-        item_raw = orjson.dumps(item)
-        if not isinstance(item, dict):
-            yield Rejection(origin, index, "not_an_object", f"item {index}: expected a JSON object, "
-                            f"got {type(item).__name__}", item_raw)
-            continue
-        yield parse_document_object(item, item_raw, line=index, origin=origin, base_dir=base_dir)
+        yield parse_document_object(item, orjson.dumps(item), line=index, origin=origin, base_dir=base_dir)
 
 
 def read_jsonl(path: str | Path) -> Iterator[DocumentRef | Rejection]:
