@@ -14,13 +14,12 @@ def replay(
     dry_run: bool = typer.Option(False, "--dry-run", help="Print what would be redone; change nothing."),
 ) -> None:
     """Rewind a stage's consumer group so its workers redo the messages after a point (workers must be stopped)."""
-    from rich.console import Console
     from rich.table import Table
 
     from vlmstream.cli_support import bootstrap, settings_from
     from vlmstream.replay import ReplayRefused, apply_replay, plan_replay
 
-    console = Console()
+    console = _console()
     settings = bootstrap(settings_from(ctx))
     try:
         plan = plan_replay(settings, stage, to)
@@ -60,12 +59,11 @@ def redrive(
     dry_run: bool = typer.Option(False, "--dry-run", help="Count what would be republished; send nothing."),
 ) -> None:
     """Republish dead letters' original records to their source topic for another try."""
-    from rich.console import Console
 
     from vlmstream.cli_support import bootstrap, settings_from
     from vlmstream.replay import redrive as do_redrive
 
-    console = Console()
+    console = _console()
     settings = bootstrap(settings_from(ctx))
     report = do_redrive(settings, stage=stage, error_kind=error_kind, dry_run=dry_run)
     verb = "would republish" if dry_run else "republished"
@@ -84,14 +82,12 @@ def status(
 ) -> None:
     """Consumer lag, group state and members per stage; each topic's throughput over recent windows; dead-letter
     counts by stage and error kind."""
-    from rich.console import Console
     from rich.table import Table
 
     from vlmstream.cli_support import bootstrap, settings_from
     from vlmstream.replay import pipeline_status, pipeline_throughput
 
-    # Piped into a file or a log, rich would assume 80 columns and cut the tables' cells short.
-    console = Console() if sys.stdout.isatty() else Console(width=160)
+    console = _console()
     settings = bootstrap(settings_from(ctx))
     try:
         window_s = tuple(int(w) for w in windows.split(",") if w.strip())
@@ -129,6 +125,13 @@ def status(
     for (stage, kind), count in sorted(letters.items()):
         dead.add_row(stage, kind, str(count))
     console.print(dead)
+
+
+def _console():
+    from rich.console import Console
+
+    # Piped into a file or a log, rich would assume 80 columns and cut the tables' cells short.
+    return Console() if sys.stdout.isatty() else Console(width=160)
 
 
 def _duration(seconds: float | None) -> str:
