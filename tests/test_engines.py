@@ -381,3 +381,32 @@ def test_the_encoder_hands_transformers_the_index_tensors_it_derived_on_the_cpu(
         torch.unique_consecutive = real_unique_consecutive
     torch.testing.assert_close(given, derived, atol=1e-5, rtol=1e-4)
     assert not torch.equal(altered.pooler_output, derived)  # the positions given are the ones used
+
+
+def test_a_batch_leaves_the_gpu_in_one_copy_per_kind_with_the_same_values(monkeypatch):
+    """Embeddings and tokens of a whole batch come to the host in one copy each (each copy waits for a GPU that the
+    language model shares), equal to the one-image definitions, and every image's tokens own their storage (vLLM
+    ships a tensor's whole storage, so a view would carry the batch)."""
+    from consumers.infer.vision import mean_pool, mean_pool_each, to_host_each
+
+    generator = torch.Generator().manual_seed(7)
+    merged = torch.randn(5 + 9 + 1, 16, generator=generator).to(torch.bfloat16)
+    tokens = list(merged.split([5, 9, 1]))
+    copies = []
+    real_cpu = torch.Tensor.cpu
+
+    def counting_cpu(self, *args, **kwargs):
+        copies.append(tuple(self.shape))
+        return real_cpu(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "cpu", counting_cpu)
+    pooled = mean_pool_each(tokens)
+    host = to_host_each(tokens)
+    assert copies == [(3, 16), (15, 16)]  # the pooled batch, then the tokens: not one copy per image
+    monkeypatch.setattr(torch.Tensor, "cpu", real_cpu)
+    for one, together in zip(tokens, pooled):
+        assert together.dtype == np.float16 and np.array_equal(together, mean_pool(one))
+    for one, own in zip(tokens, host):
+        assert torch.equal(own, one)
+        assert own.untyped_storage().nbytes() == own.numel() * own.element_size()
+    assert mean_pool_each([]) == [] and to_host_each([]) == []

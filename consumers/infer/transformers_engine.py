@@ -20,7 +20,7 @@ from consumers.infer.engine import ENGINE_DEAD as _DEAD
 from consumers.infer.engine import (InferenceFailure, InferenceOutput, InferenceRequest,
                                     QueuedEngine)
 from consumers.infer.prompts import IMAGE_PAD, OutputSchema, PromptBuilder, with_schema
-from consumers.infer.vision import VisionEncoder, mean_pool, patchify_batch, request_problem
+from consumers.infer.vision import VisionEncoder, mean_pool_each, patchify_batch, request_problem
 from vlmstream.config import InferSettings
 
 log = logging.getLogger(__name__)
@@ -181,6 +181,8 @@ class TransformersEngine(QueuedEngine):
             "generate_ms": (generated - encoded) * 1e3,
             "batch_ms": (generated - started) * 1e3,
         }
+        wanted = [i for i, (request, _) in enumerate(items) if request.want_embedding]
+        embeddings = dict(zip(wanted, mean_pool_each([image_tokens[i] for i in wanted])))
         results = []
         for i, (request, submitted) in enumerate(items):
             tokens = self._trim(new_tokens[i], request.max_new_tokens)
@@ -190,7 +192,7 @@ class TransformersEngine(QueuedEngine):
                 prompt_tokens=int(prompt_lengths[i]),
                 output_tokens=len(tokens),
                 visual_tokens=int(image_tokens[i].shape[0]),
-                embedding=mean_pool(image_tokens[i]) if request.want_embedding else None,
+                embedding=embeddings.get(i),
                 timings_ms={"queue_ms": (started - submitted) * 1e3, **per_batch},
             )
             results.append(with_schema(self.schema, output))

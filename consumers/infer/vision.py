@@ -387,6 +387,25 @@ def mean_pool(tokens: torch.Tensor) -> np.ndarray:
     return tokens.float().mean(0).to(torch.float16).cpu().numpy()
 
 
+def mean_pool_each(tokens: Sequence[torch.Tensor]) -> list[np.ndarray]:
+    """``mean_pool`` of each image's tokens, brought to the host in one copy. Each copy from the GPU waits for it,
+    and on a GPU shared with the language model every wait can last the other context's turn: one per batch, not
+    one per image."""
+    if not tokens:
+        return []
+    return list(torch.stack([t.float().mean(0) for t in tokens]).to(torch.float16).cpu().numpy())
+
+
+def to_host_each(tokens: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Each image's tokens as a CPU tensor with storage of its own, from one copy of the batch off the GPU (one
+    wait, as in ``mean_pool_each``). Own storage because vLLM's front end serialises each tensor with its whole
+    storage: a view into the batch would ship the batch once per image."""
+    if not tokens:
+        return []
+    batch = torch.cat(list(tokens)).cpu()
+    return [part.clone() for part in batch.split([t.shape[0] for t in tokens])]
+
+
 class VisionEncoder:
     """Qwen2.5-VL's vision tower (``model.visual`` or a tower loaded alone) behind ``encode(images)``.
 

@@ -36,8 +36,8 @@ from consumers.infer.engine import ENGINE_DEAD as _DEAD
 from consumers.infer.engine import (InferenceFailure, InferenceOutput, InferenceRequest,
                                     QueuedEngine)
 from consumers.infer.prompts import OutputSchema, PromptBuilder, with_schema
-from consumers.infer.vision import (MERGE_SIZE, VisionEncoder, groups_by_patches, load_vision_tower, mean_pool,
-                                    patchify_batch, request_problem)
+from consumers.infer.vision import (MERGE_SIZE, VisionEncoder, groups_by_patches, load_vision_tower, mean_pool_each,
+                                    patchify_batch, request_problem, to_host_each)
 from vlmstream.config import InferSettings
 
 log = logging.getLogger(__name__)
@@ -275,10 +275,10 @@ class VllmEngine(QueuedEngine):
         with torch.cuda.stream(self._stream):
             pixel_values, grid_thw = patchify_batch([r.image for r, _ in items], "cuda", self.encoder.dtype)
             tokens = self.encoder.encode_patches(pixel_values, grid_thw)
-            embeddings = [mean_pool(t) if r.want_embedding else None for (r, _), t in zip(items, tokens)]
-            # vLLM's front end serialises CPU tensors to its EngineCore process; one copy per image so no
-            # tensor is a view into a larger storage (a view would ship the whole batch each time).
-            tokens_cpu = [t.to("cpu") for t in tokens] if self.mode == "embeds" else [None] * len(tokens)
+            wanted = [i for i, (r, _) in enumerate(items) if r.want_embedding]
+            pooled = dict(zip(wanted, mean_pool_each([tokens[i] for i in wanted])))
+            embeddings = [pooled.get(i) for i in range(len(items))]
+            tokens_cpu = to_host_each(tokens) if self.mode == "embeds" else [None] * len(tokens)
             self._stream.synchronize()
         encode_ms = (time.perf_counter() - started) * 1e3
         timings = {"encode_ms": encode_ms, "encode_batch_images": float(len(items))}
