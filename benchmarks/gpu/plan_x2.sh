@@ -3,22 +3,18 @@
 # outlast the 10-minute limit of one device command. Pairs of runs go side by side, one per GPU, on one shared
 # broker; a CPU-bound run (0.2 MP pipeline or offline arms) is paired only with a GPU-bound one (1 MP, 12.8 MP),
 # because two CPU-bound runs measured each other (benchmarks/RESULTS.md, third session, when each engine
-# spun ~15 cores; see S1 below). The fourth session ran the
-# previous list (commit 71801ff), the fifth the list of commit 9781a78; this is the list for the sixth. Jobs run in
-# order and a job that would end after the plan's end (second argument, seconds from now) is skipped and says so in
-# jobs.tsv, so the list may be longer than one session.
+# spun ~15 cores). The fourth session ran the previous list (commit 71801ff), the fifth the list of commit 9781a78,
+# the sixth that of d1480f4; this is the list for the seventh. Jobs run in order and a job that would end after the
+# plan's end (second argument, seconds from now) is skipped and says so in jobs.tsv, so the list may be longer than
+# one session.
 #
-#   S1  0.2 MP / 64, embeds, 150 s, side by side: GPU 0 with `infer.vision_batch_images` 64 | GPU 1 with the default
-#       32. The fifth session's one-GPU run was bound by our tower's thread while vLLM ran ~100 requests at a time;
-#       one reading (RESULTS.md, fifth session, not settled) is that bursts of 64 keep its decode batches larger.
-#       Since 61413b6 a 0.2 MP run uses ~5 cores, so two of them side by side on 32 cores no longer measure each
-#       other.
-#   S2  GPU 0: the same with `infer.engine_cpu_threads=0` (vLLM's own start, the fourth session's faster one-GPU
-#       rate), then `vllm serve` at 0.2, 1 and 12.8 MP / 128 | GPU 1: pipelines at 1 MP / 128, both modes, then our
-#       tower alone at 0.2 MP with 16, 32 and 64 images per forward (this host's own figure: the pipeline's tower
-#       took 15.5-16 ms per image in the fifth session, the second session's host 3.8 alone)
-#   S3  both GPUs: two `vlmstream infer` in one group at 1 MP / 64, embeds, 150 s
-#   S4  both GPUs: the same at 12.8 MP / 64 (600 documents)
+#   S1  0.2 MP / 64, embeds, 150 s, side by side: GPU 0 this code | GPU 1 the code before a change (an overlay made
+#       here by `benchmarks/gpu/ab_overlay.sh BASE .gpu/ab` and copied to /root/ab in call 3; without /root/ab the
+#       A/B jobs are skipped). For d907c5c: one copy off the GPU per batch instead of two per image.
+#   S2  the same with the GPUs swapped, so a difference between the two GPUs cancels.
+#   S3  two GPUs in one group at 0.2 MP / 128, embeds, 150 s (the table's last empty cells: two GPUs at 128 tokens)
+#   S4  two GPUs at 1 MP / 128, 150 s
+#   S5  two GPUs at 12.8 MP / 128, 600 documents
 #
 # On the device, after unpack_device.sh:
 #   setsid nohup bash benchmarks/gpu/plan_x2.sh /root/res 1560 > /root/plan.log 2>&1 < /dev/null &
@@ -57,28 +53,30 @@ job() {  # job LABEL EXPECTED_S LIMIT_S CMD...: one line per job in jobs.tsv (la
 vlmstream broker start > "$RES/broker_start.log" 2>&1  # shared by every pipeline run below (they reuse it)
 nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader > "$RES/gpus.txt" 2>&1
 
-job s1_tower_batch64 300 480 env VLMSTREAM_INFER__VISION_BATCH_IMAGES=64 $BENCH --gpu-ids 0 --budgets 256 \
-  --seconds 150 --stop-after 1.0 --arms pipeline-embeds --profile --out "$RES/s1_tower_batch64" &
-job s1_tower_batch32 300 480 $BENCH --gpu-ids 1 --budgets 256 --seconds 150 --stop-after 1.0 --arms pipeline-embeds \
-  --profile --out "$RES/s1_tower_batch32" &
-wait
+AB_TREE=/root/vlmstream-ab
+if [ -d /root/ab ]; then
+  rm -rf "$AB_TREE"; cp -r "$SNAPSHOT" "$AB_TREE"; cp -r /root/ab/. "$AB_TREE/"
+  cp /root/ab/BASE_COMMIT "$RES/ab_base_commit.txt"
+  BENCH_BEFORE="env PYTHONPATH=/tmp/site:$AB_TREE python3 $AB_TREE/benchmarks/gpu/gpu_bench.py --model /root/model --imgs /root/imgs --max-tokens 64"
+  AB_ARGS="--budgets 256 --seconds 150 --stop-after 1.0 --arms pipeline-embeds --profile"
+  job s1_this_gpu0 300 480 $BENCH --gpu-ids 0 $AB_ARGS --out "$RES/s1_this_gpu0" &
+  job s1_before_gpu1 300 480 $BENCH_BEFORE --gpu-ids 1 $AB_ARGS --out "$RES/s1_before_gpu1" &
+  wait
+  job s2_before_gpu0 300 480 $BENCH_BEFORE --gpu-ids 0 $AB_ARGS --out "$RES/s2_before_gpu0" &
+  job s2_this_gpu1 300 480 $BENCH --gpu-ids 1 $AB_ARGS --out "$RES/s2_this_gpu1" &
+  wait
+else
+  printf 's1_s2_ab\tskipped\t%s\t0\tno /root/ab overlay\n' "$(date +%T)" >> "$RES/jobs.tsv"
+fi
 
-( job s2_engine_threads0 300 480 env VLMSTREAM_INFER__ENGINE_CPU_THREADS=0 $BENCH --gpu-ids 0 --budgets 256 \
-    --seconds 150 --stop-after 1.0 --arms pipeline-embeds --profile --out "$RES/s2_engine_threads0"
-  job s2_serve_128 300 450 $BENCH128 --gpu-ids 0 --budgets 256,1280,default --seconds 40 --arms serve \
-    --out "$RES/s2_serve_128" ) &
-( job s2_pipeline_1mp_128 420 560 $BENCH128 --gpu-ids 1 --budgets 1280 --seconds 120 --stop-after 1.5 \
-    --pipeline-docs 2000 --arms pipeline-embeds,pipeline-pixels --out "$RES/s2_pipeline_1mp_128"
-  job s2_tower_alone 150 300 env CUDA_VISIBLE_DEVICES=1 python3 benchmarks/gpu/bench_vision_tower.py \
-    --model /root/model --imgs /root/imgs --budgets 256 --variants fast+vllm_fa3 --batches 16,32,64 --seconds 4 \
-    --profile-budget '' --out "$RES/s2_tower_alone.json" ) &
-wait
+job s3_two_gpus_256_128 330 480 $BENCH128 --gpu-ids 0,1 --budgets 256 --seconds 150 --stop-after 1.0 --workers 16 \
+  --arms pipeline-embeds --out "$RES/s3_two_gpus_256_128"
 
-job s3_two_gpus_1mp 330 480 $BENCH --gpu-ids 0,1 --budgets 1280 --seconds 150 --stop-after 1.0 --workers 16 \
-  --arms pipeline-embeds --out "$RES/s3_two_gpus_1mp"
+job s4_two_gpus_1mp_128 330 480 $BENCH128 --gpu-ids 0,1 --budgets 1280 --seconds 150 --stop-after 1.0 --workers 16 \
+  --arms pipeline-embeds --out "$RES/s4_two_gpus_1mp_128"
 
-job s4_two_gpus_12mp 360 520 $BENCH --gpu-ids 0,1 --budgets default --seconds 150 --stop-after 1.5 \
-  --pipeline-docs 600 --arms pipeline-embeds --out "$RES/s4_two_gpus_12mp"
+job s5_two_gpus_12mp_128 330 520 $BENCH128 --gpu-ids 0,1 --budgets default --seconds 150 --stop-after 1.5 \
+  --pipeline-docs 600 --arms pipeline-embeds --out "$RES/s5_two_gpus_12mp_128"
 
 vlmstream broker stop > "$RES/broker_stop.log" 2>&1
 date +%T > "$RES/DONE"
