@@ -62,3 +62,27 @@ def test_an_assignment_restarts_the_watchdogs_grace_period():
     assert not watchdog.left_out({TopicPartition("t", 0)})  # partitions again: the empty spell is over
     # A new empty spell starts its own grace period: no broker is asked (none answers for this group here).
     assert not watchdog.left_out(set())
+
+
+@pytest.mark.kafka
+def test_topic_partitions_waits_for_a_new_topic_and_says_which_is_missing(kafka_settings: Settings, unique: str):
+    """Readers that assign partitions themselves (export, the run's live view, dead-letter reads) ask right after
+    topics are created; an empty answer would make them read nothing without a word."""
+    from kafka import KafkaConsumer, TopicPartition
+
+    from vlmstream.kafka_io import FatalPipelineError, TopicSpec, create_topics, topic_partitions
+
+    topic = f"test.{unique}.fresh"
+    consumer = KafkaConsumer(**kafka_settings.kafka.client_kwargs(), group_id=None, enable_auto_commit=False)
+    try:
+        create_topics(kafka_settings, [TopicSpec(topic, 4, 1, {})])
+        assert topic_partitions(consumer, [topic]) == [TopicPartition(topic, p) for p in range(4)]
+        absent = f"test.{unique}.absent"
+        started = time.monotonic()
+        with pytest.raises(FatalPipelineError, match=absent):
+            topic_partitions(consumer, [topic, absent], timeout_s=1.0)
+        assert time.monotonic() - started >= 1.0  # it waited for the topic before giving up
+        assert topic_partitions(consumer, [topic, absent], timeout_s=0, missing_ok=True) == \
+            [TopicPartition(topic, p) for p in range(4)]
+    finally:
+        consumer.close()

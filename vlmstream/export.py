@@ -19,18 +19,16 @@ from __future__ import annotations
 
 import base64
 import os
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Callable
 
 import orjson
-from kafka import TopicPartition
 from kafka.structs import OffsetAndMetadata
 
 from schemas import Embedding, SchemaError
 from vlmstream.config import Settings
-from vlmstream.kafka_io import make_consumer
+from vlmstream.kafka_io import make_consumer, topic_partitions
 
 KINDS = ("descriptions", "embeddings", "results", "deadletter")
 
@@ -105,7 +103,7 @@ def export(settings: Settings, out_dir: str | Path, kinds: tuple[str, ...] = KIN
     # read_committed: with infer.exactly_once, aborted transactions' records never reach the files.
     consumer = make_consumer(settings, group_id, read_committed=True)
     try:
-        partitions = _all_partitions(consumer, list(topics))
+        partitions = topic_partitions(consumer, topics)
         consumer.assign(partitions)
         committed = {tp: consumer.committed(tp) for tp in partitions}
         for tp, offset in committed.items():
@@ -129,20 +127,6 @@ def export(settings: Settings, out_dir: str | Path, kinds: tuple[str, ...] = KIN
         report.files = files.close()
         consumer.close()
     return report
-
-
-def _all_partitions(consumer, topics: list[str], timeout_s: float = 30.0) -> list[TopicPartition]:
-    deadline = time.monotonic() + timeout_s
-    found: dict[str, set[int]] = {}
-    while time.monotonic() < deadline:
-        found = {t: consumer.partitions_for_topic(t) or set() for t in topics}
-        if all(found.values()):
-            break
-        time.sleep(0.2)
-    missing = [t for t, parts in found.items() if not parts]
-    if missing:
-        raise RuntimeError(f"topics not found on the cluster: {missing} (run `vlmstream topics create`)")
-    return sorted(TopicPartition(t, p) for t, parts in found.items() for p in parts)
 
 
 def _write(files: _Files, kind: str, value: bytes | None, report: ExportReport) -> bool:

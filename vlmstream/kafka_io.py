@@ -94,6 +94,25 @@ def subscribe_when_known(consumer: KafkaConsumer, topics: Iterable[str], listene
     consumer.topics()
 
 
+def topic_partitions(consumer: KafkaConsumer, topics: Iterable[str], timeout_s: float = 30.0,
+                     missing_ok: bool = False) -> list[TopicPartition]:
+    """Every partition of these topics for a consumer that assigns them itself (no group), from its cluster
+    metadata. A topic created a moment before may list none yet, which would make a reader miss it silently:
+    wait up to timeout_s for each to list some. A topic still without partitions then raises FatalPipelineError,
+    or is left out with missing_ok (a reader for whom an absent topic means nothing to read)."""
+    topics = list(topics)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        found = {topic: consumer.partitions_for_topic(topic) or set() for topic in topics}
+        missing = [topic for topic, partitions in found.items() if not partitions]
+        if not missing or missing_ok or time.monotonic() >= deadline:
+            break
+        time.sleep(0.2)
+    if missing and not missing_ok:
+        raise FatalPipelineError(f"topics not found on the cluster: {missing} (`vlmstream topics create`)")
+    return sorted(TopicPartition(topic, p) for topic, partitions in found.items() for p in partitions)
+
+
 def unique_client_id(settings: Settings, role: str) -> str:
     """A client id no other consumer shares, so the broker's member list can tell this one apart."""
     return f"{settings.kafka.client_id}-{role}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"

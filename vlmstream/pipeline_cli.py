@@ -91,13 +91,13 @@ def run(
 
     Prints descriptions as they arrive and a summary once every document has its result.
     """
-    from kafka import KafkaConsumer, TopicPartition
+    from kafka import KafkaConsumer
 
     from producers.publisher import publish_documents
     from producers.sources import scan_folder
     from schemas import Description, DocumentRef, DocumentResult, SchemaError
     from vlmstream.cli_support import bootstrap, settings_from
-    from vlmstream.kafka_io import create_topics
+    from vlmstream.kafka_io import create_topics, topic_partitions
 
     if folder is None:
         from vlmstream.samples import sample_folder
@@ -140,8 +140,8 @@ def run(
         # Position the live view before anything is published, so no description is missed.
         watcher = KafkaConsumer(**settings.kafka.client_kwargs(), group_id=None, enable_auto_commit=False,
                                 auto_offset_reset="earliest")
-        tps = [TopicPartition(topic, p) for topic in (settings.topics.descriptions, settings.topics.results)
-               for p in sorted(watcher.partitions_for_topic(topic) or [])]
+        # The topics were created a moment ago: a watcher assigned before they list partitions would see nothing.
+        tps = topic_partitions(watcher, [settings.topics.descriptions, settings.topics.results])
         watcher.assign(tps)
         # Results from the beginning: documents that already have one are done (a rerun resumes). With --force
         # every document is described again, so only results published from now on count.

@@ -19,7 +19,7 @@ from kafka.structs import OffsetAndMetadata
 
 from schemas import DeadLetter, DocumentRef, SchemaError
 from vlmstream.config import Settings
-from vlmstream.kafka_io import make_admin, make_producer
+from vlmstream.kafka_io import make_admin, make_producer, topic_partitions
 
 STAGES = ("decode", "infer", "results")
 IDLE_STATES = {"Empty", "Dead"}
@@ -213,8 +213,8 @@ def read_dead_letters(settings: Settings, timeout_s: float = 30.0) -> list[tuple
                              max_partition_fetch_bytes=settings.kafka.max_message_bytes + 1024 * 1024)
     out: list[tuple[Any, DeadLetter | None]] = []
     try:
-        partitions = consumer.partitions_for_topic(settings.topics.deadletter) or set()
-        tps = [TopicPartition(settings.topics.deadletter, p) for p in partitions]
+        # No dead-letter topic means no dead letters, not an error: nothing failed yet on this cluster.
+        tps = topic_partitions(consumer, [settings.topics.deadletter], timeout_s=0, missing_ok=True)
         if not tps:
             return out
         consumer.assign(tps)
