@@ -10,6 +10,7 @@ image, and the decode stage dead-letters what does not decode.
 from __future__ import annotations
 
 import csv
+import gzip
 import io
 import os
 import queue
@@ -28,7 +29,9 @@ from schemas import DocumentRef, SchemaError
 IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".png", ".webp", ".gif", ".tif", ".tiff", ".bmp", ".jp2", ".j2k",
                               ".jpf", ".jpx", ".heic", ".heif", ".avif", ".pbm", ".pgm", ".ppm", ".pnm", ".qoi"})
 _BOM = b"\xef\xbb\xbf"
-_URI_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://|^file:")
+# A scheme of two or more letters (one letter is a Windows drive: C:\\scan.jpg): http://, s3://, file:, data:, urn:...
+# The decode stage decides which it fetches and dead-letters the rest by name; a path it must not become.
+_URI_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]+:")
 _DIGITS = re.compile(r"(\d+)")
 
 
@@ -60,17 +63,25 @@ SourceItem = Union[DocumentRef, Rejection, _Idle]
 
 def natural_key(text: str) -> tuple:
     """'page2' sorts before 'page10'."""
-    return tuple(int(part) if part.isdigit() else part.lower() for part in _DIGITS.split(text))
+    # isdecimal, not isdigit: '²' is a digit to isdigit but not a number to int().
+    return tuple(int(part) if part.isdecimal() else part.lower() for part in _DIGITS.split(text))
 
 
 def resolve_uri(uri: str, base_dir: str | Path) -> str:
-    """URLs pass through; local paths become absolute, relative ones against ``base_dir``.
-    Plain string operations: this runs for every image of every manifest line."""
+    """URLs pass through; local paths become absolute, relative ones against ``base_dir``. Spaces around the text
+    are a manifest's, not the file's. Plain string operations: this runs for every image of every manifest line."""
+    uri = uri.strip()
     if ":" in uri and _URI_SCHEME.match(uri):
         return uri
     if uri.startswith("~"):
         uri = os.path.expanduser(uri)
     return os.path.normpath(os.path.join(base_dir, uri))
+
+
+def _shown(path: Path) -> str:
+    """A path as text for a document's ``source``: a file name that is not UTF-8 would make every document of
+    the manifest unwritable, so its stray bytes show as U+FFFD there."""
+    return os.fsencode(path).decode("utf-8", "replace")
 
 
 def validated(doc: DocumentRef) -> DocumentRef:
@@ -138,8 +149,9 @@ def read_json_document_list(path: str | Path) -> Iterator[DocumentRef | Rejectio
     """A .json manifest: a list of document objects, {"documents": [...]}, or one document object. Read whole:
     JSON lines suit manifests too large for memory."""
     path = Path(path).absolute()
-    base_dir, origin = str(path.parent), str(path)
-    raw = path.read_bytes()
+    base_dir, origin = str(path.parent), _shown(path)
+    with _open_manifest(path) as fh:
+        raw = fh.read()
     try:
         data = orjson.loads(raw.removeprefix(_BOM))
     except orjson.JSONDecodeError as exc:
@@ -147,13 +159,21 @@ def read_json_document_list(path: str | Path) -> Iterator[DocumentRef | Rejectio
         return
     items = data.get("documents") if isinstance(data, dict) and isinstance(data.get("documents"), list) else data
     for index, item in enumerate(items if isinstance(items, list) else [items], start=1):
-        yield parse_document_object(item, orjson.dumps(item), line=index, origin=origin, base_dir=base_dir)
+        yield parse_document_object(item, _json_bytes(item), line=index, origin=origin, base_dir=base_dir)
+
+
+def _json_bytes(item: Any) -> bytes:
+    """The element's own text for its dead letter; one too deep for orjson to write again gets a cut repr."""
+    try:
+        return orjson.dumps(item)
+    except TypeError:
+        return repr(item)[:4096].encode("utf-8", "surrogateescape")
 
 
 def read_jsonl(path: str | Path) -> Iterator[DocumentRef | Rejection]:
     path = Path(path).absolute()
-    base_dir, origin = str(path.parent), str(path)
-    with open(path, "rb") as fh:
+    base_dir, origin = str(path.parent), _shown(path)
+    with _open_manifest(path) as fh:
         for line_no, raw in enumerate(fh, start=1):
             raw = raw.rstrip(b"\r\n")
             if raw.strip():
@@ -183,6 +203,8 @@ def _row_text(row: list[str]) -> bytes:
 
 # Header names matched whatever their case; other columns keep theirs (they become metadata keys).
 _CANONICAL_COLUMNS = {"doc_id": "doc_id", "image_uri": "image_uri", "image_uris": "image_uris"}
+# A document with thousands of images in one image_uris cell is legal; csv's default limit is 128 KiB per cell.
+csv.field_size_limit(2**31 - 1)
 _NOT_UTF8 = re.compile("[\udc80-\udcff]")
 
 
@@ -206,10 +228,11 @@ def read_csv(path: str | Path) -> Iterator[DocumentRef | Rejection]:
     the document without that image would change it without anyone noticing.
     """
     path = Path(path).absolute()
-    base_dir, origin = str(path.parent), str(path)
+    base_dir, origin = str(path.parent), _shown(path)
     # surrogateescape: a row that is not UTF-8 (a spreadsheet's Latin-1 export) is rejected alone, not the file.
-    with open(path, newline="", encoding="utf-8-sig", errors="surrogateescape") as fh:
-        reader = csv.reader(fh, delimiter=_csv_delimiter(fh))
+    with io.TextIOWrapper(_open_manifest(path), newline="", encoding="utf-8-sig", errors="surrogateescape") as fh:
+        # strict: a quote never closed is an error, not a cell that swallows the rest of the file.
+        reader = csv.reader(fh, delimiter=_csv_delimiter(fh), strict=True)
         header = next(reader, None)
         if header is None:
             return
@@ -218,6 +241,10 @@ def read_csv(path: str | Path) -> Iterator[DocumentRef | Rejection]:
             yield Rejection(origin, 1, "invalid_csv_header",
                             f"the header must name doc_id and image_uri or image_uris; it has {columns}",
                             _row_text(header))
+            return
+        if twice := sorted({c for c in columns if c and columns.count(c) > 1}):
+            yield Rejection(origin, 1, "invalid_csv_header", f"the header names {twice} more than once (one of "
+                            "each would be lost)", _row_text(header))
             return
         meta_columns = [c for c in columns if c not in ("doc_id", "image_uri", "image_uris")]
         seen: dict[str, int] = {}
@@ -235,12 +262,29 @@ def read_csv(path: str | Path) -> Iterator[DocumentRef | Rejection]:
                 return Rejection(origin, group["line"], "schema_violation", str(exc), raw, group["doc_id"])
 
         line_end = reader.line_num
-        for row in reader:
+        while True:
+            try:
+                row = next(reader, None)
+            except csv.Error as exc:
+                # Where a broken row ends, and so which document it belongs to, is unknowable: the document being
+                # read and the rest of the file are rejected, each said so, rather than published without it.
+                unread = (f"line {line_end + 1}: {exc}; the manifest is not read past it (fix the row, then run "
+                          "again: documents already published are skipped)")
+                if group is not None:
+                    group["error"] = group["error"] or (
+                        "invalid_csv_row", f"the next row cannot be read and may be one of this document's: {unread}",
+                        line_end + 1)
+                    yield close(group)
+                yield Rejection(origin, line_end + 1, "invalid_csv_row", unread, b"")
+                return
+            if row is None:
+                break
             line_start, line_end = line_end + 1, reader.line_num
             if not any(cell.strip() for cell in row):
                 continue
             cells = dict(zip(columns, row))
             raw = _row_text(row)
+            surplus = [cell for cell in row[len(columns):] if cell.strip()]
             not_utf8 = any(_NOT_UTF8.search(cell) for cell in row)
             doc_id = (cells.get("doc_id") or "").strip()
             if not_utf8 and (not doc_id or _NOT_UTF8.search(doc_id)):
@@ -265,6 +309,12 @@ def read_csv(path: str | Path) -> Iterator[DocumentRef | Rejection]:
                 group["error"] = group["error"] or ("invalid_utf8", "a row of the document is not UTF-8 text (save the "
                                                     "manifest as UTF-8)", line_start)
                 continue
+            if surplus:
+                # An unquoted delimiter inside a cell (a data: URI, a name with a comma): which cell is which is lost.
+                group["error"] = group["error"] or (
+                    "invalid_csv_row", f"the row has {len(row)} cells, the header names {len(columns)}: quote a cell "
+                    f"that holds the delimiter", line_start)
+                continue
             single = (cells.get("image_uri") or "").strip()
             try:
                 images = _split_uri_list(cells.get("image_uris", ""))
@@ -279,10 +329,34 @@ def read_csv(path: str | Path) -> Iterator[DocumentRef | Rejection]:
             yield close(group)
 
 
+_GZIP_MAGIC = b"\x1f\x8b"
+_WIDE_BOMS = {b"\xff\xfe\x00\x00": "UTF-32", b"\x00\x00\xfe\xff": "UTF-32", b"\xff\xfe": "UTF-16",
+              b"\xfe\xff": "UTF-16"}
+
+
+def _open_manifest(path: Path) -> IO[bytes]:
+    """The manifest's bytes, gunzipped when they are gzip (known by content: .jsonl.gz, .csv.gz or any name)."""
+    with open(path, "rb") as fh:
+        gzipped = fh.read(2) == _GZIP_MAGIC
+    return gzip.open(path, "rb") if gzipped else open(path, "rb")
+
+
+def _wide_encoding(path: Path) -> str | None:
+    with _open_manifest(path) as fh:
+        head = fh.read(4)
+    return next((name for bom, name in _WIDE_BOMS.items() if head.startswith(bom)), None)
+
+
 def read_manifest(path: str | Path) -> Iterator[DocumentRef | Rejection]:
     """CSV by a .csv or .tsv suffix (delimiter from the header), one JSON document list by .json, JSON lines
-    otherwise."""
-    suffix = Path(path).suffix.lower()
+    otherwise; each may be gzipped (.gz after the suffix). UTF-8 text: a UTF-16 file (Windows' "Unicode") is
+    rejected whole, by name, rather than line by line as invalid JSON."""
+    path = Path(path)
+    if encoding := _wide_encoding(path):
+        return iter([Rejection(_shown(path.absolute()), None, "unsupported_encoding",
+                               f"the manifest is {encoding} text; save it as UTF-8", b"")])
+    name = path.name.lower().removesuffix(".gz")
+    suffix = os.path.splitext(name)[1]
     if suffix in (".csv", ".tsv"):
         return read_csv(path)
     if suffix == ".json":
@@ -347,48 +421,63 @@ def read_lines(stream: IO[bytes], *, base_dir: Path | None = None, idle_s: float
 # --- folders -------------------------------------------------------------------------------------
 
 
-def _image_files(root: Path, *, recursive: bool) -> list[Path]:
+def _image_files(root: Path, *, recursive: bool, unreadable: list[OSError] | None = None) -> list[Path]:
+    """Image files below root. A folder that cannot be listed is added to ``unreadable`` (os.walk would skip it
+    without a word, and its document would go out without its images)."""
     found: list[Path] = []
-    for dirpath, dirnames, filenames in os.walk(root):
+    for dirpath, dirnames, filenames in os.walk(root, onerror=None if unreadable is None else unreadable.append):
         dirnames[:] = [d for d in dirnames if not d.startswith(".")] if recursive else []
         found.extend(Path(dirpath, f) for f in filenames
                      if not f.startswith(".") and os.path.splitext(f)[1].lower() in IMAGE_EXTENSIONS)
     return found
 
 
-def folder_groups(root: str | Path, *, per_file: bool = False) -> dict[str, list[Path]]:
-    """doc_id -> image files, in natural order.
+def folder_groups(root: str | Path, *, per_file: bool = False) -> dict[str, list[Path] | OSError]:
+    """doc_id -> image files, in natural order, or the error that kept a folder of it from being listed.
 
     Default: each subfolder of ``root`` (images found recursively) is one document and each image file
     directly in ``root`` is a document of its own, so a folder without subfolders is per-file already.
-    ``per_file``: every image file anywhere below ``root`` is one document. Ids are relative paths.
+    ``per_file``: every image file anywhere below ``root`` is one document. Ids are relative paths; a folder
+    that cannot be listed is reported under its own.
     """
     root = Path(root).absolute()
-    groups: dict[str, list[Path]] = {}
+    groups: dict[str, list[Path] | OSError] = {}
     if per_file:
-        for path in _image_files(root, recursive=True):
+        unreadable: list[OSError] = []
+        for path in _image_files(root, recursive=True, unreadable=unreadable):
             groups[path.relative_to(root).as_posix()] = [path]
+        for error in unreadable:
+            groups[Path(error.filename).relative_to(root).as_posix() + "/"] = error
     else:
         for entry in os.scandir(root):
             if entry.name.startswith("."):
                 continue
             if entry.is_dir():
-                files = _image_files(Path(entry.path), recursive=True)
-                if files:
+                unreadable = []
+                files = _image_files(Path(entry.path), recursive=True, unreadable=unreadable)
+                if unreadable:
+                    groups[entry.name] = unreadable[0]
+                elif files:
                     groups[entry.name] = files
             elif os.path.splitext(entry.name)[1].lower() in IMAGE_EXTENSIONS:
                 groups[entry.name] = [Path(entry.path)]
     for doc_id, files in groups.items():
-        files.sort(key=lambda p: natural_key(p.relative_to(root).as_posix()))
+        if isinstance(files, list):
+            files.sort(key=lambda p: natural_key(p.relative_to(root).as_posix()))
     return dict(sorted(groups.items(), key=lambda kv: natural_key(kv[0])))
 
 
-def _folder_document(root: Path, doc_id: str, files: list[Path]) -> DocumentRef | Rejection:
+def _folder_document(root: Path, doc_id: str, files: list[Path] | OSError) -> DocumentRef | Rejection:
+    if isinstance(files, OSError):
+        return Rejection(f"folder:{root}", None, "unreadable_folder",
+                         f"{files.filename}: {files.strerror or files}; its document is not published without "
+                         "the images it may hold", doc_id.encode("utf-8", "surrogateescape"), doc_id)
     try:
         return validated(DocumentRef(doc_id=doc_id, image_uris=tuple(str(p) for p in files),
                                      source=f"folder:{root}"))
     except SchemaError as exc:
-        return Rejection(f"folder:{root}", None, "schema_violation", str(exc), doc_id.encode(), doc_id)
+        return Rejection(f"folder:{root}", None, "schema_violation", str(exc),
+                         doc_id.encode("utf-8", "surrogateescape"), doc_id)
 
 
 def scan_folder(root: str | Path, *, per_file: bool = False) -> Iterator[DocumentRef | Rejection]:
@@ -402,6 +491,15 @@ def _stop_requested(stop: threading.Event | None, deadline: float | None, wait_s
         wait_s = min(wait_s, max(0.0, deadline - time.monotonic()))
     stopped = stop.wait(wait_s) if stop is not None else (time.sleep(wait_s) or False)
     return stopped or (deadline is not None and time.monotonic() >= deadline)
+
+
+def _stat_or_link(path: Path) -> os.stat_result:
+    """A link whose target is gone still names an image of the document: the decode stage dead-letters it as
+    missing, as when a folder is scanned once. Only a path gone altogether (moved away) raises."""
+    try:
+        return path.stat()
+    except FileNotFoundError:
+        return path.lstat()
 
 
 def watch_folder(root: str | Path, *, per_file: bool = False, settle_s: float = 2.0, poll_s: float = 0.5,
@@ -420,8 +518,14 @@ def watch_folder(root: str | Path, *, per_file: bool = False, settle_s: float = 
         now_mono, now_wall = time.monotonic(), time.time()
         groups = folder_groups(root, per_file=per_file) if root.is_dir() else {}  # may appear later
         for doc_id, files in groups.items():
+            if isinstance(files, OSError):  # a folder that cannot be listed: said once, again if the error changes
+                signature: tuple = ("unreadable", str(files))
+                if yielded.get(doc_id) != signature:
+                    yielded[doc_id] = signature
+                    yield _folder_document(root, doc_id, files)
+                continue
             try:
-                stats = [p.stat() for p in files]
+                stats = [_stat_or_link(p) for p in files]
             except FileNotFoundError:
                 continue  # moved away while we looked: the next scan sees the new state
             signature = tuple((str(p), s.st_size, s.st_mtime_ns) for p, s in zip(files, stats))
@@ -451,10 +555,10 @@ def follow_jsonl(path: str | Path, *, poll_s: float = 0.5, stop: threading.Event
     from its start; the ledger keeps that from publishing documents twice.
     """
     path = Path(path).absolute()
-    if path.suffix.lower() in (".csv", ".tsv", ".json"):
-        raise ValueError("watching follows JSON-lines manifests; a CSV document's rows cannot be known complete "
-                         "and a .json list is one value")
-    base_dir, origin = str(path.parent), str(path)
+    if path.suffix.lower() in (".csv", ".tsv", ".json", ".gz"):
+        raise ValueError("watching follows uncompressed JSON-lines manifests; a CSV document's rows cannot be known "
+                         "complete, a .json list is one value, and a gzip stream is not read as it grows")
+    base_dir, origin = str(path.parent), _shown(path)
     deadline = time.monotonic() + max_seconds if max_seconds is not None else None
     fh: IO[bytes] | None = None
     inode = None

@@ -58,6 +58,8 @@ def validate(name: str, obj: Any) -> None:
         # fastjsonschema names the path as "data.field[0]"; report it as "field[0]".
         path = (exc.name or "data").removeprefix("data").lstrip(".")
         message = exc.message.replace(exc.name or "data", path or "message", 1)
+        if exc.rule == "pattern" and str(exc.rule_definition).startswith("^[^\\u0000-"):
+            message = "contains a control character (newline, tab, NUL...)"
         if exc.rule == "required" and isinstance(exc.value, dict):
             missing = [key for key in exc.rule_definition if key not in exc.value]
             if missing:
@@ -86,7 +88,12 @@ class Message:
         data = self.to_dict()
         if validate_output:
             validate(self.schema_name, data)
-        return orjson.dumps(data)
+        try:
+            return orjson.dumps(data)
+        except TypeError as exc:  # orjson.JSONEncodeError: text that is not UTF-8, nesting past its limit
+            why = ("a text in it is not valid UTF-8 (a file, folder or column name in another encoding?)"
+                   if "surrogates" in str(exc) else f"cannot be written as JSON: {exc}")
+            raise SchemaError(self.schema_name, "(message)", why) from None
 
     @classmethod
     def from_dict(cls: type[T], data: dict[str, Any]) -> T:
@@ -144,6 +151,14 @@ class DocumentRef(Message):
     source: str | None = None
     published_at: float | None = None
 
+    MAX_METADATA_DEPTH: ClassVar[int] = 32
+
+    def __post_init__(self) -> None:
+        # JSON Schema cannot bound nesting, and orjson reads 1,024 levels but writes only ~254: a document read
+        # from a topic must be one every later hop can write again.
+        if _deeper_than(self.metadata, self.MAX_METADATA_DEPTH):
+            raise SchemaError(self.schema_name, "metadata", f"nests deeper than {self.MAX_METADATA_DEPTH} levels")
+
     def key(self) -> bytes:
         return self.doc_id.encode()
 
@@ -151,6 +166,15 @@ class DocumentRef(Message):
         data = super().to_dict()
         data["image_uris"] = list(self.image_uris)
         return data
+
+
+def _deeper_than(value: Any, limit: int) -> bool:
+    if not isinstance(value, (dict, list, tuple)):
+        return False
+    if limit <= 0:
+        return True
+    children = value.values() if isinstance(value, dict) else value
+    return any(_deeper_than(child, limit - 1) for child in children)
 
 
 @dataclass(frozen=True)
