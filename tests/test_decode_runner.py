@@ -306,6 +306,33 @@ def test_payload_over_the_message_limit_goes_through_the_claim_check_store(topic
     assert read_topic(topic_names, topic_names.topics.deadletter, timeout_s=5, idle_s=1) == []
 
 
+@pytest.mark.timeout(120)
+def test_metadata_too_large_to_ride_with_each_image_is_dead_lettered_not_a_stopped_worker(topic_names, tmp_path,
+                                                                                         unique):
+    """Each image record carries its document's metadata in its headers. Metadata past the record limit used to
+    fail the send, which stops the worker without a commit: the same document again after every restart."""
+    limit = 50_000
+    tiny = tmp_path / "tiny.png"
+    Image.new("RGB", (64, 64), (200, 30, 30)).save(tiny)
+    heavy = DocumentRef(doc_id=f"heavy-{unique}", image_uris=(str(tiny), str(tiny)),
+                        metadata={"ocr": "x" * 600_000})
+    light = DocumentRef(doc_id=f"light-{unique}", image_uris=(str(tiny),), metadata={"ocr": "y" * 20_000})
+    publish(topic_names, [heavy, light], partition=0)
+
+    with Fleet(topic_names, tmp_path, "--workers", "1", "--until-idle-s", "3", "--allowed-root", str(tmp_path),
+               decode={"claim_check_url": str(tmp_path / "claims")}, kafka={"max_message_bytes": limit}) as fleet:
+        assert fleet.wait(90) == 0, fleet.log()
+
+    letters = [DeadLetter.decode(r.value) for r in read_topic(topic_names, topic_names.topics.deadletter,
+                                                              expected=2, timeout_s=30, idle_s=1)]
+    assert [(d.doc_id, d.image_index, d.error_kind) for d in letters] == \
+        [(heavy.doc_id, 0, "metadata_too_large"), (heavy.doc_id, 1, "metadata_too_large")]
+    assert "600" in letters[0].detail and "max_message_bytes" in letters[0].detail
+    [image] = read_topic(topic_names, topic_names.topics.images, expected=1, timeout_s=30, idle_s=1)
+    assert image.key.decode() == f"{light.doc_id}/0"
+    assert committed_offsets(topic_names, fleet.group_id, topic_names.topics.documents) == {0: 2}
+
+
 @pytest.mark.timeout(150)
 def test_two_workers_share_the_work_without_loss_or_duplicates(topic_names, corpus_dir, tmp_path, unique):
     images = corpus_images(corpus_dir, 24, JPEG)

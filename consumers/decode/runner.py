@@ -34,6 +34,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import orjson
 from kafka.consumer.subscription_state import AsyncConsumerRebalanceListener
 from kafka.coordinator.assignors.cooperative_sticky import CooperativeStickyAssignor
 from kafka.errors import CommitFailedError, RebalanceInProgressError
@@ -241,9 +242,10 @@ class DecodeWorker:
         self.metrics.document()
         source = source_coords(record.topic, record.partition, record.offset)
         count = len(doc.image_uris)
+        oversized = self._headers_over_limit(doc)
         for image_index, uri in enumerate(doc.image_uris):
             started = time.perf_counter()
-            result = self._decode(uri)
+            result = ImageFailure("metadata_too_large", oversized, retriable=False) if oversized else self._decode(uri)
             if isinstance(result, PreparedImage):
                 self._publish_image(doc, image_index, count, uri, result, source)
                 self.metrics.image(source_format=result.source_format,
@@ -265,11 +267,23 @@ class DecodeWorker:
             log.exception("decode stage raised on %s", uri)
             return ImageFailure("decode_internal_error", f"{type(exc).__name__}: {exc}", retriable=True)
 
+    def _headers_over_limit(self, doc: DocumentRef) -> str | None:
+        """Why this document's image records could not be sent at all, or None. Every image record carries the
+        document's metadata in its headers; metadata the size of a record would fail the send, and a failed send
+        stops the worker, on this document again after each restart."""
+        metadata_bytes = len(orjson.dumps(doc.metadata)) if doc.metadata else 0
+        limit = self.settings.kafka.max_message_bytes // 2
+        if metadata_bytes <= limit:
+            return None
+        return (f"the document's metadata is {metadata_bytes} bytes as JSON; each image record carries it, and "
+                f"at most {limit} (half of kafka.max_message_bytes) leaves room for the image")
+
     def _publish_image(self, doc: DocumentRef, image_index: int, count: int, uri: str, image: PreparedImage,
                        source: dict[str, Any]) -> None:
         value = image.data
         ref = None
-        if len(value) > self.settings.kafka.max_message_bytes:
+        # The headers count: a record is its value and its headers (the metadata is in them).
+        if len(value) + len(orjson.dumps(doc.metadata)) + 4096 > self.settings.kafka.max_message_bytes:
             # Never dropped: the pixels go aside and the record carries the reference.
             ref = self._claim_check_store().put(f"{doc.doc_id}/{image_index}", value)
             value = b""
