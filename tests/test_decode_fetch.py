@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import gzip
 import http.server
 import os
 import threading
 import time
+import tracemalloc
+import zlib
 
 import pytest
 
@@ -17,6 +20,8 @@ from vlmstream.config import DecodeSettings
 
 JPEG = images.supported_formats()["jpeg_baseline"]
 MAX_BYTES = 64 * 1024
+# 16 MiB of zeros in ~16 KB of gzip: under the byte cap on the wire, 256 times over it once inflated.
+GZIP_BOMB = gzip.compress(bytes(16 << 20), compresslevel=9)
 
 
 class _Handler(http.server.BaseHTTPRequestHandler):
@@ -74,6 +79,30 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         elif path == "/slow":
             time.sleep(1.0)
             self._send(200, JPEG)
+        elif path == "/drip":
+            # Every read returns well within the read timeout, so only the overall deadline can stop this one.
+            self.send_response(200)
+            self.send_header("Content-Length", "1000")
+            self.end_headers()
+            try:
+                for _ in range(25):
+                    self.wfile.write(b"\xff")
+                    self.wfile.flush()
+                    time.sleep(0.2)
+            except (BrokenPipeError, ConnectionResetError):
+                pass
+        elif path == "/gzip-image":
+            self._send(200, gzip.compress(JPEG), {"Content-Encoding": "gzip"})
+        elif path == "/deflate-image":
+            self._send(200, zlib.compress(JPEG), {"Content-Encoding": "deflate"})
+        elif path == "/gzip-bomb":
+            self._send(200, GZIP_BOMB, {"Content-Encoding": "gzip"})
+        elif path == "/gzip-gzip":
+            self._send(200, gzip.compress(gzip.compress(JPEG)), {"Content-Encoding": "gzip, gzip"})
+        elif path == "/brotli":
+            self._send(200, JPEG, {"Content-Encoding": "br"})
+        elif path == "/not-gzip":
+            self._send(200, b"notgzip!!!", {"Content-Encoding": "gzip"})
         else:
             self._send(404)
 
@@ -141,6 +170,28 @@ def test_missing_and_oversized_local_files(tmp_path):
     assert kind_of(lambda: f.fetch(str(tmp_path / "big.bin"))) == "fetch_too_large"
 
 
+def test_fifos_are_refused_without_waiting_for_a_writer(tmp_path):
+    fifo = tmp_path / "page.png"
+    os.mkfifo(fifo)
+    f = fetcher(tmp_path)
+    outcome = []
+    reader = threading.Thread(target=lambda: outcome.append(kind_of(lambda: f.fetch(str(fifo)))), daemon=True)
+    reader.start()
+    reader.join(5)
+    if reader.is_alive():  # a regression: let the blocked open() return so the thread can end
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+    assert not reader.is_alive(), "opening a FIFO blocked"
+    assert outcome == ["fetch_not_found"]
+
+
+def test_empty_uris_and_unknown_home_directories_are_classified(tmp_path):
+    f = fetcher(tmp_path)
+    with pytest.raises(ImageError) as info:
+        f.fetch("")
+    assert info.value.error_kind == "fetch_bad_uri" and "empty URI" in str(info.value)
+    assert kind_of(lambda: f.fetch("~vlmstream-no-such-user/x.png")) == "fetch_not_found"
+
+
 def test_empty_allowed_roots_means_the_working_directory(tmp_path, monkeypatch):
     (tmp_path / "a.jpg").write_bytes(JPEG)
     monkeypatch.chdir(tmp_path)
@@ -169,6 +220,7 @@ def test_empty_allowed_roots_means_the_working_directory(tmp_path, monkeypatch):
         ("http://user:pw@example.com/a.jpg", "fetch_forbidden_host"),
         ("http://[::1/a.jpg", "fetch_bad_uri"),
         ("http://example.com:99999/a.jpg", "fetch_bad_uri"),
+        ("http://" + "a" * 64 + ".example.com/a.jpg", "fetch_bad_uri"),  # IDNA refuses labels over 63 chars
     ],
 )
 def test_hostile_uris_are_refused_before_any_connection(tmp_path, uri, kind):
@@ -229,6 +281,38 @@ def test_slow_server_times_out_within_the_deadline(server, tmp_path):
         f.fetch(f"{server}/slow")
     assert info.value.error_kind == "fetch_timeout" and info.value.retriable
     assert time.monotonic() - started < 1.5
+
+
+def test_a_dripping_server_is_stopped_at_the_deadline(server, tmp_path):
+    f = fetcher(tmp_path, allow_private_hosts=True, read_timeout_s=2.0, retries=0, deadline_s=1.0)
+    started = time.monotonic()
+    with pytest.raises(ImageError) as info:
+        f.fetch(f"{server}/drip")
+    assert info.value.error_kind == "fetch_timeout" and info.value.retriable
+    assert time.monotonic() - started < 2.0
+
+
+def test_compressed_responses_are_inflated_within_the_byte_cap(server, tmp_path):
+    f = fetcher(tmp_path, allow_private_hosts=True)
+    assert f.fetch(f"{server}/gzip-image") == JPEG
+    assert f.fetch(f"{server}/deflate-image") == JPEG
+    tracemalloc.start()
+    try:
+        assert kind_of(lambda: f.fetch(f"{server}/gzip-bomb")) == "fetch_too_large"
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    # Inflating a whole network read before the cap is checked would hold megabytes here.
+    assert peak < 4 << 20
+
+
+@pytest.mark.parametrize("path, named", [("/gzip-gzip", "gzip, gzip"), ("/brotli", "br"), ("/not-gzip", "gzip")])
+def test_encodings_we_cannot_inflate_safely_are_refused(server, tmp_path, path, named):
+    f = fetcher(tmp_path, allow_private_hosts=True)
+    with pytest.raises(ImageError) as info:
+        f.fetch(f"{server}{path}")
+    assert info.value.error_kind == "fetch_http_error" and not info.value.retriable
+    assert named in str(info.value)
 
 
 def test_stage_turns_fetch_errors_into_failure_values(server, tmp_path):

@@ -25,7 +25,9 @@ import ipaddress
 import os
 import random
 import socket
+import stat
 import time
+import zlib
 from pathlib import Path
 from urllib.parse import unquote, urljoin, urlsplit
 
@@ -81,7 +83,6 @@ FSSPEC_PROTOCOLS = frozenset(
     {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oci", "oss", "hdfs", "memory", "r2", "b2"}
 )
 MAX_REDIRECTS = 5
-_CHUNK = 1 << 16
 
 
 class Fetcher:
@@ -121,6 +122,8 @@ class Fetcher:
         )
 
     def fetch(self, uri: str) -> bytes:
+        if not uri.strip():  # would otherwise read as the first root, "is a directory"
+            raise BadUri("empty URI")
         try:
             parts = urlsplit(uri)
         except ValueError as exc:
@@ -150,19 +153,24 @@ class Fetcher:
     def _read_local(self, raw_path: str) -> bytes:
         if "\x00" in raw_path:
             raise ForbiddenPath("path contains a NUL byte")
-        path = Path(raw_path).expanduser()
-        if not path.is_absolute():
-            path = self.roots[0] / path
         # Resolve symlinks and '..' first: the check must see where the bytes really are.
         try:
+            path = Path(raw_path).expanduser()
+            if not path.is_absolute():
+                path = self.roots[0] / path
             resolved = path.resolve()
-        except (OSError, RuntimeError) as exc:  # symlink loop, name too long
+        except (OSError, RuntimeError) as exc:  # symlink loop, name too long, ~user with no such user
             raise NotFound(f"{raw_path}: cannot resolve: {exc}") from exc
         if not any(resolved.is_relative_to(root) for root in self.roots):
             raise ForbiddenPath(f"{raw_path} resolves to {resolved}, outside the allowed roots")
         try:
-            with open(resolved, "rb") as handle:
-                size = os.fstat(handle.fileno()).st_size
+            # O_NONBLOCK: opening a FIFO would otherwise wait forever for a writer. The type is checked on the open
+            # handle, not before opening, so the path cannot be swapped for a FIFO or a device in between.
+            with open(resolved, "rb", opener=_open_nonblocking) as handle:
+                info = os.fstat(handle.fileno())
+                if not stat.S_ISREG(info.st_mode):  # a FIFO or device has no end, or blocks on read
+                    raise NotFound(f"{raw_path} is not a regular file")
+                size = info.st_size
                 if size > self.max_bytes:
                     raise TooLarge(f"{raw_path} has {size} bytes, limit {self.max_bytes}")
                 data = handle.read(self.max_bytes + 1)
@@ -214,7 +222,9 @@ class Fetcher:
             self._client = httpx.Client(
                 follow_redirects=False,  # each hop is re-checked below
                 timeout=httpx.Timeout(self.read_timeout_s, connect=self.connect_timeout_s),
-                headers={"User-Agent": "vlmstream-decode/0.1"},
+                # identity: httpx would inflate each network chunk whole before our byte cap saw it (a gzip
+                # bomb); a server that compresses anyway is inflated by _read_capped, within the cap.
+                headers={"User-Agent": "vlmstream-decode/0.1", "Accept-Encoding": "identity"},
                 trust_env=False,  # no proxy or netrc surprises from the environment
             )
         return self._client
@@ -242,8 +252,14 @@ class Fetcher:
         url = uri
         for _hop in range(MAX_REDIRECTS + 1):
             self._check_http_url(url)
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise FetchTimeout(f"{url}: not fetched within {self.deadline_s:g}s")
+            # httpx's timeouts apply per read: no single read may outlast the deadline either.
+            timeout = httpx.Timeout(min(self.read_timeout_s, remaining),
+                                    connect=min(self.connect_timeout_s, remaining))
             try:
-                with client.stream("GET", url) as response:
+                with client.stream("GET", url, timeout=timeout) as response:
                     if response.is_redirect:
                         location = response.headers.get("location")
                         if not location:
@@ -277,15 +293,24 @@ class Fetcher:
         declared = response.headers.get("content-length")
         if declared and declared.isdigit() and int(declared) > self.max_bytes:
             raise TooLarge(f"{url}: Content-Length {declared} exceeds {self.max_bytes}")
-        chunks, total = [], 0
-        for chunk in response.iter_bytes(_CHUNK):
-            total += len(chunk)
-            if total > self.max_bytes:
+        inflater = _inflater_for(url, response.headers.get("content-encoding", ""))
+        chunks, received, total = [], 0, 0
+        # iter_raw() without a chunk size yields each network read as it arrives, so the deadline is checked
+        # while a server drips bytes (iter_bytes(64 KiB) waited for 64 KiB first).
+        for raw in response.iter_raw():
+            received += len(raw)
+            if received > self.max_bytes:
                 raise TooLarge(f"{url}: more than {self.max_bytes} bytes")
             # httpx's read timeout is per read; a server dripping one byte at a time is stopped here.
             if time.monotonic() > deadline:
-                raise FetchTimeout(f"{url}: body not received within {self.deadline_s:.0f}s")
+                raise FetchTimeout(f"{url}: body not received within {self.deadline_s:g}s")
+            chunk = inflater.inflate(raw, self.max_bytes - total + 1) if inflater else raw
+            total += len(chunk)
+            if total > self.max_bytes:
+                raise TooLarge(f"{url}: more than {self.max_bytes} bytes once decoded")
             chunks.append(chunk)
+        if inflater and not inflater.finished:
+            raise HttpError(f"{url}: {inflater.encoding} body ends early")
         return b"".join(chunks)
 
     def _check_http_url(self, url: str) -> None:
@@ -330,4 +355,48 @@ def _resolve(host: str, port: int) -> list[ipaddress._BaseAddress]:
     except socket.gaierror as exc:
         # EAI_AGAIN is a DNS server hiccup; a name that does not exist will not exist on retry either.
         raise HttpError(f"cannot resolve {host}: {exc}", retriable=exc.errno == socket.EAI_AGAIN) from exc
+    except UnicodeError as exc:  # IDNA refuses the name before any lookup: an empty label or one over 63 chars
+        raise BadUri(f"bad host name {host[:100]!r}: {exc}") from exc
     return [ipaddress.ip_address(info[4][0].split("%")[0]) for info in infos]
+
+
+def _open_nonblocking(path, flags):
+    return os.open(path, flags | os.O_NONBLOCK)
+
+
+class _Inflater:
+    """One gzip or deflate layer, inflated as the raw bytes arrive and never past the output length asked for."""
+
+    def __init__(self, url: str, encoding: str):
+        self.url = url
+        self.encoding = encoding
+        self._first = True
+        self._zlib = zlib.decompressobj(zlib.MAX_WBITS | 16 if encoding in ("gzip", "x-gzip") else zlib.MAX_WBITS)
+
+    @property
+    def finished(self) -> bool:
+        return self._zlib.eof
+
+    def inflate(self, data: bytes, max_length: int) -> bytes:
+        # Output stops at max_length (the cap + 1, so the caller sees the overflow); what is left of the input
+        # is never inflated, since the caller then gives up on the response.
+        first, self._first = self._first, False
+        try:
+            return self._zlib.decompress(data, max_length)
+        except zlib.error as exc:
+            if not (first and self.encoding == "deflate"):
+                raise HttpError(f"{self.url}: body is not valid {self.encoding}: {exc}") from exc
+        # Some servers send raw deflate without the zlib header the RFC asks for (httpx accepted those too).
+        self._zlib = zlib.decompressobj(-zlib.MAX_WBITS)
+        return self.inflate(data, max_length)
+
+
+def _inflater_for(url: str, content_encoding: str) -> _Inflater | None:
+    encodings = [token.strip().lower() for token in content_encoding.split(",")]
+    encodings = [token for token in encodings if token and token != "identity"]
+    if not encodings:
+        return None
+    # We ask for identity; a server that still stacks layers or uses br/zstd gets no decoder of its own here.
+    if len(encodings) == 1 and encodings[0] in ("gzip", "x-gzip", "deflate"):
+        return _Inflater(url, encodings[0])
+    raise HttpError(f"{url}: unsupported Content-Encoding {content_encoding.strip()[:100]!r}")
