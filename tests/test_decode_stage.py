@@ -247,3 +247,177 @@ def test_jpeg2000_that_cannot_drop_the_levels_its_header_promised_decodes_at_ful
     monkeypatch.setattr(decode, "jpeg2000_decomposition_levels", lambda data: 5)
     decoded = Decoder(max_pixels=128 * 28 * 28).decode(one_level)
     assert decoded.scale == 1.0 and decoded.pixels.shape == (1200, 1600, 3)
+
+
+def _with_repeated_last_scan(jpeg: bytes, copies: int) -> bytes:
+    """A progressive JPEG whose last scan is repeated: libjpeg only warns, and walks every block again per copy."""
+    last_scan = jpeg.rindex(b"\xff\xda")
+    return jpeg[:-2] + jpeg[last_scan:-2] * copies + b"\xff\xd9"
+
+
+@pytest.mark.parametrize("mode, use_turbojpeg", [("L", True), ("L", False), ("CMYK", True)])
+def test_jpeg_with_hundreds_of_repeated_scans_is_refused_before_decoding(tmp_path, mode, use_turbojpeg):
+    progressive = images._save(Image.new(mode, (64, 64), 128), "JPEG", quality=90, progressive=True)
+    assert pixels_of(make_stage(tmp_path).prepare(progressive)).shape[2] == 3  # the original is fine
+    bomb = _with_repeated_last_scan(progressive, 600)
+    (tmp_path / "scans.jpg").write_bytes(bomb)
+    settings = DecodeSettings(allowed_roots=[str(tmp_path)], codec="raw")
+    result = DecodeStage(settings, "", use_turbojpeg=use_turbojpeg)(str(tmp_path / "scans.jpg"))
+    assert isinstance(result, ImageFailure) and result.error_kind == "decode_corrupt", result
+    scans = bomb.count(b"\xff\xda")
+    assert f"{scans} scans" in result.detail
+
+
+@pytest.mark.parametrize("orientation", range(1, 9))
+@pytest.mark.parametrize("container", ["tiff", "png", "webp"])
+def test_orientation_is_applied_exactly_once_in_every_container(tmp_path, orientation, container):
+    """Pillow 13 turns a TIFF upright itself when it loads one; PNG and WebP it leaves to the caller."""
+    import io
+
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    params = {"lossless": True} if container == "webp" else {}
+    data = images._save(images.marked_image(), container.upper(), exif=exif.tobytes(), **params)
+    reference = images._save(images.marked_image(), "PNG", exif=exif.tobytes())  # Pillow never turns PNGs itself
+    expected = np.asarray(ImageOps.exif_transpose(Image.open(io.BytesIO(reference))).convert("RGB"))
+    ours = pixels_of(make_stage(tmp_path).prepare(data))  # 280x140: multiples of 28, so no resampling
+    assert ours.shape == expected.shape
+    assert np.array_equal(ours, expected)
+
+
+@pytest.mark.parametrize("progressive", [False, True])
+def test_jpeg_cut_short_with_an_end_marker_appended_is_truncated(tmp_path, progressive):
+    """libjpeg's warning for it is "Corrupt JPEG data: premature end of data segment", and the rows it never got
+    come out grey."""
+    jpeg = images._save(images._photo_like(320, 240, 5), "JPEG", quality=90, progressive=progressive)
+    result = make_stage(tmp_path)(str(_write(tmp_path, jpeg[: len(jpeg) // 2] + b"\xff\xd9")))
+    assert isinstance(result, ImageFailure) and result.error_kind == "decode_truncated", result
+
+
+def _write(tmp_path, data: bytes):
+    path = tmp_path / "image.bin"
+    path.write_bytes(data)
+    return path
+
+
+def _keyed(mode: str, key, *, animated: bool = False) -> bytes:
+    """Left half opaque, right half the tRNS colour key (black: transparent) as a PNG or an APNG."""
+    image = Image.new(mode, (200, 100), key)
+    image.paste((255, 0, 0) if mode == "RGB" else 200, (0, 0, 100, 100))
+    extra = {"save_all": True, "append_images": [image.copy()]} if animated else {}
+    return images._save(image, "PNG", transparency=key, **extra)
+
+
+@pytest.mark.parametrize("data", [
+    _keyed("RGB", (0, 0, 0)),
+    _keyed("L", 0),
+    _keyed("I;16", 0),
+    _keyed("RGB", (0, 0, 0), animated=True),
+    _keyed("L", 0, animated=True),
+], ids=["rgb", "grey", "grey16", "rgb_apng", "grey_apng"])
+def test_transparent_colour_keys_come_out_white(tmp_path, data):
+    pixels = pixels_of(make_stage(tmp_path).prepare(data))
+    w = pixels.shape[1]
+    assert pixels[:, -w // 4:].min() == 255  # the keyed half, transparent
+    assert pixels[:, : w // 4].max(axis=(0, 1)).tolist() != [255, 255, 255]  # the opaque half is not
+
+
+def _rgba_png(width: int, height: int, depth: int) -> bytes:
+    import cv2
+
+    bgra = np.zeros((height, width, 4), np.uint16 if depth == 16 else np.uint8)
+    bgra[..., 2] = 200 * (257 if depth == 16 else 1)
+    bgra[..., 3] = (np.arange(width) % 256 * (257 if depth == 16 else 1))[None, :]  # every level of transparency
+    ok, data = cv2.imencode(".png", bgra)
+    assert ok
+    return data.tobytes()
+
+
+@pytest.mark.parametrize("make, source_bytes_per_pixel", [
+    (lambda: _rgba_png(3000, 2000, 8), 4),
+    (lambda: _rgba_png(3000, 2000, 16), 8),
+    (lambda: images._save(Image.fromarray(np.tile(np.linspace(0, 1, 3000, dtype=np.float32), (2000, 1)), "F"),
+                          "TIFF"), 4),
+], ids=["rgba8_png", "rgba16_png", "float_tiff"])
+def test_decoding_allocates_little_beyond_the_source_and_the_output(make, source_bytes_per_pixel):
+    """Alpha compositing and 16-bit or float scaling work a row block at a time: full-size uint16, uint32 or float
+    temporaries cost a 196 MP image several GB. Bound: the decoded source array, the RGB output (3 bytes a pixel)
+    and 2 more; the full-size temporaries took 13 (float), 30 (RGBA8) and 40 (RGBA16) bytes a pixel."""
+    import tracemalloc
+
+    data = make()
+    decoder = Decoder()
+    tracemalloc.start()  # sees numpy's and OpenCV's arrays, not Pillow's own image memory
+    try:
+        pixels = decoder.decode(data).pixels
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert pixels.shape == (2000, 3000, 3)
+    assert peak / pixels[..., 0].size < source_bytes_per_pixel + 3 + 2
+
+
+def _tiled_tiff(width: int, height: int, tile: int) -> bytes:
+    """An 8-bit grey TIFF of width x height stored in one deflated tile x tile tile (all black)."""
+    import struct
+    import zlib
+
+    pixels = zlib.compress(bytes(tile * tile), 9)
+    entries = [(256, 3, width), (257, 3, height), (258, 3, 8), (259, 3, 8), (262, 3, 1), (277, 3, 1),
+               (322, 4, tile), (323, 4, tile), (324, 4, None), (325, 4, len(pixels))]
+    data_at = 8 + 2 + 12 * len(entries) + 4
+    out = b"II*\x00" + struct.pack("<IH", 8, len(entries))
+    for tag, kind, value in entries:
+        value = data_at if value is None else value
+        out += struct.pack("<HHI", tag, kind, 1) + struct.pack("<HH" if kind == 3 else "<I", *(
+            (value, 0) if kind == 3 else (value,)))
+    return out + struct.pack("<I", 0) + pixels
+
+
+def test_tiff_tile_far_larger_than_its_image_is_refused_before_loading(tmp_path):
+    """libtiff allocates and inflates a whole tile, whatever the image size: a 16x16 image in one 46336-square tile
+    cost 2 GB. The image-size check alone passes it."""
+    stage = make_stage(tmp_path, max_source_pixels=10_000_000)
+    assert isinstance(stage.prepare(_tiled_tiff(16, 16, 256)), PreparedImage)  # a usual tile for a small image
+    corrupt = stage(str(_write(tmp_path, _tiled_tiff(16, 16, 2048))))
+    assert isinstance(corrupt, ImageFailure) and corrupt.error_kind == "decode_corrupt", corrupt
+    assert "tile 2048x2048" in corrupt.detail
+    too_many = stage(str(_write(tmp_path, _tiled_tiff(16, 16, 4096))))  # 16.8 MP: over max_source_pixels
+    assert isinstance(too_many, ImageFailure) and too_many.error_kind == "decode_too_many_pixels", too_many
+
+
+@pytest.mark.parametrize("endian, kind", [(">", 3), (">", 4), ("<", 3), ("<", 4)],
+                         ids=["big_short", "big_long", "little_short", "little_long"])
+def test_exif_orientation_is_read_as_short_or_long_in_either_byte_order(tmp_path, endian, kind):
+    """The standard says SHORT; some writers use LONG, which Pillow (and so the stage's CMYK path) honours. Read as
+    2 bytes, a big-endian LONG is 0."""
+    import struct
+
+    entry = struct.pack(endian + "HHI", 0x0112, kind, 1) + struct.pack(endian + ("I" if kind == 4 else "HH"),
+                                                                          *((6,) if kind == 4 else (6, 0)))
+    tiff = (b"MM\x00*" if endian == ">" else b"II*\x00") + struct.pack(endian + "IH", 8, 1) + entry + bytes(4)
+    app1 = b"Exif\x00\x00" + tiff
+    jpeg = images._save(images.marked_image(), "JPEG", quality=90)
+    data = jpeg[:2] + b"\xff\xe1" + struct.pack(">H", len(app1) + 2) + app1 + jpeg[2:]
+    assert jpeg_exif_orientation(data) == 6
+    result = make_stage(tmp_path).prepare(data)
+    assert (result.width, result.height) == (140, 280)  # stood up
+
+
+def _jpeg_frame_rewritten(*, marker: int | None = None, precision: int | None = None) -> bytes:
+    data = bytearray(images._save(images._photo_like(64, 48, 1), "JPEG", quality=90))
+    sof = data.index(b"\xff\xc0")
+    if marker is not None:
+        data[sof + 1] = marker
+    if precision is not None:
+        data[sof + 4] = precision
+    return bytes(data)
+
+
+@pytest.mark.parametrize("data", [_jpeg_frame_rewritten(precision=12), _jpeg_frame_rewritten(marker=0xC3)],
+                         ids=["12_bit", "lossless"])
+@pytest.mark.parametrize("use_turbojpeg", [True, False])
+def test_12_bit_and_lossless_jpeg_are_unsupported_not_corrupt(tmp_path, data, use_turbojpeg):
+    settings = DecodeSettings(allowed_roots=[str(tmp_path)], codec="raw")
+    result = DecodeStage(settings, "", use_turbojpeg=use_turbojpeg)(str(_write(tmp_path, data)))
+    assert isinstance(result, ImageFailure) and result.error_kind == "decode_unsupported", result

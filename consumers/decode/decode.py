@@ -75,6 +75,22 @@ _KNOWN_UNSUPPORTED = (
 )
 
 EXIF_ORIENTATION_TAG = 0x0112
+TIFF_TILE_WIDTH_TAG, TIFF_TILE_LENGTH_TAG = 322, 323
+
+# Each progressive scan makes libjpeg walk every block of the image again, and it only warns about a repeated one:
+# a few hundred kB of duplicated scans cost minutes. 500 is libjpeg-turbo's recommended limit for untrusted input;
+# real progressive files have about ten (an EXIF thumbnail adds a few).
+MAX_JPEG_SCANS = 500
+# SOF markers of the lossless and hierarchical processes, which libjpeg-turbo's 8-bit decoder does not implement.
+_UNSUPPORTED_JPEG_FRAMES = {0xC3: "lossless", 0xC5: "hierarchical", 0xC6: "hierarchical", 0xC7: "lossless",
+                            0xCB: "lossless", 0xCD: "hierarchical", 0xCE: "hierarchical", 0xCF: "lossless"}
+_JPEG_FRAME_MARKERS = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}  # SOFn; C4/C8/CC are DHT, JPG, DAC
+# A TIFF tile is what libtiff allocates and inflates, whatever the image size: one covers at most the image plus
+# padding to the tile grid. Tiles up to this area are allowed for any image (encoders use 256x256 for tiny ones).
+_TILE_PIXELS_ANY_IMAGE = 1 << 20
+_TILE_OVER_IMAGE_AREA = 4
+# Per-pixel arithmetic runs over this many pixels at a time, so its temporaries stay a few MB at any image size.
+_BLOCK_PIXELS = 1 << 18
 
 
 def sniff_format(data: bytes) -> str:
@@ -162,6 +178,8 @@ class Decoder:
 
     def decode(self, data: bytes) -> Decoded:
         fmt = sniff_format(data)
+        if fmt == "jpeg":
+            check_jpeg_is_decodable(data)
         if fmt == "jpeg" and self._turbo is not None:
             return self._decode_jpeg_turbo(data)
         return self._decode_pillow(data, fmt)
@@ -205,7 +223,7 @@ class Decoder:
                 raise _jpeg_failure(data, exc) from exc
         for warning in caught:
             message = str(warning.message)
-            if "Premature end" in message:
+            if "premature end" in message.lower():  # "Premature end of JPEG file", "... of data segment"
                 # libjpeg fills the missing rows with grey and calls it a warning; a half-grey page is a failure.
                 raise TruncatedImage(f"JPEG data ends early: {message}")
         return Decoded(
@@ -223,15 +241,21 @@ class Decoder:
             raise CorruptImage(f"{fmt} signature but Pillow cannot read it: {exc}") from exc
         except (OSError, SyntaxError, ValueError, EOFError, struct.error) as exc:
             raise _pillow_failure(fmt, exc, data) from exc
+        except RuntimeError as exc:
+            if fmt not in _RUNTIME_ERROR_FORMATS:
+                raise
+            raise _pillow_failure(fmt, exc, data) from exc
         try:
             with image:
                 orientation = _pillow_orientation(image)
                 stored_w, stored_h = image.size
                 width, height, target_w, target_h = self._check_and_target(stored_w, stored_h, orientation)
+                if image.format == "TIFF":
+                    self._check_tiff_tiles(image, stored_w, stored_h)
                 scale = 1.0
                 pixels = None
                 if fmt in ("png", "webp") and not getattr(image, "is_animated", False):
-                    pixels = _decode_cv2(data, stored_w, stored_h)
+                    pixels = _decode_cv2(data, stored_w, stored_h, colour_key="transparency" in image.info)
                 if pixels is None:
                     need_h, need_w = (target_w, target_h) if swaps_axes(orientation) else (target_h, target_w)
                     if image.format == "JPEG":
@@ -258,7 +282,23 @@ class Decoder:
             raise TooManyPixels(str(exc)) from exc
         except (OSError, SyntaxError, ValueError, EOFError, struct.error, IndexError) as exc:
             raise _pillow_failure(fmt, exc, data) from exc
+        except RuntimeError as exc:
+            if fmt not in _RUNTIME_ERROR_FORMATS:
+                raise
+            raise _pillow_failure(fmt, exc, data) from exc
         return Decoded(pixels, orientation, width, height, target_w, target_h, fmt, scale)
+
+    def _check_tiff_tiles(self, image: Image.Image, stored_w: int, stored_h: int) -> None:
+        tile_w = image.tag_v2.get(TIFF_TILE_WIDTH_TAG)
+        tile_h = image.tag_v2.get(TIFF_TILE_LENGTH_TAG)
+        if not isinstance(tile_w, int) or not isinstance(tile_h, int):
+            return
+        tile = tile_w * tile_h
+        if tile > self.max_source_pixels:
+            raise TooManyPixels(f"TIFF tile {tile_w}x{tile_h} = {tile} pixels exceeds max_source_pixels "
+                                f"{self.max_source_pixels}")
+        if tile > max(_TILE_OVER_IMAGE_AREA * stored_w * stored_h, _TILE_PIXELS_ANY_IMAGE):
+            raise CorruptImage(f"TIFF tile {tile_w}x{tile_h} is far larger than its {stored_w}x{stored_h} image")
 
 
 def jpeg2000_decomposition_levels(data: bytes) -> int:
@@ -278,29 +318,45 @@ def jpeg2000_decomposition_levels(data: bytes) -> int:
     return 0
 
 
-def _decode_cv2(data: bytes, width: int, height: int) -> np.ndarray | None:
+def _decode_cv2(data: bytes, width: int, height: int, *, colour_key: bool = False) -> np.ndarray | None:
     """PNG and WebP through OpenCV (libpng/libwebp directly: 1.2-2.5x faster than Pillow on the corpus), after
     Pillow has read the header and the size has been checked. None when OpenCV cannot decode it exactly; Pillow
-    then decodes it and names the failure (truncated, corrupt)."""
+    then decodes it and names the failure (truncated, corrupt). ``colour_key``: the file has a tRNS colour key."""
     try:
         array = cv2.imdecode(np.frombuffer(data, np.uint8), cv2.IMREAD_UNCHANGED)
     except cv2.error:
         return None
-    if array is None or array.shape[:2] != (height, width):
-        return None
-    if array.dtype == np.uint16:
-        array = ((array.astype(np.uint32) + 128) // 257).astype(np.uint8)  # full 16-bit range onto 0..255
-    elif array.dtype != np.uint8:
+    if array is None or array.shape[:2] != (height, width) or array.dtype not in (np.uint8, np.uint16):
         return None
     if array.ndim == 2:
-        return cv2.cvtColor(array, cv2.COLOR_GRAY2RGB)
-    if array.shape[2] == 4:
-        if array[..., 3].min() == 255:
-            return cv2.cvtColor(array, cv2.COLOR_BGRA2RGB)
-        return composite_on_white(cv2.cvtColor(array, cv2.COLOR_BGRA2RGBA))
-    if array.shape[2] == 3:
+        if colour_key:
+            return None  # OpenCV drops a grey PNG's tRNS key (an RGB one it expands to alpha); Pillow keeps it
+        return cv2.cvtColor(eight_bit(array), cv2.COLOR_GRAY2RGB)
+    if array.shape[2] == 3 and array.dtype == np.uint8:
         return cv2.cvtColor(array, cv2.COLOR_BGR2RGB)
+    if array.shape[2] in (3, 4):
+        return composite_on_white(array, bgr=True)
     return None
+
+
+def eight_bit(array: np.ndarray) -> np.ndarray:
+    """uint16 -> uint8 with the full 16-bit range onto 0..255 (uint8 unchanged), a row block at a time: a full-size
+    uint32 temporary would be twice the 16-bit image."""
+    if array.dtype == np.uint8:
+        return array
+    out = np.empty(array.shape, np.uint8)
+    for rows in _row_blocks(array.shape[0], array.shape[1]):
+        wide = array[rows].astype(np.uint32)
+        wide += 128
+        wide //= 257
+        out[rows] = wide
+    return out
+
+
+def _row_blocks(height: int, width: int):
+    step = max(1, _BLOCK_PIXELS // max(1, width))
+    for top in range(0, height, step):
+        yield slice(top, min(top + step, height))
 
 
 def jpeg2000_levels_to_drop(width: int, height: int, need_w: int, need_h: int, most: int = 5) -> int:
@@ -349,6 +405,9 @@ def pick_dct_scale(
 def to_rgb(image: Image.Image) -> np.ndarray:
     """Any Pillow mode -> H x W x 3 uint8 RGB; alpha composited on white, 16-bit and float scaled to 8 bits."""
     mode = image.mode
+    if mode in ("RGB", "L") and "transparency" in image.info:
+        image = image.convert("RGBA")  # a tRNS colour key: those pixels are transparent, so white
+        mode = image.mode
     if mode == "RGB":
         return np.asarray(image)
     if mode == "L":
@@ -365,39 +424,82 @@ def to_rgb(image: Image.Image) -> np.ndarray:
         rgba = np.asarray(image.convert("RGBA") if image.mode != "RGBA" else image)
         return composite_on_white(rgba)
     if mode.startswith("I;16") or mode == "I":
-        values = np.asarray(image).astype(np.float32)
-        if mode.startswith("I;16") or values.max(initial=0) > 255:
-            values = values / 257.0  # full 16-bit range onto 0..255
-        gray = np.clip(np.rint(values), 0, 255).astype(np.uint8)
+        stored = np.asarray(image)
+        divisor = 257.0 if mode.startswith("I;16") or stored.max(initial=0) > 255 else 1.0  # 16-bit range onto 0..255
+        key = image.info.get("transparency")
+        gray = np.empty(stored.shape, np.uint8)
+        for rows in _row_blocks(*stored.shape):
+            gray[rows] = np.clip(np.rint(stored[rows].astype(np.float32) / divisor), 0, 255)
+            if isinstance(key, int):
+                gray[rows][stored[rows] == key] = 255  # tRNS colour key: transparent, so white
         return cv2.cvtColor(gray, cv2.COLOR_GRAY2RGB)
     if mode == "F":
         # NaN and infinities (no-data pixels in scientific TIFFs, or damage) become black, not arbitrary bytes.
-        values = np.nan_to_num(np.asarray(image).astype(np.float32), nan=0.0, posinf=0.0, neginf=0.0)
-        if values.max(initial=0) <= 1.0:
-            values = values * 255.0  # float images are conventionally 0..1
-        gray = np.clip(np.rint(values), 0, 255).astype(np.uint8)
+        stored = np.asarray(image)
+        peak = max((float(np.nan_to_num(stored[rows], nan=0.0, posinf=0.0, neginf=0.0).max(initial=0))
+                    for rows in _row_blocks(*stored.shape)), default=0.0)
+        scale = 255.0 if peak <= 1.0 else 1.0  # float images are conventionally 0..1
+        gray = np.empty(stored.shape, np.uint8)
+        for rows in _row_blocks(*stored.shape):
+            values = np.nan_to_num(stored[rows].astype(np.float32), copy=False, nan=0.0, posinf=0.0, neginf=0.0)
+            values *= scale
+            gray[rows] = np.clip(np.rint(values, out=values), 0, 255, out=values)
         return cv2.cvtColor(gray, cv2.COLOR_GRAY2RGB)
     # CMYK, YCbCr, LAB, HSV, RGBX, I;16 variants Pillow can convert itself.
     return np.asarray(image.convert("RGB"))
 
 
-def composite_on_white(rgba: np.ndarray) -> np.ndarray:
-    """RGBA -> RGB over a white background (what transformers' convert_rgb does)."""
-    if rgba[..., 3].min() == 255:  # many RGBA files are fully opaque: skip the arithmetic on every pixel
-        return cv2.cvtColor(rgba, cv2.COLOR_RGBA2RGB)
-    alpha = rgba[..., 3:4].astype(np.uint16)
-    rgb = rgba[..., :3].astype(np.uint16)
-    out = (rgb * alpha + 255 * (255 - alpha) + 127) // 255
-    return out.astype(np.uint8)
+def composite_on_white(array: np.ndarray, *, bgr: bool = False) -> np.ndarray:
+    """RGBA (or RGB), 8 or 16 bits -> 8-bit RGB over a white background (what transformers' convert_rgb does);
+    ``bgr``: the channels are in OpenCV's order. Done a row block at a time, 16 bits brought to 8 first, so the
+    only full-size allocation is the output."""
+    height, width = array.shape[:2]
+    out = np.empty((height, width, 3), np.uint8)
+    for rows in _row_blocks(height, width):
+        block = eight_bit(array[rows])
+        if block.shape[2] == 4:
+            if block[..., 3].min() == 255:  # many RGBA files are fully opaque: skip the arithmetic
+                block = block[..., :3]
+            else:
+                alpha = block[..., 3:4].astype(np.uint16)
+                rgb = block[..., :3] * alpha
+                rgb += 255 * (255 - alpha) + 127
+                rgb //= 255
+                block = rgb
+        out[rows] = block[..., ::-1] if bgr else block
+    return out
 
 
 def jpeg_exif_orientation(data: bytes) -> int:
     """EXIF orientation from a JPEG's APP1 segment, read without decoding anything; 1 when absent or unreadable."""
+    for marker, body in _jpeg_header_segments(data):
+        if marker == 0xE1 and body[:6] == b"Exif\x00\x00":
+            return tiff_orientation(bytes(body[6:]))
+    return 1
+
+
+def check_jpeg_is_decodable(data: bytes) -> None:
+    """Refuses, from the bytes alone, a JPEG libjpeg would spend minutes on or cannot decode."""
+    # Entropy-coded data stuffs every 0xFF, so FF DA occurs only as a start-of-scan marker (or inside metadata).
+    scans = data.count(b"\xff\xda")
+    if scans > MAX_JPEG_SCANS:
+        raise CorruptImage(f"JPEG with {scans} scans (more than {MAX_JPEG_SCANS}: a scan bomb)")
+    for marker, body in _jpeg_header_segments(data):
+        if marker in _JPEG_FRAME_MARKERS:
+            if marker in _UNSUPPORTED_JPEG_FRAMES:
+                raise UnsupportedFormat(f"{_UNSUPPORTED_JPEG_FRAMES[marker]} JPEG (SOF {marker:#x}) is not supported")
+            if body[:1] and body[0] != 8:
+                raise UnsupportedFormat(f"{body[0]}-bit JPEG is not supported (8-bit only)")
+            return
+
+
+def _jpeg_header_segments(data: bytes):
+    """(marker, body) of each marker segment before the first scan; stops at anything that is not one."""
     view = memoryview(data)
     pos, end = 2, len(data)
     while pos + 4 <= end:
         if view[pos] != 0xFF:
-            return 1
+            return
         marker = view[pos + 1]
         if marker == 0xFF:  # fill byte
             pos += 1
@@ -406,12 +508,10 @@ def jpeg_exif_orientation(data: bytes) -> int:
             pos += 2
             continue
         if marker in (0xDA, 0xD9):  # start of scan / end of image: no more metadata
-            return 1
+            return
         length = (view[pos + 2] << 8) | view[pos + 3]
-        if marker == 0xE1 and bytes(view[pos + 4 : pos + 10]) == b"Exif\x00\x00":
-            return tiff_orientation(bytes(view[pos + 10 : pos + 2 + length]))
+        yield marker, view[pos + 4 : pos + 2 + length]
         pos += 2 + length
-    return 1
 
 
 def tiff_orientation(tiff: bytes) -> int:
@@ -423,7 +523,8 @@ def tiff_orientation(tiff: bytes) -> int:
         for i in range(count):
             tag, typ, _n, = struct.unpack_from(endian + "HHI", tiff, ifd + 2 + 12 * i)
             if tag == EXIF_ORIENTATION_TAG:
-                (value,) = struct.unpack_from(endian + "H", tiff, ifd + 2 + 12 * i + 8)
+                # SHORT by the standard, but some writers use LONG: read as 2 bytes, a big-endian LONG is 0.
+                (value,) = struct.unpack_from(endian + ("I" if typ == 4 else "H"), tiff, ifd + 2 + 12 * i + 8)
                 return value if 1 <= value <= 8 else 1
     except (KeyError, struct.error):
         pass
@@ -431,6 +532,8 @@ def tiff_orientation(tiff: bytes) -> int:
 
 
 def _pillow_orientation(image: Image.Image) -> int:
+    if image.format == "TIFF" and pillow_turns_tiffs_upright():
+        return 1
     try:
         if image.format in ("PNG", "WEBP"):
             # PngImageFile.getexif() decodes the whole image to look for an eXIf chunk after the pixels; read only
@@ -446,7 +549,22 @@ def _pillow_orientation(image: Image.Image) -> int:
     return value if isinstance(value, int) and 1 <= value <= 8 else 1
 
 
+@lru_cache(maxsize=1)
+def pillow_turns_tiffs_upright() -> bool:
+    """True when Pillow applies a TIFF's Orientation tag itself (Pillow 13 does, when it opens and loads one): the
+    stage must then not apply it again."""
+    exif = Image.Exif()
+    exif[EXIF_ORIENTATION_TAG] = 6
+    buffer = BytesIO()
+    Image.new("L", (2, 1)).save(buffer, "TIFF", exif=exif)
+    with Image.open(buffer) as probe:
+        probe.load()
+        return probe.size == (1, 2)
+
+
 def _jpeg_failure(data: bytes, exc: Exception) -> ImageError:
+    if "Unsupported JPEG" in str(exc):  # "... data precision 12", "... process: SOF type 0xc3"
+        return UnsupportedFormat(f"JPEG: {exc}")
     if not bytes(data[-16:]).rstrip(b"\x00\r\n ").endswith(b"\xff\xd9"):
         return TruncatedImage(f"JPEG without end-of-image marker: {exc}")
     return CorruptImage(f"JPEG: {exc}")
@@ -477,6 +595,10 @@ def jpeg2000_is_cut_short(data: bytes) -> bool:
         (length,) = struct.unpack(">Q", data[box + 4:box + 12])
     return box - 4 + length > len(data)
 
+
+# Pillow's AVIF plugin and pillow-heif report damaged files as RuntimeError ("Decoding of color planes failed",
+# libheif's "Security limit exceeded").
+_RUNTIME_ERROR_FORMATS = ("avif", "heif")
 
 _TURBO = None
 
