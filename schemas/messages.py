@@ -71,9 +71,19 @@ def validate(name: str, obj: Any) -> None:
 T = TypeVar("T", bound="Message")
 
 
+MAX_METADATA_DEPTH = 32
+
+
 @dataclass(frozen=True)
 class Message:
     schema_name: ClassVar[str] = ""
+
+    def __post_init__(self) -> None:
+        # JSON Schema cannot bound nesting, and orjson reads 1,024 levels but writes only ~254: metadata read from
+        # a topic must be metadata every later hop can write again (an output that cannot be written stops its
+        # consumer on the same record after every restart).
+        if _deeper_than(getattr(self, "metadata", None), MAX_METADATA_DEPTH):
+            raise SchemaError(self.schema_name, "metadata", f"nests deeper than {MAX_METADATA_DEPTH} levels")
 
     def to_dict(self) -> dict[str, Any]:
         data = {"schema_version": SCHEMA_VERSION}
@@ -99,7 +109,8 @@ class Message:
     def from_dict(cls: type[T], data: dict[str, Any]) -> T:
         validate(cls.schema_name, data)
         names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: _freeze(v) for k, v in data.items() if k in names})
+        integers = _integer_fields(cls.schema_name)
+        return cls(**{k: _freeze(_as_int(v) if k in integers else v) for k, v in data.items() if k in names})
 
     @classmethod
     def decode(cls: type[T], raw: bytes | str | None) -> T:
@@ -127,6 +138,27 @@ class Message:
 _KEEP_NONE = {"claim_check", "json", "revision", "mode"}
 
 
+@lru_cache(maxsize=None)
+def _integer_fields(name: str) -> frozenset[str]:
+    """Top-level fields the schema types as integers, or as arrays of them."""
+    out = set()
+    for key, spec in schema_document(name).get("properties", {}).items():
+        items = spec.get("items") if isinstance(spec.get("items"), dict) else {}
+        if "integer" in (spec.get("type"), items.get("type")):
+            out.add(key)
+    return frozenset(out)
+
+
+def _as_int(value: Any) -> Any:
+    # JSON Schema counts 56.0 as an integer, and other writers send one so: it must reach numpy shapes, tensor
+    # grids and our own outputs as 56, not as a float (validation has already ruled out 56.5).
+    if isinstance(value, float):
+        return int(value)
+    if isinstance(value, list):
+        return [int(v) if isinstance(v, float) else v for v in value]
+    return value
+
+
 def _freeze(value: Any) -> Any:
     # Lists become tuples so messages stay hashable and immutable; dicts stay dicts (metadata).
     if isinstance(value, list):
@@ -150,14 +182,6 @@ class DocumentRef(Message):
     metadata: dict[str, Any] = field(default_factory=dict)
     source: str | None = None
     published_at: float | None = None
-
-    MAX_METADATA_DEPTH: ClassVar[int] = 32
-
-    def __post_init__(self) -> None:
-        # JSON Schema cannot bound nesting, and orjson reads 1,024 levels but writes only ~254: a document read
-        # from a topic must be one every later hop can write again.
-        if _deeper_than(self.metadata, self.MAX_METADATA_DEPTH):
-            raise SchemaError(self.schema_name, "metadata", f"nests deeper than {self.MAX_METADATA_DEPTH} levels")
 
     def key(self) -> bytes:
         return self.doc_id.encode()
@@ -201,6 +225,14 @@ class ImagePayload(Message):
     metadata: dict[str, Any] = field(default_factory=dict)
     source: dict[str, Any] | None = None
     created_at: float | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        # The results stage waits for images 0 .. image_count-1: an index outside them would be described and
+        # then lost from its document's result.
+        if not 0 <= self.image_index < self.image_count:
+            raise SchemaError(self.schema_name, "image_index",
+                              f"{self.image_index} is not below image_count {self.image_count}")
 
     def key(self) -> bytes:
         return image_key(self.doc_id, self.image_index)

@@ -95,3 +95,31 @@ def test_claim_check_refuses_references_outside_the_store(tmp_path, unique):
     memory = ClaimCheckStore(f"memory://claims-{unique}")
     with pytest.raises(ImageError):
         memory.get(f"memory://other-{unique}/x.bin")
+
+
+def test_a_payload_whose_header_disagrees_is_refused_before_decoding():
+    """A few MB of PNG can hold gigabytes of pixels: the size comes from the header first."""
+    import struct
+    import time
+    import zlib
+
+    png = encode(np.zeros((56, 56, 3), np.uint8), "png")
+    ihdr = struct.pack(">II", 32000, 32000) + png[24:29]
+    bomb = png[:16] + ihdr + struct.pack(">I", zlib.crc32(png[12:16] + ihdr)) + png[33:]
+    started = time.monotonic()
+    with pytest.raises(PayloadError, match="32000x32000, metadata says 56x56"):
+        decode(bomb, "png", 56, 56)
+    assert time.monotonic() - started < 1.0
+    jpeg = encode(np.zeros((56, 84, 3), np.uint8), "jpeg")
+    with pytest.raises(PayloadError, match="84x56, metadata says 56x56"):
+        decode(jpeg, "jpeg", 56, 56)
+
+
+def test_damaged_or_empty_payloads_are_errors_not_grey_images():
+    rng = np.random.default_rng(3)
+    jpeg = encode(rng.integers(0, 255, (224, 224, 3), dtype=np.uint8), "jpeg")
+    with pytest.raises(PayloadError):
+        decode(jpeg[: len(jpeg) // 3], "jpeg", 224, 224)  # libjpeg would fill the rest with grey and only warn
+    for codec in ("raw", "png", "jpeg"):
+        with pytest.raises(PayloadError, match="empty"):
+            decode(b"", codec, 56, 56)

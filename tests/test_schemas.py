@@ -62,6 +62,12 @@ def test_image_payload_meta_travels_in_headers():
     (DeadLetter, {"schema_version": 1, "stage": "nowhere", "error_kind": "x", "detail": "y"}, "stage"),
     (DocumentResult, {**EXAMPLES[5].to_dict(), "images": [{"image_index": 0, "status": "maybe"}]},
      "images[0].status"),
+    # An index outside its document's count would be described, then lost from the document's result.
+    (ImagePayload, {**EXAMPLES[1].to_dict(), "image_index": 2}, "image_index"),
+    (ImagePayload, {**EXAMPLES[1].to_dict(), "image_count": 0}, "image_index"),
+    # Metadata nested past what orjson writes (~254) would make every output for it unwritable.
+    (ImagePayload, {**EXAMPLES[1].to_dict(), "metadata": {"k": [[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[1]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]}},
+     "metadata"),
 ])
 def test_invalid_messages_name_the_field(cls, data, field):
     with pytest.raises(SchemaError) as info:
@@ -103,3 +109,11 @@ def test_documents_from_other_clients_may_leave_out_the_schema_version():
     with pytest.raises(SchemaError) as info:
         Description.decode(json.dumps({k: v for k, v in EXAMPLES[2].to_dict().items() if k != "schema_version"}))
     assert info.value.field == "schema_version"
+
+
+def test_integral_floats_in_integer_fields_arrive_as_integers():
+    """JSON Schema counts 56.0 as an integer and other writers send one so; shapes and tensor grids need ints."""
+    payload = ImagePayload.decode(json.dumps({**EXAMPLES[1].to_dict(), "width": 448.0, "grid_thw": [1.0, 16.0, 32.0]}))
+    assert payload == EXAMPLES[1] and type(payload.width) is int and all(type(v) is int for v in payload.grid_thw)
+    with pytest.raises(SchemaError, match="width"):
+        ImagePayload.decode(json.dumps({**EXAMPLES[1].to_dict(), "width": 448.5}))

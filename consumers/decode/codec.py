@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import struct
+import warnings
+
 import cv2
 import numpy as np
 
@@ -52,11 +55,19 @@ def encode(rgb: np.ndarray, codec: str, *, jpeg_quality: int = 95) -> bytes:
 
 def decode(data: bytes, codec: str, height: int, width: int) -> np.ndarray:
     """Payload bytes -> exactly height x width x 3 uint8 RGB, or PayloadError."""
+    if not data:
+        raise PayloadError(f"empty {codec} payload (a tombstone, or a record whose pixels went missing)")
     if codec == "raw":
         expected = height * width * 3
         if len(data) != expected:
             raise PayloadError(f"raw payload has {len(data)} bytes, {height}x{width}x3 needs {expected}")
         return np.frombuffer(data, dtype=np.uint8).reshape(height, width, 3)
+    if codec in ("jpeg", "png"):
+        # From the header, before decoding: a few MB of PNG can hold gigabytes of pixels.
+        stored = _stored_size(data, codec)
+        if stored != (width, height):
+            raise PayloadError(f"{codec} payload is {'unreadable' if stored is None else '%dx%d' % stored}, "
+                               f"metadata says {width}x{height}")
     if codec == "jpeg":
         rgb = _decode_jpeg(data)
     elif codec == "png":
@@ -71,13 +82,37 @@ def decode(data: bytes, codec: str, height: int, width: int) -> np.ndarray:
     return rgb
 
 
+def _stored_size(data: bytes, codec: str) -> tuple[int, int] | None:
+    """(width, height) from the payload's header alone; None when it has none."""
+    if codec == "png":
+        if data[:8] != b"\x89PNG\r\n\x1a\n" or data[12:16] != b"IHDR":
+            return None
+        return struct.unpack(">II", data[16:24])
+    turbo = _turbo()
+    try:
+        if turbo is not None:
+            width, height, *_ = turbo.decode_header(data)
+            return width, height
+        from io import BytesIO
+
+        from PIL import Image
+
+        with Image.open(BytesIO(data)) as image:
+            return image.size
+    except Exception:  # noqa: BLE001 - any header error: the payload is damaged
+        return None
+
+
 def _decode_jpeg(data: bytes) -> np.ndarray:
     turbo = _turbo()
     try:
         if turbo is not None:
             from turbojpeg import TJPF_RGB
 
-            return turbo.decode(data, pixel_format=TJPF_RGB)
+            with warnings.catch_warnings():
+                # libjpeg fills a cut or damaged scan with grey and only warns: a damaged record, not an image.
+                warnings.simplefilter("error")
+                return turbo.decode(data, pixel_format=TJPF_RGB)
         from io import BytesIO
 
         from PIL import Image
