@@ -232,6 +232,48 @@ class HoldFirstEngine:
         pass
 
 
+class DeepJsonForOneEngine:
+    """Completes every request at once; the one for offset 0 answers with JSON nested past what orjson writes
+    (a model answering a JSON schema can do that)."""
+
+    name, model_id, revision, mode = "deep-json", "none", None, None
+
+    def __init__(self):
+        self.ready: list = []
+
+    def submit(self, requests):
+        self.ready.extend(requests)
+
+    def poll(self, timeout_s):
+        done, self.ready = self.ready, []
+        if not done:
+            time.sleep(timeout_s)
+        deep: object = 1
+        for _ in range(300):
+            deep = [deep]
+        return [InferenceOutput(r.request_id, text="{}", prompt_tokens=1, output_tokens=1,
+                                visual_tokens=r.grid_thw[1] * r.grid_thw[2] // 4,
+                                parsed_json=deep if "/0#" in r.request_id else {"ok": True}) for r in done]
+
+    def pending(self):
+        return len(self.ready)
+
+    def close(self):
+        pass
+
+
+@pytest.mark.kafka
+def test_an_output_that_cannot_be_written_is_dead_lettered_and_the_rest_go_on(topic_names, corpus_dir, unique):
+    """It used to raise out of the runner with nothing committed: the same record again after every restart."""
+    settings = infer_settings(topic_names, unique, publish_embeddings=False)
+    produce_images(settings, documents(corpus_dir, f"deep-{unique}", [3]), partition=0)
+    run_until_idle(settings, DeepJsonForOneEngine())
+    [letter] = [DeadLetter.decode(r.value) for r in read_topic(settings, settings.topics.deadletter, expected=1)]
+    assert (letter.error_kind, letter.image_index, letter.retriable) == ("output_invalid", 0, False)
+    assert sum(description_counts(settings, expected=2).values()) == 2
+    assert committed_offsets(settings, settings.infer.group_id, settings.topics.images) == {0: 3}
+
+
 def start_holding_the_first_of_five(topic_names, corpus_dir, doc_id: str, unique: str, max_seconds: float,
                                     **runner_kwargs):
     """A document of five images on partition 0 and a runner whose engine holds the first (offset 0) until

@@ -403,6 +403,20 @@ class InferenceRunner:
             timings["decode_ms"] = float(meta.decode_ms)
         coords = source_coords(work.tp.topic, work.tp.partition, work.offset)
         visual_tokens = out.visual_tokens or meta.visual_tokens
+        try:
+            outputs = self._outputs(work, out, timings, coords, visual_tokens)
+        except SchemaError as exc:
+            # An output that cannot be written (a model's JSON nested past what JSON writers take) is this
+            # image's failure; raised, it would stop the consumer on the same record after every restart.
+            self._fail(work, "output_invalid", str(exc), retriable=False)
+            return
+        self.stats.described += 1
+        self.stats.visual_tokens += visual_tokens
+        self._finish(work, outputs)
+
+    def _outputs(self, work: _Work, out: InferenceOutput, timings: dict, coords: dict,
+                 visual_tokens: int) -> list[Output]:
+        meta = work.meta
         description = Description(
             doc_id=meta.doc_id, image_index=meta.image_index, image_count=meta.image_count,
             source_uri=meta.source_uri or None, text=out.text, json=out.parsed_json,
@@ -418,9 +432,7 @@ class InferenceRunner:
                 model=self.engine.model_id, grid_thw=tuple(meta.grid_thw), source=coords, created_at=now())
             outputs.append((self.settings.topics.embeddings, embedding.key(), embedding.encode(),
                             embedding.headers()))
-        self.stats.described += 1
-        self.stats.visual_tokens += visual_tokens
-        self._finish(work, outputs)
+        return outputs
 
     def _fail(self, work: _Work, error_kind: str, detail: str, *, retriable: bool) -> None:
         if retriable and work.attempts < self.cfg.max_attempts:
