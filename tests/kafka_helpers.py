@@ -76,3 +76,11 @@ def read_topic(settings: Settings, topic: str, *, expected: int | None = None, t
         return records
     finally:
         consumer.close()
+
+
+class NotUtf8HeaderKey(str):
+    """A header key written as bytes that are not UTF-8, as librdkafka-based clients can: kafka-python's producer
+    asks the key for its bytes, and kafka-python's consumer then cannot parse the record."""
+
+    def encode(self, *args, **kwargs) -> bytes:
+        return b"trace-\xff\xfe"

@@ -23,7 +23,7 @@ from PIL import Image
 from consumers.decode.claimcheck import ClaimCheckStore
 from consumers.decode.codec import payload_to_array
 from schemas import DeadLetter, DocumentRef, decode_image_payload
-from tests.kafka_helpers import read_topic
+from tests.kafka_helpers import NotUtf8HeaderKey, read_topic
 from vlmstream.config import Settings
 from vlmstream.kafka_io import make_admin, make_producer
 
@@ -304,6 +304,33 @@ def test_payload_over_the_message_limit_goes_through_the_claim_check_store(topic
     assert small.claim_check is None and len(records[f"claims-{unique}/1"].value) == small.payload_bytes < limit
     assert payload_to_array(small, records[f"claims-{unique}/1"].value)[0, 0].tolist() == [200, 30, 30]
     assert read_topic(topic_names, topic_names.topics.deadletter, timeout_s=5, idle_s=1) == []
+
+
+@pytest.mark.timeout(120)
+def test_a_record_the_client_cannot_parse_is_dead_lettered_and_passed(topic_names, tmp_path, unique, corpus_dir):
+    """kafka-python raises CorruptRecordError from poll for such a record, naming no partition; raised, it stopped
+    the worker without a commit, on the same record after every restart."""
+    good = DocumentRef(doc_id=f"after-{unique}", image_uris=(str(corpus_images(corpus_dir, 1)[0]),))
+    producer = make_producer(topic_names)
+    try:
+        producer.send(topic_names.topics.documents, key=b"odd", value=good.encode(), partition=0,
+                      headers=[(NotUtf8HeaderKey("trace"), b"1")]).get(timeout=30)
+        producer.send(topic_names.topics.documents, key=good.key(), value=good.encode(), partition=0,
+                      headers=good.headers()).get(timeout=30)
+    finally:
+        producer.close()
+
+    with Fleet(topic_names, tmp_path, "--workers", "1", "--until-idle-s", "3", "--max-pixels", str(MEDIUM),
+               "--allowed-root", str(corpus_dir)) as fleet:
+        assert fleet.wait(90) == 0, fleet.log()
+
+    [letter] = [DeadLetter.decode(r.value) for r in read_topic(topic_names, topic_names.topics.deadletter,
+                                                               expected=1, timeout_s=30, idle_s=1)]
+    assert letter.error_kind == "unreadable_record" and "CorruptRecordError" in letter.detail
+    assert (letter.source["partition"], letter.source["offset"]) == (0, 0)
+    [image] = read_topic(topic_names, topic_names.topics.images, expected=1, timeout_s=30, idle_s=1)
+    assert image.key.decode() == f"{good.doc_id}/0"
+    assert committed_offsets(topic_names, fleet.group_id, topic_names.topics.documents) == {0: 2}
 
 
 @pytest.mark.timeout(120)

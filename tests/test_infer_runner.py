@@ -22,7 +22,7 @@ from kafka import KafkaProducer, TopicPartition
 
 from consumers.infer.engine import InferenceOutput
 from schemas import DeadLetter, Description, DocumentResult, Embedding, ImagePayload
-from tests.kafka_helpers import read_topic
+from tests.kafka_helpers import NotUtf8HeaderKey, read_topic
 from vlmstream.config import Settings
 from vlmstream.kafka_io import make_admin
 
@@ -230,6 +230,26 @@ class HoldFirstEngine:
 
     def close(self):
         pass
+
+
+@pytest.mark.kafka
+def test_a_record_the_client_cannot_parse_is_dead_lettered_and_the_rest_described(topic_names, corpus_dir, unique,
+                                                                                  engine):
+    """A header key that is not UTF-8 (librdkafka clients can write one) makes kafka-python's poll raise."""
+    settings = infer_settings(topic_names, unique, publish_embeddings=False)
+    (meta, value), good = documents(corpus_dir, f"odd-{unique}", [2])
+    producer = KafkaProducer(**settings.kafka.client_kwargs(), max_request_size=settings.kafka.max_message_bytes)
+    try:
+        producer.send(settings.topics.images, key=meta.key(), value=value, partition=0,
+                      headers=meta.headers() + [(NotUtf8HeaderKey("trace"), b"1")]).get(timeout=30)
+    finally:
+        producer.close()
+    produce_images(settings, [good], partition=0)
+    run_until_idle(settings, engine)
+    [letter] = [DeadLetter.decode(r.value) for r in read_topic(settings, settings.topics.deadletter, expected=1)]
+    assert letter.error_kind == "unreadable_record" and letter.source["offset"] == 0
+    assert description_counts(settings, expected=1) == Counter({(f"odd-{unique}-0", 1): 1})
+    assert committed_offsets(settings, settings.infer.group_id, settings.topics.images) == {0: 2}
 
 
 class DeepJsonForOneEngine:

@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterable
 
 from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.admin import ConfigResource, ConfigResourceType, NewTopic
-from kafka.errors import TopicAlreadyExistsError
+from kafka.errors import CorruptRecordError, TopicAlreadyExistsError
 
 from schemas import DeadLetter, b64_or_none, now, source_coords
 from vlmstream.config import Settings
@@ -111,6 +111,40 @@ def topic_partitions(consumer: KafkaConsumer, topics: Iterable[str], timeout_s: 
     if missing and not missing_ok:
         raise FatalPipelineError(f"topics not found on the cluster: {missing} (`vlmstream topics create`)")
     return sorted(TopicPartition(topic, p) for topic, partitions in found.items() for p in partitions)
+
+
+@dataclass(frozen=True)
+class UnreadableRecord:
+    """A record kafka-python could not parse (a header key that is not UTF-8, as a librdkafka client may write;
+    a failed CRC), in a record's place: where it is, and why. It has no key, value or headers to carry."""
+
+    topic: str
+    partition: int
+    offset: int
+    error: str
+    key: None = None
+    value: None = None
+    headers: tuple = ()
+    timestamp: int = -1
+
+
+def poll_past_unreadable(consumer: KafkaConsumer, **poll_kwargs) -> dict[TopicPartition, list[Any]]:
+    """``consumer.poll``, except that a record kafka-python cannot parse comes back as an ``UnreadableRecord`` and
+    the consumer moves past it. Raised, it would stop the consumer on the same record after every restart, since
+    nothing past it is ever committed. Raises as before where the record's partition cannot be told."""
+    try:
+        return consumer.poll(**poll_kwargs)
+    except CorruptRecordError as exc:
+        # kafka-python names neither partition nor offset; its fetcher still holds the records it failed on,
+        # and their partition's position is the record that failed (a private attribute: checked, not assumed).
+        failed_on = getattr(getattr(consumer, "_fetcher", None), "_next_partition_records", None)
+        tp = getattr(failed_on, "topic_partition", None)
+        if tp is None or tp not in consumer.assignment():
+            raise
+        offset = consumer.position(tp)
+        log.error("skipping the record at %s/%d@%d that cannot be read: %s", tp.topic, tp.partition, offset, exc)
+        consumer.seek(tp, offset + 1)
+        return {tp: [UnreadableRecord(tp.topic, tp.partition, offset, f"{type(exc).__name__}: {exc}")]}
 
 
 def unique_client_id(settings: Settings, role: str) -> str:

@@ -46,8 +46,8 @@ from consumers.decode.types import ImageFailure, PreparedImage
 from consumers.decode.claimcheck import claim_check_url
 from schemas import DeadLetter, DocumentRef, ImagePayload, SchemaError, now, source_coords
 from vlmstream.config import Settings
-from vlmstream.kafka_io import (FatalPipelineError, dead_letter_from_record, make_consumer, make_producer,
-                                subscribe_when_known)
+from vlmstream.kafka_io import (FatalPipelineError, UnreadableRecord, dead_letter_from_record, make_consumer,
+                                make_producer, poll_past_unreadable, subscribe_when_known)
 
 log = logging.getLogger(__name__)
 
@@ -173,7 +173,7 @@ class DecodeWorker:
 
     def _loop(self) -> None:
         while not self._should_stop():
-            batch = self.consumer.poll(timeout_ms=POLL_TIMEOUT_MS)
+            batch = poll_past_unreadable(self.consumer, timeout_ms=POLL_TIMEOUT_MS)
             if batch:
                 self._last_activity = time.monotonic()
                 if self.exactly_once:
@@ -233,6 +233,10 @@ class DecodeWorker:
     # --- one document --------------------------------------------------------------------------
 
     def _handle_record(self, record: Any) -> None:
+        if isinstance(record, UnreadableRecord):
+            self._publish_dead_letter(dead_letter_from_record(
+                record, stage="decode", error_kind="unreadable_record", detail=record.error))
+            return
         try:
             doc = DocumentRef.decode(record.value)
         except SchemaError as exc:

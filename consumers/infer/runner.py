@@ -38,8 +38,9 @@ from schemas import (Description, Embedding, ImagePayload, SchemaError, decode_i
                      source_coords)
 from schemas.messages import HEADER_ATTEMPT
 from vlmstream.config import Settings
-from vlmstream.kafka_io import (FatalPipelineError, GroupMembershipWatchdog, OffsetTracker, dead_letter_from_record,
-                                make_consumer, make_producer, rewind, subscribe_when_known, unique_client_id)
+from vlmstream.kafka_io import (FatalPipelineError, GroupMembershipWatchdog, OffsetTracker, UnreadableRecord,
+                                dead_letter_from_record, make_consumer, make_producer, poll_past_unreadable, rewind,
+                                subscribe_when_known, unique_client_id)
 
 log = logging.getLogger(__name__)
 
@@ -304,7 +305,7 @@ class InferenceRunner:
         if self._rebalancing:
             timeout_ms = max(timeout_ms, REBALANCE_POLL_MS)
         free = self.max_images_in_flight - len(self._in_flight)
-        batches = self.consumer.poll(timeout_ms=timeout_ms, max_records=max(1, free))
+        batches = poll_past_unreadable(self.consumer, timeout_ms=timeout_ms, max_records=max(1, free))
         if not batches and not assigned and not self._has_work():
             # Without partitions poll returns at once (kafka-python): looping on it burned half a core.
             time.sleep(timeout_ms / 1000)
@@ -323,6 +324,9 @@ class InferenceRunner:
         if self.stats.first_record_at is None:
             self.stats.first_record_at = self._last_activity
         self._tracker.track(tp, record.offset)
+        if isinstance(record, UnreadableRecord):
+            self._dead_letter(_Work(record, tp, _NO_META), "unreadable_record", record.error, retriable=False)
+            return
         try:
             meta = decode_image_payload(record.headers)
         except SchemaError as exc:
