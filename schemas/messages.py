@@ -333,6 +333,7 @@ class DeadLetter(Message):
     original_key_b64: str | None = None
     original_value_b64: str | None = None
     original_headers: dict[str, str] | None = None
+    original_headers_b64: tuple[tuple[str, str | None], ...] | None = None
     created_at: float | None = None
 
     def key(self) -> bytes | None:

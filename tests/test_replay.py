@@ -36,8 +36,14 @@ def test_replay_to_a_timestamp_redoes_exactly_the_later_messages_and_redrive_rep
     settings = infer_settings(topic_names, unique)
     batch_a = documents(corpus_dir, f"a-{unique}", [2])
     meta, value = payload_record(f"a-{unique}-poison", 0, 1, *prepared_corpus(str(corpus_dir))[2])
-    poison = (meta, bytes(len(value)))
-    produce_images(settings, batch_a + [poison])
+    produce_images(settings, batch_a)
+    # Headers as another client may add them: binary, and one key twice. Redrive must put back these bytes.
+    producer = KafkaProducer(**settings.kafka.client_kwargs(), max_request_size=settings.kafka.max_message_bytes)
+    try:
+        producer.send(settings.topics.images, key=meta.key(), value=bytes(len(value)),
+                      headers=meta.headers() + [("trace", b"\xff\x00\x01"), ("trace", b"second")]).get(timeout=30)
+    finally:
+        producer.close()
     time.sleep(1.5)
     middle_ms = int(time.time() * 1000)
     time.sleep(1.5)
@@ -67,6 +73,7 @@ def test_replay_to_a_timestamp_redoes_exactly_the_later_messages_and_redrive_rep
     again = [r for r in records if r.key == meta.key()]
     assert len(again) == 2 and again[1].value == again[0].value
     assert decode_image_payload(again[1].headers) == meta
+    assert again[1].headers == again[0].headers  # binary value and the repeated key included, in order
 
     code, out = cli(settings, "status")
     assert code == 0 and "payload_invalid" in out, out

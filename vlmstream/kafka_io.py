@@ -345,7 +345,10 @@ def dead_letter_from_record(record: Any, *, stage: str, error_kind: str, detail:
         doc_id=doc_id, image_index=image_index, image_count=image_count, source_uri=source_uri,
         source=source_coords(record.topic, record.partition, record.offset), attempts=attempts,
         original_key_b64=b64_or_none(record.key), original_value_b64=b64_or_none(record.value),
-        original_headers=headers or None, created_at=now(),
+        original_headers=headers or None,
+        # Exactly, for redrive: a binary value from another client would otherwise come back as its repr.
+        original_headers_b64=tuple((key, b64_or_none(value)) for key, value in record.headers or ()) or None,
+        created_at=now(),
     )
 
 

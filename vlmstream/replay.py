@@ -258,7 +258,10 @@ def redrive(settings: Settings, *, stage: str | None = None, error_kind: str | N
                 report.skipped["no original record"] += 1
                 continue
             value = base64.b64decode(letter.original_value_b64)
-            headers = [(k, v.encode()) for k, v in (letter.original_headers or {}).items()]
+            if letter.original_headers_b64 is not None:
+                headers = [(k, base64.b64decode(v) if v is not None else None) for k, v in letter.original_headers_b64]
+            else:  # dead letters written before the exact copy: text values only
+                headers = [(k, v.encode()) for k, v in (letter.original_headers or {}).items()]
             meta_raw = (letter.original_headers or {}).get(HEADER_META)
             if meta_raw is not None:
                 meta = ImagePayload.decode(meta_raw)
