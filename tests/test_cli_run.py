@@ -84,3 +84,15 @@ def test_run_describes_every_image_of_a_folder_and_reports_each_document(topic_n
     counts = Counter((d.doc_id, d.image_index) for d in
                      (Description.decode(r.value) for r in read_topic(topic_names, t.descriptions, timeout_s=30)))
     assert set(counts) == described and min(counts.values()) >= 2, counts
+
+
+def test_run_on_a_folder_without_images_says_so_before_starting_anything(tmp_path: Path):
+    (tmp_path / "notes.txt").write_text("not an image")
+    (tmp_path / ".hidden").mkdir()
+    (tmp_path / ".hidden" / "a.jpg").write_bytes(b"skipped: hidden")
+    env = {**os.environ, "VLMSTREAM_BOOTSTRAP_SERVERS": "127.0.0.1:1", "COLUMNS": "400"}  # nothing contacted
+    done = subprocess.run([sys.executable, "-m", "vlmstream.cli", "run", str(tmp_path)], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert "holds no image files" in " ".join(done.stderr.split())
+    assert "workers started" not in done.stdout

@@ -94,7 +94,7 @@ def run(
     from kafka import KafkaConsumer
 
     from producers.publisher import publish_documents
-    from producers.sources import scan_folder
+    from producers.sources import IMAGE_EXTENSIONS, scan_folder
     from schemas import Description, DocumentRef, DocumentResult, SchemaError
     from vlmstream.cli_support import bootstrap, settings_from
     from vlmstream.kafka_io import create_topics, topic_partitions
@@ -107,6 +107,12 @@ def run(
     folder = folder.resolve()
     if not folder.is_dir():
         raise typer.BadParameter(f"{folder} is not a folder")
+    # Read before anything starts: an empty or mistyped folder needs no broker, model or workers to say so.
+    items = list(scan_folder(folder, per_file=per_file))
+    if not items:
+        extensions = " ".join(sorted(IMAGE_EXTENSIONS))
+        raise typer.BadParameter(f"{folder} holds no image files (looked for {extensions}, in it and its "
+                                 "subfolders; hidden ones are skipped)")
     overrides: dict[str, Any] = {
         "decode": {"max_pixels": max_pixels, "workers": decode_workers},
         "infer": {"model": model, "engine": engine, "mode": mode, "prompt": prompt,
@@ -155,7 +161,6 @@ def run(
         children["infer"] = _child(["infer"], config_file, log_dir / f"infer-{stamp}.log")
         console.print(f"decode and inference workers started (logs in {log_dir})")
 
-        items = list(scan_folder(folder, per_file=per_file))
         summary = publish_documents(settings, items, force=force)
         failed_ids = {failure.doc_id for failure in summary.failed}
         expected = {item.doc_id for item in items if isinstance(item, DocumentRef)} - failed_ids
