@@ -421,3 +421,32 @@ def test_12_bit_and_lossless_jpeg_are_unsupported_not_corrupt(tmp_path, data, us
     settings = DecodeSettings(allowed_roots=[str(tmp_path)], codec="raw")
     result = DecodeStage(settings, "", use_turbojpeg=use_turbojpeg)(str(_write(tmp_path, data)))
     assert isinstance(result, ImageFailure) and result.error_kind == "decode_unsupported", result
+
+
+def rle8_bmp(side: int) -> bytes:
+    """An RLE8 BMP of side x side whose rows are one pixel and an end-of-line each: a few bytes per row, for which
+    Pillow's pure-Python RLE decoder pads every row a byte at a time."""
+    import struct
+
+    rows = b"\x01\x07\x00\x00" * side + b"\x00\x01"
+    palette = b"".join(struct.pack("<BBBB", i, i, i, 0) for i in range(256))
+    info = struct.pack("<IiiHHIIiiII", 40, side, side, 1, 8, 1, len(rows), 2835, 2835, 256, 0)
+    offset = 14 + len(info) + len(palette)
+    return b"BM" + struct.pack("<IHHI", offset + len(rows), 0, 0, offset) + info + palette + rows
+
+
+def test_a_decode_past_its_time_limit_is_a_failure_not_a_stuck_worker(tmp_path):
+    import time
+
+    path = tmp_path / "slow.bmp"
+    path.write_bytes(rle8_bmp(6000))  # ~200 KB; seconds of Python loops in Pillow
+    started = time.monotonic()
+    result = make_stage(tmp_path, decode_time_limit_s=0.3)(str(path))
+    assert isinstance(result, ImageFailure), result
+    assert (result.error_kind, result.retriable) == ("decode_timeout", False)
+    assert time.monotonic() - started < 3.0
+    (tmp_path / "small.bmp").write_bytes(rle8_bmp(64))
+    assert isinstance(make_stage(tmp_path, decode_time_limit_s=0.3)(str(tmp_path / "small.bmp")), PreparedImage)
+    import signal
+
+    assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)  # no alarm left behind

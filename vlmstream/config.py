@@ -127,6 +127,11 @@ class DecodeSettings(BaseModel):
     max_source_pixels: int = Field(
         200_000_000, description="Decompression-bomb guard: largest source image (width x height) decoded."
     )
+    decode_time_limit_s: float = Field(
+        60.0, description="CPU-bomb guard: longest decode + resize + encode of one image (0: none). Applied in "
+        "the process's main thread, where the decode workers run the stage; a decoder inside one C call is "
+        "stopped when the call returns.",
+    )
     claim_check_url: str = Field(
         "", description="Folder or fsspec URL for payloads over the message limit (default: under broker home)."
     )

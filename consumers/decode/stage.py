@@ -6,7 +6,10 @@ One call = fetch -> sniff + decode (DCT-scaled for JPEG) -> exact resize -> EXIF
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import signal
+import threading
 import time
 
 from consumers.decode.claimcheck import ClaimCheckStore
@@ -68,14 +71,15 @@ class DecodeStage:
 
     def prepare(self, data: bytes, *, fetch_ms: float = 0.0) -> PreparedImage:
         """Bytes already in memory -> PreparedImage; raises ImageError (``__call__`` turns it into a value)."""
-        t0 = time.perf_counter()
-        decoded = self.decoder.decode(data)
-        t1 = time.perf_counter()
-        stored_h, stored_w = decoded.stored_target
-        pixels = apply_orientation(resize_exact(decoded.pixels, stored_h, stored_w), decoded.orientation)
-        t2 = time.perf_counter()
-        payload = encode(pixels, self.settings.codec, jpeg_quality=self.settings.jpeg_quality)
-        t3 = time.perf_counter()
+        with time_limit(getattr(self.settings, "decode_time_limit_s", 0.0)):
+            t0 = time.perf_counter()
+            decoded = self.decoder.decode(data)
+            t1 = time.perf_counter()
+            stored_h, stored_w = decoded.stored_target
+            pixels = apply_orientation(resize_exact(decoded.pixels, stored_h, stored_w), decoded.orientation)
+            t2 = time.perf_counter()
+            payload = encode(pixels, self.settings.codec, jpeg_quality=self.settings.jpeg_quality)
+            t3 = time.perf_counter()
         height, width = pixels.shape[:2]
         patch = self.settings.patch_size
         timings = {
@@ -102,3 +106,28 @@ class DecodeStage:
 
     def close(self) -> None:
         self.fetcher.close()
+
+
+class DecodeTimeout(ImageError):
+    error_kind = "decode_timeout"
+
+
+@contextlib.contextmanager
+def time_limit(seconds: float):
+    """Raises DecodeTimeout in the block after ``seconds``. Some of Pillow's decoders are pure Python and
+    quadratic on hostile input (an RLE BMP of 56 KB took 21 s of CPU); the bytes will take as long next time, so
+    the failure is not retriable. Only the main thread can take the alarm; elsewhere the block runs unbounded."""
+    if seconds <= 0 or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def expired(signum, frame):
+        raise DecodeTimeout(f"decoding took longer than {seconds:g}s (decode.decode_time_limit_s)")
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
