@@ -465,15 +465,18 @@ def test_retriable_failure_dead_letters_after_max_attempts(topic_names, corpus_d
         update={"claim_check_url": str(store)})})
     uri, prepared = prepared_corpus(str(corpus_dir))[0]
     missing = str(store / unique / "payload.bin")
-    records = [payload_record(f"retry-{unique}", 0, 2, uri, prepared, claim_check=missing),
-               payload_record(f"retry-{unique}", 1, 2, uri, prepared)]
+    (store / "a-folder").mkdir()
+    records = [payload_record(f"retry-{unique}", 0, 3, uri, prepared, claim_check=missing),
+               payload_record(f"retry-{unique}", 1, 3, uri, prepared),
+               # A reference naming a folder names the same nothing next time: dead-lettered at once.
+               payload_record(f"retry-{unique}", 2, 3, uri, prepared, claim_check=str(store / "a-folder"))]
     produce_images(settings, records)
     runner = run_until_idle(settings, engine, retry_backoff_s=0.05)
-    letters = [DeadLetter.decode(r.value) for r in read_topic(settings, settings.topics.deadletter, expected=1)]
-    assert len(letters) == 1
+    letters = sorted((DeadLetter.decode(r.value) for r in read_topic(settings, settings.topics.deadletter,
+                                                                       expected=2)), key=lambda d: d.image_index)
+    assert [(d.error_kind, d.attempts, d.retriable, d.image_index) for d in letters] == [
+        ("claim_check_unavailable", 3, True, 0), ("claim_check_unavailable", 1, False, 2)]
     letter = letters[0]
-    assert (letter.error_kind, letter.attempts, letter.retriable, letter.image_index) == (
-        "claim_check_unavailable", 3, True, 0)
     assert runner.stats.retries == 2
     # The dead letter keeps what redrive needs: the original value and the metadata header.
     assert ImagePayload.decode(letter.original_headers["vlmstream-meta"]).claim_check == missing

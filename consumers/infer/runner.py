@@ -13,6 +13,7 @@ transaction, and an output is published only once its message lies inside the co
 
 from __future__ import annotations
 
+import errno
 import heapq
 import itertools
 import json
@@ -350,8 +351,10 @@ class InferenceRunner:
             image = self._decode_payload(work.meta, work.record.value)
         except OSError as exc:
             # Only the claim-check store does IO here. A missing or unreadable object may be a store outage or
-            # an upload not yet visible (object stores are eventually consistent): worth another try.
-            self._fail(work, "claim_check_unavailable", f"{type(exc).__name__}: {exc}", retriable=True)
+            # an upload not yet visible (object stores are eventually consistent): worth another try. A reference
+            # naming a folder, or a name too long for any file, names the same nothing next time.
+            never = isinstance(exc, (IsADirectoryError, NotADirectoryError)) or exc.errno == errno.ENAMETOOLONG
+            self._fail(work, "claim_check_unavailable", f"{type(exc).__name__}: {exc}", retriable=not never)
             return []
         except Exception as exc:  # noqa: BLE001 - every payload failure is a value for the dead-letter topic
             # Corrupt bytes or a size that disagrees with the metadata never get better: PayloadError says so.
