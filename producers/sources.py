@@ -233,7 +233,11 @@ def read_csv(path: str | Path) -> Iterator[DocumentRef | Rejection]:
     with io.TextIOWrapper(_open_manifest(path), newline="", encoding="utf-8-sig", errors="surrogateescape") as fh:
         # strict: a quote never closed is an error, not a cell that swallows the rest of the file.
         reader = csv.reader(fh, delimiter=_csv_delimiter(fh), strict=True)
-        header = next(reader, None)
+        try:
+            header = next(reader, None)
+        except csv.Error as exc:
+            yield Rejection(origin, 1, "invalid_csv_header", f"the header cannot be read: {exc}", b"")
+            return
         if header is None:
             return
         columns = [_CANONICAL_COLUMNS.get(c.strip().lower(), c.strip()) for c in header]

@@ -98,6 +98,10 @@ def test_csv_rows_that_lost_their_shape_reject_their_document(tmp_path: Path) ->
     assert all(isinstance(i, Rejection) and i.reason == "invalid_csv_row" for i in found), found
     assert [i.doc_id for i in found] == ["z", None]  # the document it may belong to, then the unread rest
     assert "line 3" in found[1].detail and "not read past it" in found[1].detail
+    header = tmp_path / "header.csv"
+    header.write_text('doc_id,"image_uri\na,x.jpg\n')
+    [rejected] = items(header)
+    assert rejected.reason == "invalid_csv_header" and "cannot be read" in rejected.detail
 
 
 def test_a_uri_with_a_control_character_is_rejected_by_name(tmp_path: Path) -> None:
