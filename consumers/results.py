@@ -26,6 +26,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,8 +39,8 @@ from kafka.structs import OffsetAndMetadata
 from schemas import DeadLetter, Description, DocumentResult, SchemaError, now
 from vlmstream.config import Settings
 from consumers.infer.runner import GROUP_MOVED_ON
-from vlmstream.kafka_io import (FatalPipelineError, GroupMembershipWatchdog, make_consumer, make_producer, rewind,
-                                subscribe_when_known, unique_client_id)
+from vlmstream.kafka_io import (FatalPipelineError, GroupMembershipWatchdog, UnreadableRecord, make_consumer,
+                                make_producer, poll_past_unreadable, rewind, subscribe_when_known, unique_client_id)
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +107,8 @@ class AggregatorStats:
     reemitted: int = 0
     timed_out: int = 0
     skipped: int = 0
+    texts_cut: int = 0  # results over the record limit, sent with their descriptions' texts shortened
+    unwritable: int = 0  # results that could not be written at all, dead-lettered instead
     commits: int = 0
 
 
@@ -156,7 +159,7 @@ class ResultsAggregator:
                     break
                 if until_idle_s is not None and self._assigned and clock - last_record >= until_idle_s:
                     break
-                batches = self.consumer.poll(timeout_ms=200)
+                batches = poll_past_unreadable(self.consumer, timeout_ms=200)
                 assigned = self.consumer.assignment()
                 if not self._assigned and assigned:
                     self._assigned, last_record = True, time.monotonic()  # idle counts from the first assignment
@@ -202,6 +205,10 @@ class ResultsAggregator:
     def handle(self, tp: TopicPartition, record: Any) -> None:
         self.stats.records += 1
         self._positions[tp] = record.offset + 1
+        if isinstance(record, UnreadableRecord):
+            self.stats.skipped += 1
+            log.warning("skipping %s/%d@%d: %s", tp.topic, tp.partition, record.offset, record.error)
+            return
         try:
             if tp.topic == self.settings.topics.descriptions:
                 self._on_description(tp, record.offset, Description.decode(record.value))
@@ -278,12 +285,53 @@ class ResultsAggregator:
         result = DocumentResult(doc_id=doc.doc_id, image_count=count, succeeded=succeeded,
                                 failed=len(images) - succeeded, images=tuple(images), metadata=metadata,
                                 completed_at=now())
-        future = self.producer.send(self.settings.topics.results, key=result.key(), value=result.encode(),
-                                    headers=result.headers())
-        future.add_errback(self._send_errors.append)
+        try:
+            value = self._within_record_limit(result)
+        except SchemaError as exc:
+            # Raised here it would stop the aggregator on the same document after every restart. The dead letter
+            # (stage "results", which this aggregator does not read back) keeps the failure visible.
+            self.stats.unwritable += 1
+            log.error("document %s: its result cannot be written: %s", doc.doc_id, exc)
+            self._send_dead_letter(doc, "result_unwritable", str(exc))
+        else:
+            future = self.producer.send(self.settings.topics.results, key=result.key(), value=value,
+                                        headers=result.headers())
+            future.add_errback(self._send_errors.append)
         doc.emitted = True
         self._dirty = True
         self.stats.results += 1
+
+    def _within_record_limit(self, result: DocumentResult) -> bytes:
+        """The result's bytes; over the record limit (forty long descriptions can be), the texts are cut to share
+        what fits, each marked so. The descriptions topic keeps every text whole."""
+        value = result.encode()
+        limit = self.settings.kafka.max_message_bytes - 64 * 1024  # headers and the record's own framing
+        if len(value) <= limit:
+            return value
+        texts = sum(len(i.get("text") or "") for i in result.images)
+        share = max(0, (limit - (len(value) - texts)) // max(1, len(result.images)) - 100)
+        marker = " [cut: the whole text is on the descriptions topic]"
+        images = tuple({**i, "text": i["text"][:share] + marker} if len(i.get("text") or "") > share else i
+                       for i in result.images)
+        value = dataclasses.replace(result, images=images).encode()
+        if len(value) > limit:
+            raise SchemaError("document_result", "(message)", f"{len(value)} bytes even with its texts cut, "
+                              f"over kafka.max_message_bytes")
+        self.stats.texts_cut += 1
+        return value
+
+    def _send_dead_letter(self, doc: _Doc, error_kind: str, detail: str) -> None:
+        letter = DeadLetter(stage="results", error_kind=error_kind, detail=detail[:4000], doc_id=doc.doc_id,
+                            image_count=doc.image_count, created_at=now())
+        try:
+            value = letter.encode()
+        except SchemaError:  # the document's own id or count is what cannot be written: name it in the detail
+            letter = DeadLetter(stage="results", error_kind=error_kind, created_at=now(),
+                                detail=f"document {doc.doc_id[:200]!r} (count {doc.image_count}): {detail}"[:4000])
+            value = letter.encode()
+        future = self.producer.send(self.settings.topics.deadletter, key=letter.key(), value=value,
+                                    headers=letter.headers())
+        future.add_errback(self._send_errors.append)
 
     def _expire_open_docs(self) -> None:
         """A document open for ``open_timeout_s`` holds its partitions' commits back; emit what is known

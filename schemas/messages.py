@@ -84,6 +84,11 @@ class Message:
         # consumer on the same record after every restart).
         if _deeper_than(getattr(self, "metadata", None), MAX_METADATA_DEPTH):
             raise SchemaError(self.schema_name, "metadata", f"nests deeper than {MAX_METADATA_DEPTH} levels")
+        # The results stage waits for images 0 .. image_count-1: an index outside them would be described and
+        # then lost from its document's result (or a document of zero images emitted complete).
+        index, count = getattr(self, "image_index", None), getattr(self, "image_count", None)
+        if index is not None and count is not None and not 0 <= index < count:
+            raise SchemaError(self.schema_name, "image_index", f"{index} is not below image_count {count}")
 
     def to_dict(self) -> dict[str, Any]:
         data = {"schema_version": SCHEMA_VERSION}
@@ -225,14 +230,6 @@ class ImagePayload(Message):
     metadata: dict[str, Any] = field(default_factory=dict)
     source: dict[str, Any] | None = None
     created_at: float | None = None
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        # The results stage waits for images 0 .. image_count-1: an index outside them would be described and
-        # then lost from its document's result.
-        if not 0 <= self.image_index < self.image_count:
-            raise SchemaError(self.schema_name, "image_index",
-                              f"{self.image_index} is not below image_count {self.image_count}")
 
     def key(self) -> bytes:
         return image_key(self.doc_id, self.image_index)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import pytest
@@ -142,3 +143,35 @@ def test_single_owner_assignment_without_known_partitions_asks_for_a_rejoin():
     SingleOwnerAssignor.assign(Cluster({"d": {0, 1}}), members)  # "x" not in this member's metadata yet
     assert SingleOwnerAssignor.assigned_without_partitions.is_set()
     SingleOwnerAssignor.assigned_without_partitions.clear()
+
+
+@pytest.mark.kafka
+def test_an_oversized_result_goes_out_with_texts_cut_and_an_unreadable_record_is_passed(topic_names, unique):
+    """Both used to stop the aggregator, on the same record after every restart: a result over the producer's
+    limit (MessageSizeTooLargeError), and a record kafka-python cannot parse (CorruptRecordError)."""
+    from tests.kafka_helpers import NotUtf8HeaderKey
+
+    limit = 300_000
+    settings = topic_names.model_copy(update={"kafka": topic_names.kafka.model_copy(
+        update={"max_message_bytes": limit})})
+    long_doc, after = f"long-{unique}", f"after-{unique}"
+    long_texts = [dataclasses.replace(description(long_doc, i, 3), text=f"{i}" * 300_000) for i in range(3)]
+    producer = KafkaProducer(**settings.kafka.client_kwargs())
+    try:
+        unreadable = description(after, 0, 1)
+        producer.send(settings.topics.descriptions, key=b"odd", value=unreadable.encode(), partition=0,
+                      headers=[(NotUtf8HeaderKey("trace"), b"1")]).get(timeout=30)
+    finally:
+        producer.close()
+    publish(settings, long_texts + [description(after, 0, 1)])
+    aggregator = run_aggregator(settings, f"test-results-{unique}")
+    assert aggregator.stats.skipped == 1 and aggregator.stats.texts_cut == 1
+
+    got = results_by_doc(settings, expected=2)
+    [long_result] = got[long_doc]
+    assert (long_result.image_count, long_result.succeeded) == (3, 3)
+    for i, image in enumerate(long_result.images):
+        assert image["text"].startswith(f"{i}" * 1000) and image["text"].endswith("descriptions topic]")
+        assert len(image["text"]) < 300_000
+    assert len(long_result.encode()) <= limit
+    assert [(r.image_count, r.succeeded) for r in got[after]] == [(1, 1)]
