@@ -9,6 +9,7 @@ from kafka import KafkaProducer
 from typer.testing import CliRunner
 
 from schemas import DeadLetter, Description, DocumentResult, Embedding
+from tests.kafka_helpers import NotUtf8HeaderKey
 from vlmstream.cli import app
 from vlmstream.export import export
 
@@ -137,3 +138,48 @@ def test_what_a_killed_export_left_half_written_is_cut_before_appending(topic_na
             for line in (tmp_path / "embeddings.jsonl").read_bytes().splitlines()}
     assert rows == {0: 0, 1: 1}
     np.testing.assert_array_equal(vectors[1], second.vector())
+
+
+def test_index_lines_ahead_of_their_vectors_are_cut_and_the_other_dtype_is_kept(topic_names, unique, tmp_path):
+    """The index and the vector files are buffered apart: a kill can leave index lines whose vectors never reached
+    the disk. And a rerun must not cut one dtype's vectors because the last index line is of the other."""
+    t = topic_names.topics
+    wide = Embedding.from_vector(np.arange(8, dtype=np.float32), doc_id="w", image_index=0, image_count=2,
+                                 model="tiny")
+    narrow = embedding("n", 0, 5)
+    publish(topic_names, [(t.embeddings, wide.encode()), (t.embeddings, narrow.encode())])
+    group = f"export-{unique}"
+    export(topic_names, tmp_path, kinds=("embeddings",), group_id=group)
+    ahead = embedding("n", 1, 6)
+    with open(tmp_path / "embeddings.jsonl", "ab") as fh:  # an index line whose vector was lost in the kill
+        fh.write(orjson.dumps({"doc_id": "n", "image_index": 1, "model": "tiny", "dim": 16, "dtype": "float16",
+                               "row": 1, "offset": 32}) + b"\n")
+    publish(topic_names, [(t.embeddings, ahead.encode())])
+    export(topic_names, tmp_path, kinds=("embeddings",), group_id=group)
+    index = [orjson.loads(line) for line in (tmp_path / "embeddings.jsonl").read_bytes().splitlines()]
+    assert [(m["doc_id"], m["image_index"], m["dtype"], m["row"]) for m in index] == [
+        ("w", 0, "float32", 0), ("n", 0, "float16", 0), ("n", 1, "float16", 1)]
+    np.testing.assert_array_equal(np.fromfile(tmp_path / "embeddings.float32", dtype="<f4"), wide.vector())
+    halves = np.fromfile(tmp_path / "embeddings.float16", dtype="<f2").reshape(-1, 16)
+    np.testing.assert_array_equal(halves[1], ahead.vector())
+
+
+def test_records_that_are_not_their_topics_schema_are_counted_not_written(topic_names, unique, tmp_path):
+    t = topic_names.topics
+    good = description("g", 0)
+    pretty = orjson.dumps(orjson.loads(good.encode()), option=orjson.OPT_INDENT_2)  # valid, on several lines
+    short = orjson.loads(embedding("s", 0, 7).encode())
+    short["vector_b64"] = short["vector_b64"][:8]  # fewer bytes than dim x dtype: would shift later rows
+    producer = KafkaProducer(**topic_names.kafka.client_kwargs())
+    try:  # a record kafka-python cannot parse at all (a header key that is not UTF-8)
+        producer.send(t.descriptions, value=good.encode(), headers=[(NotUtf8HeaderKey("x"), b"1")]).get(timeout=30)
+    finally:
+        producer.close()
+    publish(topic_names, [(t.descriptions, b"123"), (t.descriptions, b'{"schema_version": 99}'),
+                          (t.descriptions, pretty), (t.embeddings, orjson.dumps(short)),
+                          (t.embeddings, embedding("s", 1, 8).encode())])
+    report = export(topic_names, tmp_path, kinds=("descriptions", "embeddings"), group_id=f"export-{unique}")
+    assert report.unreadable == 4 and report.written == {"descriptions": 1, "embeddings": 1}
+    [line] = (tmp_path / "descriptions.jsonl").read_bytes().splitlines()
+    assert Description.decode(line) == good
+    assert [orjson.loads(x)["row"] for x in (tmp_path / "embeddings.jsonl").read_bytes().splitlines()] == [0]

@@ -26,11 +26,14 @@ from typing import IO, Callable
 import orjson
 from kafka.structs import OffsetAndMetadata
 
-from schemas import Embedding, SchemaError
+from schemas import DeadLetter, Description, DocumentResult, Embedding, SchemaError
 from vlmstream.config import Settings
-from vlmstream.kafka_io import make_consumer, topic_partitions
+from vlmstream.kafka_io import make_consumer, poll_past_unreadable, topic_partitions
 
 KINDS = ("descriptions", "embeddings", "results", "deadletter")
+_ITEM_BYTES = {"float16": 2, "float32": 4}
+# What a line of each JSON-lines file must be: the topic's own schema (another writer's record may not be).
+_SCHEMAS = {"descriptions": Description, "results": DocumentResult, "deadletter": DeadLetter}
 
 
 @dataclass
@@ -57,17 +60,29 @@ class _Files:
             if data and not data.endswith(b"\n"):
                 with open(path, "r+b") as fh:
                     fh.truncate(data.rfind(b"\n") + 1)
+        # The index and the vector files are buffered apart, so a kill can leave either ahead of the other:
+        # keep the index lines whose vectors are all there, then cut each vector file after its last kept one.
         index = self.folder / "embeddings.jsonl"
-        last = index.read_bytes().rsplit(b"\n", 2)[-2] if index.exists() and index.stat().st_size else b""
-        ends: dict[str, int] = {}
-        if last:
-            meta = orjson.loads(last)
-            ends[meta["dtype"]] = meta["offset"] + meta["dim"] * (4 if meta["dtype"] == "float32" else 2)
-        for dtype in ("float16", "float32"):
-            vectors = self.folder / f"embeddings.{dtype}"
-            if vectors.exists() and vectors.stat().st_size > ends.get(dtype, 0):
-                with open(vectors, "r+b") as fh:  # vectors written after the last index line: orphans
-                    fh.truncate(ends.get(dtype, 0))
+        sizes = {dtype: (self.folder / f"embeddings.{dtype}").stat().st_size
+                 if (self.folder / f"embeddings.{dtype}").exists() else 0 for dtype in _ITEM_BYTES}
+        ends = dict.fromkeys(_ITEM_BYTES, 0)
+        kept = 0
+        if index.exists():
+            with open(index, "rb") as fh:
+                for line in fh:
+                    meta = orjson.loads(line)
+                    end = meta["offset"] + meta["dim"] * _ITEM_BYTES[meta["dtype"]]
+                    if end > sizes[meta["dtype"]]:
+                        break  # its vector never reached the disk; this run writes it again
+                    ends[meta["dtype"]] = max(ends[meta["dtype"]], end)
+                    kept += len(line)
+            if kept < index.stat().st_size:
+                with open(index, "r+b") as fh:
+                    fh.truncate(kept)
+        for dtype, size in sizes.items():
+            if size > ends[dtype]:
+                with open(self.folder / f"embeddings.{dtype}", "r+b") as fh:  # vectors after the last index line
+                    fh.truncate(ends[dtype])
 
     def append(self, name: str, data: bytes) -> int:
         """Appends data; returns the file's size before it (the row number of fixed-size vectors follows)."""
@@ -113,7 +128,7 @@ def export(settings: Settings, out_dir: str | Path, kinds: tuple[str, ...] = KIN
                 consumer.seek(tp, offset)
         ends = consumer.end_offsets(partitions)
         while not should_stop():
-            batch = consumer.poll(timeout_ms=500)
+            batch = poll_past_unreadable(consumer, timeout_ms=500)  # one it cannot parse: counted
             for tp, records in batch.items():
                 for record in records:
                     if not _write(files, topics[tp.topic], record.value, report):
@@ -134,17 +149,22 @@ def _write(files: _Files, kind: str, value: bytes | None, report: ExportReport) 
         return False
     if kind != "embeddings":
         try:
-            orjson.loads(value)
-        except orjson.JSONDecodeError:
+            data = orjson.loads(value)
+            if not isinstance(data, dict):
+                return False
+            _SCHEMAS[kind].from_dict(data)
+        except (orjson.JSONDecodeError, SchemaError):
             return False
-        files.append(f"{kind}.jsonl", value.rstrip(b"\n") + b"\n")
+        files.append(f"{kind}.jsonl", orjson.dumps(data) + b"\n")  # one line, whatever the writer's layout
         report.written[kind] += 1
         return True
     try:
         embedding = Embedding.decode(value)
-    except SchemaError:
+        vector = base64.b64decode(embedding.vector_b64, validate=True)
+    except (SchemaError, ValueError):
         return False
-    vector = base64.b64decode(embedding.vector_b64)
+    if len(vector) != embedding.dim * _ITEM_BYTES[embedding.dtype]:
+        return False  # a short or long vector would shift every later row of the vector file
     offset = files.append(f"embeddings.{embedding.dtype}", vector)
     # row: the vector's index when every vector has this size (one model); offset: its bytes' start regardless.
     meta = {"doc_id": embedding.doc_id, "image_index": embedding.image_index, "model": embedding.model,

@@ -97,7 +97,7 @@ def run(
     from producers.sources import IMAGE_EXTENSIONS, scan_folder
     from schemas import Description, DocumentRef, DocumentResult, SchemaError
     from vlmstream.cli_support import bootstrap, settings_from
-    from vlmstream.kafka_io import create_topics, topic_partitions
+    from vlmstream.kafka_io import create_topics, poll_past_unreadable, topic_partitions
 
     if folder is None:
         from vlmstream.samples import sample_folder
@@ -179,7 +179,7 @@ def run(
                 if proc.poll() is not None:
                     console.print(f"[red]{name} worker exited with {proc.returncode}; see {log_dir}[/]")
                     raise typer.Exit(1)
-            for tp, records in watcher.poll(timeout_ms=500).items():
+            for tp, records in poll_past_unreadable(watcher, timeout_ms=500).items():
                 for record in records:
                     try:
                         if tp.topic == settings.topics.results:

@@ -19,7 +19,7 @@ from kafka.structs import OffsetAndMetadata
 
 from schemas import DeadLetter, DocumentRef, SchemaError
 from vlmstream.config import Settings
-from vlmstream.kafka_io import make_admin, make_producer, topic_partitions
+from vlmstream.kafka_io import make_admin, make_producer, poll_past_unreadable, topic_partitions
 
 STAGES = ("decode", "infer", "results")
 IDLE_STATES = {"Empty", "Dead"}
@@ -173,7 +173,7 @@ def _count_images(settings: Settings, plan: ReplayPlan) -> None:
             consumer.seek(p.tp, p.new)
             deadline = time.monotonic() + 30
             while consumer.position(p.tp) < p.current and time.monotonic() < deadline:
-                for records in consumer.poll(timeout_ms=500).values():
+                for records in poll_past_unreadable(consumer, timeout_ms=500).values():
                     for record in records:
                         if record.offset >= p.current:
                             continue
@@ -222,7 +222,7 @@ def read_dead_letters(settings: Settings, timeout_s: float = 30.0) -> list[tuple
         ends = consumer.end_offsets(tps)
         deadline = time.monotonic() + timeout_s
         while any(consumer.position(tp) < ends[tp] for tp in tps) and time.monotonic() < deadline:
-            for records in consumer.poll(timeout_ms=500).values():
+            for records in poll_past_unreadable(consumer, timeout_ms=500).values():
                 for record in records:
                     if record.offset >= ends[TopicPartition(record.topic, record.partition)]:
                         continue
