@@ -137,7 +137,9 @@ def test_status_counts_throughput_by_record_time_and_a_sample_measures_each_stag
 
     rows = {r.topic: r for r in pipeline_throughput(settings, (300, 10_800), now_ms=now_ms + 1000)}
     assert rows[topic].records == {300: 5, 10_800: 8} and rows[topic].meaning == "documents published"
-    assert rows[settings.topics.images].records == {300: 0, 10_800: 0}
+    assert rows[settings.topics.images].records == {300: 0, 10_800: 0} and rows[settings.topics.images].exists
+    absent = settings.model_copy(update={"topics": settings.topics.model_copy(update={"results": f"gone-{unique}"})})
+    assert not {r.topic: r for r in pipeline_throughput(absent, (300,))}[f"gone-{unique}"].exists
 
     ends = {TopicPartition(topic, p): e for p, e in end_offsets(settings, topic).items() if e}
     admin = make_admin(settings)

@@ -117,7 +117,8 @@ def status(
     for w in window_s:
         throughput.add_column(f"last {_duration(w)}", justify="right")
     for row in pipeline_throughput(settings, window_s):
-        throughput.add_row(row.topic, row.meaning, *(f"{row.per_s(w):.2f}" for w in window_s))
+        throughput.add_row(row.topic, row.meaning if row.exists else f"[red]no such topic[/] ({row.meaning})",
+                           *(f"{row.per_s(w):.2f}" for w in window_s))
     console.print(throughput)
     dead = Table(title=f"dead letters ({sum(letters.values())})")
     for column in ("stage", "error_kind", "count"):

@@ -355,6 +355,7 @@ class TopicThroughput:
     topic: str
     meaning: str
     records: dict[int, int]  # window in seconds -> records appended in the last window (by record timestamp)
+    exists: bool = True  # a topic the cluster does not have reads as zero records: said so, not shown as idle
 
     def per_s(self, window_s: int) -> float:
         return self.records[window_s] / window_s
@@ -372,6 +373,9 @@ def pipeline_throughput(settings: Settings, windows_s: tuple[int, ...] = (300, 3
         for name, meaning in THROUGHPUT_TOPICS:
             topic = getattr(settings.topics, name)
             tps = _partitions(admin, [topic])
+            if not tps:
+                rows.append(TopicThroughput(topic, meaning, dict.fromkeys(windows_s, 0), exists=False))
+                continue
             latest = admin.list_partition_offsets({tp: OffsetSpec.LATEST for tp in tps})
             records = {}
             for window in windows_s:
