@@ -22,11 +22,11 @@ hot standbys. Aggregation is JSON parsing of small records, far from being a bot
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
 from collections import OrderedDict
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -308,12 +308,16 @@ class ResultsAggregator:
         limit = self.settings.kafka.max_message_bytes - 64 * 1024  # headers and the record's own framing
         if len(value) <= limit:
             return value
-        texts = sum(len(i.get("text") or "") for i in result.images)
-        share = max(0, (limit - (len(value) - texts)) // max(1, len(result.images)) - 100)
         marker = " [cut: the whole text is on the descriptions topic]"
-        images = tuple({**i, "text": i["text"][:share] + marker} if len(i.get("text") or "") > share else i
-                       for i in result.images)
-        value = dataclasses.replace(result, images=images).encode()
+        texts = [(i.get("text") or "").encode() for i in result.images]
+        share = max(0, (limit - (len(value) - sum(map(len, texts)))) // max(1, len(texts)) - len(marker))
+        for _ in range(4):  # bytes of text, not characters; JSON escapes can still add some: shrink and retry
+            images = tuple({**i, "text": t[:share].decode(errors="ignore") + marker} if len(t) > share else i
+                           for i, t in zip(result.images, texts))
+            value = dataclasses.replace(result, images=images).encode()
+            if len(value) <= limit or share <= 0:
+                break
+            share = max(0, int(share * limit / len(value)) - 1)
         if len(value) > limit:
             raise SchemaError("document_result", "(message)", f"{len(value)} bytes even with its texts cut, "
                               f"over kafka.max_message_bytes")

@@ -155,7 +155,9 @@ def test_an_oversized_result_goes_out_with_texts_cut_and_an_unreadable_record_is
     settings = topic_names.model_copy(update={"kafka": topic_names.kafka.model_copy(
         update={"max_message_bytes": limit})})
     long_doc, after = f"long-{unique}", f"after-{unique}"
-    long_texts = [dataclasses.replace(description(long_doc, i, 3), text=f"{i}" * 300_000) for i in range(3)]
+    # Three bytes a character in the middle one: the cut counts bytes, not characters.
+    words = ["0" * 300_000, "字" * 100_000, "2" * 300_000]
+    long_texts = [dataclasses.replace(description(long_doc, i, 3), text=words[i]) for i in range(3)]
     producer = KafkaProducer(**settings.kafka.client_kwargs())
     try:
         unreadable = description(after, 0, 1)
@@ -171,7 +173,7 @@ def test_an_oversized_result_goes_out_with_texts_cut_and_an_unreadable_record_is
     [long_result] = got[long_doc]
     assert (long_result.image_count, long_result.succeeded) == (3, 3)
     for i, image in enumerate(long_result.images):
-        assert image["text"].startswith(f"{i}" * 1000) and image["text"].endswith("descriptions topic]")
-        assert len(image["text"]) < 300_000
+        assert image["text"].startswith(words[i][:300]) and image["text"].endswith("descriptions topic]")
+        assert len(image["text"]) < len(words[i])
     assert len(long_result.encode()) <= limit
     assert [(r.image_count, r.succeeded) for r in got[after]] == [(1, 1)]
