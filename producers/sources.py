@@ -24,6 +24,7 @@ from typing import IO, Any, Iterator, Union
 import orjson
 
 from schemas import DocumentRef, SchemaError
+from schemas.messages import loads_exact
 
 # What a folder source picks up: every format the decode stage reads (it decides by content, not by name).
 IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".png", ".webp", ".gif", ".tif", ".tiff", ".bmp", ".jp2", ".j2k",
@@ -102,8 +103,8 @@ def parse_json_line(raw: bytes, *, line: int, origin: str, base_dir: str | Path)
     "metadata" object wins on a clash.
     """
     try:
-        data = orjson.loads(raw.removeprefix(_BOM))  # a UTF-8 byte-order mark, as Windows editors write
-    except orjson.JSONDecodeError as exc:
+        data = loads_exact(raw.removeprefix(_BOM))  # a UTF-8 byte-order mark, as Windows editors write
+    except ValueError as exc:  # orjson's JSONDecodeError is one
         return Rejection(origin, line, "invalid_json", f"not valid JSON: {exc}", raw)
     return parse_document_object(data, raw, line=line, origin=origin, base_dir=base_dir)
 
@@ -153,8 +154,8 @@ def read_json_document_list(path: str | Path) -> Iterator[DocumentRef | Rejectio
     with _open_manifest(path) as fh:
         raw = fh.read()
     try:
-        data = orjson.loads(raw.removeprefix(_BOM))
-    except orjson.JSONDecodeError as exc:
+        data = loads_exact(raw.removeprefix(_BOM))
+    except ValueError as exc:
         yield Rejection(origin, None, "invalid_json", f"not valid JSON: {exc}", raw[:4096])
         return
     items = data.get("documents") if isinstance(data, dict) and isinstance(data.get("documents"), list) else data

@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import dataclasses
 import json
+import re
 import time
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -122,8 +123,8 @@ class Message:
         if raw is None:
             raise SchemaError(cls.schema_name, "(message)", "empty record value")
         try:
-            data = orjson.loads(raw)
-        except orjson.JSONDecodeError as exc:
+            data = loads_exact(raw)
+        except ValueError as exc:  # orjson's JSONDecodeError is one
             raise SchemaError(cls.schema_name, "(message)", f"not valid JSON: {exc}") from None
         if not isinstance(data, dict):
             raise SchemaError(cls.schema_name, "(message)", "must be a JSON object")
@@ -169,6 +170,30 @@ def _freeze(value: Any) -> Any:
     if isinstance(value, list):
         return tuple(_freeze(v) for v in value)
     return value
+
+
+# 2**64 has 20 digits: orjson reads every shorter integer exactly, and a longer one as a float, silently.
+_LONG_DIGIT_RUN = re.compile(rb"\d{20,}")
+
+
+def loads_exact(raw: bytes | str) -> Any:
+    """orjson.loads, except that an integer beyond 64 bits raises ValueError: orjson would read it as a float (a
+    changed id or count nobody notices), and no hop could write it again."""
+    data = orjson.loads(raw)
+    if _LONG_DIGIT_RUN.search(raw.encode() if isinstance(raw, str) else raw):
+        if _has_wide_int(json.loads(raw)):
+            raise ValueError("an integer beyond 64 bits (quote it as a string)")
+    return data
+
+
+def _has_wide_int(value: Any) -> bool:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return not -(2**63) <= value < 2**64
+    if isinstance(value, dict):
+        return any(_has_wide_int(v) for v in value.values())
+    if isinstance(value, list):
+        return any(_has_wide_int(v) for v in value)
+    return False
 
 
 def now() -> float:

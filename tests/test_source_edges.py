@@ -176,3 +176,16 @@ def test_a_folder_that_cannot_be_listed_rejects_its_document(tmp_path: Path, mon
     assert [i.reason for i in per_file if isinstance(i, Rejection)] == ["unreadable_folder"]
     watched = [i for i in watch_folder(tmp_path, settle_s=0.0, poll_s=0.05, max_seconds=0.3) if i is not IDLE]
     assert [i.doc_id for i in watched if isinstance(i, Rejection)] == ["book"]  # once, not every poll
+
+
+def test_integers_beyond_64_bits_are_refused_not_turned_into_floats(tmp_path: Path) -> None:
+    """orjson reads 123456789012345678901234 as 1.2345678901234569e+23: an id in the metadata changed silently."""
+    manifest = tmp_path / "m.jsonl"
+    manifest.write_text('{"doc_id": "a", "images": ["x.jpg"], "metadata": {"isbn13": 123456789012345678901234}}\n'
+                        '{"doc_id": "b", "images": ["x.jpg"], "metadata": {"max": 18446744073709551615, '
+                        '"text": "12345678901234567890123"}}\n')
+    rejected, kept = items(manifest)
+    assert isinstance(rejected, Rejection) and "beyond 64 bits" in rejected.detail
+    assert isinstance(kept, DocumentRef) and kept.metadata["max"] == 2**64 - 1
+    with pytest.raises(SchemaError, match="beyond 64 bits"):
+        DocumentRef.decode(b'{"doc_id": "d", "image_uris": ["x.jpg"], "metadata": {"n": -99999999999999999999}}')
