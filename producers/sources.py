@@ -118,6 +118,10 @@ def parse_document_object(data: Any, raw: bytes, *, line: int, origin: str,
 
     if not isinstance(data, dict):
         return reject("not_an_object", f"expected a JSON object, got {type(data).__name__}")
+    if data.get("schema_version", 1) != 1 or isinstance(data.get("schema_version"), bool):
+        # A line written for another version of the document schema: publishing it as version 1 would hide that.
+        return reject("schema_violation", f"schema_version {data.get('schema_version')!r}: this producer writes "
+                      "version 1", data.get("doc_id"))
     doc_id = data.get("doc_id")
     if isinstance(doc_id, int) and not isinstance(doc_id, bool):
         doc_id = str(doc_id)  # numeric ids, as databases export them; their text is the id

@@ -189,3 +189,14 @@ def test_integers_beyond_64_bits_are_refused_not_turned_into_floats(tmp_path: Pa
     assert isinstance(kept, DocumentRef) and kept.metadata["max"] == 2**64 - 1
     with pytest.raises(SchemaError, match="beyond 64 bits"):
         DocumentRef.decode(b'{"doc_id": "d", "image_uris": ["x.jpg"], "metadata": {"n": -99999999999999999999}}')
+
+
+def test_a_line_written_for_another_schema_version_is_refused(tmp_path: Path) -> None:
+    manifest = tmp_path / "m.jsonl"
+    manifest.write_text('{"doc_id": "a", "images": ["x.jpg"], "schema_version": 2}\n'
+                        '{"doc_id": "b", "images": ["x.jpg"], "schema_version": "1"}\n'
+                        '{"doc_id": "c", "images": ["x.jpg"], "schema_version": 1}\n')
+    found = items(manifest)
+    assert [(type(i).__name__, i.doc_id) for i in found] == [("Rejection", "a"), ("Rejection", "b"),
+                                                             ("DocumentRef", "c")]
+    assert "schema_version 2" in found[0].detail
