@@ -381,6 +381,14 @@ def parse_stdin_line(raw: bytes, *, line: int, base_dir: str | Path, origin: str
     text = raw.strip().removeprefix(_BOM)  # PowerShell pipes start with one
     if text.startswith(b"{"):
         return parse_json_line(text, line=line, origin=origin, base_dir=base_dir)
+    if text.startswith(b"["):
+        try:
+            orjson.loads(text)
+        except orjson.JSONDecodeError:
+            pass  # a path that starts with '[': "[scan] page 1.jpg"
+        else:
+            return Rejection(origin, line, "not_an_object", "a JSON array: give one document object per line, or a "
+                             "bare path", raw)
     try:
         uri = text.decode()
     except UnicodeDecodeError as exc:

@@ -200,3 +200,12 @@ def test_a_line_written_for_another_schema_version_is_refused(tmp_path: Path) ->
     assert [(type(i).__name__, i.doc_id) for i in found] == [("Rejection", "a"), ("Rejection", "b"),
                                                              ("DocumentRef", "c")]
     assert "schema_version 2" in found[0].detail
+
+
+def test_stdin_json_arrays_are_refused_and_bracketed_paths_kept(tmp_path: Path) -> None:
+    from producers.sources import parse_stdin_line
+
+    rejected = parse_stdin_line(b'[{"doc_id": "a", "images": ["x.jpg"]}]', line=1, base_dir=tmp_path)
+    assert isinstance(rejected, Rejection) and rejected.reason == "not_an_object"
+    kept = parse_stdin_line(b"[scan] page 1.jpg", line=2, base_dir=tmp_path)
+    assert isinstance(kept, DocumentRef) and kept.image_uris == (str(tmp_path / "[scan] page 1.jpg"),)
