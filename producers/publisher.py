@@ -216,14 +216,20 @@ class DocumentPublisher:
         record_id = f"{rejection.origin}:{rejection.line}" if rejection.line is not None else rejection.origin
         if rejection.line is None and rejection.doc_id:
             record_id = f"{rejection.origin}:{rejection.doc_id}"
+        record_id = _shown(record_id)  # the ledger stores text: a name that is not UTF-8 would not go in
         content_hash = bytes_hash(rejection.raw, rejection.reason.encode())
         if self._already_published(self.deadletter_topic, record_id, content_hash):
             return
         line = f" line {rejection.line}" if rejection.line is not None else ""
+        detail = f"{rejection.origin}{line}: {rejection.reason}: {rejection.detail}"
+        # The rejected input's own id or path may be what no record can hold (not UTF-8, too long): then it is
+        # named in the detail, and the dead letter itself can always be written.
+        doc_id = rejection.doc_id
+        if doc_id is not None and (not 0 < len(doc_id) <= 512 or _shown(doc_id) != doc_id):
+            detail, doc_id = f"document {_shown(doc_id)[:600]!r}: {detail}", None
         letter = DeadLetter(
-            stage="produce", error_kind=INVALID_LINE, retriable=False,
-            detail=f"{rejection.origin}{line}: {rejection.reason}: {rejection.detail}"[:4000],
-            doc_id=rejection.doc_id, source_uri=rejection.origin,
+            stage="produce", error_kind=INVALID_LINE, retriable=False, detail=_shown(detail)[:4000],
+            doc_id=doc_id, source_uri=_shown(rejection.origin),
             original_value_b64=b64_or_none(rejection.raw), created_at=now(),
         )
         try:
@@ -297,3 +303,8 @@ def publish_documents(settings: Settings, items: Iterable[Any], *, force: bool =
     with DocumentPublisher(settings, force=force, use_ledger=use_ledger, stop=stop,
                            on_progress=on_progress) as publisher:
         return publisher.publish(items)
+
+
+def _shown(text: str) -> str:
+    """Text that can be written as JSON: stray bytes of a name that is not UTF-8 become U+FFFD."""
+    return text.encode("utf-8", "surrogateescape").decode("utf-8", "replace")

@@ -79,7 +79,7 @@ def resolve_uri(uri: str, base_dir: str | Path) -> str:
     return os.path.normpath(os.path.join(base_dir, uri))
 
 
-def _shown(path: Path) -> str:
+def _shown(path: Path | str) -> str:
     """A path as text for a document's ``source``: a file name that is not UTF-8 would make every document of
     the manifest unwritable, so its stray bytes show as U+FFFD there."""
     return os.fsencode(path).decode("utf-8", "replace")
@@ -493,7 +493,7 @@ def _folder_document(root: Path, doc_id: str, files: list[Path] | OSError) -> Do
         return validated(DocumentRef(doc_id=doc_id, image_uris=tuple(str(p) for p in files),
                                      source=f"folder:{root}"))
     except SchemaError as exc:
-        return Rejection(f"folder:{root}", None, "schema_violation", str(exc),
+        return Rejection(f"folder:{root}", None, "schema_violation", f"{_shown(doc_id)}: {exc}",
                          doc_id.encode("utf-8", "surrogateescape"), doc_id)
 
 

@@ -272,6 +272,25 @@ def test_bad_lines_reported_with_line_numbers_and_dead_lettered(settings: Settin
 
 
 @pytest.mark.kafka
+def test_rejections_whose_own_id_or_name_no_record_can_hold_are_still_dead_lettered(settings: Settings,
+                                                                                     tmp_path: Path) -> None:
+    """A doc id over 512 characters and a file name that is not UTF-8 are rejected; their dead letters must still
+    be writable, or the producer stops on them."""
+    folder = tmp_path / "f"
+    folder.mkdir()
+    Path(os.fsdecode(bytes(folder) + b"/sc\xe9n.jpg")).write_bytes(b"x")
+    manifest = write_lines(tmp_path / "m.jsonl", ['{"doc_id": "%s", "images": ["a.jpg"]}' % ("x" * 600),
+                                                  '{"doc_id": "fine", "images": ["a.jpg"]}'])
+    long_id = publish_documents(settings, read_manifest(manifest))
+    latin1 = publish_documents(settings, scan_folder(folder))
+    assert (long_id.sent, len(long_id.rejected), latin1.sent, len(latin1.rejected)) == (1, 1, 0, 1)
+    letters = [DeadLetter.decode(r.value) for r in read_topic(settings, settings.topics.deadletter, expected=2,
+                                                              idle_s=1.0)]
+    assert sorted(dl.doc_id is None for dl in letters) == [True, True]
+    assert any("x" * 100 in dl.detail for dl in letters) and any("sc\ufffdn.jpg" in dl.detail for dl in letters)
+
+
+@pytest.mark.kafka
 def test_rerun_skips_force_republishes_and_changes_go_out(settings: Settings, tmp_path: Path) -> None:
     lines = [orjson.dumps({"doc_id": f"d{i}", "image_uris": [f"{i}.jpg"]}).decode() for i in range(5)]
     manifest = write_lines(tmp_path / "m.jsonl", lines + ["oops"])
