@@ -246,12 +246,14 @@ class DecodeWorker:
         self.metrics.document()
         source = source_coords(record.topic, record.partition, record.offset)
         count = len(doc.image_uris)
-        oversized = self._headers_over_limit(doc)
+        # Every image record carries the metadata in its headers: its size, once per document, decides both.
+        metadata_bytes = len(orjson.dumps(doc.metadata)) if doc.metadata else 0
+        oversized = self._headers_over_limit(metadata_bytes)
         for image_index, uri in enumerate(doc.image_uris):
             started = time.perf_counter()
             result = ImageFailure("metadata_too_large", oversized, retriable=False) if oversized else self._decode(uri)
             if isinstance(result, PreparedImage):
-                self._publish_image(doc, image_index, count, uri, result, source)
+                self._publish_image(doc, image_index, count, uri, result, source, metadata_bytes)
                 self.metrics.image(source_format=result.source_format,
                                    size_class=self._size_class(result.orig_width, result.orig_height),
                                    seconds=time.perf_counter() - started, bytes_in=result.fetch_bytes,
@@ -271,11 +273,10 @@ class DecodeWorker:
             log.exception("decode stage raised on %s", uri)
             return ImageFailure("decode_internal_error", f"{type(exc).__name__}: {exc}", retriable=True)
 
-    def _headers_over_limit(self, doc: DocumentRef) -> str | None:
+    def _headers_over_limit(self, metadata_bytes: int) -> str | None:
         """Why this document's image records could not be sent at all, or None. Every image record carries the
         document's metadata in its headers; metadata the size of a record would fail the send, and a failed send
         stops the worker, on this document again after each restart."""
-        metadata_bytes = len(orjson.dumps(doc.metadata)) if doc.metadata else 0
         limit = self.settings.kafka.max_message_bytes // 2
         if metadata_bytes <= limit:
             return None
@@ -283,11 +284,11 @@ class DecodeWorker:
                 f"at most {limit} (half of kafka.max_message_bytes) leaves room for the image")
 
     def _publish_image(self, doc: DocumentRef, image_index: int, count: int, uri: str, image: PreparedImage,
-                       source: dict[str, Any]) -> None:
+                       source: dict[str, Any], metadata_bytes: int) -> None:
         value = image.data
         ref = None
         # The headers count: a record is its value and its headers (the metadata is in them).
-        if len(value) + len(orjson.dumps(doc.metadata)) + 4096 > self.settings.kafka.max_message_bytes:
+        if len(value) + metadata_bytes + 4096 > self.settings.kafka.max_message_bytes:
             # Never dropped: the pixels go aside and the record carries the reference.
             ref = self._claim_check_store().put(f"{doc.doc_id}/{image_index}", value)
             value = b""
