@@ -22,7 +22,7 @@ import orjson
 from kafka.errors import KafkaError, MessageSizeTooLargeError
 
 from producers.ledger import Ledger, bootstrap_scope, bytes_hash, document_hash, ledger_path
-from producers.sources import IDLE, Rejection
+from producers.sources import IDLE, Rejection, printable
 from schemas import DeadLetter, DocumentRef, b64_or_none, now
 from vlmstream.config import Settings
 from vlmstream.kafka_io import FatalPipelineError, make_producer
@@ -216,7 +216,7 @@ class DocumentPublisher:
         record_id = f"{rejection.origin}:{rejection.line}" if rejection.line is not None else rejection.origin
         if rejection.line is None and rejection.doc_id:
             record_id = f"{rejection.origin}:{rejection.doc_id}"
-        record_id = _shown(record_id)  # the ledger stores text: a name that is not UTF-8 would not go in
+        record_id = printable(record_id)  # the ledger stores text: a name that is not UTF-8 would not go in
         content_hash = bytes_hash(rejection.raw, rejection.reason.encode())
         if self._already_published(self.deadletter_topic, record_id, content_hash):
             return
@@ -225,11 +225,11 @@ class DocumentPublisher:
         # The rejected input's own id or path may be what no record can hold (not UTF-8, too long): then it is
         # named in the detail, and the dead letter itself can always be written.
         doc_id = rejection.doc_id
-        if doc_id is not None and (not 0 < len(doc_id) <= 512 or _shown(doc_id) != doc_id):
-            detail, doc_id = f"document {_shown(doc_id)[:600]!r}: {detail}", None
+        if doc_id is not None and (not 0 < len(doc_id) <= 512 or printable(doc_id) != doc_id):
+            detail, doc_id = f"document {printable(doc_id)[:600]!r}: {detail}", None
         letter = DeadLetter(
-            stage="produce", error_kind=INVALID_LINE, retriable=False, detail=_shown(detail)[:4000],
-            doc_id=doc_id, source_uri=_shown(rejection.origin),
+            stage="produce", error_kind=INVALID_LINE, retriable=False, detail=printable(detail)[:4000],
+            doc_id=doc_id, source_uri=printable(rejection.origin),
             original_value_b64=b64_or_none(rejection.raw), created_at=now(),
         )
         try:
@@ -304,7 +304,3 @@ def publish_documents(settings: Settings, items: Iterable[Any], *, force: bool =
                            on_progress=on_progress) as publisher:
         return publisher.publish(items)
 
-
-def _shown(text: str) -> str:
-    """Text that can be written as JSON: stray bytes of a name that is not UTF-8 become U+FFFD."""
-    return text.encode("utf-8", "surrogateescape").decode("utf-8", "replace")

@@ -79,10 +79,10 @@ def resolve_uri(uri: str, base_dir: str | Path) -> str:
     return os.path.normpath(os.path.join(base_dir, uri))
 
 
-def _shown(path: Path | str) -> str:
-    """A path as text for a document's ``source``: a file name that is not UTF-8 would make every document of
-    the manifest unwritable, so its stray bytes show as U+FFFD there."""
-    return os.fsencode(path).decode("utf-8", "replace")
+def printable(text: Path | str) -> str:
+    """A name as text any record can hold: the stray bytes of a name that is not UTF-8 (a Latin-1 file name) show
+    as U+FFFD. Used for a document's ``source`` and for what a rejection says."""
+    return os.fsencode(text).decode("utf-8", "replace")
 
 
 def validated(doc: DocumentRef) -> DocumentRef:
@@ -154,7 +154,7 @@ def read_json_document_list(path: str | Path) -> Iterator[DocumentRef | Rejectio
     """A .json manifest: a list of document objects, {"documents": [...]}, or one document object. Read whole:
     JSON lines suit manifests too large for memory."""
     path = Path(path).absolute()
-    base_dir, origin = str(path.parent), _shown(path)
+    base_dir, origin = str(path.parent), printable(path)
     with _open_manifest(path) as fh:
         raw = fh.read()
     try:
@@ -177,7 +177,7 @@ def _json_bytes(item: Any) -> bytes:
 
 def read_jsonl(path: str | Path) -> Iterator[DocumentRef | Rejection]:
     path = Path(path).absolute()
-    base_dir, origin = str(path.parent), _shown(path)
+    base_dir, origin = str(path.parent), printable(path)
     with _open_manifest(path) as fh:
         for line_no, raw in enumerate(fh, start=1):
             raw = raw.rstrip(b"\r\n")
@@ -233,7 +233,7 @@ def read_csv(path: str | Path) -> Iterator[DocumentRef | Rejection]:
     the document without that image would change it without anyone noticing.
     """
     path = Path(path).absolute()
-    base_dir, origin = str(path.parent), _shown(path)
+    base_dir, origin = str(path.parent), printable(path)
     # surrogateescape: a row that is not UTF-8 (a spreadsheet's Latin-1 export) is rejected alone, not the file.
     with io.TextIOWrapper(_open_manifest(path), newline="", encoding="utf-8-sig", errors="surrogateescape") as fh:
         # strict: a quote never closed is an error, not a cell that swallows the rest of the file.
@@ -362,7 +362,7 @@ def read_manifest(path: str | Path) -> Iterator[DocumentRef | Rejection]:
     rejected whole, by name, rather than line by line as invalid JSON."""
     path = Path(path)
     if encoding := _wide_encoding(path):
-        return iter([Rejection(_shown(path.absolute()), None, "unsupported_encoding",
+        return iter([Rejection(printable(path.absolute()), None, "unsupported_encoding",
                                f"the manifest is {encoding} text; save it as UTF-8", b"")])
     name = path.name.lower().removesuffix(".gz")
     suffix = os.path.splitext(name)[1]
@@ -493,7 +493,7 @@ def _folder_document(root: Path, doc_id: str, files: list[Path] | OSError) -> Do
         return validated(DocumentRef(doc_id=doc_id, image_uris=tuple(str(p) for p in files),
                                      source=f"folder:{root}"))
     except SchemaError as exc:
-        return Rejection(f"folder:{root}", None, "schema_violation", f"{_shown(doc_id)}: {exc}",
+        return Rejection(f"folder:{root}", None, "schema_violation", f"{printable(doc_id)}: {exc}",
                          doc_id.encode("utf-8", "surrogateescape"), doc_id)
 
 
@@ -575,7 +575,7 @@ def follow_jsonl(path: str | Path, *, poll_s: float = 0.5, stop: threading.Event
     if path.suffix.lower() in (".csv", ".tsv", ".json", ".gz"):
         raise ValueError("watching follows uncompressed JSON-lines manifests; a CSV document's rows cannot be known "
                          "complete, a .json list is one value, and a gzip stream is not read as it grows")
-    base_dir, origin = str(path.parent), _shown(path)
+    base_dir, origin = str(path.parent), printable(path)
     deadline = time.monotonic() + max_seconds if max_seconds is not None else None
     fh: IO[bytes] | None = None
     inode = None
