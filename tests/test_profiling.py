@@ -40,11 +40,16 @@ def test_profile_names_the_busy_thread_its_function_and_the_busy_child(tmp_path)
 
 
 def test_resident_memory_follows_an_allocation():
+    import mmap
+
     before = resident_mb()
-    block = bytearray(64 * 1024 * 1024)
-    block[:: 4096] = b"x" * len(block[:: 4096])  # touch every page: resident, not just reserved
+    # Fresh pages from the kernel: a bytearray may reuse memory freed earlier in the run that is still resident,
+    # and then nothing grows (seen once in CI, after the heavy decode tests).
+    block = mmap.mmap(-1, 64 * 1024 * 1024)
+    for offset in range(0, len(block), 4096):  # touch every page: resident, not just reserved
+        block[offset] = 1
     assert resident_mb() - before > 48
-    del block
+    block.close()
     assert resident_mb(2 ** 22 + 12345) == 0.0  # no such process
 
 
