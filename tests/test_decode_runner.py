@@ -132,13 +132,14 @@ class Fleet:
     """`vlmstream decode` in a subprocess, its log in a file (the supervisor logs each worker's pid)."""
 
     def __init__(self, settings: Settings, tmp_path: Path, *args: str, decode: dict | None = None,
-                 kafka: dict | None = None, metrics_port: int = 0):
+                 kafka: dict | None = None, producer: dict | None = None, metrics_port: int = 0):
         self.settings = settings
         self.group_id = f"decode-test-{settings.topics.documents}"
         config = {
             "kafka": {"bootstrap_servers": settings.kafka.bootstrap_servers, **(kafka or {})},
             "topics": settings.topics.model_dump(mode="json"),
             "decode": {"group_id": self.group_id, "session_timeout_ms": 6000, **(decode or {})},
+            "producer": producer or {},
             "metrics_port": metrics_port,
         }
         config_file = tmp_path / f"decode-{len(list(tmp_path.glob('decode-*.json')))}.json"

@@ -100,7 +100,8 @@ class BrokerSettings(BaseModel):
 class ProducerSettings(BaseModel):
     max_in_flight_documents: int = Field(10_000, description="Bound on sends not yet acknowledged.")
     linger_ms: int = 5
-    compression_type: str | None = None
+    compression_type: Literal["gzip", "snappy", "lz4", "zstd"] | None = Field(
+        None, description="Codec of every producer's batches (none by default: image payloads are compressed already).")
     state_dir: Path | None = Field(
         None, description="Where the ledger of already-published documents lives (default: under broker home)."
     )

@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterable
 
 from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.admin import ConfigResource, ConfigResourceType, NewTopic
-from kafka.errors import CorruptRecordError, TopicAlreadyExistsError
+from kafka.errors import CorruptRecordError, TopicAlreadyExistsError, UnsupportedCodecError
 
 from schemas import DeadLetter, b64_or_none, now, source_coords
 from vlmstream.config import Settings
@@ -116,7 +116,8 @@ def topic_partitions(consumer: KafkaConsumer, topics: Iterable[str], timeout_s: 
 @dataclass(frozen=True)
 class UnreadableRecord:
     """A record kafka-python could not parse (a header key that is not UTF-8, as a librdkafka client may write;
-    a failed CRC), in a record's place: where it is, and why. It has no key, value or headers to carry."""
+    a failed CRC; a batch in a compression codec whose library is missing), in a record's place: where it is, and
+    why. It has no key, value or headers to carry."""
 
     topic: str
     partition: int
@@ -134,7 +135,9 @@ def poll_past_unreadable(consumer: KafkaConsumer, **poll_kwargs) -> dict[TopicPa
     nothing past it is ever committed. Raises as before where the record's partition cannot be told."""
     try:
         return consumer.poll(**poll_kwargs)
-    except CorruptRecordError as exc:
+    except (CorruptRecordError, UnsupportedCodecError) as exc:
+        # A batch in a codec kafka-python cannot decompress fails on every record in it: seeking past one at a
+        # time makes each of them its own unreadable record, so none of them is lost without a trace.
         # kafka-python names neither partition nor offset; its fetcher still holds the records it failed on,
         # and their partition's position is the record that failed (a private attribute: checked, not assumed).
         failed_on = getattr(getattr(consumer, "_fetcher", None), "_next_partition_records", None)
