@@ -335,6 +335,33 @@ def test_a_record_the_client_cannot_parse_is_dead_lettered_and_passed(topic_name
 
 
 @pytest.mark.timeout(120)
+def test_documents_of_an_aborted_transaction_are_never_decoded(topic_names, tmp_path, unique, corpus_dir):
+    """A producer that publishes documents in transactions (Kafka Streams, Flink, a transactional outbox) may
+    abort one; the decode fleet read uncommitted unless it ran exactly-once itself, and decoded those too."""
+    aborted = DocumentRef(doc_id=f"aborted-{unique}", image_uris=(str(corpus_images(corpus_dir, 1)[0]),))
+    kept = DocumentRef(doc_id=f"kept-{unique}", image_uris=aborted.image_uris)
+    producer = make_producer(topic_names, transactional_id=f"test-abort-{unique}")
+    try:
+        producer.init_transactions()
+        producer.begin_transaction()
+        producer.send(topic_names.topics.documents, key=aborted.key(), value=aborted.encode(), partition=0,
+                      headers=aborted.headers())
+        producer.flush()
+        producer.abort_transaction()
+    finally:
+        producer.close()
+    publish(topic_names, [kept], partition=0)
+
+    with Fleet(topic_names, tmp_path, "--workers", "1", "--until-idle-s", "3", "--max-pixels", str(SMALL),
+               "--allowed-root", str(corpus_dir)) as fleet:
+        assert fleet.wait(90) == 0, fleet.log()
+
+    assert image_keys(read_topic(topic_names, topic_names.topics.images, expected=1, timeout_s=30, idle_s=1)) == \
+        [f"kept-{unique}/0"]
+    assert committed_offsets(topic_names, fleet.group_id, topic_names.topics.documents) == {0: 3}
+
+
+@pytest.mark.timeout(120)
 def test_metadata_too_large_to_ride_with_each_image_is_dead_lettered_not_a_stopped_worker(topic_names, tmp_path,
                                                                                          unique):
     """Each image record carries its document's metadata in its headers. Metadata past the record limit used to

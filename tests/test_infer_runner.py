@@ -564,6 +564,30 @@ def test_exactly_once_reader_sees_each_image_once_across_a_crash(topic_names, co
 
 @pytest.mark.kafka
 @pytest.mark.model
+def test_images_of_an_aborted_transaction_are_never_described(topic_names, corpus_dir, unique, engine):
+    """A decode worker in exactly-once mode that dies or is fenced leaves an aborted transaction on the images
+    topic; the inference consumer used to read uncommitted and describe those images too."""
+    settings = infer_settings(topic_names, unique, publish_embeddings=False)
+    (aborted_meta, aborted_value), (kept_meta, kept_value) = documents(corpus_dir, f"abort-{unique}", [1, 1])
+    producer = KafkaProducer(**settings.kafka.client_kwargs(), max_request_size=settings.kafka.max_message_bytes,
+                             transactional_id=f"test-abort-{unique}")
+    try:
+        producer.init_transactions()
+        producer.begin_transaction()
+        producer.send(settings.topics.images, key=aborted_meta.key(), value=aborted_value,
+                      headers=aborted_meta.headers(), partition=0)
+        producer.flush()
+        producer.abort_transaction()
+    finally:
+        producer.close()
+    produce_images(settings, [(kept_meta, kept_value)], partition=0)
+    run_until_idle(settings, engine)
+    assert description_counts(settings, expected=1) == Counter({(kept_meta.doc_id, 0): 1})
+    assert committed_offsets(settings, settings.infer.group_id, settings.topics.images) == {0: 3}
+
+
+@pytest.mark.kafka
+@pytest.mark.model
 def test_a_dead_engine_stops_the_runner_without_committing(topic_names, corpus_dir, unique):
     from consumers.infer.runner import EXIT_ENGINE_DEAD, InferenceRunner
 

@@ -48,7 +48,10 @@ def make_producer(settings: Settings, *, transactional_id: str | None = None, **
 
 
 def make_consumer(settings: Settings, group_id: str | None, topics: Iterable[str] = (), *,
-                  read_committed: bool = False, **overrides: Any) -> KafkaConsumer:
+                  read_committed: bool = True, **overrides: Any) -> KafkaConsumer:
+    """read_committed unless asked otherwise: any writer of a topic may be transactional (our workers in
+    exactly-once mode, Kafka Streams, Flink, an outbox), and an aborted transaction's records must not be processed.
+    On a topic without transactions it reads exactly what read_uncommitted would."""
     kwargs: dict[str, Any] = {
         **settings.kafka.client_kwargs(),
         "client_id": f"{settings.kafka.client_id}-consumer",

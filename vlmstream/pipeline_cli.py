@@ -145,7 +145,7 @@ def run(
     try:
         # Position the live view before anything is published, so no description is missed.
         watcher = KafkaConsumer(**settings.kafka.client_kwargs(), group_id=None, enable_auto_commit=False,
-                                auto_offset_reset="earliest")
+                                auto_offset_reset="earliest", isolation_level="read_committed")
         # The topics were created a moment ago: a watcher assigned before they list partitions would see nothing.
         tps = topic_partitions(watcher, [settings.topics.descriptions, settings.topics.results])
         watcher.assign(tps)

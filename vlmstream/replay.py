@@ -166,7 +166,8 @@ def _count_images(settings: Settings, plan: ReplayPlan) -> None:
         p.images = 0
     if not todo:
         return
-    consumer = KafkaConsumer(**settings.kafka.client_kwargs(), group_id=None, enable_auto_commit=False)
+    consumer = KafkaConsumer(**settings.kafka.client_kwargs(), group_id=None, enable_auto_commit=False,
+                             isolation_level="read_committed")
     try:
         for p in todo:
             consumer.assign([p.tp])
@@ -208,8 +209,9 @@ def apply_replay(settings: Settings, plan: ReplayPlan) -> None:
 def read_dead_letters(settings: Settings, timeout_s: float = 30.0) -> list[tuple[Any, DeadLetter | None]]:
     """Every record of the dead-letter topic from the beginning, without a group (read up to the end offsets
     seen at the start)."""
+    # read_committed: a dead letter of an aborted transaction was written again by the retry that followed it.
     consumer = KafkaConsumer(**settings.kafka.client_kwargs(), group_id=None, enable_auto_commit=False,
-                             auto_offset_reset="earliest",
+                             auto_offset_reset="earliest", isolation_level="read_committed",
                              max_partition_fetch_bytes=settings.kafka.max_message_bytes + 1024 * 1024)
     out: list[tuple[Any, DeadLetter | None]] = []
     try:

@@ -127,7 +127,7 @@ class DecodeWorker:
             # Fences any earlier producer with this id and aborts its open transaction.
             self.producer.init_transactions()
         self.consumer = make_consumer(
-            settings, settings.decode.group_id, read_committed=self.exactly_once,
+            settings, settings.decode.group_id,
             max_poll_records=settings.decode.max_poll_records,
             partition_assignment_strategy=(CooperativeStickyAssignor,),
             session_timeout_ms=settings.decode.session_timeout_ms,
