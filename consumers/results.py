@@ -45,6 +45,10 @@ from vlmstream.kafka_io import (FatalPipelineError, GroupMembershipWatchdog, Unr
 log = logging.getLogger(__name__)
 
 
+# Dead letters that note something about an image that was still decoded and described: not a failure of it.
+NOTES = ("pages_not_described",)
+
+
 def results_group_id(settings: Settings) -> str:
     return f"{settings.infer.group_id}-results"
 
@@ -85,6 +89,8 @@ class _Doc:
     images: dict[int, dict[str, Any]] = field(default_factory=dict)
     metadata: dict[str, Any] = field(default_factory=dict)
     document_error: dict[str, Any] | None = None
+    # error_kind -> image index -> detail: what an earlier stage noted about an image that did not fail
+    notes: dict[str, dict[int, str]] = field(default_factory=dict)
     first: dict[TopicPartition, int] = field(default_factory=dict)  # lowest offset of its records per partition
     last: dict[TopicPartition, int] = field(default_factory=dict)
     opened_at: float = field(default_factory=time.monotonic)
@@ -248,6 +254,10 @@ class ResultsAggregator:
             doc.image_count = letter.image_count
         failure = {"status": "failed", "source_uri": letter.source_uri, "stage": letter.stage,
                    "error_kind": letter.error_kind, "detail": letter.detail[:1000]}
+        if letter.error_kind in NOTES and letter.image_index is not None:
+            # The image itself was decoded and is on its way; only the note goes into the result's metadata.
+            doc.notes.setdefault(letter.error_kind, {})[letter.image_index] = letter.detail[:1000]
+            return
         if letter.image_index is None:
             changed = doc.document_error is None
             doc.document_error = {k: failure[k] for k in ("stage", "error_kind", "detail")}
@@ -282,6 +292,8 @@ class ResultsAggregator:
         metadata = dict(doc.metadata)
         if doc.document_error is not None:
             metadata["document_error"] = doc.document_error
+        for kind, by_image in doc.notes.items():
+            metadata[kind] = {str(index): detail for index, detail in sorted(by_image.items())}
         result = DocumentResult(doc_id=doc.doc_id, image_count=count, succeeded=succeeded,
                                 failed=len(images) - succeeded, images=tuple(images), metadata=metadata,
                                 completed_at=now())

@@ -484,13 +484,28 @@ def folder_groups(root: str | Path, *, per_file: bool = False) -> dict[str, list
     return dict(sorted(groups.items(), key=lambda kv: natural_key(kv[0])))
 
 
+def page_uris(path: Path) -> list[str]:
+    """A multi-page TIFF (scans, faxes) as one URI per page, ``path#page=N``, so that every page is described;
+    any other file as itself. A TIFF that cannot be read goes as it is: the decode stage says what is wrong."""
+    if path.suffix.lower() not in (".tif", ".tiff"):
+        return [str(path)]
+    from PIL import Image  # only folders with TIFFs pay for the import
+
+    try:
+        with Image.open(path) as image:
+            pages = getattr(image, "n_frames", 1)  # a walk over the page directories, no pixels
+    except Exception:  # noqa: BLE001 - any failure is the decode stage's to name
+        return [str(path)]
+    return [str(path)] if pages <= 1 else [f"{path}#page={n}" for n in range(1, pages + 1)]
+
+
 def _folder_document(root: Path, doc_id: str, files: list[Path] | OSError) -> DocumentRef | Rejection:
     if isinstance(files, OSError):
         return Rejection(f"folder:{root}", None, "unreadable_folder",
                          f"{files.filename}: {files.strerror or files}; its document is not published without "
                          "the images it may hold", doc_id.encode("utf-8", "surrogateescape"), doc_id)
     try:
-        return validated(DocumentRef(doc_id=doc_id, image_uris=tuple(str(p) for p in files),
+        return validated(DocumentRef(doc_id=doc_id, image_uris=tuple(uri for p in files for uri in page_uris(p)),
                                      source=f"folder:{root}"))
     except SchemaError as exc:
         return Rejection(f"folder:{root}", None, "schema_violation", f"{printable(doc_id)}: {exc}",

@@ -362,6 +362,24 @@ def test_documents_of_an_aborted_transaction_are_never_decoded(topic_names, tmp_
 
 
 @pytest.mark.timeout(120)
+def test_a_multi_page_tiff_named_without_a_page_says_so_on_the_dead_letter_topic(topic_names, tmp_path, unique):
+    """Its first page is described; the other pages must not vanish without a word."""
+    scan = tmp_path / "scan.tif"
+    pages = [Image.new("RGB", (300, 400), colour) for colour in ((200, 30, 30), (30, 200, 30))]
+    pages[0].save(scan, save_all=True, append_images=pages[1:])
+    publish(topic_names, [DocumentRef(doc_id=f"fax-{unique}", image_uris=(str(scan), f"{scan}#page=2"))])
+    with Fleet(topic_names, tmp_path, "--workers", "1", "--until-idle-s", "3", "--max-pixels", str(SMALL),
+               "--allowed-root", str(tmp_path)) as fleet:
+        assert fleet.wait(90) == 0, fleet.log()
+    images = read_topic(topic_names, topic_names.topics.images, expected=2, timeout_s=30, idle_s=1)
+    assert sorted(image_keys(images)) == [f"fax-{unique}/0", f"fax-{unique}/1"]
+    [letter] = [DeadLetter.decode(r.value) for r in read_topic(topic_names, topic_names.topics.deadletter,
+                                                               expected=1, timeout_s=30, idle_s=1)]
+    assert (letter.error_kind, letter.image_index, letter.source_uri) == ("pages_not_described", 0, str(scan))
+    assert "2 pages" in letter.detail and "#page=" in letter.detail
+
+
+@pytest.mark.timeout(120)
 def test_metadata_too_large_to_ride_with_each_image_is_dead_lettered_not_a_stopped_worker(topic_names, tmp_path,
                                                                                          unique):
     """Each image record carries its document's metadata in its headers. Metadata past the record limit used to

@@ -450,3 +450,30 @@ def test_a_decode_past_its_time_limit_is_a_failure_not_a_stuck_worker(tmp_path):
     import signal
 
     assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)  # no alarm left behind
+
+
+def save_pages(path, colours, **save_options):
+    pages = [Image.new("RGB", (420, 560), colour) for colour in colours]
+    pages[0].save(path, save_all=True, append_images=pages[1:], **save_options)
+    return path
+
+
+def test_a_page_selector_picks_one_page_and_a_bare_multi_page_tiff_says_how_many_it_has(tmp_path):
+    """Scanned documents and faxes are often one multi-page TIFF; only its first page used to be described."""
+    colours = [(200, 30, 30), (30, 200, 30), (30, 30, 200)]
+    scan = save_pages(tmp_path / "scan.tif", colours, compression="tiff_lzw")
+    stage = make_stage(tmp_path, max_pixels=256 * 28 * 28)
+    bare = stage(str(scan))
+    assert bare.pages == 3 and pixels_of(bare)[5, 5].tolist() == [200, 30, 30]
+    for page, colour in enumerate(colours, start=1):
+        chosen = stage(f"{scan}#page={page}")
+        assert chosen.pages == 1 and np.abs(pixels_of(chosen)[5, 5].astype(int) - colour).max() <= 2
+    beyond = stage(f"{scan}#page=4")
+    assert isinstance(beyond, ImageFailure) and beyond.error_kind == "decode_page_out_of_range"
+    assert "has 3" in beyond.detail and not beyond.retriable
+    # Frames of other formats, and page 1 of a single-page file through the fast JPEG path.
+    gif = save_pages(tmp_path / "frames.gif", colours[:2])
+    assert pixels_of(stage(f"{gif}#page=2"))[5, 5].tolist() == [30, 200, 30] and stage(str(gif)).pages == 1
+    Image.new("RGB", (420, 560), (10, 120, 240)).save(tmp_path / "photo.jpg", quality=95)
+    assert np.abs(pixels_of(stage(f"{tmp_path / 'photo.jpg'}#page=1"))[5, 5].astype(int) - (10, 120, 240)).max() <= 3
+    assert stage(f"{tmp_path / 'photo.jpg'}#page=2").error_kind == "decode_page_out_of_range"

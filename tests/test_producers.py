@@ -148,6 +148,23 @@ def test_folder_sources_pick_every_format_the_decode_stage_reads(tmp_path: Path)
     assert sorted(folder_groups(tmp_path, per_file=True)) == ["page.pgm", "phone.HEIC", "photo.avif", "scan.jp2"]
 
 
+def test_a_multi_page_tiff_in_a_folder_is_one_image_per_page(tmp_path: Path) -> None:
+    from PIL import Image
+
+    from producers.sources import scan_folder
+
+    book = tmp_path / "book"
+    book.mkdir()
+    pages = [Image.new("L", (64, 64), shade) for shade in (10, 120, 240)]
+    pages[0].save(book / "fax.tiff", save_all=True, append_images=pages[1:])
+    Image.new("L", (64, 64), 7).save(book / "single.tif")
+    (book / "cover.png").write_bytes(b"not checked here")
+    (book / "broken.tif").write_bytes(b"II*\x00 not a tiff")
+    [doc] = list(scan_folder(tmp_path))
+    assert doc.image_uris == (str(book / "broken.tif"), str(book / "cover.png"), *(f"{book / 'fax.tiff'}#page={n}"
+                              for n in (1, 2, 3)), str(book / "single.tif"))
+
+
 # --- sources on the real broker -----------------------------------------------------------------
 
 

@@ -57,6 +57,9 @@ def test_one_result_per_document_with_failures_and_document_level_errors(topic_n
     ok, mixed, redriven, whole, unknown = (f"{name}-{unique}" for name in
                                            ("ok", "mixed", "redriven", "whole", "unknown"))
     publish(settings, [
+        # A note from the decode stage on an image that was still decoded: it arrives before the image's
+        # description and must neither complete the document nor fail the image.
+        dead_letter(ok, 1, 2, "pages_not_described", stage="decode"),
         description(ok, 1, 2), description(ok, 0, 2),
         description(mixed, 0, 3), dead_letter(mixed, 2, 3, "payload_invalid"), description(mixed, 1, 3),
         # A dead letter followed by a later success of the same image (after redrive): the success wins.
@@ -76,7 +79,7 @@ def test_one_result_per_document_with_failures_and_document_level_errors(topic_n
     r = got[ok][0]
     assert (r.image_count, r.succeeded, r.failed) == (2, 2, 0)
     assert [i["image_index"] for i in r.images] == [0, 1] and r.images[0]["text"] == f"image 0 of {ok}"
-    assert r.metadata == {"batch": "b1"}
+    assert r.metadata == {"batch": "b1", "pages_not_described": {"1": f"pages_not_described for {ok}"}}
     r = got[mixed][0]
     assert (r.succeeded, r.failed) == (2, 1)
     assert [(i["image_index"], i["status"], i.get("error_kind")) for i in r.images] == [

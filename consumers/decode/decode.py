@@ -12,6 +12,7 @@ decoded one, so the stage applies ``orientation`` after the resize (see ``resize
 
 from __future__ import annotations
 
+import re
 import struct
 import warnings
 from dataclasses import dataclass
@@ -44,6 +45,21 @@ class CorruptImage(ImageError):
 
 class TooManyPixels(ImageError):
     error_kind = "decode_too_many_pixels"
+
+
+class PageOutOfRange(ImageError):
+    error_kind = "decode_page_out_of_range"
+
+
+# `scan.tif#page=3`: one page (frame) of a multi-page file, counted from 1, as in PDF open parameters. Any URI may
+# carry it; it never reaches a server or the file system.
+_PAGE_SELECTOR = re.compile(r"^(?P<uri>.+)#page=(?P<page>[1-9][0-9]{0,5})$", re.DOTALL)
+
+
+def split_page(uri: str) -> tuple[str, int | None]:
+    """``(uri without the selector, page)``; page None when the URI names no page."""
+    match = _PAGE_SELECTOR.match(uri)
+    return (match["uri"], int(match["page"])) if match else (uri, None)
 
 
 _MAGIC = (
@@ -136,6 +152,8 @@ class Decoded:
     target_height: int
     source_format: str
     scale: float = 1.0
+    # Pages in a multi-page TIFF decoded without a page selector (only its first is decoded); 1 otherwise.
+    pages: int = 1
 
     @property
     def stored_target(self) -> tuple[int, int]:
@@ -177,13 +195,14 @@ class Decoder:
     def uses_turbojpeg(self) -> bool:
         return self._turbo is not None
 
-    def decode(self, data: bytes) -> Decoded:
+    def decode(self, data: bytes, page: int | None = None) -> Decoded:
+        """``page``: which page (frame) of a multi-page file, from 1; None = the first."""
         fmt = sniff_format(data)
         if fmt == "jpeg":
             check_jpeg_is_decodable(data)
-        if fmt == "jpeg" and self._turbo is not None:
+        if fmt == "jpeg" and self._turbo is not None and (page or 1) == 1:
             return self._decode_jpeg_turbo(data)
-        return self._decode_pillow(data, fmt)
+        return self._decode_pillow(data, fmt, page)
 
     # -- shared helpers ---------------------------------------------------------------------------------
 
@@ -233,7 +252,7 @@ class Decoder:
 
     # -- everything else through Pillow -----------------------------------------------------------------
 
-    def _decode_pillow(self, data: bytes, fmt: str) -> Decoded:
+    def _decode_pillow(self, data: bytes, fmt: str, page: int | None = None) -> Decoded:
         try:
             image = Image.open(BytesIO(data))
         except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
@@ -246,8 +265,16 @@ class Decoder:
             if fmt not in _RUNTIME_ERROR_FORMATS:
                 raise
             raise _pillow_failure(fmt, exc, data) from exc
+        pages = 1
         try:
             with image:
+                if (page or 1) > 1:
+                    frames = getattr(image, "n_frames", 1)
+                    if page > frames:
+                        raise PageOutOfRange(f"page {page} asked for; the file has {frames}")
+                    image.seek(page - 1)
+                elif page is None and image.format == "TIFF":
+                    pages = getattr(image, "n_frames", 1)  # a walk over the page directories, no pixels
                 orientation = _pillow_orientation(image)
                 stored_w, stored_h = image.size
                 width, height, target_w, target_h = self._check_and_target(stored_w, stored_h, orientation)
@@ -287,7 +314,7 @@ class Decoder:
             if fmt not in _RUNTIME_ERROR_FORMATS:
                 raise
             raise _pillow_failure(fmt, exc, data) from exc
-        return Decoded(pixels, orientation, width, height, target_w, target_h, fmt, scale)
+        return Decoded(pixels, orientation, width, height, target_w, target_h, fmt, scale, pages)
 
     def _check_tiff_tiles(self, image: Image.Image, stored_w: int, stored_h: int) -> None:
         tile_w = image.tag_v2.get(TIFF_TILE_WIDTH_TAG)

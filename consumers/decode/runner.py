@@ -258,6 +258,14 @@ class DecodeWorker:
                                    size_class=self._size_class(result.orig_width, result.orig_height),
                                    seconds=time.perf_counter() - started, bytes_in=result.fetch_bytes,
                                    bytes_out=len(result.data))
+                if result.pages > 1:
+                    # Its first page is described; the others would be lost without a word.
+                    self._publish_dead_letter(DeadLetter(
+                        stage="decode", error_kind="pages_not_described",
+                        detail=(f"{result.pages} pages, only the first described; name each page as "
+                                f"URI#page=N (1..{result.pages}) to describe the others"),
+                        retriable=False, doc_id=doc.doc_id, image_index=image_index, image_count=count,
+                        source_uri=uri, source=source, created_at=now()))
             else:
                 self._publish_dead_letter(DeadLetter(
                     stage=result.stage or "decode", error_kind=result.error_kind, detail=result.detail[:4000],

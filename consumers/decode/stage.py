@@ -14,7 +14,7 @@ import time
 
 from consumers.decode.claimcheck import ClaimCheckStore
 from consumers.decode.codec import encode
-from consumers.decode.decode import Decoder
+from consumers.decode.decode import Decoder, split_page
 from consumers.decode.fetch import Fetcher
 from consumers.decode.resize import apply_orientation, resize_exact
 from consumers.decode.types import ImageError, ImageFailure, PreparedImage
@@ -57,9 +57,10 @@ class DecodeStage:
     def __call__(self, uri: str) -> PreparedImage | ImageFailure:
         try:
             started = time.perf_counter()
-            data = self.fetcher.fetch(uri)
+            location, page = split_page(uri)
+            data = self.fetcher.fetch(location)
             fetched = time.perf_counter()
-            return self.prepare(data, fetch_ms=(fetched - started) * 1000)
+            return self.prepare(data, fetch_ms=(fetched - started) * 1000, page=page)
         except ImageError as error:
             return ImageFailure.from_error(error)
         except MemoryError:
@@ -69,11 +70,12 @@ class DecodeStage:
             log.exception("unexpected error preparing %s", uri[:200])
             return ImageFailure("decode_unexpected", f"{type(exc).__name__}: {exc}"[:500], False)
 
-    def prepare(self, data: bytes, *, fetch_ms: float = 0.0) -> PreparedImage:
-        """Bytes already in memory -> PreparedImage; raises ImageError (``__call__`` turns it into a value)."""
+    def prepare(self, data: bytes, *, fetch_ms: float = 0.0, page: int | None = None) -> PreparedImage:
+        """Bytes already in memory -> PreparedImage; raises ImageError (``__call__`` turns it into a value).
+        ``page``: which page of a multi-page file (from 1); None = the first, and ``pages`` says how many."""
         with time_limit(getattr(self.settings, "decode_time_limit_s", 0.0)):
             t0 = time.perf_counter()
-            decoded = self.decoder.decode(data)
+            decoded = self.decoder.decode(data, page)
             t1 = time.perf_counter()
             stored_h, stored_w = decoded.stored_target
             pixels = apply_orientation(resize_exact(decoded.pixels, stored_h, stored_w), decoded.orientation)
@@ -102,6 +104,7 @@ class DecodeStage:
             decode_ms=(t2 - t0) * 1000,
             fetch_bytes=len(data),
             timings=timings,
+            pages=decoded.pages,
         )
 
     def close(self) -> None:

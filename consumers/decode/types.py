@@ -36,6 +36,8 @@ class PreparedImage:
     fetch_bytes: int
     # Per-step wall times in ms (fetch_ms, decode_ms, resize_ms, encode_ms) and the source size class, for metrics.
     timings: dict[str, float] | None = None
+    # Pages of a multi-page source of which only the first was decoded (no `#page=N` in its URI); 1 otherwise.
+    pages: int = 1
 
 
 @dataclass(frozen=True)
