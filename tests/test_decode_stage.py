@@ -477,3 +477,29 @@ def test_a_page_selector_picks_one_page_and_a_bare_multi_page_tiff_says_how_many
     Image.new("RGB", (420, 560), (10, 120, 240)).save(tmp_path / "photo.jpg", quality=95)
     assert np.abs(pixels_of(stage(f"{tmp_path / 'photo.jpg'}#page=1"))[5, 5].astype(int) - (10, 120, 240)).max() <= 3
     assert stage(f"{tmp_path / 'photo.jpg'}#page=2").error_kind == "decode_page_out_of_range"
+
+
+def test_a_png_whose_exif_comes_after_the_pixels_is_still_turned_upright(tmp_path):
+    """The header pass sees an eXIf chunk only before IDAT; one after it was ignored and the page came out
+    sideways. Found by a probe with images nobody on the team had made."""
+    import struct
+    import zlib
+    from io import BytesIO
+
+    picture = Image.new("RGB", (320, 200), (240, 240, 240))
+    picture.paste((220, 0, 220), (0, 0, 40, 40))  # a marker in the stored top-left corner
+    buffer = BytesIO()
+    picture.save(buffer, "PNG")
+    data = buffer.getvalue()
+    exif = Image.Exif()
+    exif[0x0112] = 6  # stored rotated: turn 90 degrees clockwise to view
+    body = exif.tobytes()[6:]  # an eXIf chunk holds the bare TIFF structure
+    chunk = struct.pack(">I", len(body)) + b"eXIf" + body + struct.pack(">I", zlib.crc32(b"eXIf" + body))
+    iend = data.rfind(b"IEND") - 4
+    (tmp_path / "late.png").write_bytes(data[:iend] + chunk + data[iend:])
+
+    result = make_stage(tmp_path, max_pixels=256 * 28 * 28)(str(tmp_path / "late.png"))
+    upright = np.asarray(ImageOps.exif_transpose(Image.open(tmp_path / "late.png")).convert("RGB"))
+    assert (result.orig_width, result.orig_height) == (200, 320) and result.height > result.width
+    pixels = pixels_of(result)
+    assert pixels[5, -5].tolist() == [220, 0, 220] == upright[5, -5].tolist()  # the marker is now top-right

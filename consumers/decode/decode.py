@@ -275,7 +275,7 @@ class Decoder:
                     image.seek(page - 1)
                 elif page is None and image.format == "TIFF":
                     pages = getattr(image, "n_frames", 1)  # a walk over the page directories, no pixels
-                orientation = _pillow_orientation(image)
+                orientation = _pillow_orientation(image, data)
                 stored_w, stored_h = image.size
                 width, height, target_w, target_h = self._check_and_target(stored_w, stored_h, orientation)
                 if image.format == "TIFF":
@@ -568,14 +568,14 @@ def tiff_orientation(tiff: bytes) -> int:
     return 1
 
 
-def _pillow_orientation(image: Image.Image) -> int:
+def _pillow_orientation(image: Image.Image, data: bytes = b"") -> int:
     if image.format == "TIFF" and pillow_turns_tiffs_upright():
         return 1
     try:
         if image.format in ("PNG", "WEBP"):
-            # PngImageFile.getexif() decodes the whole image to look for an eXIf chunk after the pixels; read only
-            # what the header pass already found (eXIf before IDAT, the usual place).
-            raw = image.info.get("exif")
+            # PngImageFile.getexif() decodes the whole image to look for an eXIf chunk after the pixels; the header
+            # pass found one before IDAT (the usual place), and a walk over the chunks finds one after.
+            raw = image.info.get("exif") or (png_chunk(data, b"eXIf") if image.format == "PNG" else None)
             if not raw:
                 return 1
             raw = raw[6:] if raw.startswith(b"Exif\x00\x00") else raw
@@ -584,6 +584,21 @@ def _pillow_orientation(image: Image.Image) -> int:
     except Exception:  # a broken EXIF block must not fail an otherwise good image
         return 1
     return value if isinstance(value, int) and 1 <= value <= 8 else 1
+
+
+def png_chunk(data: bytes, kind: bytes) -> bytes | None:
+    """The body of a PNG's first chunk of ``kind``, found by jumping from chunk header to chunk header (nothing is
+    decompressed); None when absent or when the chunk layout is broken."""
+    pos, end = 8, len(data)
+    while pos + 8 <= end:
+        length = int.from_bytes(data[pos:pos + 4], "big")
+        chunk = data[pos + 4:pos + 8]
+        if chunk == kind:
+            return data[pos + 8:pos + 8 + length] if pos + 8 + length <= end else None
+        if chunk == b"IEND":
+            return None
+        pos += 12 + length
+    return None
 
 
 @lru_cache(maxsize=1)
