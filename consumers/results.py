@@ -255,8 +255,13 @@ class ResultsAggregator:
         failure = {"status": "failed", "source_uri": letter.source_uri, "stage": letter.stage,
                    "error_kind": letter.error_kind, "detail": letter.detail[:1000]}
         if letter.error_kind in NOTES and letter.image_index is not None:
-            # The image itself was decoded and is on its way; only the note goes into the result's metadata.
-            doc.notes.setdefault(letter.error_kind, {})[letter.image_index] = letter.detail[:1000]
+            # The image itself was decoded and is on its way; only the note goes into the result's metadata. The
+            # two topics are read in no fixed order: a note after the result has gone out sends it again.
+            notes = doc.notes.setdefault(letter.error_kind, {})
+            changed = notes.get(letter.image_index) != letter.detail[:1000]
+            notes[letter.image_index] = letter.detail[:1000]
+            if doc.emitted:
+                self._maybe_emit(doc, changed=changed)
             return
         if letter.image_index is None:
             changed = doc.document_error is None
