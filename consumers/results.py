@@ -1,7 +1,9 @@
 """The document-result aggregator: descriptions + dead letters in, one DocumentResult per document out.
 
 A document is complete when every image index in ``range(image_count)`` has a description or a dead
-letter (a description wins over a dead letter of the same image: a redriven image may succeed later).
+letter (a description wins over a dead letter of the same image: a redriven image may succeed later). A record
+with another image count, or another source URI at an index, is a newer version of the document (the producer
+republished it changed) and replaces what the result said.
 A dead letter with a doc_id but no image_index is a document-level failure (the decode stage could not
 read the document): it completes the document at once, every image without an outcome is marked failed
 with that error, and the error is kept in ``metadata["document_error"]``. When such a failure does not say
@@ -236,13 +238,17 @@ class ResultsAggregator:
     def _on_description(self, tp: TopicPartition, offset: int, d: Description) -> None:
         doc = self._doc(d.doc_id)
         doc.add_position(tp, offset)
+        # A document republished with other images (the producer sends a changed document again) is a new version:
+        # another image count, or another image at an index, replaces what the result said there.
+        new_version = doc.image_count is not None and doc.image_count != d.image_count
         doc.image_count = d.image_count
         if d.metadata:
             doc.metadata = {**d.metadata, **doc.metadata}
         before = doc.images.get(d.image_index)
         doc.images[d.image_index] = {"image_index": d.image_index, "status": "ok", "source_uri": d.source_uri,
                                      "text": d.text}
-        self._maybe_emit(doc, changed=before is None or before.get("status") != "ok")
+        self._maybe_emit(doc, changed=before is None or before.get("status") != "ok" or new_version
+                         or before.get("source_uri") != d.source_uri)
 
     def _on_dead_letter(self, tp: TopicPartition, offset: int, letter: DeadLetter) -> None:
         if letter.doc_id is None or letter.stage == "results":
@@ -250,6 +256,7 @@ class ResultsAggregator:
             return
         doc = self._doc(letter.doc_id)
         doc.add_position(tp, offset)
+        new_version = None not in (doc.image_count, letter.image_count) and doc.image_count != letter.image_count
         if letter.image_count is not None:
             doc.image_count = letter.image_count
         failure = {"status": "failed", "source_uri": letter.source_uri, "stage": letter.stage,
@@ -269,10 +276,10 @@ class ResultsAggregator:
             self._maybe_emit(doc, changed=changed)
             return
         before = doc.images.get(letter.image_index)
-        if before is not None and before["status"] == "ok":
+        if before is not None and before["status"] == "ok" and letter.source_uri in (None, before.get("source_uri")):
             return  # the image succeeded on another try: its dead letter is history
         doc.images[letter.image_index] = {"image_index": letter.image_index, **failure}
-        self._maybe_emit(doc, changed=before is None)
+        self._maybe_emit(doc, changed=before is None or new_version or before.get("source_uri") != letter.source_uri)
 
     def _maybe_emit(self, doc: _Doc, *, changed: bool) -> None:
         if not doc.complete() or (doc.emitted and not changed):

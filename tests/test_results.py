@@ -149,6 +149,35 @@ def test_a_note_read_after_its_documents_result_sends_the_result_again_with_it(t
     assert (second.succeeded, second.failed) == (1, 0)
 
 
+@pytest.mark.kafka
+def test_a_document_republished_with_other_images_replaces_what_its_result_said(topic_names, unique):
+    """The producer sends a changed document again (its ledger notices the change). The new version's image at an
+    index it shares with the old one used to leave the old text in the result for good whenever it arrived after
+    the rest of the new version: it counted as a repeat of a known success."""
+    settings = topic_names
+    doc_id = f"edited-{unique}"
+
+    def version(index: int, count: int, uri: str, text: str) -> Description:
+        return dataclasses.replace(description(doc_id, index, count), source_uri=uri, text=text)
+
+    aggregator = ResultsAggregator(settings, group_id=f"test-results-{unique}", commit_interval_s=0.3)
+    stop = threading.Event()
+    thread = aggregator.start_thread(stop, max_seconds=60)
+    try:
+        publish(settings, [version(0, 2, "/v1/a.jpg", "old a"), version(1, 2, "/v1/b.jpg", "old b")])
+        assert len(results_by_doc(settings, expected=1)[doc_id]) == 1
+        # Version 2: page 0 replaced, page 1 kept, a page 2 added; its page 0 comes last.
+        publish(settings, [version(1, 3, "/v1/b.jpg", "old b"), version(2, 3, "/v2/c.jpg", "new c")])
+        assert len(results_by_doc(settings, expected=2)[doc_id]) == 2
+        publish(settings, [version(0, 3, "/v2/a.jpg", "new a")])
+        final = results_by_doc(settings, expected=3)[doc_id][-1]
+    finally:
+        stop.set()
+        thread.join(30)
+    assert [(i["source_uri"], i["text"]) for i in final.images] == [
+        ("/v2/a.jpg", "new a"), ("/v1/b.jpg", "old b"), ("/v2/c.jpg", "new c")]
+
+
 def test_single_owner_assignment_without_known_partitions_asks_for_a_rejoin():
     from types import SimpleNamespace
 
