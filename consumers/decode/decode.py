@@ -221,7 +221,7 @@ class Decoder:
     # -- JPEG through libjpeg-turbo ---------------------------------------------------------------------
 
     def _decode_jpeg_turbo(self, data: bytes) -> Decoded:
-        from turbojpeg import TJCS_CMYK, TJCS_YCCK, TJPF_RGB
+        from turbojpeg import TJCS_CMYK, TJCS_YCCK, TJPF_CMYK, TJPF_RGB
 
         turbo = self._turbo
         try:
@@ -230,15 +230,24 @@ class Decoder:
             raise _jpeg_failure(data, exc) from exc
         orientation = jpeg_exif_orientation(data)
         width, height, target_w, target_h = self._check_and_target(stored_w, stored_h, orientation)
-        if colorspace in (TJCS_CMYK, TJCS_YCCK):
-            # libjpeg-turbo would hand back raw CMYK; Pillow knows Adobe's inverted-CMYK convention.
-            return self._decode_pillow(data, "jpeg")
         need_h, need_w = (target_w, target_h) if swaps_axes(orientation) else (target_h, target_w)
         scaling = pick_dct_scale(stored_w, stored_h, need_w, need_h, turbo.scaling_factors)
+        if colorspace in (TJCS_CMYK, TJCS_YCCK):
+            # libjpeg-turbo would hand back raw CMYK; Pillow knows Adobe's inverted-CMYK convention. But Pillow
+            # hides libjpeg's warnings, so a cut file would come out half grey: libjpeg-turbo reads it first
+            # (at the reduced size; CMYK JPEGs are rare) to hear them.
+            self._turbo_decode(data, TJPF_CMYK, scaling)
+            return self._decode_pillow(data, "jpeg")
+        pixels = self._turbo_decode(data, TJPF_RGB, scaling)
+        return Decoded(
+            pixels, orientation, width, height, target_w, target_h, "jpeg", scaling[0] / scaling[1]
+        )
+
+    def _turbo_decode(self, data: bytes, pixel_format: int, scaling: tuple[int, int]) -> np.ndarray:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             try:
-                pixels = turbo.decode(data, pixel_format=TJPF_RGB, scaling_factor=scaling)
+                pixels = self._turbo.decode(data, pixel_format=pixel_format, scaling_factor=scaling)
             except OSError as exc:
                 raise _jpeg_failure(data, exc) from exc
         for warning in caught:
@@ -246,9 +255,7 @@ class Decoder:
             if "premature end" in message.lower():  # "Premature end of JPEG file", "... of data segment"
                 # libjpeg fills the missing rows with grey and calls it a warning; a half-grey page is a failure.
                 raise TruncatedImage(f"JPEG data ends early: {message}")
-        return Decoded(
-            pixels, orientation, width, height, target_w, target_h, "jpeg", scaling[0] / scaling[1]
-        )
+        return pixels
 
     # -- everything else through Pillow -----------------------------------------------------------------
 
