@@ -45,7 +45,8 @@ def java_client(settings: Settings, *args: str, stdin: str = "", timeout_s: floa
 def test_documents_from_the_java_client_in_every_codec_are_decoded_and_it_reads_our_outputs(
         topic_names, corpus_dir, tmp_path, unique):
     """kafka-python has only gzip built in: a batch in snappy, lz4 or zstd used to stop every decode worker that
-    met it, on the same batch after every restart. The fleet's own producer writes zstd here too."""
+    met it, on the same batch after every restart. The fleet runs exactly-once (its images are written in
+    transactions) and its own producer writes zstd."""
     [image] = corpus_images(corpus_dir, 1, suffixes=(".jpg", ".jpeg"))
     expected = set()
     for codec in CODECS:
@@ -59,7 +60,8 @@ def test_documents_from_the_java_client_in_every_codec_are_decoded_and_it_reads_
         assert java_client(topic_names, "produce", topic_names.topics.documents, codec, stdin="".join(lines)) == ["sent 2"]
 
     with Fleet(topic_names, tmp_path, "--workers", "1", "--until-idle-s", "3", "--max-pixels", str(SMALL),
-               "--allowed-root", str(corpus_dir), producer={"compression_type": "zstd"}) as fleet:
+               "--allowed-root", str(corpus_dir), decode={"exactly_once": True},
+               producer={"compression_type": "zstd"}) as fleet:
         assert fleet.wait(120) == 0, fleet.log()
 
     ours = {r.key.decode(): r for r in read_topic(topic_names, topic_names.topics.images, expected=len(expected),
