@@ -486,17 +486,20 @@ def folder_groups(root: str | Path, *, per_file: bool = False) -> dict[str, list
 
 def page_uris(path: Path) -> list[str]:
     """A multi-page TIFF (scans, faxes) as one URI per page, ``path#page=N``, so that every page is described;
-    any other file as itself. A TIFF that cannot be read goes as it is: the decode stage says what is wrong."""
+    any other file as itself. A TIFF that cannot be read goes as it is: the decode stage says what is wrong. So
+    does one of ``MAX_PAGES`` pages or more: the decode stage describes its first and notes the rest."""
     if path.suffix.lower() not in (".tif", ".tiff"):
         return [str(path)]
     from PIL import Image  # only folders with TIFFs pay for the import
 
+    from consumers.decode.decode import MAX_PAGES, count_pages
+
     try:
         with Image.open(path) as image:
-            pages = getattr(image, "n_frames", 1)  # a walk over the page directories, no pixels
+            pages = count_pages(image)  # a walk over the page directories, no pixels
     except Exception:  # noqa: BLE001 - any failure is the decode stage's to name
         return [str(path)]
-    return [str(path)] if pages <= 1 else [f"{path}#page={n}" for n in range(1, pages + 1)]
+    return [str(path)] if not 1 < pages < MAX_PAGES else [f"{path}#page={n}" for n in range(1, pages + 1)]
 
 
 def _folder_document(root: Path, doc_id: str, files: list[Path] | OSError) -> DocumentRef | Rejection:

@@ -504,3 +504,19 @@ def test_a_png_whose_exif_comes_after_the_pixels_is_still_turned_upright(tmp_pat
     assert (result.orig_width, result.orig_height) == (200, 320) and result.height > result.width
     pixels = pixels_of(result)
     assert pixels[5, -5].tolist() == [220, 0, 220] == upright[5, -5].tolist()  # the marker is now top-right
+
+
+def test_pages_are_counted_only_up_to_a_bound(tmp_path, monkeypatch):
+    """Pillow's own page count walks every page directory, quadratically: a hostile TIFF of 100,000 one-pixel pages
+    took 54 s to count, in the decode stage and in the folder source alike."""
+    import consumers.decode.decode as decode_module
+    from producers.sources import page_uris
+
+    monkeypatch.setattr(decode_module, "MAX_PAGES", 4)
+    many = save_pages(tmp_path / "many.tif", [(i * 40, 0, 0) for i in range(6)])
+    three = save_pages(tmp_path / "three.tif", [(200, 30, 30), (30, 200, 30), (30, 30, 200)])
+    stage = make_stage(tmp_path, max_pixels=256 * 28 * 28)
+    assert stage(str(many)).pages == 4 and stage(str(three)).pages == 3
+    assert stage(f"{many}#page=5").error_kind == "decode_page_out_of_range"
+    assert page_uris(many) == [str(many)]  # too many to list: the decode stage describes page 1 and notes the rest
+    assert page_uris(three) == [f"{three}#page={n}" for n in (1, 2, 3)]

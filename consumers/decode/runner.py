@@ -42,6 +42,7 @@ from kafka.structs import OffsetAndMetadata
 
 from consumers.decode import metrics
 from consumers.decode.metrics import DecodeMetrics
+from consumers.decode.decode import MAX_PAGES
 from consumers.decode.types import ImageFailure, PreparedImage
 from consumers.decode.claimcheck import claim_check_url
 from schemas import DeadLetter, DocumentRef, ImagePayload, SchemaError, now, source_coords
@@ -262,8 +263,8 @@ class DecodeWorker:
                     # Its first page is described; the others would be lost without a word.
                     self._publish_dead_letter(DeadLetter(
                         stage="decode", error_kind="pages_not_described",
-                        detail=(f"{result.pages} pages, only the first described; name each page as "
-                                f"URI#page=N (1..{result.pages}) to describe the others"),
+                        detail=(f"{result.pages}{' or more' if result.pages >= MAX_PAGES else ''} pages, only the "
+                                f"first described; name each page as URI#page=N to describe the others"),
                         retriable=False, doc_id=doc.doc_id, image_index=image_index, image_count=count,
                         source_uri=uri, source=source, created_at=now()))
             else:
