@@ -91,13 +91,11 @@ def run(
 
     Prints descriptions as they arrive and a summary once every document has its result.
     """
-    from kafka import KafkaConsumer
-
     from producers.publisher import publish_documents
     from producers.sources import IMAGE_EXTENSIONS, scan_folder
     from schemas import Description, DocumentRef, DocumentResult, SchemaError
     from vlmstream.cli_support import bootstrap, settings_from
-    from vlmstream.kafka_io import create_topics, poll_past_unreadable, topic_partitions
+    from vlmstream.kafka_io import create_topics, make_consumer, poll_past_unreadable, topic_partitions
 
     if folder is None:
         from vlmstream.samples import sample_folder
@@ -144,8 +142,7 @@ def run(
     started = time.monotonic()
     try:
         # Position the live view before anything is published, so no description is missed.
-        watcher = KafkaConsumer(**settings.kafka.client_kwargs(), group_id=None, enable_auto_commit=False,
-                                auto_offset_reset="earliest", isolation_level="read_committed")
+        watcher = make_consumer(settings, None)
         # The topics were created a moment ago: a watcher assigned before they list partitions would see nothing.
         tps = topic_partitions(watcher, [settings.topics.descriptions, settings.topics.results])
         watcher.assign(tps)

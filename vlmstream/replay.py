@@ -12,14 +12,14 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, Callable, TypeVar
 
-from kafka import KafkaConsumer, TopicPartition
+from kafka import TopicPartition
 from kafka.admin import OffsetSpec, OffsetTimestamp
 from kafka.errors import CoordinatorNotAvailableError, KafkaError, NotCoordinatorError
 from kafka.structs import OffsetAndMetadata
 
 from schemas import DeadLetter, DocumentRef, SchemaError
 from vlmstream.config import Settings
-from vlmstream.kafka_io import make_admin, make_producer, poll_past_unreadable, topic_partitions
+from vlmstream.kafka_io import make_admin, make_consumer, make_producer, poll_past_unreadable, topic_partitions
 
 STAGES = ("decode", "infer", "results")
 IDLE_STATES = {"Empty", "Dead"}
@@ -166,8 +166,7 @@ def _count_images(settings: Settings, plan: ReplayPlan) -> None:
         p.images = 0
     if not todo:
         return
-    consumer = KafkaConsumer(**settings.kafka.client_kwargs(), group_id=None, enable_auto_commit=False,
-                             isolation_level="read_committed")
+    consumer = make_consumer(settings, None)
     try:
         for p in todo:
             consumer.assign([p.tp])
@@ -209,10 +208,9 @@ def apply_replay(settings: Settings, plan: ReplayPlan) -> None:
 def read_dead_letters(settings: Settings, timeout_s: float = 30.0) -> list[tuple[Any, DeadLetter | None]]:
     """Every record of the dead-letter topic from the beginning, without a group (read up to the end offsets
     seen at the start)."""
-    # read_committed: a dead letter of an aborted transaction was written again by the retry that followed it.
-    consumer = KafkaConsumer(**settings.kafka.client_kwargs(), group_id=None, enable_auto_commit=False,
-                             auto_offset_reset="earliest", isolation_level="read_committed",
-                             max_partition_fetch_bytes=settings.kafka.max_message_bytes + 1024 * 1024)
+    # read_committed (make_consumer's default): a dead letter of an aborted transaction was written again by the
+    # retry that followed it.
+    consumer = make_consumer(settings, None)
     out: list[tuple[Any, DeadLetter | None]] = []
     try:
         # No dead-letter topic means no dead letters, not an error: nothing failed yet on this cluster.
