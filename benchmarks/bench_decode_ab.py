@@ -53,7 +53,7 @@ failed = [f for f in files if hasattr(stage(f), "error_kind")]  # warm-up pass: 
 started = time.perf_counter()
 for f in files:
     stage(f)
-print(json.dumps({"seconds": time.perf_counter() - started, "failed": len(failed), "source": stage.__module__,
+print(json.dumps({"seconds": time.perf_counter() - started, "failed": len(failed),
                   "file": sys.modules["consumers.decode.stage"].__file__}))
 """
 

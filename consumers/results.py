@@ -102,6 +102,14 @@ class _Doc:
         self.first[tp] = min(self.first.get(tp, offset), offset)
         self.last[tp] = max(self.last.get(tp, offset), offset)
 
+    def take_count(self, count: int | None) -> bool:
+        """Takes a record's image count; True when it differs from the one known: a newer version of the document
+        (the producer republished it with other images), which replaces what the result said."""
+        new_version = None not in (self.image_count, count) and self.image_count != count
+        if count is not None:
+            self.image_count = count
+        return new_version
+
     def complete(self) -> bool:
         if self.document_error is not None:
             return True
@@ -238,10 +246,7 @@ class ResultsAggregator:
     def _on_description(self, tp: TopicPartition, offset: int, d: Description) -> None:
         doc = self._doc(d.doc_id)
         doc.add_position(tp, offset)
-        # A document republished with other images (the producer sends a changed document again) is a new version:
-        # another image count, or another image at an index, replaces what the result said there.
-        new_version = doc.image_count is not None and doc.image_count != d.image_count
-        doc.image_count = d.image_count
+        new_version = doc.take_count(d.image_count)  # another source URI at an index (below) is one too
         if d.metadata:
             doc.metadata = {**d.metadata, **doc.metadata}
         before = doc.images.get(d.image_index)
@@ -256,9 +261,7 @@ class ResultsAggregator:
             return
         doc = self._doc(letter.doc_id)
         doc.add_position(tp, offset)
-        new_version = None not in (doc.image_count, letter.image_count) and doc.image_count != letter.image_count
-        if letter.image_count is not None:
-            doc.image_count = letter.image_count
+        new_version = doc.take_count(letter.image_count)
         failure = {"status": "failed", "source_uri": letter.source_uri, "stage": letter.stage,
                    "error_kind": letter.error_kind, "detail": letter.detail[:1000]}
         if letter.error_kind in NOTES and letter.image_index is not None:
