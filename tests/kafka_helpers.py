@@ -84,3 +84,20 @@ class NotUtf8HeaderKey(str):
 
     def encode(self, *args, **kwargs) -> bytes:
         return b"trace-\xff\xfe"
+
+
+def send_in_aborted_transaction(settings: Settings, topic: str, key: bytes, value: bytes, headers: list,
+                                transactional_id: str) -> None:
+    """One record to partition 0 of ``topic`` inside a transaction that is then aborted, as a transactional
+    producer that failed or was fenced leaves it: read_committed readers must never see it."""
+    from vlmstream.kafka_io import make_producer
+
+    producer = make_producer(settings, transactional_id=transactional_id)
+    try:
+        producer.init_transactions()
+        producer.begin_transaction()
+        producer.send(topic, key=key, value=value, headers=headers, partition=0)
+        producer.flush()
+        producer.abort_transaction()
+    finally:
+        producer.close()

@@ -23,7 +23,7 @@ from PIL import Image
 from consumers.decode.claimcheck import ClaimCheckStore
 from consumers.decode.codec import payload_to_array
 from schemas import DeadLetter, DocumentRef, decode_image_payload
-from tests.kafka_helpers import NotUtf8HeaderKey, read_topic
+from tests.kafka_helpers import NotUtf8HeaderKey, read_topic, send_in_aborted_transaction
 from vlmstream.config import Settings
 from vlmstream.kafka_io import make_admin, make_producer
 
@@ -340,16 +340,8 @@ def test_documents_of_an_aborted_transaction_are_never_decoded(topic_names, tmp_
     abort one; the decode fleet read uncommitted unless it ran exactly-once itself, and decoded those too."""
     aborted = DocumentRef(doc_id=f"aborted-{unique}", image_uris=(str(corpus_images(corpus_dir, 1)[0]),))
     kept = DocumentRef(doc_id=f"kept-{unique}", image_uris=aborted.image_uris)
-    producer = make_producer(topic_names, transactional_id=f"test-abort-{unique}")
-    try:
-        producer.init_transactions()
-        producer.begin_transaction()
-        producer.send(topic_names.topics.documents, key=aborted.key(), value=aborted.encode(), partition=0,
-                      headers=aborted.headers())
-        producer.flush()
-        producer.abort_transaction()
-    finally:
-        producer.close()
+    send_in_aborted_transaction(topic_names, topic_names.topics.documents, aborted.key(), aborted.encode(),
+                                aborted.headers(), f"test-abort-{unique}")
     publish(topic_names, [kept], partition=0)
 
     with Fleet(topic_names, tmp_path, "--workers", "1", "--until-idle-s", "3", "--max-pixels", str(SMALL),

@@ -22,7 +22,7 @@ from kafka import KafkaProducer, TopicPartition
 
 from consumers.infer.engine import InferenceOutput
 from schemas import DeadLetter, Description, DocumentResult, Embedding, ImagePayload
-from tests.kafka_helpers import NotUtf8HeaderKey, read_topic
+from tests.kafka_helpers import NotUtf8HeaderKey, read_topic, send_in_aborted_transaction
 from vlmstream.config import Settings
 from vlmstream.kafka_io import make_admin
 
@@ -569,17 +569,8 @@ def test_images_of_an_aborted_transaction_are_never_described(topic_names, corpu
     topic; the inference consumer used to read uncommitted and describe those images too."""
     settings = infer_settings(topic_names, unique, publish_embeddings=False)
     (aborted_meta, aborted_value), (kept_meta, kept_value) = documents(corpus_dir, f"abort-{unique}", [1, 1])
-    producer = KafkaProducer(**settings.kafka.client_kwargs(), max_request_size=settings.kafka.max_message_bytes,
-                             transactional_id=f"test-abort-{unique}")
-    try:
-        producer.init_transactions()
-        producer.begin_transaction()
-        producer.send(settings.topics.images, key=aborted_meta.key(), value=aborted_value,
-                      headers=aborted_meta.headers(), partition=0)
-        producer.flush()
-        producer.abort_transaction()
-    finally:
-        producer.close()
+    send_in_aborted_transaction(settings, settings.topics.images, aborted_meta.key(), aborted_value,
+                                aborted_meta.headers(), f"test-abort-{unique}")
     produce_images(settings, [(kept_meta, kept_value)], partition=0)
     run_until_idle(settings, engine)
     assert description_counts(settings, expected=1) == Counter({(kept_meta.doc_id, 0): 1})
