@@ -38,7 +38,8 @@ from kafka import KafkaConsumer, TopicPartition  # noqa: E402
 from schemas import DocumentRef  # noqa: E402
 from vlmstream.broker import ensure_broker  # noqa: E402
 from vlmstream.config import Settings, load_settings  # noqa: E402
-from vlmstream.kafka_io import TopicSpec, create_topics, make_admin, make_producer, pipeline_topic_specs  # noqa: E402
+from vlmstream.kafka.clients import make_admin, make_producer  # noqa: E402
+from vlmstream.kafka.topics import TopicSpec, create_topics, pipeline_topic_specs  # noqa: E402
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp")
 
@@ -54,7 +55,7 @@ def in_process_rate(settings: Settings, uris: list[str], warmup: int) -> tuple[f
     """Images/s of the stage alone on one CPU, its CPU seconds per image, and how many failed."""
     import cv2
 
-    from consumers.decode.claimcheck import claim_check_url
+    from vlmstream.images.claimcheck import claim_check_url
     from consumers.decode.stage import DecodeStage
 
     stage = DecodeStage(settings.decode, claim_check_url(settings))

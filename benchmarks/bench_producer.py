@@ -29,7 +29,8 @@ from producers.publisher import publish_documents  # noqa: E402
 from producers.sources import read_manifest  # noqa: E402
 from vlmstream.broker import ensure_broker  # noqa: E402
 from vlmstream.config import load_settings  # noqa: E402
-from vlmstream.kafka_io import TopicSpec, create_topics, make_admin  # noqa: E402
+from vlmstream.kafka.clients import make_admin  # noqa: E402
+from vlmstream.kafka.topics import TopicSpec, create_topics  # noqa: E402
 
 
 def write_manifest(path: Path, docs: int, images_per_doc: int) -> None:

@@ -40,9 +40,10 @@ from kafka.structs import OffsetAndMetadata
 
 from schemas import DeadLetter, Description, DocumentResult, SchemaError, now
 from vlmstream.config import Settings
-from consumers.infer.runner import GROUP_MOVED_ON
-from vlmstream.kafka_io import (FatalPipelineError, GroupMembershipWatchdog, UnreadableRecord, make_consumer,
-                                make_producer, poll_past_unreadable, rewind, subscribe_when_known, unique_client_id)
+from vlmstream.kafka.clients import make_consumer, make_producer, unique_client_id
+from vlmstream.kafka.errors import FatalPipelineError, GROUP_MOVED_ON
+from vlmstream.kafka.group import GroupMembershipWatchdog, rewind, subscribe_when_known
+from vlmstream.kafka.records import UnreadableRecord, poll_past_unreadable
 
 log = logging.getLogger(__name__)
 

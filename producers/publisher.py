@@ -25,7 +25,8 @@ from producers.ledger import Ledger, bootstrap_scope, bytes_hash, document_hash,
 from producers.sources import IDLE, Rejection, printable
 from schemas import DeadLetter, DocumentRef, b64_or_none, now
 from vlmstream.config import Settings
-from vlmstream.kafka_io import FatalPipelineError, make_producer
+from vlmstream.kafka.clients import make_producer
+from vlmstream.kafka.errors import FatalPipelineError
 
 log = logging.getLogger(__name__)
 

@@ -492,7 +492,7 @@ def page_uris(path: Path) -> list[str]:
         return [str(path)]
     from PIL import Image  # only folders with TIFFs pay for the import
 
-    from consumers.decode.decode import MAX_PAGES, count_pages
+    from vlmstream.images.pages import MAX_PAGES, count_pages
 
     try:
         with Image.open(path) as image:

@@ -9,7 +9,8 @@ from typing import Any
 from kafka import KafkaConsumer, TopicPartition
 
 from vlmstream.config import Settings
-from vlmstream.kafka_io import TopicSpec, create_topics, make_admin, pipeline_topic_specs
+from vlmstream.kafka.clients import make_admin
+from vlmstream.kafka.topics import TopicSpec, create_topics, pipeline_topic_specs
 
 
 def create_uuid_topics(settings: Settings, partitions: int = 3) -> Settings:
@@ -90,7 +91,7 @@ def send_in_aborted_transaction(settings: Settings, topic: str, key: bytes, valu
                                 transactional_id: str) -> None:
     """One record to partition 0 of ``topic`` inside a transaction that is then aborted, as a transactional
     producer that failed or was fenced leaves it: read_committed readers must never see it."""
-    from vlmstream.kafka_io import make_producer
+    from vlmstream.kafka.clients import make_producer
 
     producer = make_producer(settings, transactional_id=transactional_id)
     try:

@@ -7,10 +7,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from consumers.decode.claimcheck import ClaimCheckStore
-from consumers.decode.codec import PayloadError, decode, encode, payload_to_array
+from vlmstream.images.claimcheck import ClaimCheckStore
+from vlmstream.images.payload import PayloadError, decode, encode, payload_to_array
 from consumers.decode.stage import DecodeStage
-from consumers.decode.types import ImageError
+from vlmstream.images.errors import ImageError
 from schemas.messages import ImagePayload
 from tests import images
 from vlmstream.config import DecodeSettings

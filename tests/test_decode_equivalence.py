@@ -21,7 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from PIL import Image, ImageOps
 
-from consumers.decode.codec import decode as decode_payload
+from vlmstream.images.payload import decode as decode_payload
 from consumers.decode.resize import BadAspectRatio, smart_resize
 from consumers.decode.stage import DecodeStage
 from tests.images import generated_corpus, supported_formats

@@ -14,7 +14,8 @@ import pytest
 
 from consumers.decode.fetch import Fetcher
 from consumers.decode.stage import DecodeStage
-from consumers.decode.types import ImageError, ImageFailure, PreparedImage
+from vlmstream.images.errors import ImageError
+from consumers.decode.types import ImageFailure, PreparedImage
 from tests import images
 from vlmstream.config import DecodeSettings
 

@@ -20,12 +20,12 @@ import pytest
 from kafka import KafkaConsumer, TopicPartition
 from PIL import Image
 
-from consumers.decode.claimcheck import ClaimCheckStore
-from consumers.decode.codec import payload_to_array
+from vlmstream.images.claimcheck import ClaimCheckStore
+from vlmstream.images.payload import payload_to_array
 from schemas import DeadLetter, DocumentRef, decode_image_payload
 from tests.kafka_helpers import NotUtf8HeaderKey, read_topic, send_in_aborted_transaction
 from vlmstream.config import Settings
-from vlmstream.kafka_io import make_admin, make_producer
+from vlmstream.kafka.clients import make_admin, make_producer
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 

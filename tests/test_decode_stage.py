@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from PIL import Image, ImageOps
 
-from consumers.decode.codec import decode as decode_payload
+from vlmstream.images.payload import decode as decode_payload
 from consumers.decode.decode import (Decoder, jpeg2000_decomposition_levels, jpeg2000_levels_to_drop,
                                      jpeg_exif_orientation, pick_dct_scale)
 from consumers.decode.stage import DecodeStage
@@ -509,10 +509,10 @@ def test_a_png_whose_exif_comes_after_the_pixels_is_still_turned_upright(tmp_pat
 def test_pages_are_counted_only_up_to_a_bound(tmp_path, monkeypatch):
     """Pillow's own page count walks every page directory, quadratically: a hostile TIFF of 100,000 one-pixel pages
     took 54 s to count, in the decode stage and in the folder source alike."""
-    import consumers.decode.decode as decode_module
+    import vlmstream.images.pages as page_files
     from producers.sources import page_uris
 
-    monkeypatch.setattr(decode_module, "MAX_PAGES", 4)
+    monkeypatch.setattr(page_files, "MAX_PAGES", 4)
     many = save_pages(tmp_path / "many.tif", [(i * 40, 0, 0) for i in range(6)])
     three = save_pages(tmp_path / "three.tif", [(200, 30, 30), (30, 200, 30), (30, 30, 200)])
     stage = make_stage(tmp_path, max_pixels=256 * 28 * 28)

@@ -10,8 +10,8 @@ from typer.testing import CliRunner
 
 from schemas import DeadLetter, Description, DocumentResult, Embedding
 from tests.kafka_helpers import NotUtf8HeaderKey
-from vlmstream.cli import app
-from vlmstream.export import export
+from vlmstream.cli.main import app
+from vlmstream.cli.export import export
 
 pytestmark = pytest.mark.kafka
 

@@ -20,7 +20,9 @@ from tests.kafka_helpers import read_topic
 from tests.test_decode_runner import SMALL, Fleet, corpus_images
 from vlmstream.broker import provision_jars
 from vlmstream.config import Settings
-from vlmstream.kafka_io import TopicSpec, UnreadableRecord, create_topics, make_consumer, poll_past_unreadable
+from vlmstream.kafka.clients import make_consumer
+from vlmstream.kafka.records import UnreadableRecord, poll_past_unreadable
+from vlmstream.kafka.topics import TopicSpec, create_topics
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 

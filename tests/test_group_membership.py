@@ -10,7 +10,8 @@ import pytest
 from kafka.admin import NewTopic
 
 from vlmstream.config import Settings
-from vlmstream.kafka_io import GroupMembershipWatchdog, make_admin, make_consumer, unique_client_id
+from vlmstream.kafka.clients import make_admin, make_consumer, unique_client_id
+from vlmstream.kafka.group import GroupMembershipWatchdog
 
 
 @pytest.mark.kafka
@@ -70,7 +71,9 @@ def test_topic_partitions_waits_for_a_new_topic_and_says_which_is_missing(kafka_
     topics are created; an empty answer would make them read nothing without a word."""
     from kafka import KafkaConsumer, TopicPartition
 
-    from vlmstream.kafka_io import FatalPipelineError, TopicSpec, create_topics, topic_partitions
+    from vlmstream.kafka.errors import FatalPipelineError
+    from vlmstream.kafka.group import topic_partitions
+    from vlmstream.kafka.topics import TopicSpec, create_topics
 
     topic = f"test.{unique}.fresh"
     consumer = KafkaConsumer(**kafka_settings.kafka.client_kwargs(), group_id=None, enable_auto_commit=False)

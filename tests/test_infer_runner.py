@@ -24,7 +24,7 @@ from consumers.infer.engine import InferenceOutput
 from schemas import DeadLetter, Description, DocumentResult, Embedding, ImagePayload
 from tests.kafka_helpers import NotUtf8HeaderKey, read_topic, send_in_aborted_transaction
 from vlmstream.config import Settings
-from vlmstream.kafka_io import make_admin
+from vlmstream.kafka.clients import make_admin
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL = 256 * 28 * 28  # a few hundred visual tokens at most: quick on the CPU tiny model
@@ -530,7 +530,7 @@ def test_sigterm_drains_commits_and_leaves_the_group(topic_names, corpus_dir, un
     assert committed == {p: e for p, e in end_offsets(settings, settings.topics.images).items() if e}
     assert {p: done[p] for p in committed} == committed
     assert len(described) == len(records)
-    from vlmstream.replay import group_state
+    from vlmstream.cli.replay import group_state
 
     admin = make_admin(settings)
     try:

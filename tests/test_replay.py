@@ -16,8 +16,8 @@ from tests.test_infer_runner import (committed_offsets, description_counts, docu
                                      payload_record, prepared_corpus, produce_images, run_until_idle,
                                      subprocess_env, wait_for)
 from tests.test_infer_runner import engine  # noqa: F401 - the shared module fixture
-from vlmstream.cli import app
-from vlmstream.kafka_io import make_admin, make_consumer
+from vlmstream.cli.main import app
+from vlmstream.kafka.clients import make_admin, make_consumer
 
 
 def cli(settings, *args: str):
@@ -122,7 +122,7 @@ def test_status_counts_throughput_by_record_time_and_a_sample_measures_each_stag
     turns the stages' commits into consumption rates and the time their backlog takes."""
     import threading
 
-    from vlmstream.replay import StageStatus, pipeline_status, pipeline_throughput
+    from vlmstream.cli.replay import StageStatus, pipeline_status, pipeline_throughput
 
     decode = topic_names.decode.model_copy(update={"group_id": f"test-decode-{unique}"})
     settings = topic_names.model_copy(update={"decode": decode})

@@ -53,7 +53,7 @@ def test_cli_writes_the_same_weights(tiny_dir, tmp_path):
     """`vlmstream tiny-model PATH` writes a byte-identical checkpoint: the model is a fixed seed, not a draw."""
     from typer.testing import CliRunner
 
-    from vlmstream.cli import app
+    from vlmstream.cli.main import app
 
     result = CliRunner().invoke(app, ["tiny-model", str(tmp_path / "tiny")])
     assert result.exit_code == 0, result.output

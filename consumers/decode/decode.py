@@ -12,7 +12,6 @@ decoded one, so the stage applies ``orientation`` after the resize (see ``resize
 
 from __future__ import annotations
 
-import re
 import struct
 import warnings
 from dataclasses import dataclass
@@ -24,7 +23,9 @@ import numpy as np
 from PIL import Image, ImageFile, UnidentifiedImageError
 
 from consumers.decode.resize import smart_resize, swaps_axes
-from consumers.decode.types import ImageError
+from vlmstream.images.errors import ImageError
+from vlmstream.images import pages as page_files
+from vlmstream.images.turbojpeg import turbojpeg_handle
 
 
 class NotAnImage(ImageError):
@@ -53,38 +54,6 @@ class PageOutOfRange(ImageError):
 
 # `scan.tif#page=3`: one page (frame) of a multi-page file, counted from 1, as in PDF open parameters. Any URI may
 # carry it; it never reaches a server or the file system.
-_PAGE_SELECTOR = re.compile(r"^(?P<uri>.+)#page=(?P<page>[1-9][0-9]{0,5})$", re.DOTALL)
-
-
-# Pages are counted up to this many. Pillow's own count (`n_frames`) walks every page directory and is quadratic
-# in them: an 11 MB TIFF of 100,000 one-pixel pages took 54 s.
-MAX_PAGES = 1000
-
-
-def count_pages(image: Image.Image, limit: int | None = None) -> int:
-    """Pages (frames) of an open image, counted up to ``limit`` (default ``MAX_PAGES``); the image is left on the
-    page it was on."""
-    if not getattr(image, "is_animated", False):
-        return 1
-    limit = limit or MAX_PAGES
-    current = image.tell()
-    try:
-        for page in range(1, limit):
-            try:
-                image.seek(page)
-            except EOFError:
-                return page
-        return limit
-    finally:
-        image.seek(current)
-
-
-def split_page(uri: str) -> tuple[str, int | None]:
-    """``(uri without the selector, page)``; page None when the URI names no page."""
-    match = _PAGE_SELECTOR.match(uri)
-    return (match["uri"], int(match["page"])) if match else (uri, None)
-
-
 _MAGIC = (
     (b"\xff\xd8\xff", "jpeg"),
     (b"\x89PNG\r\n\x1a\n", "png"),
@@ -212,7 +181,7 @@ class Decoder:
         self.max_pixels = max_pixels
         self.max_source_pixels = max_source_pixels
         configure_pillow(max_source_pixels)
-        self._turbo = _load_turbojpeg() if use_turbojpeg else None
+        self._turbo = turbojpeg_handle() if use_turbojpeg else None
 
     @property
     def uses_turbojpeg(self) -> bool:
@@ -299,14 +268,14 @@ class Decoder:
         try:
             with image:
                 if (page or 1) > 1:
-                    if page > MAX_PAGES:
-                        raise PageOutOfRange(f"page {page} asked for; pages past {MAX_PAGES} are not read")
+                    if page > page_files.MAX_PAGES:
+                        raise PageOutOfRange(f"page {page} asked for; pages past {page_files.MAX_PAGES} are not read")
                     try:
                         image.seek(page - 1)
                     except EOFError:
-                        raise PageOutOfRange(f"page {page} asked for; the file has {count_pages(image)}") from None
+                        raise PageOutOfRange(f"page {page} asked for; the file has {page_files.count_pages(image)}") from None
                 elif page is None and image.format == "TIFF":
-                    pages = count_pages(image)  # a walk over the page directories, no pixels
+                    pages = page_files.count_pages(image)  # a walk over the page directories, no pixels
                 orientation = _pillow_orientation(image, data)
                 stored_w, stored_h = image.size
                 width, height, target_w, target_h = self._check_and_target(stored_w, stored_h, orientation)
@@ -683,18 +652,3 @@ def jpeg2000_is_cut_short(data: bytes) -> bool:
 # Pillow's AVIF plugin and pillow-heif report damaged files as RuntimeError ("Decoding of color planes failed",
 # libheif's "Security limit exceeded").
 _RUNTIME_ERROR_FORMATS = ("avif", "heif")
-
-_TURBO = None
-
-
-def _load_turbojpeg():
-    """The shared TurboJPEG handle, or None when libturbojpeg is not installed (Pillow then decodes JPEGs)."""
-    global _TURBO
-    if _TURBO is None:
-        try:
-            from turbojpeg import TurboJPEG
-
-            _TURBO = TurboJPEG()
-        except (ImportError, RuntimeError, OSError):
-            _TURBO = False
-    return _TURBO or None

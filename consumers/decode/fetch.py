@@ -31,7 +31,7 @@ import zlib
 from pathlib import Path
 from urllib.parse import unquote, urljoin, urlsplit
 
-from consumers.decode.types import ImageError
+from vlmstream.images.errors import ImageError
 
 
 class FetchError(ImageError):

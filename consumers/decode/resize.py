@@ -11,7 +11,7 @@ import math
 import cv2
 import numpy as np
 
-from consumers.decode.types import ImageError
+from vlmstream.images.errors import ImageError
 
 # A scale this close to 1 gains nothing from an area filter (each output pixel covers ~1 source pixel), and
 # INTER_AREA's non-integer path at full resolution costs more than the JPEG decode; bilinear is then as good.

@@ -42,13 +42,15 @@ from kafka.structs import OffsetAndMetadata
 
 from consumers.decode import metrics
 from consumers.decode.metrics import DecodeMetrics
-from consumers.decode.decode import MAX_PAGES
+from vlmstream.images.pages import MAX_PAGES
 from consumers.decode.types import ImageFailure, PreparedImage
-from consumers.decode.claimcheck import claim_check_url
+from vlmstream.images.claimcheck import claim_check_url
 from schemas import DeadLetter, DocumentRef, ImagePayload, SchemaError, now, source_coords
 from vlmstream.config import Settings
-from vlmstream.kafka_io import (FatalPipelineError, UnreadableRecord, dead_letter_from_record, make_consumer,
-                                make_producer, poll_past_unreadable, subscribe_when_known)
+from vlmstream.kafka.clients import make_consumer, make_producer
+from vlmstream.kafka.errors import FatalPipelineError
+from vlmstream.kafka.group import subscribe_when_known
+from vlmstream.kafka.records import UnreadableRecord, dead_letter_from_record, poll_past_unreadable
 
 log = logging.getLogger(__name__)
 
@@ -322,7 +324,7 @@ class DecodeWorker:
 
     def _claim_check_store(self):
         if self._claim_checks is None:
-            from consumers.decode.claimcheck import ClaimCheckStore
+            from vlmstream.images.claimcheck import ClaimCheckStore
 
             self._claim_checks = (getattr(self._stage, "store", None)
                                   or ClaimCheckStore(claim_check_url(self.settings)))

@@ -12,12 +12,14 @@ import signal
 import threading
 import time
 
-from consumers.decode.claimcheck import ClaimCheckStore
-from consumers.decode.codec import encode
-from consumers.decode.decode import Decoder, split_page
+from vlmstream.images.claimcheck import ClaimCheckStore
+from vlmstream.images.payload import encode
+from consumers.decode.decode import Decoder
+from vlmstream.images.pages import split_page
 from consumers.decode.fetch import Fetcher
 from consumers.decode.resize import apply_orientation, resize_exact
-from consumers.decode.types import ImageError, ImageFailure, PreparedImage
+from vlmstream.images.errors import ImageError
+from consumers.decode.types import ImageFailure, PreparedImage
 
 log = logging.getLogger(__name__)
 

@@ -30,8 +30,6 @@ from typing import Any, Callable
 import numpy as np
 from kafka import TopicPartition
 from kafka.consumer.subscription_state import AsyncConsumerRebalanceListener
-from kafka.errors import (CommitFailedError, IllegalGenerationError, RebalanceInProgressError,
-                          UnknownMemberIdError)
 from kafka.structs import OffsetAndMetadata
 
 from consumers.infer.engine import Engine, EngineDeadError, InferenceFailure, InferenceOutput, InferenceRequest
@@ -39,9 +37,11 @@ from schemas import (Description, Embedding, ImagePayload, SchemaError, decode_i
                      source_coords)
 from schemas.messages import HEADER_ATTEMPT
 from vlmstream.config import Settings
-from vlmstream.kafka_io import (FatalPipelineError, GroupMembershipWatchdog, OffsetTracker, UnreadableRecord,
-                                dead_letter_from_record, make_consumer, make_producer, poll_past_unreadable, rewind,
-                                subscribe_when_known, unique_client_id)
+from vlmstream.kafka.clients import make_consumer, make_producer, unique_client_id
+from vlmstream.kafka.errors import FatalPipelineError, GROUP_MOVED_ON
+from vlmstream.kafka.group import GroupMembershipWatchdog, rewind, subscribe_when_known
+from vlmstream.kafka.offsets import OffsetTracker
+from vlmstream.kafka.records import UnreadableRecord, dead_letter_from_record, poll_past_unreadable
 
 log = logging.getLogger(__name__)
 
@@ -50,8 +50,6 @@ EXIT_OK = 0
 REBALANCE_POLL_MS = 200
 EXIT_ENGINE_DEAD = 3
 EXIT_PIPELINE_FATAL = 4
-
-GROUP_MOVED_ON = (CommitFailedError, IllegalGenerationError, RebalanceInProgressError, UnknownMemberIdError)
 
 PayloadDecoder = Callable[[ImagePayload, bytes], np.ndarray]
 
@@ -669,8 +667,8 @@ _NO_META = ImagePayload(doc_id="-", image_index=0, image_count=1, source_uri="-"
 def default_payload_decoder(settings: Settings) -> PayloadDecoder:
     """The decode stage's own codec and claim-check store, so both sides agree on the payload format.
     The store is opened on the first claim-checked payload only."""
-    from consumers.decode.claimcheck import ClaimCheckStore, claim_check_url
-    from consumers.decode.codec import payload_to_array
+    from vlmstream.images.claimcheck import ClaimCheckStore, claim_check_url
+    from vlmstream.images.payload import payload_to_array
 
     stores: list[Any] = []
 

@@ -14,7 +14,8 @@ import uuid
 
 from vlmstream import broker
 from vlmstream.config import load_settings
-from vlmstream.kafka_io import create_topics, make_consumer, make_producer
+from vlmstream.kafka.clients import make_consumer, make_producer
+from vlmstream.kafka.topics import create_topics
 
 
 def main() -> int:

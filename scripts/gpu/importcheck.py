@@ -20,12 +20,12 @@ img = TurboJPEG().decode(open(jpegs[0], "rb").read()) if jpegs else None
 print("IMPORT_OK turbojpeg", turbojpeg.__version__ if hasattr(turbojpeg, "__version__") else "",
       "decoded", None if img is None else img.shape)
 try:
-    from consumers.decode.decode import _load_turbojpeg
-    print("IMPORT_OK consumers.decode uses turbojpeg:", _load_turbojpeg() is not None)
+    from vlmstream.images.turbojpeg import turbojpeg_handle
+    print("IMPORT_OK consumers.decode uses turbojpeg:", turbojpeg_handle() is not None)
 except ImportError as e:
     print("consumers.decode not importable yet:", e)
 
-import vlmstream.cli  # noqa: E402,F401
+import vlmstream.cli.main  # noqa: E402,F401
 print("IMPORT_OK vlmstream.cli")
 java = os.path.join(os.environ.get("JAVA_HOME", "/opt/jre"), "bin", "java")
 print("JAVA", subprocess.run([java, "-version"], capture_output=True, text=True).stderr.splitlines()[0])

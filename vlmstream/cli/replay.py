@@ -1,6 +1,6 @@
 """Operations on consumer groups and the dead-letter topic: replay (rewind a stage), redrive (republish
 dead letters' original records), status (lag, group state, dead-letter counts). Plain functions that
-return values; ``vlmstream/ops_cli.py`` prints them.
+return values; ``vlmstream/cli/ops.py`` prints them.
 """
 
 from __future__ import annotations
@@ -19,7 +19,9 @@ from kafka.structs import OffsetAndMetadata
 
 from schemas import DeadLetter, DocumentRef, SchemaError
 from vlmstream.config import Settings
-from vlmstream.kafka_io import make_admin, make_consumer, make_producer, poll_past_unreadable, topic_partitions
+from vlmstream.kafka.clients import make_admin, make_consumer, make_producer
+from vlmstream.kafka.group import topic_partitions
+from vlmstream.kafka.records import poll_past_unreadable
 
 STAGES = ("decode", "infer", "results")
 IDLE_STATES = {"Empty", "Dead"}

@@ -45,8 +45,9 @@ def produce(
     """
     from producers.publisher import publish_documents
     from producers.sources import follow_jsonl, read_lines, read_manifest, scan_folder, watch_folder
-    from vlmstream.cli_support import bootstrap, settings_from
-    from vlmstream.kafka_io import FatalPipelineError, create_topics
+    from vlmstream.cli.support import bootstrap, settings_from
+    from vlmstream.kafka.errors import FatalPipelineError
+    from vlmstream.kafka.topics import create_topics
 
     console = Console(stderr=True)
     chosen = [name for name, given in (("--manifest", manifest), ("--folder", folder), ("--stdin", stdin)) if given]

@@ -16,8 +16,8 @@ def replay(
     """Rewind a stage's consumer group so its workers redo the messages after a point (workers must be stopped)."""
     from rich.table import Table
 
-    from vlmstream.cli_support import bootstrap, settings_from
-    from vlmstream.replay import ReplayRefused, apply_replay, plan_replay
+    from vlmstream.cli.support import bootstrap, settings_from
+    from vlmstream.cli.replay import ReplayRefused, apply_replay, plan_replay
 
     console = _console()
     settings = bootstrap(settings_from(ctx))
@@ -60,8 +60,8 @@ def redrive(
 ) -> None:
     """Republish dead letters' original records to their source topic for another try."""
 
-    from vlmstream.cli_support import bootstrap, settings_from
-    from vlmstream.replay import redrive as do_redrive
+    from vlmstream.cli.support import bootstrap, settings_from
+    from vlmstream.cli.replay import redrive as do_redrive
 
     console = _console()
     settings = bootstrap(settings_from(ctx))
@@ -84,8 +84,8 @@ def status(
     counts by stage and error kind."""
     from rich.table import Table
 
-    from vlmstream.cli_support import bootstrap, settings_from
-    from vlmstream.replay import pipeline_status, pipeline_throughput
+    from vlmstream.cli.support import bootstrap, settings_from
+    from vlmstream.cli.replay import pipeline_status, pipeline_throughput
 
     console = _console()
     settings = bootstrap(settings_from(ctx))
@@ -159,8 +159,8 @@ def export(
     import signal
     import threading
 
-    from vlmstream.cli_support import bootstrap, settings_from
-    from vlmstream.export import export as run_export
+    from vlmstream.cli.support import bootstrap, settings_from
+    from vlmstream.cli.export import export as run_export
 
     settings = bootstrap(settings_from(ctx))
     stop = threading.Event()

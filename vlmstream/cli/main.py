@@ -14,7 +14,7 @@ import orjson
 import typer
 from rich.console import Console
 
-from vlmstream.cli_support import CliState, bootstrap, settings_from
+from vlmstream.cli.support import CliState, bootstrap, settings_from
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Kafka-native pipeline: document images -> VLM descriptions and vision embeddings.")
@@ -77,7 +77,7 @@ def topics_create(
     partitions: Optional[int] = typer.Option(None, help="Partitions per topic (default from config)."),
 ) -> None:
     """Create the pipeline's topics from the config (idempotent); warn where existing ones differ."""
-    from vlmstream.kafka_io import create_topics
+    from vlmstream.kafka.topics import create_topics
 
     settings = bootstrap(settings_from(ctx, {"topics": {"partitions": partitions}}))
     report = create_topics(settings)
@@ -91,9 +91,8 @@ def topics_create(
 
 def _register_optional_commands() -> None:
     """Subcommands owned by other modules."""
-    from consumers import decode_cli, infer_cli
-    from producers import cli as producer_cli
-    from vlmstream import ops_cli, pipeline_cli
+    from vlmstream.cli import decode as decode_cli, infer as infer_cli, ops as ops_cli, produce as producer_cli
+    from vlmstream.cli import run as pipeline_cli
 
     app.command("produce")(producer_cli.produce)
     app.command("decode")(decode_cli.decode)

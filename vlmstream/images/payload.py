@@ -8,7 +8,7 @@ import warnings
 import cv2
 import numpy as np
 
-from consumers.decode.types import ImageError
+from vlmstream.images.errors import ImageError
 
 CODECS = ("jpeg", "png", "raw")
 # Chroma subsampling of the jpeg payload. 4:2:0 measured against 4:4:4 at q95 on corpus images at the 12.8 MP
@@ -138,6 +138,6 @@ def payload_to_array(meta, value: bytes, store=None) -> np.ndarray:
 
 
 def _turbo():
-    from consumers.decode.decode import _load_turbojpeg
+    from vlmstream.images.turbojpeg import turbojpeg_handle
 
-    return _load_turbojpeg()
+    return turbojpeg_handle()

@@ -13,7 +13,7 @@ import tempfile
 from pathlib import Path
 from urllib.parse import quote, urlsplit
 
-from consumers.decode.types import ImageError
+from vlmstream.images.errors import ImageError
 
 
 class ClaimCheckError(ImageError):

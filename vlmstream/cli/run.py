@@ -94,11 +94,14 @@ def run(
     from producers.publisher import publish_documents
     from producers.sources import IMAGE_EXTENSIONS, scan_folder
     from schemas import Description, DocumentRef, DocumentResult, SchemaError
-    from vlmstream.cli_support import bootstrap, settings_from
-    from vlmstream.kafka_io import create_topics, make_consumer, poll_past_unreadable, topic_partitions
+    from vlmstream.cli.support import bootstrap, settings_from
+    from vlmstream.kafka.clients import make_consumer
+    from vlmstream.kafka.group import topic_partitions
+    from vlmstream.kafka.records import poll_past_unreadable
+    from vlmstream.kafka.topics import create_topics
 
     if folder is None:
-        from vlmstream.samples import sample_folder
+        from vlmstream.cli.samples import sample_folder
 
         folder = sample_folder()
         console.print(f"[dim]no folder given: using the built-in sample images in {folder}[/]")

@@ -26,8 +26,8 @@ def decode(
         None, help="A worker drains and stops after this many seconds without new records (batch runs, tests)."),
 ) -> None:
     """Consume DocumentRefs, publish one exact-size image record (or a dead letter) per image."""
-    from vlmstream.cli_support import bootstrap, settings_from
-    from vlmstream.kafka_io import create_topics
+    from vlmstream.cli.support import bootstrap, settings_from
+    from vlmstream.kafka.topics import create_topics
 
     overrides = {"decode": {
         "workers": workers, "max_pixels": max_pixels, "min_pixels": min_pixels, "codec": codec,

@@ -28,7 +28,9 @@ from kafka.structs import OffsetAndMetadata
 
 from schemas import DeadLetter, Description, DocumentResult, Embedding, SchemaError
 from vlmstream.config import Settings
-from vlmstream.kafka_io import make_consumer, poll_past_unreadable, topic_partitions
+from vlmstream.kafka.clients import make_consumer
+from vlmstream.kafka.group import topic_partitions
+from vlmstream.kafka.records import poll_past_unreadable
 
 KINDS = ("descriptions", "embeddings", "results", "deadletter")
 _ITEM_BYTES = {"float16": 2, "float32": 4}

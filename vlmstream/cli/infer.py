@@ -33,7 +33,7 @@ def infer(
     from consumers.infer.runner import InferenceRunner
     from consumers.results import ResultsAggregator
     from vlmstream import profiling
-    from vlmstream.cli_support import bootstrap, settings_from
+    from vlmstream.cli.support import bootstrap, settings_from
 
     profiler = profiling.start_from_env()  # VLMSTREAM_PROFILE_OUT: where this process's CPU goes, per thread
     infer_overrides = {

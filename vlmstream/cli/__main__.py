@@ -1,0 +1,3 @@
+from vlmstream.cli.main import main
+
+main()
