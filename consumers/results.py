@@ -36,12 +36,12 @@ from kafka import TopicPartition
 from kafka.coordinator.assignors.abstract import (AbstractPartitionAssignor, ConsumerProtocolAssignment,
                                                   ConsumerProtocolSubscription)
 from kafka.consumer.subscription_state import AsyncConsumerRebalanceListener
-from kafka.structs import OffsetAndMetadata
 
 from schemas import DeadLetter, Description, DocumentResult, SchemaError, now
 from vlmstream.config import Settings
+from vlmstream.kafka.checkpoint import CheckedProducer, Checkpoint, Commit, Output
 from vlmstream.kafka.clients import make_consumer, make_producer, unique_client_id
-from vlmstream.kafka.errors import FatalPipelineError, GROUP_MOVED_ON
+from vlmstream.kafka.errors import FatalPipelineError
 from vlmstream.kafka.group import GroupMembershipWatchdog, rewind, subscribe_when_known
 from vlmstream.kafka.records import UnreadableRecord, poll_past_unreadable
 
@@ -62,8 +62,8 @@ class SingleOwnerAssignor(AbstractPartitionAssignor):
     name = "vlmstream-single-owner"
     version = 0
     # Set when this process, as group leader, assigned a topic it knew no partitions of. kafka-python should then
-    # rejoin once metadata arrives, but an aggregator was seen holding an empty assignment for good (CI stall,
-    # 2026-11-30); the aggregator checks this and rejoins itself.
+    # rejoin once metadata arrives, but kafka-python 3.0 can leave the aggregator holding an empty assignment for
+    # good; the aggregator checks this and rejoins itself.
     assigned_without_partitions = threading.Event()
 
     @classmethod
@@ -144,13 +144,14 @@ class ResultsAggregator:
         self._recent: OrderedDict[str, _Doc] = OrderedDict()  # emitted and released: for late records
         self._positions: dict[TopicPartition, int] = {}  # next offset to read, per partition consumed
         self._committed: dict[TopicPartition, int] = {}
-        self._send_errors: list[BaseException] = []
         self._dirty = False
         self.last_record_at = time.monotonic()
         self._assigned = False
         self.open_at_stop = 0
         self.consumer = None
         self.producer = None
+        self.sender: CheckedProducer | None = None  # the producer, raising a failed send from flush()
+        self.checkpoint: Checkpoint | None = None
 
     # --- lifecycle ---------------------------------------------------------------------------
 
@@ -165,6 +166,8 @@ class ResultsAggregator:
                                       partition_assignment_strategy=(SingleOwnerAssignor,),
                                       # Failover is not latency-critical here; a loaded host must not evict it.
                                       session_timeout_ms=30_000)
+        self.sender = CheckedProducer(self.producer, flush_timeout_s=self.settings.kafka.request_timeout_ms / 1000)
+        self.checkpoint = Checkpoint(self.consumer, self.sender, name="results")
         t = self.settings.topics
         code = 0
         try:
@@ -204,6 +207,8 @@ class ResultsAggregator:
             log.exception("results aggregator failed; stopping without committing")
             code = 1
         finally:
+            if code:
+                self.checkpoint.stop()  # closing revokes the partitions: the listener must not commit either
             self.open_at_stop = self.open_documents()  # closing revokes the partitions and clears the state
             try:
                 self.consumer.close(autocommit=False)
@@ -322,9 +327,7 @@ class ResultsAggregator:
             log.error("document %s: its result cannot be written: %s", doc.doc_id, exc)
             self._send_dead_letter(doc, "result_unwritable", str(exc))
         else:
-            future = self.producer.send(self.settings.topics.results, key=result.key(), value=value,
-                                        headers=result.headers())
-            future.add_errback(self._send_errors.append)
+            self.sender.send(Output(self.settings.topics.results, result.key(), value, result.headers()))
         doc.emitted = True
         self._dirty = True
         self.stats.results += 1
@@ -361,9 +364,7 @@ class ResultsAggregator:
             letter = DeadLetter(stage="results", error_kind=error_kind, created_at=now(),
                                 detail=f"document {doc.doc_id[:200]!r} (count {doc.image_count}): {detail}"[:4000])
             value = letter.encode()
-        future = self.producer.send(self.settings.topics.deadletter, key=letter.key(), value=value,
-                                    headers=letter.headers())
-        future.add_errback(self._send_errors.append)
+        self.sender.send(Output(self.settings.topics.deadletter, letter.key(), value, letter.headers()))
 
     def _expire_open_docs(self) -> None:
         """A document open for ``open_timeout_s`` holds its partitions' commits back; emit what is known
@@ -396,45 +397,42 @@ class ResultsAggregator:
                             moved = True
         return points
 
-    def commit(self, committer=None) -> dict[TopicPartition, int]:
-        points = self.commit_points()
+    def _uncommitted(self, points: dict[TopicPartition, int]) -> dict[TopicPartition, int]:
+        """The commit points that moved since the last commit; documents no commit point holds back any more move
+        to the recent ones (kept for late records only)."""
         for doc_id in [d.doc_id for d in self._docs.values()
                        if d.emitted and all(last < points.get(tp, last + 1) for tp, last in d.last.items())]:
             self._recent[doc_id] = self._docs.pop(doc_id)
             while len(self._recent) > self.recent_docs:
                 self._recent.popitem(last=False)
-        changed = {tp: p for tp, p in points.items() if self._committed.get(tp) != p}
-        if not changed and not self._dirty:
-            return {}
-        # 1. flush the producer: every result emitted so far is acknowledged
-        self.producer.flush(timeout=self.settings.kafka.request_timeout_ms / 1000)
-        # 2. raise if a send failed: committing past its inputs would lose that document's result
-        if self._send_errors:
-            errors, self._send_errors = self._send_errors, []
-            raise FatalPipelineError(f"{len(errors)} result(s) not acknowledged, first: {errors[0]!r}")
-        self._dirty = False
-        # 3. commit synchronously
-        if changed:
-            offsets = {tp: OffsetAndMetadata(p, "", -1) for tp, p in changed.items()}
-            if committer is not None:
-                committer(offsets)
-            else:
-                try:
-                    self.consumer.commit(offsets)
-                except GROUP_MOVED_ON as exc:
-                    # Rebalanced under us: the next owner rebuilds from the last commit (duplicate results at most).
-                    log.warning("commit refused, the group moved on: %r", exc)
-                    return {}
-            self._committed.update(changed)
-            self.stats.commits += 1
+        return {tp: p for tp, p in points.items() if self._committed.get(tp) != p}
+
+    def _committed_at(self, changed: dict[TopicPartition, int], outcome: Commit) -> dict[TopicPartition, int]:
+        if outcome is not Commit.DONE:
+            return {}  # refused: the next owner rebuilds from the last commit (duplicate results at most)
+        self._committed.update(changed)
+        self.stats.commits += 1
         return changed
 
-    def on_revoked(self, revoked: set[TopicPartition]) -> dict[TopicPartition, OffsetAndMetadata]:
-        collected: dict[TopicPartition, OffsetAndMetadata] = {}
+    def commit(self) -> dict[TopicPartition, int]:
+        """Flush the results, raise on a failed send, commit the points that moved (``Checkpoint.commit``)."""
+        changed = self._uncommitted(self.commit_points())
+        if not changed and not self._dirty:
+            return {}
+        outcome = self.checkpoint.commit(changed)
+        self._dirty = False
+        return self._committed_at(changed, outcome)
+
+    async def on_revoked(self, revoked: set[TopicPartition]) -> None:
+        """Commit before the partitions move, from the rebalance listener, then forget every open document."""
         points = self.commit_points()
-        self.commit(committer=collected.update)
+        changed = self._uncommitted(points)
+        try:
+            self._committed_at(changed, await self.checkpoint.commit_from_listener(changed))
+        except FatalPipelineError as exc:
+            # Nothing is committed; the run loop's next commit raises the same failure (it stays) and stops.
+            log.error("results: not committing on revoke: %s", exc)
         self._forget(revoked, points)
-        return collected
 
     def _forget(self, partitions: set[TopicPartition], points: dict[TopicPartition, int]) -> None:
         # Documents span partitions; whatever we keep would be rebuilt from the commit points anyway, which is
@@ -458,18 +456,14 @@ class ResultsAggregator:
 
 
 class _Rebalance(AsyncConsumerRebalanceListener):
-    """Commit before the partitions move (kafka-python 3 runs this on the IO thread: see runner._Rebalance)."""
+    """Commit before the partitions move (kafka-python 3 runs this on its IO thread: ``Checkpoint``
+    ``.commit_from_listener``)."""
 
     def __init__(self, aggregator: ResultsAggregator):
         self.aggregator = aggregator
 
     async def on_partitions_revoked(self, revoked):
-        offsets = self.aggregator.on_revoked(set(revoked))
-        if offsets:
-            try:
-                await self.aggregator.consumer._coordinator._commit_offsets_sync_async(offsets)  # noqa: SLF001
-            except Exception as exc:  # noqa: BLE001
-                log.warning("commit on revoke failed; documents will be rebuilt from older offsets: %r", exc)
+        await self.aggregator.on_revoked(set(revoked))
 
     async def on_partitions_assigned(self, assigned):
         log.info("results: assigned %d partition(s)", len(assigned))

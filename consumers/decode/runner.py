@@ -7,7 +7,7 @@ commit. Any number of machines can run a supervisor with the same group id.
 
 Delivery:
 - at-least-once (default): offsets move only after every record produced for them is acknowledged
-  (``_checkpoint``: flush, raise on a failed send, commit offset + 1). It runs every
+  (``_checkpoint``, through ``vlmstream.kafka.checkpoint``: flush, raise on a failed send, commit offset + 1). It runs every
   ``decode.commit_interval_s``, when the bytes not yet flushed pass a cap, when partitions are revoked,
   and at shutdown. A crash between send and commit repeats the uncommitted documents: downstream sees
   duplicates keyed by the same ``doc_id/index``, never a gap.
@@ -37,8 +37,6 @@ from typing import Any, Callable
 import orjson
 from kafka.consumer.subscription_state import AsyncConsumerRebalanceListener
 from kafka.coordinator.assignors.cooperative_sticky import CooperativeStickyAssignor
-from kafka.errors import CommitFailedError, RebalanceInProgressError
-from kafka.structs import OffsetAndMetadata
 
 from consumers.decode import metrics
 from consumers.decode.metrics import DecodeMetrics
@@ -47,6 +45,7 @@ from consumers.decode.types import ImageFailure, PreparedImage
 from vlmstream.images.claimcheck import claim_check_url
 from schemas import DeadLetter, DocumentRef, ImagePayload, SchemaError, now, source_coords
 from vlmstream.config import Settings
+from vlmstream.kafka.checkpoint import CheckedProducer, Checkpoint, Commit, Output
 from vlmstream.kafka.clients import make_consumer, make_producer
 from vlmstream.kafka.errors import FatalPipelineError
 from vlmstream.kafka.group import subscribe_when_known
@@ -77,19 +76,6 @@ def max_unflushed_bytes(settings: Settings) -> int:
     return max(32 * 1024 * 1024, 2 * settings.kafka.max_message_bytes)
 
 
-class _SendFailed:
-    """The first failed send of this worker (set on the producer's IO thread)."""
-
-    def __init__(self) -> None:
-        self.error: BaseException | None = None
-        self.count = 0
-
-    def __call__(self, exc: BaseException) -> None:
-        self.count += 1
-        if self.error is None:
-            self.error = exc
-
-
 class DecodeWorker:
     """One process's consumer + producer + decode stage. ``run()`` returns the process exit status."""
 
@@ -104,7 +90,6 @@ class DecodeWorker:
         self._deadline = deadline
         self._stage = stage
         self._claim_checks = None
-        self._send_failed = _SendFailed()
         # Per partition, the next offset to read once everything sent so far is acknowledged.
         self._done: dict[Any, int] = {}
         self._unflushed_bytes = 0
@@ -114,6 +99,8 @@ class DecodeWorker:
         self.metrics = DecodeMetrics(index)
         self.consumer = None
         self.producer = None
+        self.sender: CheckedProducer | None = None  # the producer, raising a failed send from flush()
+        self.checkpoint: Checkpoint | None = None
 
     # --- lifecycle ---------------------------------------------------------------------------
 
@@ -136,6 +123,9 @@ class DecodeWorker:
             session_timeout_ms=settings.decode.session_timeout_ms,
             heartbeat_interval_ms=max(1000, settings.decode.session_timeout_ms // 3),
         )
+        self.sender = CheckedProducer(self.producer)
+        self.checkpoint = Checkpoint(self.consumer, self.sender, name=f"decode worker {self.index}",
+                                     defer_on_rebalance=True)
         status = EXIT_OK
         try:
             subscribe_when_known(self.consumer, [settings.topics.documents], listener=_Rebalance(self),
@@ -151,9 +141,8 @@ class DecodeWorker:
                       "fatal" if isinstance(exc, FatalPipelineError) else "unexpected error", exc_info=True)
             status = EXIT_FATAL
             # close() calls the revoke listener: it must not commit what this failure left unsure.
-            self._done.clear()
-            if self.exactly_once:
-                _close_quietly(self.producer.abort_transaction, "transaction")
+            self.checkpoint.stop()
+            self.checkpoint.abort()
         finally:
             self.metrics.maybe_log(force=True)
             log.info("decode worker %d stopped: %d documents, %d images, %d failed, %d claim-checked",
@@ -201,8 +190,7 @@ class DecodeWorker:
                 self._done[tp] = record.offset + 1
                 if self._unflushed_bytes >= self._max_unflushed:
                     if self.exactly_once:
-                        self.producer.flush()
-                        self._raise_on_failed_send()
+                        self.sender.flush()
                         self._unflushed_bytes = 0
                     else:
                         self._checkpoint()
@@ -222,14 +210,10 @@ class DecodeWorker:
                 self.consumer.seek(tp, records[0].offset)
 
     def _transactional_batch(self, batch: dict[Any, list[Any]]) -> None:
-        self.producer.begin_transaction()
+        # The batch's images are sent inside the transaction; its offsets commit with them or not at all.
+        self.checkpoint.begin()
         self._process_batch(batch)
-        if self._done:
-            offsets = {tp: OffsetAndMetadata(offset, "", -1) for tp, offset in self._done.items()}
-            # The offsets commit with the images or not at all; the group metadata lets the broker
-            # refuse this commit if a rebalance gave these partitions to someone else meanwhile.
-            self.producer.send_offsets_to_transaction(offsets, self.consumer.group_metadata())
-        self.producer.commit_transaction()
+        self.checkpoint.commit_transaction(self._done)
         self._done.clear()
         self._unflushed_bytes = 0
 
@@ -318,8 +302,7 @@ class DecodeWorker:
         self.metrics.error(letter.error_kind)
 
     def _send(self, topic: str, key: bytes | None, value: bytes, headers: list[tuple[str, bytes]]) -> None:
-        future = self.producer.send(topic, key=key, value=value, headers=headers)
-        future.add_errback(self._send_failed)
+        self.sender.send(Output(topic, key, value, headers))
         self._unflushed_bytes += len(value) + sum(len(v) for _, v in headers)
 
     def _claim_check_store(self):
@@ -332,61 +315,15 @@ class DecodeWorker:
 
     # --- commits (at-least-once) ---------------------------------------------------------------
 
-    def _raise_on_failed_send(self) -> None:
-        if self._send_failed.error is not None:
-            raise FatalPipelineError(
-                f"{self._send_failed.count} send(s) failed, first: {self._send_failed.error!r}; "
-                "not committing, the documents will be decoded again") from self._send_failed.error
-
     def _checkpoint(self) -> None:
+        """Flush, raise on a failed send, commit the next offset of every partition handled (``checkpoint.commit``).
+        A commit deferred by a rebalance keeps its offsets for the next checkpoint or the revoke listener."""
         self._last_checkpoint = time.monotonic()
         if not self._done:
             return
-        # 1. Flush the producer: every image and dead letter sent for these offsets is acknowledged.
-        self.producer.flush()
         self._unflushed_bytes = 0
-        # 2. Raise if any send failed: committing now would skip images that never reached the topic.
-        self._raise_on_failed_send()
-        # 3. Commit offset + 1 (already stored as the next offset to read), synchronously.
-        offsets = {tp: OffsetAndMetadata(offset, "", -1) for tp, offset in self._done.items()}
-        try:
-            self.consumer.commit(offsets)
-        except RebalanceInProgressError:
-            # Not an error: our next poll() joins the new generation. The revoke listener then commits what
-            # leaves us, and the next checkpoint commits what stays.
-            log.info("decode worker %d: commit deferred, the group is rebalancing", self.index)
-            return
-        except CommitFailedError as exc:
-            # We were evicted (too slow, or the session expired): whoever owns these partitions now starts
-            # from the previous commit and decodes these documents again.
-            log.warning("decode worker %d: commit failed (%s); duplicates may follow", self.index, exc)
-        self._done.clear()
-
-    async def _checkpoint_from_listener(self, partitions: set[Any]) -> None:
-        """Flush + commit before partitions leave us. Runs on the consumer's IO thread, inside poll():
-        every record polled so far has been handled, so what is done is everything sent."""
-        offsets = {tp: OffsetAndMetadata(offset, "", -1) for tp, offset in self._done.items() if tp in partitions}
-        if not offsets:
-            return
-        # 1. Flush: the producer has its own IO thread; this blocks heartbeats only for the flush.
-        self.producer.flush()
-        # 2. A failed send must not be committed past; the worker stops at its next step.
-        if self._send_failed.error is not None:
-            return
-        # 3. Commit synchronously, awaited on this loop (the blocking commit() refuses the IO thread).
-        commit = getattr(self.consumer._coordinator, "_commit_offsets_sync_async", None)
-        if commit is None:
-            log.warning("decode worker %d: cannot commit on revoke with this kafka-python; "
-                        "the new owner repeats up to %d s of documents", self.index,
-                        self.settings.decode.commit_interval_s)
-            return
-        try:
-            await commit(offsets, self.settings.kafka.request_timeout_ms)
-        except Exception as exc:  # noqa: BLE001 - the new owner repeats from the previous commit
-            log.warning("decode worker %d: commit on revoke failed (%s); duplicates may follow", self.index, exc)
-            return
-        for tp in offsets:
-            self._done.pop(tp, None)
+        if self.checkpoint.commit(self._done) is not Commit.DEFERRED:
+            self._done.clear()
 
 
 def _close_quietly(close: Callable[[], Any], what: str) -> None:
@@ -404,8 +341,15 @@ class _Rebalance(AsyncConsumerRebalanceListener):
         worker = self.worker
         worker._last_activity = time.monotonic()
         # Exactly-once: each batch's transaction is committed before the next poll, so nothing is pending.
+        # At-least-once: every record polled so far has been handled (this runs inside poll()), so what is done
+        # is everything sent.
         if not worker.exactly_once:
-            await worker._checkpoint_from_listener(set(revoked))
+            try:
+                await worker.checkpoint.commit_from_listener(
+                    {tp: offset for tp, offset in worker._done.items() if tp in revoked})
+            except FatalPipelineError as exc:
+                # A send failed: nothing is committed, and the worker stops at its next flush (the failure stays).
+                log.error("decode worker %d: not committing on revoke: %s", worker.index, exc)
         for tp in revoked:
             worker._done.pop(tp, None)
         log.info("decode worker %d: revoked %s", worker.index, sorted(f"{tp.topic}[{tp.partition}]" for tp in revoked))
