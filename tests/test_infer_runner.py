@@ -201,6 +201,7 @@ class HoldFirstEngine:
     """Completes every request at once except the first one submitted, which waits for ``release``."""
 
     name, model_id, revision, mode = "hold-first", "none", None, None
+    batch_size, step_tokens = 4, None
 
     def __init__(self):
         self.release = threading.Event()
@@ -257,6 +258,7 @@ class DeepJsonForOneEngine:
     (a model answering a JSON schema can do that)."""
 
     name, model_id, revision, mode = "deep-json", "none", None, None
+    batch_size, step_tokens = 4, None
 
     def __init__(self):
         self.ready: list = []
@@ -321,10 +323,10 @@ def test_in_flight_window_follows_the_engines_batch_unless_set():
     from consumers.infer.runner import InferenceRunner
 
     settings = Settings()
-    assert InferenceRunner(settings, SimpleNamespace(batch_size=1024)).max_images_in_flight == 2048
-    assert InferenceRunner(settings, SimpleNamespace(batch_size=8)).max_images_in_flight == 256
+    assert InferenceRunner(settings, SimpleNamespace(batch_size=1024, step_tokens=None)).max_images_in_flight == 2048
+    assert InferenceRunner(settings, SimpleNamespace(batch_size=8, step_tokens=None)).max_images_in_flight == 256
     pinned = settings.model_copy(update={"infer": settings.infer.model_copy(update={"max_images_in_flight": 100})})
-    assert InferenceRunner(pinned, SimpleNamespace(batch_size=1024)).max_images_in_flight == 100
+    assert InferenceRunner(pinned, SimpleNamespace(batch_size=1024, step_tokens=None)).max_images_in_flight == 100
 
 
 def test_token_bound_warning_only_when_the_engine_lacks_work(caplog):
@@ -335,13 +337,13 @@ def test_token_bound_warning_only_when_the_engine_lacks_work(caplog):
     from consumers.infer.runner import InferenceRunner
 
     runner = InferenceRunner(Settings(), SimpleNamespace(batch_size=1024, step_tokens=16384))
-    runner._backlog.append(object())
-    runner._in_flight = {f"r{i}": object() for i in range(37)}
-    runner._tokens_in_flight = 37 * 7000
+    runner.window.backlog.append(object())
+    runner.window.in_flight = {f"r{i}": object() for i in range(37)}
+    runner.window.tokens = 37 * 7000
     with caplog.at_level("WARNING", logger="consumers.infer.runner"):
         runner._check_saturation()
         assert "holds only" not in caplog.text
-        runner._tokens_in_flight = 20000
+        runner.window.tokens = 20000
         runner._check_saturation()
         assert "holds only 37 image(s)" in caplog.text
 

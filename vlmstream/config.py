@@ -162,6 +162,10 @@ class InferSettings(BaseModel):
                                              "twice the engine's batch (vLLM: its max_num_seqs), at least 256.")
     max_visual_tokens_in_flight: int = 262_144
     batch_size: int = Field(8, description="Largest batch handed to a synchronous engine at once.")
+    session_timeout_ms: int = Field(
+        10_000, description="How long a silent (killed) inference consumer keeps its images before the group moves "
+        "them to the others (Kafka's default is 45 s). Heartbeats run on kafka-python's IO thread, so a long batch "
+        "is no risk.")
     publish_embeddings: bool = True
     max_attempts: int = 3
     exactly_once: bool = False
@@ -175,7 +179,7 @@ class InferSettings(BaseModel):
     engine_cpu_threads: int = Field(
         1, ge=0, description="vLLM: torch CPU threads of its engine process, which is then spawned (0: vLLM's own "
         "way, a fork keeping a thread per core; OMP_NUM_THREADS or VLLM_WORKER_MULTIPROC_METHOD exported by the user "
-        "win). At 0.2 MP those threads spun on 15 of the H200 host's 32 cores (2026-11-30 profile).")
+        "win). At 0.2 MP vLLM's own way spun 15 of an H200 host's 32 cores.")
     vision_batch_images: int = Field(32, description="vLLM engine: most images per vision-tower forward (also "
                                      "bounded to 65,536 patches).")
     vision_compile: bool = Field(True, description="torch.compile the vision blocks on CUDA (falls back to eager).")

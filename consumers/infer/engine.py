@@ -56,6 +56,10 @@ class Engine(Protocol):
     model_id: str
     revision: str | None
     mode: str | None  # "embeds" / "pixels" for vLLM; None otherwise
+    # Sequences the engine runs at once (vLLM: max_num_seqs): the runner sizes its in-flight window by it.
+    batch_size: int
+    # Tokens the engine computes per step (vLLM: max_num_batched_tokens); None for an engine without such a bound.
+    step_tokens: int | None
 
     def submit(self, requests: Sequence[InferenceRequest]) -> None:
         """Queue requests; returns at once."""

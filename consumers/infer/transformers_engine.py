@@ -65,6 +65,7 @@ class TransformersEngine(QueuedEngine):
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.dtype = resolve_dtype(settings.dtype, self.device)
         self.batch_size = max(1, settings.batch_size)
+        self.step_tokens = None  # no per-step token budget: a batch is whatever is queued, up to batch_size
         self._torch = torch
 
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_path), revision=settings.revision)
