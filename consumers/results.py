@@ -185,7 +185,7 @@ class ResultsAggregator:
                     self._assigned, last_record = True, time.monotonic()  # idle counts from the first assignment
                 if not batches and not assigned:
                     # A standby member (or one not yet assigned): poll returns at once without partitions, and
-                    # looping on it burned a core.
+                    # looping on it would burn a core.
                     stop_event.wait(0.2)
                     if SingleOwnerAssignor.assigned_without_partitions.is_set():
                         self._rejoin_with_partitions()

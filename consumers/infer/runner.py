@@ -188,10 +188,10 @@ class InferenceRunner:
             if to_pause:
                 self.consumer.pause(*to_pause)
             self.consumer.poll(timeout_ms=REBALANCE_POLL_MS if self._rebalancing else 0)
-            # Nothing was fetched: the engine wait in _poll_engine is where this thread must sleep. Leaving
-            # the last fetch count here made the loop spin on zero-timeout polls whenever the in-flight window
-            # was full, holding the GIL the engine's encoder and vLLM's front end need (measured on the H200:
-            # embeds mode 9 img/s against a 100 img/s language model).
+            # Nothing was fetched: the engine wait in _poll_engine is where this thread must sleep. A stale fetch
+            # count here would make the loop spin on zero-timeout polls while the in-flight window is full,
+            # holding the GIL that the engine's encoder and vLLM's front end need (on an H200, embeds mode then
+            # ran at 9 img/s against a 100 img/s language model).
             self._fetched_last = 0
             return
         paused = self.consumer.paused()
@@ -207,7 +207,7 @@ class InferenceRunner:
             timeout_ms = max(timeout_ms, REBALANCE_POLL_MS)
         batches = poll_past_unreadable(self.consumer, timeout_ms=timeout_ms, max_records=max(1, self.window.free()))
         if not batches and not assigned and not self.window.has_work():
-            # Without partitions poll returns at once (kafka-python): looping on it burned half a core.
+            # Without partitions poll returns at once (kafka-python): looping on it would burn half a core.
             time.sleep(timeout_ms / 1000)
         self._fetched_last = 0
         for tp, records in batches.items():
