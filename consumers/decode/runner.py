@@ -7,9 +7,9 @@ commit. Any number of machines can run a supervisor with the same group id.
 
 Delivery:
 - at-least-once (default): offsets move only after every record produced for them is acknowledged
-  (``_checkpoint``, through ``vlmstream.kafka.checkpoint``: flush, raise on a failed send, commit offset + 1). It runs every
-  ``decode.commit_interval_s``, when the bytes not yet flushed pass a cap, when partitions are revoked,
-  and at shutdown. A crash between send and commit repeats the uncommitted documents: downstream sees
+  (``_checkpoint``, through ``vlmstream.kafka.checkpoint``: flush, raise on a failed send, commit offset + 1).
+  It runs every ``decode.commit_interval_s``, when the bytes not yet flushed pass a cap, when partitions are
+  revoked, and at shutdown. A crash between send and commit repeats the uncommitted documents: downstream sees
   duplicates keyed by the same ``doc_id/index``, never a gap.
 - exactly-once (``decode.exactly_once``): one transaction per polled batch, the consumed offsets sent
   into it (``send_offsets_to_transaction`` with the group metadata, so a zombie is fenced). Readers of the
