@@ -18,9 +18,10 @@ from rich.table import Table
 
 console = Console(stderr=True)
 REPO_ROOT = Path(__file__).resolve().parents[1]
-# The built-in tiny model's text is meaningless at any size, and its CPU time grows with the pixels: 25 photos of
-# 1-8 MP took 286 s at the checkpoint's 12.8 MP budget, 74 s at 1 MP, 28 s at 0.4 MP and 26 s at 0.2 MP on a 2-core
-# machine (startup included). 0.4 MP leaves room for a busier machine; --max-pixels or decode.max_pixels change it.
+# The built-in tiny model's text is meaningless at any size, and its CPU time grows with the pixels: 25 large photos
+# took 286 s at the checkpoint's 12.8 MP budget (a user's report); 25 photos of 1-8 MP (Debian's mate and sway
+# backgrounds) took 74 s at 1 MP, 28 s at 0.4 MP and 26 s at 0.2 MP on a 2-core machine, startup included.
+# 0.4 MP leaves room for a busier machine; --max-pixels or decode.max_pixels change it.
 TINY_MODEL_MAX_PIXELS = 512 * 28 * 28  # 401,408
 PROGRESS_EVERY_S = 5.0
 
