@@ -35,3 +35,55 @@ def test_a_refused_path_names_the_setting_the_path_and_the_roots_in_force(tmp_pa
     value = re.search(r"VLMSTREAM_DECODE__ALLOWED_ROOTS='([^']*)'", detail).group(1)
     monkeypatch.setenv("VLMSTREAM_DECODE__ALLOWED_ROOTS", value)
     assert load_settings().decode.allowed_roots == ["/data/images"]
+
+
+@pytest.mark.kafka
+def test_run_counts_what_earlier_runs_left_queued_ahead(topic_names, unique, tmp_path):
+    from kafka.structs import OffsetAndMetadata
+
+    from schemas import DocumentRef
+    from vlmstream.cli.backlog import RememberedRate, StageProbe, measure_backlog
+    from vlmstream.kafka.clients import make_admin, make_producer
+
+    settings = topic_names.model_copy(update={
+        "decode": topic_names.decode.model_copy(update={"group_id": f"backlog-decode-{unique}"}),
+        "infer": topic_names.infer.model_copy(update={"group_id": f"backlog-infer-{unique}"}),
+    })
+    t = settings.topics
+    assert measure_backlog(settings).notice(None) is None  # nothing queued: nothing said
+
+    producer = make_producer(settings)
+    for i in range(7):  # decoded images nobody described (the payload does not matter to the count)
+        producer.send(t.images, key=f"old-{i}/0".encode(), value=b"pixels", partition=i % 3)
+    for i, uris in enumerate((["/a.jpg", "/b.jpg"], ["/c.png"])):  # documents nobody decoded: 3 images
+        doc = DocumentRef(doc_id=f"old-doc-{i}", image_uris=uris)
+        producer.send(t.documents, key=doc.doc_id.encode(), value=doc.encode(), partition=i)
+    producer.flush()
+    producer.close()
+
+    backlog = measure_backlog(settings)
+    assert (backlog.images, backlog.documents, backlog.document_images, backlog.images_counted) == (7, 2, 3, True)
+    assert backlog.images_ahead == 10
+    notice = backlog.notice(None)
+    assert notice.startswith("10 images from earlier runs are queued ahead of yours (how long: the progress lines say")
+    assert settings.infer.group_id in notice and settings.decode.group_id in notice
+    timed = backlog.notice(RememberedRate(images_per_s=2.0, max_pixels=401_408, model="/x/tiny-qwen2.5-vl"))
+    assert "about 5 s at 2.00 img/s" in timed
+
+    # The inference group commits past partition 0's images (3 of the 7): they are no longer ahead.
+    probe = StageProbe(settings, backlog)
+    try:
+        assert probe.snapshot().earlier_ahead == 7
+        admin = make_admin(settings)
+        try:
+            admin.alter_group_offsets(settings.infer.group_id,
+                                      {tp: OffsetAndMetadata(end, "", -1) for tp, end in backlog.ends.items()
+                                       if tp.topic == t.images and tp.partition == 0})
+        finally:
+            admin.close()
+        snap = probe.snapshot()
+        assert (snap.earlier_ahead, snap.images_waiting, snap.earlier_documents) == (4, 4, 2)
+        assert probe.infer_rate() is not None and probe.infer_rate() > 0
+    finally:
+        probe.close()
+    assert measure_backlog(settings).images == 4

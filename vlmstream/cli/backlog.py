@@ -46,9 +46,16 @@ class Backlog:
         return self.images + self.document_images
 
     def notice(self, rate: RememberedRate | None) -> str | None:
-        """The line `run` prints first when anything is queued ahead; None when nothing is."""
+        """What `run` prints first when anything is queued ahead (a headline, then where it waits); None when
+        nothing is."""
         if not self.images and not self.documents:
             return None
+        floor = "" if self.images_counted else "at least "
+        if rate is not None and rate.images_per_s > 0:
+            how_long = (f"about {self.images_ahead / rate.images_per_s:.0f} s at {rate.images_per_s:.2f} img/s, the "
+                        f"last run's inference rate here at {rate.pixels_note()}; larger images take longer")
+        else:
+            how_long = "how long: the progress lines say once inference moves; no earlier rate is known here"
         parts = []
         if self.images:
             parts.append(f"{self.images} decoded on {self.images_topic} not yet described by group {self.infer_group}")
@@ -56,14 +63,8 @@ class Backlog:
             named = f"{self.document_images}{'' if self.images_counted else '+'} images"
             parts.append(f"{self.documents} documents ({named}) on {self.documents_topic} not yet decoded by group "
                          f"{self.decode_group}")
-        floor = "" if self.images_counted else "at least "
-        line = f"{floor}{self.images_ahead} images from earlier runs are queued ahead of yours ({'; '.join(parts)})"
-        if rate is not None and rate.images_per_s > 0:
-            line += (f": about {self.images_ahead / rate.images_per_s:.0f} s at {rate.images_per_s:.2f} img/s, the "
-                     f"last run's inference rate here ({rate.pixels_note()}; larger images take longer)")
-        else:
-            line += ": how long, the progress lines say once inference moves (no earlier rate known here)"
-        return line
+        return (f"{floor}{self.images_ahead} images from earlier runs are queued ahead of yours ({how_long})\n"
+                f"  {'; '.join(parts)}")
 
 
 def measure_backlog(settings: Settings, count_within_s: float = 3.0) -> Backlog:
@@ -218,7 +219,7 @@ class RememberedRate:
     model: str
 
     def pixels_note(self) -> str:
-        return f"at {self.max_pixels / 1e6:.1f} MP per image, {Path(self.model).name or self.model}"
+        return f"{self.max_pixels / 1e6:.1f} MP per image with {Path(self.model).name or self.model}"
 
 
 class RateMemory:

@@ -225,12 +225,14 @@ def run(
         shown = 0
         images_described = 0
         dead_letters = 0
+        earlier_dead_letters = 0  # of documents this run did not publish: earlier work its workers took first
         next_progress = time.monotonic() + PROGRESS_EVERY_S
         while expected - results.keys():
             if time.monotonic() >= next_progress:
                 next_progress = time.monotonic() + PROGRESS_EVERY_S
                 console.print(_progress_line(probe, started, len(expected & results.keys()), len(expected),
-                                             images_described, images_expected, dead_letters),
+                                             images_described, images_expected, dead_letters,
+                                             earlier_dead_letters),
                               markup=False, highlight=False)
             if timeout_s is not None and time.monotonic() - started > timeout_s:
                 console.print(f"[red]timeout after {timeout_s:.0f}s[/]")
@@ -250,6 +252,7 @@ def run(
                         if tp.topic == settings.topics.deadletter:
                             letter = DeadLetter.decode(record.value)
                             dead_letters += letter.doc_id in expected
+                            earlier_dead_letters += letter.doc_id not in expected
                             continue
                         description = Description.decode(record.value)
                     except SchemaError as exc:
@@ -297,7 +300,7 @@ def _fresh_settings(settings: Any) -> Any:
 
 
 def _progress_line(probe: Any, started: float, docs_done: int, docs: int, described: int, images: int,
-                   dead_letters: int) -> str:
+                   dead_letters: int, earlier_dead_letters: int = 0) -> str:
     """One line of where the run stands: its own documents and images, and what each stage's group is doing."""
     elapsed = time.monotonic() - started
     try:
@@ -326,6 +329,8 @@ def _progress_line(probe: Any, started: float, docs_done: int, docs: int, descri
         if ahead:
             eta = f", about {ahead / rate:.0f} s" if rate else ""
             line += f" | earlier runs' work still ahead: about {ahead} images{eta}"
+    if earlier_dead_letters:
+        line += f" | dead letters of earlier runs' documents: {earlier_dead_letters} (`vlmstream redrive` retries them)"
     return line
 
 
