@@ -87,3 +87,18 @@ def test_run_counts_what_earlier_runs_left_queued_ahead(topic_names, unique, tmp
     finally:
         probe.close()
     assert measure_backlog(settings).images == 4
+
+
+def test_the_tiny_model_gets_a_small_budget_unless_one_is_given(monkeypatch):
+    from vlmstream.cli.run import TINY_MODEL_MAX_PIXELS, with_pixel_budget
+    from vlmstream.config import QWEN_MAX_PIXELS
+
+    settings, said = with_pixel_budget(load_settings())
+    assert settings.decode.max_pixels == TINY_MODEL_MAX_PIXELS and "--max-pixels" in said and "0.4 MP" in said
+    assert with_pixel_budget(load_settings(overrides={"decode": {"max_pixels": 1003520}}))[0].decode.max_pixels \
+        == 1003520  # the flag
+    monkeypatch.setenv("VLMSTREAM_DECODE__MAX_PIXELS", "802816")
+    assert with_pixel_budget(load_settings())[0].decode.max_pixels == 802816  # the environment (or a file)
+    monkeypatch.delenv("VLMSTREAM_DECODE__MAX_PIXELS")
+    real = load_settings(overrides={"infer": {"model": "Qwen/Qwen2.5-VL-7B-Instruct"}})
+    assert with_pixel_budget(real)[0].decode.max_pixels == QWEN_MAX_PIXELS  # a real model keeps its budget

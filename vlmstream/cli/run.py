@@ -139,15 +139,8 @@ def run(
                   "max_new_tokens": max_new_tokens},
     }
     settings = settings_from(ctx, overrides)
-    if not settings.infer.model and "max_pixels" not in settings.decode.model_fields_set:
-        settings = settings.model_copy(update={"decode": settings.decode.model_copy(
-            update={"max_pixels": TINY_MODEL_MAX_PIXELS})})
-        console.print(f"pixel budget: {TINY_MODEL_MAX_PIXELS:,} px per image ({TINY_MODEL_MAX_PIXELS / 1e6:.1f} MP, "
-                      "the built-in tiny model's CPU default: about a minute for 25 large photos on 2 cores); "
-                      "--max-pixels N or decode.max_pixels changes it")
-    else:
-        console.print(f"pixel budget: {settings.decode.max_pixels:,} px per image "
-                      f"({settings.decode.max_pixels / 1e6:.1f} MP; --max-pixels N or decode.max_pixels changes it)")
+    settings, said = with_pixel_budget(settings)
+    console.print(said)
     shared = settings
     if fresh:
         settings = _fresh_settings(settings)
@@ -282,6 +275,19 @@ def run(
     # A worker stopped by our SIGTERM before it had set up its handlers ends with -SIGTERM: still clean.
     clean = all(code in (0, -signal.SIGTERM) for code in codes.values())
     raise typer.Exit(0 if clean else 1)
+
+
+def with_pixel_budget(settings: Any) -> tuple[Any, str]:
+    """The built-in tiny model (no infer.model) gets TINY_MODEL_MAX_PIXELS unless decode.max_pixels was given (flag,
+    file or environment); a real model keeps the configured budget. Returns the settings and the line saying which."""
+    if not settings.infer.model and "max_pixels" not in settings.decode.model_fields_set:
+        settings = settings.model_copy(update={"decode": settings.decode.model_copy(
+            update={"max_pixels": TINY_MODEL_MAX_PIXELS})})
+        return settings, (f"pixel budget: {TINY_MODEL_MAX_PIXELS:,} px per image ({TINY_MODEL_MAX_PIXELS / 1e6:.1f} MP, "
+                          "the built-in tiny model's CPU default: about a minute for 25 large photos on 2 cores); "
+                          "--max-pixels N or decode.max_pixels changes it")
+    return settings, (f"pixel budget: {settings.decode.max_pixels:,} px per image "
+                      f"({settings.decode.max_pixels / 1e6:.1f} MP; --max-pixels N or decode.max_pixels changes it)")
 
 
 def _fresh_settings(settings: Any) -> Any:
