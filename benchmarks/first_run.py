@@ -9,6 +9,8 @@ behind a backlog that an earlier run left.
     `vlmstream decode`, and nothing describes them. Then `vlmstream run` on the built-in samples must say within
     --notice-within-s of its start that images are queued ahead of it; it is watched for a while (its progress
     lines) and stopped with SIGINT, as a user would.
+(c) `vlmstream run --fresh` behind what is left of that backlog must finish within --bound-s on topics of its own
+    and leave the backlog as it was (the groups' lag on the shared topics unchanged).
 
 Each part runs on topics and consumer groups of its own (uuid names, through a --config file), on the broker the
 settings name (the local one by default), and deletes them at the end: no one else's records are read or moved.
@@ -169,7 +171,8 @@ def part_a(workdir: Path, photos: Path, bound_s: float) -> bool:
     return ok
 
 
-def part_b(workdir: Path, photos: Path, backlog: int, notice_within_s: float, watch_s: float) -> bool:
+def part_b(workdir: Path, photos: Path, backlog: int, notice_within_s: float, watch_s: float,
+           bound_s: float) -> bool:
     config, settings = isolated_config(workdir, "backlog")
     files = sorted(p for p in photos.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES)
     manifest = workdir / "earlier-run.jsonl"
@@ -209,9 +212,57 @@ def part_b(workdir: Path, photos: Path, backlog: int, notice_within_s: float, wa
                 f"before its workers started" if notice else "never")
         print(f"(b) {'PASS' if ok else 'FAIL'}: the backlog notice came {when} (bound {notice_within_s:.0f} s), "
               f"naming {backlog} images; run stopped with exit {code}")
-        return ok
+        return ok and part_c(config, settings, bound_s)
     finally:
         cleanup(settings)
+        for fresh in fresh_copies(settings):
+            cleanup(fresh)
+
+
+def part_c(config: Path, settings, bound_s: float) -> bool:
+    """`run --fresh` behind the same backlog: it finishes on topics of its own, and the backlog is left as it was."""
+    from vlmstream.cli.backlog import measure_backlog
+
+    before = measure_backlog(settings)
+    print(f"(c) vlmstream run --fresh (built-in samples) behind the {before.images_ahead} images still queued; "
+          f"bound {bound_s:.0f} s")
+    run = Watched(cli(config, "run", "--fresh"))
+    code = run.wait(bound_s)
+    elapsed = time.monotonic() - run.started
+    if code is None:
+        run.stop(signal.SIGKILL, grace_s=5)
+    run.reader.join(timeout=5)
+    for at, line in run.lines:
+        if "filler_" not in line and line[:1] not in "┏┃┡│└":
+            print(f"  {at:6.1f}s | {line[:300]}")
+    after = measure_backlog(settings)
+    kept = (after.images, after.documents) == (before.images, before.documents)
+    ok = code == 0 and kept
+    print(f"(c) {'PASS' if ok else 'FAIL'}: exit {code} after {elapsed:.1f} s; the shared topics' backlog "
+          f"{'unchanged' if kept else 'CHANGED'}: {before.images_ahead} images before, {after.images_ahead} after")
+    return ok
+
+
+def fresh_copies(settings) -> list:
+    """The settings of every `run --fresh` made on these topics (their names + '.run-...')."""
+    from vlmstream.kafka.clients import make_admin
+
+    admin = make_admin(settings)
+    try:
+        names = admin.list_topics()
+    finally:
+        admin.close()
+    t = settings.topics
+    suffixes = {name[len(t.documents) + 1:] for name in names if name.startswith(f"{t.documents}.run-")}
+    copies = []
+    for suffix in suffixes:
+        topics = t.model_copy(update={k: f"{getattr(t, k)}.{suffix}" for k in
+                                      ("documents", "images", "descriptions", "embeddings", "results", "deadletter")})
+        copies.append(settings.model_copy(update={
+            "topics": topics,
+            "decode": settings.decode.model_copy(update={"group_id": f"{settings.decode.group_id}.{suffix}"}),
+            "infer": settings.infer.model_copy(update={"group_id": f"{settings.infer.group_id}.{suffix}"})}))
+    return copies
 
 
 def main() -> int:
@@ -229,7 +280,7 @@ def main() -> int:
         if args.only in (None, "a"):
             results.append(part_a(Path(tmp), photos, args.bound_s))
         if args.only in (None, "b"):
-            results.append(part_b(Path(tmp), photos, args.backlog, args.notice_within_s, args.watch_s))
+            results.append(part_b(Path(tmp), photos, args.backlog, args.notice_within_s, args.watch_s, args.bound_s))
     print("PASS" if all(results) else "FAIL")
     return 0 if all(results) else 1
 
