@@ -162,7 +162,12 @@ class Fetcher:
         except (OSError, RuntimeError) as exc:  # symlink loop, name too long, ~user with no such user
             raise NotFound(f"{raw_path}: cannot resolve: {exc}") from exc
         if not any(resolved.is_relative_to(root) for root in self.roots):
-            raise ForbiddenPath(f"{raw_path} resolves to {resolved}, outside the allowed roots")
+            roots = ", ".join(str(root) for root in self.roots)
+            raise ForbiddenPath(
+                f"{raw_path} resolves to {resolved}, outside the allowed roots ({roots}); the setting is "
+                f"decode.allowed_roots (empty: the decode worker's current directory), e.g. in the config file "
+                f"[decode] allowed_roots = [\"/data/images\"] or the environment "
+                f"VLMSTREAM_DECODE__ALLOWED_ROOTS='[\"/data/images\"]', on every decode machine")
         try:
             # O_NONBLOCK: opening a FIFO would otherwise wait forever for a writer. The type is checked on the open
             # handle, not before opening, so the path cannot be swapped for a FIFO or a device in between.

@@ -18,6 +18,12 @@ from rich.table import Table
 
 console = Console(stderr=True)
 REPO_ROOT = Path(__file__).resolve().parents[1]
+# The built-in tiny model's text is meaningless at any size, and its CPU time grows with the pixels: 25 large photos
+# took 286 s at the checkpoint's 12.8 MP budget (a user's report); 25 photos of 1-8 MP (Debian's mate and sway
+# backgrounds) took 74 s at 1 MP, 28 s at 0.4 MP and 26 s at 0.2 MP on a 2-core machine, startup included.
+# 0.4 MP leaves room for a busier machine; --max-pixels or decode.max_pixels change it.
+TINY_MODEL_MAX_PIXELS = 512 * 28 * 28  # 401,408
+PROGRESS_EVERY_S = 5.0
 
 
 def _settings_file(settings: Any) -> Path:
@@ -78,22 +84,35 @@ def run(
     per_file: bool = typer.Option(False, "--per-file", help="Every image file is its own document."),
     decode_workers: Optional[int] = typer.Option(None, "--decode-workers", help="Decode processes (default: one "
                                                  "per core)."),
-    max_pixels: Optional[int] = typer.Option(None, "--max-pixels", help="Pixel budget per image (model default "
-                                             "12845056; e.g. 1003520 = 1280*28*28)."),
+    max_pixels: Optional[int] = typer.Option(None, "--max-pixels", help="Pixel budget per image (a real model's "
+                                             "default 12845056; the built-in tiny model's, when neither this nor "
+                                             f"decode.max_pixels is set, {TINY_MODEL_MAX_PIXELS}; e.g. 1003520 = "
+                                             "1280*28*28)."),
     prompt: Optional[str] = typer.Option(None, "--prompt"),
     max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens"),
     force: bool = typer.Option(False, "--force", help="Publish documents again even if already published, and wait "
                                "for new results (without it, documents that have a result are done)."),
     show: int = typer.Option(40, "--show", help="Print at most this many descriptions as they arrive."),
     timeout_s: Optional[float] = typer.Option(None, "--timeout-s", help="Give up after this long."),
+    fresh: bool = typer.Option(False, "--fresh", help="Keep this run's work apart: topics and consumer groups of "
+                               "its own (the configured names + '.run-<id>'), so records earlier runs left queued on "
+                               "the shared topics are neither waited for nor touched (they stay for `vlmstream "
+                               "decode`/`infer`). The run's topics stay on the cluster; their names are printed."),
 ) -> None:
     """Run the whole pipeline on this machine: broker, topics, producer, decode workers, inference, results.
 
-    Prints descriptions as they arrive and a summary once every document has its result.
+    First says what earlier runs left queued ahead of this run's documents, and about how long it takes.
+
+    --fresh keeps the run apart from that backlog (topics and groups of its own).
+
+    Prints a progress line every few seconds, descriptions as they arrive, and a summary at the end.
     """
+    from kafka.errors import KafkaError
+
     from producers.publisher import publish_documents
     from producers.sources import IMAGE_EXTENSIONS, scan_folder
-    from schemas import Description, DocumentRef, DocumentResult, SchemaError
+    from schemas import DeadLetter, Description, DocumentRef, DocumentResult, SchemaError
+    from vlmstream.cli.backlog import RateMemory, RememberedRate, StageProbe, measure_backlog
     from vlmstream.cli.support import bootstrap, settings_from
     from vlmstream.kafka.clients import make_consumer
     from vlmstream.kafka.group import topic_partitions
@@ -120,6 +139,11 @@ def run(
                   "max_new_tokens": max_new_tokens},
     }
     settings = settings_from(ctx, overrides)
+    settings, said = with_pixel_budget(settings)
+    console.print(said)
+    shared = settings
+    if fresh:
+        settings = _fresh_settings(settings)
     roots = list(settings.decode.allowed_roots)
     if str(folder) not in roots:
         roots.append(str(folder))
@@ -135,6 +159,22 @@ def run(
     create_topics(settings)
     console.print(f"Kafka: {settings.kafka.bootstrap_servers}; topics: {settings.topics.documents} → "
                   f"{settings.topics.images} → {settings.topics.descriptions} / {settings.topics.results}")
+    rate_memory = RateMemory(settings)
+    backlog = measure_backlog(settings)
+    if fresh:
+        try:
+            left = f"{measure_backlog(shared).images_ahead} images"
+        except KafkaError as exc:
+            left = f"whatever is ({type(exc).__name__})"
+        console.print(f"--fresh: topics and groups of this run's own ({settings.topics.documents}, ...; groups "
+                      f"{settings.decode.group_id}, {settings.infer.group_id}); {left} queued on the shared "
+                      "topics are left there")
+    elif notice := backlog.notice(rate_memory.load()):
+        console.print(f"[bold yellow]{notice}[/]")
+        console.print("[yellow]  `vlmstream run --fresh` keeps a run apart from them (they stay queued); "
+                      "`vlmstream status` shows every stage's lag[/]")
+    else:
+        console.print("nothing from earlier runs is queued ahead of yours")
 
     config_file = _settings_file(settings)
     log_dir = Path(settings.broker.home).expanduser() / "logs"
@@ -143,20 +183,24 @@ def run(
     children: dict[str, subprocess.Popen] = {}
     results: dict[str, DocumentResult] = {}
     started = time.monotonic()
+    probe = None
     try:
         # Position the live view before anything is published, so no description is missed.
         watcher = make_consumer(settings, None)
         # The topics were created a moment ago: a watcher assigned before they list partitions would see nothing.
-        tps = topic_partitions(watcher, [settings.topics.descriptions, settings.topics.results])
+        tps = topic_partitions(watcher, [settings.topics.descriptions, settings.topics.results,
+                                         settings.topics.deadletter])
         watcher.assign(tps)
         # Results from the beginning: documents that already have one are done (a rerun resumes). With --force
         # every document is described again, so only results published from now on count.
-        from_now = [tp for tp in tps if tp.topic == settings.topics.descriptions or force]
+        from_now = [tp for tp in tps if tp.topic != settings.topics.results or force]
         for tp, end in watcher.end_offsets(from_now).items():
             watcher.seek(tp, end)
         if earlier := [tp for tp in tps if tp not in from_now]:  # (no argument would mean every partition)
             watcher.seek_to_beginning(*earlier)
 
+        probe = StageProbe(settings, backlog)
+        probe.snapshot()  # where the topics and groups stand before anything of this run is published
         children["decode"] = _child(["decode"], config_file, log_dir / f"decode-{stamp}.log")
         children["infer"] = _child(["infer"], config_file, log_dir / f"infer-{stamp}.log")
         console.print(f"decode and inference workers started (logs in {log_dir})")
@@ -164,6 +208,8 @@ def run(
         summary = publish_documents(settings, items, force=force)
         failed_ids = {failure.doc_id for failure in summary.failed}
         expected = {item.doc_id for item in items if isinstance(item, DocumentRef)} - failed_ids
+        images_expected = sum(len(item.image_uris) for item in items
+                              if isinstance(item, DocumentRef) and item.doc_id in expected)
         console.print(f"published {summary.sent} documents ({summary.skipped} already published, "
                       f"{len(summary.rejected)} rejected, {len(summary.failed)} not acknowledged); "
                       f"waiting for {len(expected)} document results")
@@ -171,7 +217,16 @@ def run(
             console.print(f"  [yellow]rejected[/] {rejection.where()}: {rejection.reason}: {rejection.detail}")
         shown = 0
         images_described = 0
+        dead_letters = 0
+        earlier_dead_letters = 0  # of documents this run did not publish: earlier work its workers took first
+        next_progress = time.monotonic() + PROGRESS_EVERY_S
         while expected - results.keys():
+            if time.monotonic() >= next_progress:
+                next_progress = time.monotonic() + PROGRESS_EVERY_S
+                console.print(_progress_line(probe, started, len(expected & results.keys()), len(expected),
+                                             images_described, images_expected, dead_letters,
+                                             earlier_dead_letters),
+                              markup=False, highlight=False)
             if timeout_s is not None and time.monotonic() - started > timeout_s:
                 console.print(f"[red]timeout after {timeout_s:.0f}s[/]")
                 raise typer.Exit(1)
@@ -186,6 +241,11 @@ def run(
                             result = DocumentResult.decode(record.value)
                             if result.doc_id in expected:
                                 results[result.doc_id] = result
+                            continue
+                        if tp.topic == settings.topics.deadletter:
+                            letter = DeadLetter.decode(record.value)
+                            dead_letters += letter.doc_id in expected
+                            earlier_dead_letters += letter.doc_id not in expected
                             continue
                         description = Description.decode(record.value)
                     except SchemaError as exc:
@@ -202,7 +262,12 @@ def run(
                         shown += 1
                         console.print("[dim](further descriptions not shown; --show to change)[/]")
         watcher.close()
+        rate = probe.infer_rate(window_s=float("inf"))
+        if rate:
+            rate_memory.save(RememberedRate(rate, settings.decode.max_pixels, settings.infer.model))
     finally:
+        if probe is not None:
+            probe.close()
         codes = _stop_children(children) if children else {}
         config_file.unlink(missing_ok=True)
     elapsed = time.monotonic() - started
@@ -210,6 +275,69 @@ def run(
     # A worker stopped by our SIGTERM before it had set up its handlers ends with -SIGTERM: still clean.
     clean = all(code in (0, -signal.SIGTERM) for code in codes.values())
     raise typer.Exit(0 if clean else 1)
+
+
+def with_pixel_budget(settings: Any) -> tuple[Any, str]:
+    """The built-in tiny model (no infer.model) gets TINY_MODEL_MAX_PIXELS unless decode.max_pixels was given (flag,
+    file or environment); a real model keeps the configured budget. Returns the settings and the line saying which."""
+    if not settings.infer.model and "max_pixels" not in settings.decode.model_fields_set:
+        settings = settings.model_copy(update={"decode": settings.decode.model_copy(
+            update={"max_pixels": TINY_MODEL_MAX_PIXELS})})
+        return settings, (f"pixel budget: {TINY_MODEL_MAX_PIXELS:,} px per image ({TINY_MODEL_MAX_PIXELS / 1e6:.1f} MP, "
+                          "the built-in tiny model's CPU default: about a minute for 25 large photos on 2 cores); "
+                          "--max-pixels N or decode.max_pixels changes it")
+    return settings, (f"pixel budget: {settings.decode.max_pixels:,} px per image "
+                      f"({settings.decode.max_pixels / 1e6:.1f} MP; --max-pixels N or decode.max_pixels changes it)")
+
+
+def _fresh_settings(settings: Any) -> Any:
+    """Topics and consumer groups of this run's own: the configured names + '.run-<time>-<random>'."""
+    import uuid
+
+    suffix = f"run-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:4]}"
+    t = settings.topics
+    names = {name: f"{getattr(t, name)}.{suffix}"
+             for name in ("documents", "images", "descriptions", "embeddings", "results", "deadletter")}
+    return settings.model_copy(update={
+        "topics": t.model_copy(update=names),
+        "decode": settings.decode.model_copy(update={"group_id": f"{settings.decode.group_id}.{suffix}"}),
+        "infer": settings.infer.model_copy(update={"group_id": f"{settings.infer.group_id}.{suffix}"}),
+    })
+
+
+def _progress_line(probe: Any, started: float, docs_done: int, docs: int, described: int, images: int,
+                   dead_letters: int, earlier_dead_letters: int = 0) -> str:
+    """One line of where the run stands: its own documents and images, and what each stage's group is doing."""
+    elapsed = time.monotonic() - started
+    try:
+        snap = probe.snapshot()
+    except Exception as exc:  # noqa: BLE001 - a progress line must never stop the run
+        return f"[{elapsed:4.0f}s] documents {docs_done}/{docs}, images described {described}/{images}; " \
+               f"stages not readable now ({type(exc).__name__})"
+    rate = probe.infer_rate()
+    first = probe.first
+    decoded = snap.images_published - first.images_published
+    if snap.infer_members == 0:
+        inference = "inference starting (loading the model)"
+    elif rate is None:
+        inference = f"inference: {snap.images_waiting} images waiting, first ones in work"
+    else:
+        inference = f"inference: {snap.images_waiting} images waiting, {rate:.2f} img/s"
+    line = (f"[{elapsed:4.0f}s] documents {docs_done}/{docs}, images described {described}/{images}, "
+            f"dead letters {dead_letters} | decode: {snap.documents_waiting} documents waiting, {decoded} images "
+            f"out since start | {inference}")
+    backlog = probe.backlog
+    if backlog is not None and backlog.images_ahead:
+        # Of the earlier work measured at the start: images still below the start's end offsets, plus the images of
+        # earlier documents not decoded yet (in proportion, about).
+        per_doc = backlog.document_images / backlog.documents if backlog.documents else 0.0
+        ahead = snap.earlier_ahead + round(snap.earlier_documents * per_doc)
+        if ahead:
+            eta = f", about {ahead / rate:.0f} s" if rate else ""
+            line += f" | earlier runs' work still ahead: about {ahead} images{eta}"
+    if earlier_dead_letters:
+        line += f" | dead letters of earlier runs' documents: {earlier_dead_letters} (`vlmstream redrive` retries them)"
+    return line
 
 
 def _print_summary(results: dict[str, Any], elapsed: float, codes: dict[str, int | None],

@@ -1,0 +1,245 @@
+"""What `vlmstream run` finds queued ahead of its documents, and how its stages move while it waits.
+
+The documents and images topics are shared by every run that uses the same cluster and topic names (the local
+broker keeps its data under the user's cache folder, for every checkout). Records an earlier run published and no
+worker has processed yet are the decode and inference groups' lag: a new run's workers join those groups and take
+the older records first. ``measure_backlog`` counts them in images; ``StageProbe`` reads the groups' committed
+offsets again every few seconds for the run's progress lines; ``RateMemory`` keeps the last run's inference rate on
+this machine, so a backlog can be given a duration before this run's inference has started.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kafka import TopicPartition
+from kafka.admin import OffsetSpec
+
+from schemas import DocumentRef, SchemaError
+from vlmstream.cli.replay import _partitions, _retry, group_state
+from vlmstream.config import Settings
+from vlmstream.kafka.clients import make_admin, make_consumer
+from vlmstream.kafka.records import poll_past_unreadable
+
+
+@dataclass
+class Backlog:
+    """Records below the topics' end offsets at the run's start that the stages' groups have not committed past."""
+
+    decode_group: str
+    infer_group: str
+    documents_topic: str
+    images_topic: str
+    documents: int  # documents on the documents topic not yet decoded
+    document_images: int  # images those documents name (as far as they were read, see images_counted)
+    images: int  # decoded images on the images topic not yet described
+    images_counted: bool = True  # False: reading the queued documents ran out of time; document_images is a floor
+    ends: dict[TopicPartition, int] = field(default_factory=dict)  # end offsets when measured
+
+    @property
+    def images_ahead(self) -> int:
+        return self.images + self.document_images
+
+    def notice(self, rate: RememberedRate | None) -> str | None:
+        """What `run` prints first when anything is queued ahead (a headline, then where it waits); None when
+        nothing is."""
+        if not self.images and not self.documents:
+            return None
+        floor = "" if self.images_counted else "at least "
+        if rate is not None and rate.images_per_s > 0:
+            how_long = (f"about {self.images_ahead / rate.images_per_s:.0f} s at {rate.images_per_s:.2f} img/s, the "
+                        f"last run's inference rate here at {rate.pixels_note()}; larger images take longer")
+        else:
+            how_long = "how long: the progress lines say once inference moves; no earlier rate is known here"
+        parts = []
+        if self.images:
+            parts.append(f"{self.images} decoded on {self.images_topic} not yet described by group {self.infer_group}")
+        if self.documents:
+            named = f"{self.document_images}{'' if self.images_counted else '+'} images"
+            parts.append(f"{self.documents} documents ({named}) on {self.documents_topic} not yet decoded by group "
+                         f"{self.decode_group}")
+        return (f"{floor}{self.images_ahead} images from earlier runs are queued ahead of yours ({how_long})\n"
+                f"  {'; '.join(parts)}")
+
+
+def measure_backlog(settings: Settings, count_within_s: float = 3.0) -> Backlog:
+    """The decode group's lag on the documents topic (and the images those documents name, read within
+    count_within_s) and the inference group's lag on the images topic. A partition a group never committed counts
+    from its earliest offset, where the group's workers would start (auto_offset_reset=earliest)."""
+    t = settings.topics
+    admin = make_admin(settings)
+    try:
+        docs = _lag(admin, settings.decode.group_id, t.documents)
+        images = _lag(admin, settings.infer.group_id, t.images)
+    finally:
+        admin.close()
+    ends = {tp: end for tp, (_start, end) in {**docs, **images}.items()}
+    document_images, counted = _count_document_images(settings, docs, count_within_s)
+    return Backlog(settings.decode.group_id, settings.infer.group_id, t.documents, t.images,
+                   documents=sum(end - start for start, end in docs.values()), document_images=document_images,
+                   images=sum(end - start for start, end in images.values()), images_counted=counted, ends=ends)
+
+
+def _lag(admin: Any, group_id: str, topic: str) -> dict[TopicPartition, tuple[int, int]]:
+    """tp -> (where the group resumes, end offset), for the partitions with records the group has not committed."""
+    tps = _partitions(admin, [topic])
+    if not tps:
+        return {}
+    committed = _retry(lambda: admin.list_group_offsets({group_id: tps}))[group_id]
+    earliest = admin.list_partition_offsets({tp: OffsetSpec.EARLIEST for tp in tps})
+    latest = admin.list_partition_offsets({tp: OffsetSpec.LATEST for tp in tps})
+    lag = {}
+    for tp in tps:
+        meta = committed.get(tp)
+        start = meta.offset if meta is not None and meta.offset >= 0 else earliest[tp].offset
+        start = max(start, earliest[tp].offset)  # records past retention are gone, not queued
+        if latest[tp].offset > start:
+            lag[tp] = (start, latest[tp].offset)
+    return lag
+
+
+def _count_document_images(settings: Settings, spans: dict[TopicPartition, tuple[int, int]],
+                           within_s: float) -> tuple[int, bool]:
+    """Images named by the documents in spans, read without a group; (count, whether every document was read)."""
+    if not spans:
+        return 0, True
+    consumer = make_consumer(settings, None)
+    images, seen = 0, 0
+    wanted = sum(end - start for start, end in spans.values())
+    try:
+        consumer.assign(list(spans))
+        for tp, (start, _end) in spans.items():
+            consumer.seek(tp, start)
+        deadline = time.monotonic() + within_s
+        done: set[TopicPartition] = set()
+        while len(done) < len(spans) and time.monotonic() < deadline:
+            for tp, records in poll_past_unreadable(consumer, timeout_ms=200).items():
+                for record in records:
+                    if record.offset >= spans[tp][1]:
+                        continue
+                    seen += 1
+                    try:
+                        images += len(DocumentRef.decode(record.value).image_uris)
+                    except SchemaError:
+                        pass  # dead-lettered by decode: no image
+            done = {tp for tp, (_start, end) in spans.items() if consumer.position(tp) >= end}
+    finally:
+        consumer.close()
+    # Offsets count transaction markers too, so "every partition read to its end" is the test, not seen == wanted.
+    return images, len(done) == len(spans) or seen >= wanted
+
+
+# --- while the run waits ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class StageSnapshot:
+    at: float
+    documents_waiting: int  # on the documents topic, not yet committed by the decode group
+    images_waiting: int  # on the images topic, not yet committed by the inference group
+    images_published: int  # the images topic's end offsets, summed
+    described: int  # the inference group's committed offsets on the images topic, summed
+    earlier_ahead: int  # of the backlog measured at the start: images records not yet committed past
+    earlier_documents: int  # and documents not yet committed past
+    infer_members: int
+
+
+class StageProbe:
+    """Reads the stages' groups and topics every few seconds: what is waiting where, and how fast inference
+    commits (over the last minute), for the run's progress lines."""
+
+    def __init__(self, settings: Settings, backlog: Backlog | None = None):
+        self.settings = settings
+        self.backlog = backlog
+        self.admin = make_admin(settings)
+        self.history: deque[StageSnapshot] = deque(maxlen=64)
+        self.first: StageSnapshot | None = None
+
+    def close(self) -> None:
+        self.admin.close()
+
+    def snapshot(self) -> StageSnapshot:
+        t, admin = self.settings.topics, self.admin
+        doc_tps, image_tps = _partitions(admin, [t.documents]), _partitions(admin, [t.images])
+        latest = admin.list_partition_offsets({tp: OffsetSpec.LATEST for tp in doc_tps + image_tps})
+        earliest = admin.list_partition_offsets({tp: OffsetSpec.EARLIEST for tp in doc_tps + image_tps})
+        decode = _retry(lambda: admin.list_group_offsets({self.settings.decode.group_id: doc_tps}))
+        infer = _retry(lambda: admin.list_group_offsets({self.settings.infer.group_id: image_tps}))
+        decode = decode[self.settings.decode.group_id]
+        infer = infer[self.settings.infer.group_id]
+
+        def done(committed: dict, tp: TopicPartition) -> int:
+            meta = committed.get(tp)
+            return meta.offset if meta is not None and meta.offset >= 0 else earliest[tp].offset
+
+        ends = self.backlog.ends if self.backlog else {}
+        snap = StageSnapshot(
+            at=time.monotonic(),
+            documents_waiting=sum(max(0, latest[tp].offset - done(decode, tp)) for tp in doc_tps),
+            images_waiting=sum(max(0, latest[tp].offset - done(infer, tp)) for tp in image_tps),
+            images_published=sum(latest[tp].offset for tp in image_tps),
+            described=sum(done(infer, tp) for tp in image_tps),
+            earlier_ahead=sum(max(0, ends[tp] - done(infer, tp)) for tp in image_tps if tp in ends),
+            earlier_documents=sum(max(0, ends[tp] - done(decode, tp)) for tp in doc_tps if tp in ends),
+            infer_members=len(group_state(admin, self.settings.infer.group_id)[1]),
+        )
+        self.first = self.first or snap
+        self.history.append(snap)
+        return snap
+
+    def infer_rate(self, window_s: float = 60.0) -> float | None:
+        """Images the inference group committed per second over the last window_s, counted from the last reading
+        before it first moved in that window (so the model's loading is not in it); None before it ever moved."""
+        if len(self.history) < 2:
+            return None
+        last = self.history[-1]
+        window = [s for s in self.history if last.at - s.at <= window_s]
+        start = 0
+        while start + 1 < len(window) and window[start + 1].described == window[0].described:
+            start += 1
+        base = window[start]
+        if base is last:
+            moved = any(s.described != self.history[0].described for s in self.history)
+            return 0.0 if moved else None
+        return (last.described - base.described) / (last.at - base.at)
+
+
+# --- the last run's rate ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class RememberedRate:
+    images_per_s: float
+    max_pixels: int
+    model: str
+
+    def pixels_note(self) -> str:
+        return f"{self.max_pixels / 1e6:.1f} MP per image with {Path(self.model).name or self.model}"
+
+
+class RateMemory:
+    """One small JSON file under the broker's home: the inference rate the last `vlmstream run` measured."""
+
+    def __init__(self, settings: Settings):
+        self.path = Path(settings.broker.home).expanduser() / "run-rate.json"
+
+    def load(self) -> RememberedRate | None:
+        try:
+            data = json.loads(self.path.read_text())
+            return RememberedRate(float(data["images_per_s"]), int(data["max_pixels"]), str(data["model"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    def save(self, rate: RememberedRate) -> None:
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(rate.__dict__))
+            tmp.replace(self.path)
+        except OSError:
+            pass  # a remembered rate is a convenience; a read-only cache must not fail the run
