@@ -530,7 +530,7 @@ def test_sigterm_drains_commits_and_leaves_the_group(topic_names, corpus_dir, un
     assert committed == {p: e for p, e in end_offsets(settings, settings.topics.images).items() if e}
     assert {p: done[p] for p in committed} == committed
     assert len(described) == len(records)
-    from vlmstream.cli.replay import group_state
+    from vlmstream.cli.groups import group_state
 
     admin = make_admin(settings)
     try:

@@ -122,7 +122,7 @@ def test_status_counts_throughput_by_record_time_and_a_sample_measures_each_stag
     turns the stages' commits into consumption rates and the time their backlog takes."""
     import threading
 
-    from vlmstream.cli.replay import StageStatus, pipeline_status, pipeline_throughput
+    from vlmstream.cli.status import StageStatus, pipeline_status, pipeline_throughput
 
     decode = topic_names.decode.model_copy(update={"group_id": f"test-decode-{unique}"})
     settings = topic_names.model_copy(update={"decode": decode})

@@ -43,9 +43,9 @@ def produce(
     Exit 1: the broker did not acknowledge a send; that document goes out on the next run.
     Exit 2: bad usage.
     """
-    from producers.publisher import publish_documents
     from producers.folder import scan_folder
     from producers.manifest import read_manifest
+    from producers.publisher import publish_documents
     from producers.stdin import read_lines
     from producers.watch import follow_jsonl, watch_folder
     from vlmstream.cli.support import bootstrap, settings_from

@@ -91,8 +91,8 @@ def run(
 
     Prints descriptions as they arrive and a summary once every document has its result.
     """
-    from producers.publisher import publish_documents
     from producers.folder import IMAGE_EXTENSIONS, scan_folder
+    from producers.publisher import publish_documents
     from schemas import Description, DocumentRef, DocumentResult, SchemaError
     from vlmstream.cli.support import bootstrap, settings_from
     from vlmstream.kafka.clients import make_consumer
