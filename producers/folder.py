@@ -80,6 +80,8 @@ def page_uris(path: Path) -> list[str]:
 
 
 def folder_document(root: Path, doc_id: str, files: list[Path] | OSError) -> DocumentRef | Rejection:
+    """One of ``folder_groups``' entries as a document, or as a rejection when its folder could not be listed or
+    the schema refuses it."""
     if isinstance(files, OSError):
         return Rejection(f"folder:{root}", None, "unreadable_folder",
                          f"{files.filename}: {files.strerror or files}; its document is not published without "
