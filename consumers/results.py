@@ -103,9 +103,9 @@ class _Doc:
         self.first[tp] = min(self.first.get(tp, offset), offset)
         self.last[tp] = max(self.last.get(tp, offset), offset)
 
-    def take_count(self, count: int | None) -> bool:
-        """Takes a record's image count; True when it differs from the one known: a newer version of the document
-        (the producer republished it with other images), which replaces what the result said."""
+    def is_new_version(self, count: int | None) -> bool:
+        """Whether a record's image count differs from the one known: a newer version of the document (the producer
+        republished it with other images), which replaces what the result said. Records the count as known."""
         new_version = None not in (self.image_count, count) and self.image_count != count
         if count is not None:
             self.image_count = count
@@ -252,7 +252,7 @@ class ResultsAggregator:
     def _on_description(self, tp: TopicPartition, offset: int, d: Description) -> None:
         doc = self._doc(d.doc_id)
         doc.add_position(tp, offset)
-        new_version = doc.take_count(d.image_count)  # another source URI at an index (below) is one too
+        new_version = doc.is_new_version(d.image_count)  # another source URI at an index (below) is one too
         if d.metadata:
             doc.metadata = {**d.metadata, **doc.metadata}
         before = doc.images.get(d.image_index)
@@ -267,7 +267,7 @@ class ResultsAggregator:
             return
         doc = self._doc(letter.doc_id)
         doc.add_position(tp, offset)
-        new_version = doc.take_count(letter.image_count)
+        new_version = doc.is_new_version(letter.image_count)
         failure = {"status": "failed", "source_uri": letter.source_uri, "stage": letter.stage,
                    "error_kind": letter.error_kind, "detail": letter.detail[:1000]}
         if letter.error_kind in NOTES and letter.image_index is not None:

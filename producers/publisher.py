@@ -1,6 +1,6 @@
 """The runner of the produce side: owns the Kafka producer and the ledger, turns source items into
-records on the documents topic, and bad input lines into dead letters. Sources (producers.sources)
-never touch Kafka.
+records on the documents topic, and bad input lines into dead letters. Sources (producers.manifest,
+csv_reader, stdin, folder, watch; what they yield is in producers.items) never touch Kafka.
 
 Per document:
 1. skip it when the ledger (or a send still in flight this run) holds the same content hash, unless forced;
@@ -21,8 +21,8 @@ from typing import Any, Callable, Iterable, Iterator, NamedTuple
 import orjson
 from kafka.errors import KafkaError, MessageSizeTooLargeError
 
+from producers.items import IDLE, Rejection, replace_non_utf8
 from producers.ledger import Ledger, bootstrap_scope, bytes_hash, document_hash, ledger_path
-from producers.sources import IDLE, Rejection, printable
 from schemas import DeadLetter, DocumentRef, b64_or_none, now
 from vlmstream.config import Settings
 from vlmstream.kafka.clients import make_producer
@@ -217,7 +217,7 @@ class DocumentPublisher:
         record_id = f"{rejection.origin}:{rejection.line}" if rejection.line is not None else rejection.origin
         if rejection.line is None and rejection.doc_id:
             record_id = f"{rejection.origin}:{rejection.doc_id}"
-        record_id = printable(record_id)  # the ledger stores text: a name that is not UTF-8 would not go in
+        record_id = replace_non_utf8(record_id)  # the ledger stores text: a name that is not UTF-8 would not go in
         content_hash = bytes_hash(rejection.raw, rejection.reason.encode())
         if self._already_published(self.deadletter_topic, record_id, content_hash):
             return
@@ -226,11 +226,11 @@ class DocumentPublisher:
         # The rejected input's own id or path may be what no record can hold (not UTF-8, too long): then it is
         # named in the detail, and the dead letter itself can always be written.
         doc_id = rejection.doc_id
-        if doc_id is not None and (not 0 < len(doc_id) <= 512 or printable(doc_id) != doc_id):
-            detail, doc_id = f"document {printable(doc_id)[:600]!r}: {detail}", None
+        if doc_id is not None and (not 0 < len(doc_id) <= 512 or replace_non_utf8(doc_id) != doc_id):
+            detail, doc_id = f"document {replace_non_utf8(doc_id)[:600]!r}: {detail}", None
         letter = DeadLetter(
-            stage="produce", error_kind=INVALID_LINE, retriable=False, detail=printable(detail)[:4000],
-            doc_id=doc_id, source_uri=printable(rejection.origin),
+            stage="produce", error_kind=INVALID_LINE, retriable=False, detail=replace_non_utf8(detail)[:4000],
+            doc_id=doc_id, source_uri=replace_non_utf8(rejection.origin),
             original_value_b64=b64_or_none(rejection.raw), created_at=now(),
         )
         try:
@@ -300,7 +300,7 @@ def _chunks(items: Iterable[Any], size: int) -> Iterator[list[Any]]:
 def publish_documents(settings: Settings, items: Iterable[Any], *, force: bool = False, use_ledger: bool = True,
                       stop: threading.Event | None = None,
                       on_progress: Callable[[PublishSummary], None] | None = None) -> PublishSummary:
-    """Publish every item of a source (see producers.sources) and return what happened."""
+    """Publish every item of a source (see producers.items) and return what happened."""
     with DocumentPublisher(settings, force=force, use_ledger=use_ledger, stop=stop,
                            on_progress=on_progress) as publisher:
         return publisher.publish(items)

@@ -1,6 +1,7 @@
 """Test tiers: pure stage tests need nothing; `kafka` tests share one real local broker per session
 (started here through the project's own broker module, reused when `.ci/run` already started it);
 `model` tests build the tiny random-weight Qwen2.5-VL on CPU; `gpu` tests run on the device only.
+Every test that uses a broker fixture is marked `kafka` here, so `-m "not kafka"` never reaches for a broker.
 """
 
 from __future__ import annotations
@@ -14,7 +15,16 @@ import pytest
 from vlmstream.config import Settings, load_settings
 
 REPO = Path(__file__).resolve().parents[1]
+BROKER_FIXTURES = frozenset({"kafka_settings", "topic_names"})
 CORPUS_CANDIDATES = [os.environ.get("VLMSTREAM_TEST_IMAGES", ""), str(REPO.parent / "shared" / "corpus")]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark `kafka` every test that reaches the broker through a fixture. ``fixturenames`` is the closure: a
+    fixture that depends on ``topic_names`` (a module's own ``settings``) brings it in too."""
+    for item in items:
+        if BROKER_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.kafka)
 
 
 @pytest.fixture(scope="session")
@@ -53,3 +63,16 @@ def corpus_dir() -> Path:
 @pytest.fixture
 def unique() -> str:
     return uuid.uuid4().hex[:12]
+
+
+@pytest.fixture(scope="module")
+def engine():
+    """One real TransformersEngine (tiny model) for the in-process runs of a module (the inference runner's tests,
+    replay's): loading it is the slow part."""
+    from tests.helpers import real_engine
+
+    settings = load_settings()
+    instance = real_engine(settings.model_copy(update={"infer": settings.infer.model_copy(
+        update={"batch_size": 4, "max_new_tokens": 8})}))
+    yield instance
+    instance.close()

@@ -1,4 +1,4 @@
-"""Helpers for tests on the real broker: uuid-named topics and reading a topic back."""
+"""Helpers for tests on the real broker: uuid-named topics, reading a topic back, end and committed offsets."""
 
 from __future__ import annotations
 
@@ -77,6 +77,25 @@ def read_topic(settings: Settings, topic: str, *, expected: int | None = None, t
         return records
     finally:
         consumer.close()
+
+
+def end_offsets(settings: Settings, topic: str, *, read_committed: bool = False) -> dict[int, int]:
+    consumer = KafkaConsumer(**settings.kafka.client_kwargs(), group_id=None,
+                             isolation_level="read_committed" if read_committed else "read_uncommitted")
+    try:
+        partitions = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic) or ())]
+        return {tp.partition: offset for tp, offset in consumer.end_offsets(partitions).items()}
+    finally:
+        consumer.close()
+
+
+def committed_offsets(settings: Settings, group_id: str, topic: str) -> dict[int, int]:
+    admin = make_admin(settings)
+    try:
+        offsets = admin.list_group_offsets(group_id).get(group_id, {})
+    finally:
+        admin.close()
+    return {tp.partition: om.offset for tp, om in offsets.items() if tp.topic == topic and om.offset >= 0}
 
 
 class NotUtf8HeaderKey(str):

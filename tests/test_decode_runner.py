@@ -7,12 +7,8 @@ from __future__ import annotations
 import base64
 import json
 import os
-import re
 import signal
 import socket
-import subprocess
-import sys
-import time
 from collections import Counter
 from pathlib import Path
 
@@ -20,39 +16,27 @@ import pytest
 from kafka import KafkaConsumer, TopicPartition
 from PIL import Image
 
+from schemas import DeadLetter, DocumentRef, decode_image_payload
+from tests.helpers import SMALL, Fleet, corpus_images, wait_for
+from tests.kafka_helpers import (
+    NotUtf8HeaderKey,
+    committed_offsets,
+    end_offsets,
+    read_topic,
+    send_in_aborted_transaction,
+)
+from vlmstream.config import Settings
 from vlmstream.images.claimcheck import ClaimCheckStore
 from vlmstream.images.payload import payload_to_array
-from schemas import DeadLetter, DocumentRef, decode_image_payload
-from tests.kafka_helpers import NotUtf8HeaderKey, read_topic, send_in_aborted_transaction
-from vlmstream.config import Settings
 from vlmstream.kafka.clients import make_admin, make_producer
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 
-REPO = Path(__file__).resolve().parents[1]
-SMALL = 256 * 28 * 28  # keeps the tests fast; the sizes still come from smart_resize
 MEDIUM = 1280 * 28 * 28
 JPEG = (".jpg", ".jpeg")
 
 
 # --- helpers -----------------------------------------------------------------------------------
-
-
-def corpus_images(corpus_dir: Path, count: int, suffixes=(".jpg", ".jpeg", ".png", ".webp")) -> list[Path]:
-    """``count`` real images, mixing formats where the folder has several (JPEG only decodes fastest: the
-    machine is shared and slow, and the runner tests are about delivery, not codecs)."""
-    by_format: dict[str, list[Path]] = {}
-    for path in sorted(corpus_dir.rglob("*")):
-        if path.suffix.lower() in suffixes:
-            by_format.setdefault(path.suffix.lower().replace(".jpeg", ".jpg"), []).append(path)
-    mixed: list[Path] = []
-    while len(mixed) < count and any(by_format.values()):
-        for paths in by_format.values():
-            if paths and len(mixed) < count:
-                mixed.append(paths.pop(0))
-    while len(mixed) < count:  # a small folder: reuse its images
-        mixed.append(mixed[len(mixed) % max(1, len(mixed))])
-    return mixed
 
 
 def publish(settings: Settings, messages: list[DocumentRef | bytes], partition: int | None = None) -> list:
@@ -73,16 +57,6 @@ def publish(settings: Settings, messages: list[DocumentRef | bytes], partition: 
         producer.close()
 
 
-def end_offsets(settings: Settings, topic: str, *, read_committed: bool = False) -> dict[int, int]:
-    consumer = KafkaConsumer(**settings.kafka.client_kwargs(), group_id=None,
-                             isolation_level="read_committed" if read_committed else "read_uncommitted")
-    try:
-        partitions = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic) or ())]
-        return {tp.partition: offset for tp, offset in consumer.end_offsets(partitions).items()}
-    finally:
-        consumer.close()
-
-
 class EndOffsets:
     """The images topic's high watermark and last stable offset (read_committed end), one client each, reused:
     a new client per look costs a second on a loaded machine and the moment to look is short."""
@@ -101,97 +75,10 @@ class EndOffsets:
         self.stable.close()
 
 
-def committed_offsets(settings: Settings, group_id: str, topic: str) -> dict[int, int]:
-    admin = make_admin(settings)
-    try:
-        offsets = admin.list_group_offsets(group_id).get(group_id, {})
-    finally:
-        admin.close()
-    return {tp.partition: om.offset for tp, om in offsets.items() if tp.topic == topic and om.offset >= 0}
-
-
-def wait_for(predicate, timeout_s: float, what: str, fleet: "Fleet | None" = None, interval_s: float = 0.3):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        if fleet is not None and fleet.process.poll() is not None:
-            raise AssertionError(f"fleet exited ({fleet.process.returncode}) while waiting for {what}\n{fleet.log()}")
-        time.sleep(interval_s)
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}\n{fleet.log() if fleet else ''}")
-
-
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
-
-
-class Fleet:
-    """`vlmstream decode` in a subprocess, its log in a file (the supervisor logs each worker's pid)."""
-
-    def __init__(self, settings: Settings, tmp_path: Path, *args: str, decode: dict | None = None,
-                 kafka: dict | None = None, producer: dict | None = None, metrics_port: int = 0):
-        self.settings = settings
-        self.group_id = f"decode-test-{settings.topics.documents}"
-        config = {
-            "kafka": {"bootstrap_servers": settings.kafka.bootstrap_servers, **(kafka or {})},
-            "topics": settings.topics.model_dump(mode="json"),
-            "decode": {"group_id": self.group_id, "session_timeout_ms": 6000, **(decode or {})},
-            "producer": producer or {},
-            "metrics_port": metrics_port,
-        }
-        config_file = tmp_path / f"decode-{len(list(tmp_path.glob('decode-*.json')))}.json"
-        config_file.write_text(json.dumps(config))
-        self.log_file = config_file.with_suffix(".log")
-        env = {k: v for k, v in os.environ.items() if not k.startswith("VLMSTREAM_") or k == "VLMSTREAM_HOME"}
-        env.pop("PROMETHEUS_MULTIPROC_DIR", None)
-        with open(self.log_file, "wb") as log:
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", "vlmstream.cli", "--config", str(config_file), "decode", *args],
-                cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-
-    def log(self) -> str:
-        return self.log_file.read_text(errors="replace")
-
-    def worker_pids(self, index: int) -> list[int]:
-        return [int(p) for i, p in re.findall(r"worker (\d+) started \(pid (\d+)\)", self.log()) if int(i) == index]
-
-    def assigned_workers(self) -> set[int]:
-        return {int(i) for i in re.findall(r"decode worker (\d+): assigned", self.log())}
-
-    def documents_per_worker(self) -> dict[int, int]:
-        counts: dict[int, int] = Counter()
-        for index, docs in re.findall(r"decode worker (\d+) stopped: (\d+) documents", self.log()):
-            counts[int(index)] += int(docs)
-        return counts
-
-    def wait(self, timeout_s: float = 60) -> int:
-        try:
-            return self.process.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            self.kill()
-            raise AssertionError(f"fleet did not exit within {timeout_s}s\n{self.log()}") from None
-
-    def kill(self) -> None:
-        """The supervisor and its workers (their own session, so nothing else is touched)."""
-        try:
-            os.killpg(self.process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.process.wait()
-
-    def stop(self, timeout_s: float = 60) -> int:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-        return self.wait(timeout_s)
-
-    def __enter__(self) -> "Fleet":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.kill()  # also any worker left behind by a failed test
 
 
 def image_keys(records) -> list[str]:

@@ -510,7 +510,7 @@ def test_pages_are_counted_only_up_to_a_bound(tmp_path, monkeypatch):
     """Pillow's own page count walks every page directory, quadratically: a hostile TIFF of 100,000 one-pixel pages
     took 54 s to count, in the decode stage and in the folder source alike."""
     import vlmstream.images.pages as page_files
-    from producers.sources import page_uris
+    from producers.folder import page_uris
 
     monkeypatch.setattr(page_files, "MAX_PAGES", 4)
     many = save_pages(tmp_path / "many.tif", [(i * 40, 0, 0) for i in range(6)])

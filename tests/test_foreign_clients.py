@@ -16,8 +16,8 @@ import orjson
 import pytest
 from kafka import TopicPartition
 
+from tests.helpers import SMALL, Fleet, corpus_images
 from tests.kafka_helpers import read_topic
-from tests.test_decode_runner import SMALL, Fleet, corpus_images
 from vlmstream.broker import provision_jars
 from vlmstream.config import Settings
 from vlmstream.kafka.clients import make_consumer
@@ -46,9 +46,9 @@ def java_client(settings: Settings, *args: str, stdin: str = "", timeout_s: floa
 @pytest.mark.timeout(240)
 def test_documents_from_the_java_client_in_every_codec_are_decoded_and_it_reads_our_outputs(
         topic_names, corpus_dir, tmp_path, unique):
-    """kafka-python has only gzip built in: a batch in snappy, lz4 or zstd used to stop every decode worker that
-    met it, on the same batch after every restart. The fleet runs exactly-once (its images are written in
-    transactions) and its own producer writes zstd."""
+    """kafka-python has only gzip built in: without the other codecs installed, a batch in snappy, lz4 or zstd
+    would stop every decode worker that met it, on the same batch after every restart. The fleet runs exactly-once
+    (its images are written in transactions) and its own producer writes zstd."""
     [image] = corpus_images(corpus_dir, 1, suffixes=(".jpg", ".jpeg"))
     expected = set()
     for codec in CODECS:

@@ -5,15 +5,12 @@ control completion order for the offset logic.
 
 from __future__ import annotations
 
-import dataclasses
-import os
 import signal
 import subprocess
 import sys
 import threading
 import time
 from collections import Counter
-from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
@@ -22,128 +19,33 @@ from kafka import KafkaProducer, TopicPartition
 
 from consumers.infer.engine import InferenceOutput
 from schemas import DeadLetter, Description, DocumentResult, Embedding, ImagePayload
-from tests.kafka_helpers import NotUtf8HeaderKey, read_topic, send_in_aborted_transaction
+from tests.helpers import (
+    description_counts,
+    documents,
+    infer_settings,
+    payload_record,
+    prepared_corpus,
+    produce_images,
+    real_engine,
+    run_until_idle,
+    subprocess_env,
+    tiny_model_dir,
+    wait_for,
+)
+from tests.kafka_helpers import (
+    NotUtf8HeaderKey,
+    committed_offsets,
+    end_offsets,
+    read_topic,
+    send_in_aborted_transaction,
+)
 from vlmstream.config import Settings
 from vlmstream.kafka.clients import make_admin
 
 REPO = Path(__file__).resolve().parents[1]
-SMALL = 256 * 28 * 28  # a few hundred visual tokens at most: quick on the CPU tiny model
 
 
-# --- helpers shared with test_results.py and test_replay.py -----------------------------------------
-
-
-@lru_cache(maxsize=1)
-def prepared_corpus(corpus_dir: str, count: int = 8) -> tuple:
-    """Real corpus images through the real decode stage at a small pixel budget."""
-    from consumers.decode.stage import DecodeStage
-    from vlmstream.config import DecodeSettings
-
-    files = sorted(p for p in Path(corpus_dir).rglob("*") if p.suffix.lower() in (".jpg", ".png", ".webp"))
-    # The smallest files decode fastest on this 2-core machine; the set still mixes formats.
-    files = sorted(files, key=lambda p: p.stat().st_size)[:count]
-    stage = DecodeStage(DecodeSettings(max_pixels=SMALL, allowed_roots=[corpus_dir], codec="jpeg"))
-    out = []
-    try:
-        for path in files:
-            prepared = stage(str(path))
-            assert not hasattr(prepared, "error_kind"), prepared
-            out.append((str(path), prepared))
-    finally:
-        stage.close()
-    return tuple(out)
-
-
-def payload_record(doc_id: str, index: int, count: int, uri: str, prepared, **meta_changes):
-    meta = ImagePayload(doc_id=doc_id, image_index=index, image_count=count, source_uri=uri, codec=prepared.codec,
-                        width=prepared.width, height=prepared.height, grid_thw=tuple(prepared.grid_thw),
-                        orig_width=prepared.orig_width, orig_height=prepared.orig_height,
-                        payload_bytes=len(prepared.data), decode_ms=prepared.decode_ms,
-                        metadata={"case": doc_id})
-    meta = dataclasses.replace(meta, **meta_changes)
-    return meta, prepared.data
-
-
-def produce_images(settings: Settings, records, partition: int | None = None) -> None:
-    producer = KafkaProducer(**settings.kafka.client_kwargs(), max_request_size=settings.kafka.max_message_bytes)
-    try:
-        for meta, value in records:
-            producer.send(settings.topics.images, key=meta.key(), value=value, headers=meta.headers(),
-                          partition=partition)
-        producer.flush()
-    finally:
-        producer.close()
-
-
-def documents(corpus_dir, prefix: str, sizes: list[int]):
-    """Documents of ``sizes`` images each, cycling through the prepared corpus."""
-    corpus = prepared_corpus(str(corpus_dir))
-    records, k = [], 0
-    for d, size in enumerate(sizes):
-        for i in range(size):
-            uri, prepared = corpus[k % len(corpus)]
-            k += 1
-            records.append(payload_record(f"{prefix}-{d}", i, size, uri, prepared))
-    return records
-
-
-def infer_settings(settings: Settings, unique: str, **changes) -> Settings:
-    infer = settings.infer.model_copy(update={"group_id": f"test-infer-{unique}", "max_new_tokens": 8,
-                                              "batch_size": 4, "max_images_in_flight": 8, **changes})
-    return settings.model_copy(update={"infer": infer})
-
-
-@lru_cache(maxsize=1)
-def tiny_model_dir() -> str:
-    from consumers.infer.tiny_model import default_tiny_model_dir
-
-    return str(default_tiny_model_dir())
-
-
-def real_engine(settings: Settings):
-    from consumers.infer.factory import make_engine
-
-    return make_engine(settings.infer.model_copy(update={"engine": "transformers"}), tiny_model_dir())
-
-
-@pytest.fixture(scope="module")
-def engine():
-    """One real TransformersEngine (tiny model) for the in-process runs of a module: loading it is the slow part."""
-    from vlmstream.config import load_settings
-
-    settings = load_settings()
-    instance = real_engine(settings.model_copy(update={"infer": settings.infer.model_copy(
-        update={"batch_size": 4, "max_new_tokens": 8})}))
-    yield instance
-    instance.close()
-
-
-def run_until_idle(settings: Settings, engine, **kwargs):
-    from consumers.infer.runner import InferenceRunner
-
-    runner = InferenceRunner(settings, engine, **kwargs)
-    assert runner.run(threading.Event(), max_seconds=150, until_idle_s=2.5) == 0
-    return runner
-
-
-def committed_offsets(settings: Settings, group_id: str, topic: str) -> dict[int, int]:
-    admin = make_admin(settings)
-    try:
-        offsets = admin.list_group_offsets({group_id: None})[group_id]
-    finally:
-        admin.close()
-    return {tp.partition: meta.offset for tp, meta in offsets.items() if tp.topic == topic}
-
-
-def end_offsets(settings: Settings, topic: str) -> dict[int, int]:
-    from kafka import KafkaConsumer
-
-    consumer = KafkaConsumer(**settings.kafka.client_kwargs())
-    try:
-        tps = [TopicPartition(topic, p) for p in consumer.partitions_for_topic(topic)]
-        return {tp.partition: off for tp, off in consumer.end_offsets(tps).items()}
-    finally:
-        consumer.close()
+# --- helpers -------------------------------------------------------------------------------------------
 
 
 def run_in_thread(runner, **kwargs):
@@ -154,44 +56,9 @@ def run_in_thread(runner, **kwargs):
     return stop, thread, result
 
 
-def subprocess_env(settings: Settings) -> dict[str, str]:
-    t, i = settings.topics, settings.infer
-    env = dict(os.environ)
-    env.update({f"VLMSTREAM_TOPICS__{k.upper()}": getattr(t, k) for k in
-                ("documents", "images", "descriptions", "embeddings", "results", "deadletter")})
-    env.update({"VLMSTREAM_INFER__GROUP_ID": i.group_id, "VLMSTREAM_INFER__MAX_NEW_TOKENS": str(i.max_new_tokens),
-                "VLMSTREAM_INFER__BATCH_SIZE": str(i.batch_size), "VLMSTREAM_INFER__ENGINE": "transformers",
-                "VLMSTREAM_INFER__MODEL": tiny_model_dir(), "PYTHONUNBUFFERED": "1"})
-    if i.max_images_in_flight is not None:  # unset: the engine's own window (InferSettings.images_in_flight)
-        env["VLMSTREAM_INFER__MAX_IMAGES_IN_FLIGHT"] = str(i.max_images_in_flight)
-    return env
-
-
 def start_infer(settings: Settings, *args: str, log_path: Path) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "vlmstream.cli", "infer", *args], cwd=REPO,
                             env=subprocess_env(settings), stdout=open(log_path, "wb"), stderr=subprocess.STDOUT)
-
-
-def wait_for(predicate, timeout_s: float, what: str):
-    from kafka.errors import KafkaError
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            value = predicate()
-        except KafkaError:  # a loaded shared broker sometimes drops a metadata request: ask again
-            value = None
-        if value:
-            return value
-        time.sleep(0.3)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
-def description_counts(settings: Settings, expected: int | None = None, timeout_s: float = 30.0,
-                       read_committed: bool = False) -> Counter:
-    records = read_topic(settings, settings.topics.descriptions, expected=expected, timeout_s=timeout_s,
-                         idle_s=1.0, read_committed=read_committed)
-    return Counter((d.doc_id, d.image_index) for d in (Description.decode(r.value) for r in records))
 
 
 # --- offset logic (own engine: it only controls the completion order) -------------------------------
@@ -532,7 +399,7 @@ def test_sigterm_drains_commits_and_leaves_the_group(topic_names, corpus_dir, un
     assert committed == {p: e for p, e in end_offsets(settings, settings.topics.images).items() if e}
     assert {p: done[p] for p in committed} == committed
     assert len(described) == len(records)
-    from vlmstream.cli.replay import group_state
+    from vlmstream.cli.groups import group_state
 
     admin = make_admin(settings)
     try:

@@ -15,19 +15,13 @@ from pathlib import Path
 import orjson
 import pytest
 
+from producers.folder import folder_groups, scan_folder
+from producers.items import IDLE, Rejection, natural_key
+from producers.json_document import parse_json_line
+from producers.manifest import read_manifest
 from producers.publisher import PublishSummary, publish_documents
-from producers.sources import (
-    IDLE,
-    Rejection,
-    follow_jsonl,
-    folder_groups,
-    natural_key,
-    parse_json_line,
-    read_lines,
-    read_manifest,
-    scan_folder,
-    watch_folder,
-)
+from producers.stdin import read_lines
+from producers.watch import follow_jsonl, watch_folder
 from schemas import HEADER_DOC_ID, HEADER_SCHEMA, DeadLetter, DocumentRef, header_value
 from tests.kafka_helpers import read_topic
 from vlmstream.config import Settings
@@ -122,7 +116,7 @@ def test_manifests_as_other_tools_write_them(tmp_path: Path) -> None:
     (wrapped,) = docs("w.json", b'{"documents": [{"doc_id": "c", "image_uris": ["z.jpg"]}]}')
     assert wrapped.doc_id == "c"
     assert docs("bad.json", b"[{")[0].reason == "invalid_json"
-    from producers.sources import parse_stdin_line
+    from producers.stdin import parse_stdin_line
 
     assert parse_stdin_line(b"\xef\xbb\xbfscan.jpg\r\n", line=1, base_dir=tmp_path).doc_id == "scan.jpg"
     assert parse_json_line(b'{"doc_id": true, "image_uris": ["x"]}', line=1, origin="m",
@@ -151,7 +145,7 @@ def test_folder_sources_pick_every_format_the_decode_stage_reads(tmp_path: Path)
 def test_a_multi_page_tiff_in_a_folder_is_one_image_per_page(tmp_path: Path) -> None:
     from PIL import Image
 
-    from producers.sources import scan_folder
+    from producers.folder import scan_folder
 
     book = tmp_path / "book"
     book.mkdir()

@@ -11,11 +11,18 @@ from kafka.structs import OffsetAndMetadata
 from typer.testing import CliRunner
 
 from schemas import DocumentRef, decode_image_payload
-from tests.kafka_helpers import read_topic
-from tests.test_infer_runner import (committed_offsets, description_counts, documents, end_offsets, infer_settings,
-                                     payload_record, prepared_corpus, produce_images, run_until_idle,
-                                     subprocess_env, wait_for)
-from tests.test_infer_runner import engine  # noqa: F401 - the shared module fixture
+from tests.helpers import (
+    description_counts,
+    documents,
+    infer_settings,
+    payload_record,
+    prepared_corpus,
+    produce_images,
+    run_until_idle,
+    subprocess_env,
+    wait_for,
+)
+from tests.kafka_helpers import committed_offsets, end_offsets, read_topic
 from vlmstream.cli.main import app
 from vlmstream.kafka.clients import make_admin, make_consumer
 
@@ -32,7 +39,7 @@ def cli(settings, *args: str):
 @pytest.mark.model
 @pytest.mark.slow
 def test_replay_to_a_timestamp_redoes_exactly_the_later_messages_and_redrive_republishes(
-        topic_names, corpus_dir, unique, engine):  # noqa: F811
+        topic_names, corpus_dir, unique, engine):
     settings = infer_settings(topic_names, unique)
     batch_a = documents(corpus_dir, f"a-{unique}", [2])
     meta, value = payload_record(f"a-{unique}-poison", 0, 1, *prepared_corpus(str(corpus_dir))[2])
@@ -122,7 +129,7 @@ def test_status_counts_throughput_by_record_time_and_a_sample_measures_each_stag
     turns the stages' commits into consumption rates and the time their backlog takes."""
     import threading
 
-    from vlmstream.cli.replay import StageStatus, pipeline_status, pipeline_throughput
+    from vlmstream.cli.status import StageStatus, pipeline_status, pipeline_throughput
 
     decode = topic_names.decode.model_copy(update={"group_id": f"test-decode-{unique}"})
     settings = topic_names.model_copy(update={"decode": decode})

@@ -11,16 +11,10 @@ from pathlib import Path
 import orjson
 import pytest
 
-from producers.sources import (
-    IDLE,
-    Rejection,
-    follow_jsonl,
-    natural_key,
-    read_manifest,
-    resolve_uri,
-    scan_folder,
-    watch_folder,
-)
+from producers.folder import scan_folder
+from producers.items import IDLE, Rejection, natural_key, resolve_uri
+from producers.manifest import read_manifest
+from producers.watch import follow_jsonl, watch_folder
 from schemas import DocumentRef, SchemaError
 
 
@@ -203,7 +197,7 @@ def test_a_line_written_for_another_schema_version_is_refused(tmp_path: Path) ->
 
 
 def test_stdin_json_arrays_are_refused_and_bracketed_paths_kept(tmp_path: Path) -> None:
-    from producers.sources import parse_stdin_line
+    from producers.stdin import parse_stdin_line
 
     rejected = parse_stdin_line(b'[{"doc_id": "a", "images": ["x.jpg"]}]', line=1, base_dir=tmp_path)
     assert isinstance(rejected, Rejection) and rejected.reason == "not_an_object"

@@ -21,7 +21,7 @@ from kafka import TopicPartition
 from kafka.admin import OffsetSpec
 
 from schemas import DocumentRef, SchemaError
-from vlmstream.cli.replay import _partitions, _retry, group_state
+from vlmstream.cli.groups import group_state, retry_until_coordinator, stage_partitions
 from vlmstream.config import Settings
 from vlmstream.kafka.clients import make_admin, make_consumer
 from vlmstream.kafka.records import poll_past_unreadable
@@ -87,10 +87,10 @@ def measure_backlog(settings: Settings, count_within_s: float = 3.0) -> Backlog:
 
 def _lag(admin: Any, group_id: str, topic: str) -> dict[TopicPartition, tuple[int, int]]:
     """tp -> (where the group resumes, end offset), for the partitions with records the group has not committed."""
-    tps = _partitions(admin, [topic])
+    tps = stage_partitions(admin, [topic])
     if not tps:
         return {}
-    committed = _retry(lambda: admin.list_group_offsets({group_id: tps}))[group_id]
+    committed = retry_until_coordinator(lambda: admin.list_group_offsets({group_id: tps}))[group_id]
     earliest = admin.list_partition_offsets({tp: OffsetSpec.EARLIEST for tp in tps})
     latest = admin.list_partition_offsets({tp: OffsetSpec.LATEST for tp in tps})
     lag = {}
@@ -165,11 +165,11 @@ class StageProbe:
 
     def snapshot(self) -> StageSnapshot:
         t, admin = self.settings.topics, self.admin
-        doc_tps, image_tps = _partitions(admin, [t.documents]), _partitions(admin, [t.images])
+        doc_tps, image_tps = stage_partitions(admin, [t.documents]), stage_partitions(admin, [t.images])
         latest = admin.list_partition_offsets({tp: OffsetSpec.LATEST for tp in doc_tps + image_tps})
         earliest = admin.list_partition_offsets({tp: OffsetSpec.EARLIEST for tp in doc_tps + image_tps})
-        decode = _retry(lambda: admin.list_group_offsets({self.settings.decode.group_id: doc_tps}))
-        infer = _retry(lambda: admin.list_group_offsets({self.settings.infer.group_id: image_tps}))
+        decode = retry_until_coordinator(lambda: admin.list_group_offsets({self.settings.decode.group_id: doc_tps}))
+        infer = retry_until_coordinator(lambda: admin.list_group_offsets({self.settings.infer.group_id: image_tps}))
         decode = decode[self.settings.decode.group_id]
         infer = infer[self.settings.infer.group_id]
 

@@ -16,8 +16,9 @@ def replay(
     """Rewind a stage's consumer group so its workers redo the messages after a point (workers must be stopped)."""
     from rich.table import Table
 
-    from vlmstream.cli.support import bootstrap, settings_from
+    from vlmstream.cli.groups import IDLE_STATES
     from vlmstream.cli.replay import ReplayRefused, apply_replay, plan_replay
+    from vlmstream.cli.support import bootstrap, settings_from
 
     console = _console()
     settings = bootstrap(settings_from(ctx))
@@ -37,7 +38,7 @@ def replay(
     console.print(table)
     images = "" if plan.images is None else f", {plan.images} image(s)"
     print(f"to redo: {plan.messages} message(s){images}")
-    if plan.members or plan.state not in ("Empty", "Dead"):
+    if plan.members or plan.state not in IDLE_STATES:
         console.print(f"[red]refusing: group {plan.group_id} is {plan.state} with {plan.members} member(s); "
                       f"stop the {plan.stage} workers first (their next commit would undo the rewind)[/]")
         raise typer.Exit(2)
@@ -60,8 +61,8 @@ def redrive(
 ) -> None:
     """Republish dead letters' original records to their source topic for another try."""
 
+    from vlmstream.cli.redrive import redrive as do_redrive
     from vlmstream.cli.support import bootstrap, settings_from
-    from vlmstream.cli.replay import redrive as do_redrive
 
     console = _console()
     settings = bootstrap(settings_from(ctx))
@@ -84,8 +85,8 @@ def status(
     counts by stage and error kind."""
     from rich.table import Table
 
+    from vlmstream.cli.status import pipeline_status, pipeline_throughput
     from vlmstream.cli.support import bootstrap, settings_from
-    from vlmstream.cli.replay import pipeline_status, pipeline_throughput
 
     console = _console()
     settings = bootstrap(settings_from(ctx))
@@ -159,8 +160,8 @@ def export(
     import signal
     import threading
 
-    from vlmstream.cli.support import bootstrap, settings_from
     from vlmstream.cli.export import export as run_export
+    from vlmstream.cli.support import bootstrap, settings_from
 
     settings = bootstrap(settings_from(ctx))
     stop = threading.Event()

@@ -43,8 +43,11 @@ def produce(
     Exit 1: the broker did not acknowledge a send; that document goes out on the next run.
     Exit 2: bad usage.
     """
+    from producers.folder import scan_folder
+    from producers.manifest import read_manifest
     from producers.publisher import publish_documents
-    from producers.sources import follow_jsonl, read_lines, read_manifest, scan_folder, watch_folder
+    from producers.stdin import read_lines
+    from producers.watch import follow_jsonl, watch_folder
     from vlmstream.cli.support import bootstrap, settings_from
     from vlmstream.kafka.errors import FatalPipelineError
     from vlmstream.kafka.topics import create_topics

@@ -109,8 +109,8 @@ def run(
     """
     from kafka.errors import KafkaError
 
+    from producers.folder import IMAGE_EXTENSIONS, scan_folder
     from producers.publisher import publish_documents
-    from producers.sources import IMAGE_EXTENSIONS, scan_folder
     from schemas import DeadLetter, Description, DocumentRef, DocumentResult, SchemaError
     from vlmstream.cli.backlog import RateMemory, RememberedRate, StageProbe, measure_backlog
     from vlmstream.cli.support import bootstrap, settings_from

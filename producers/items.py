@@ -1,0 +1,79 @@
+"""What every source yields, and the small parts all sources share. Sources are pure input parsing, no Kafka:
+each yields ``DocumentRef`` (already validated against the document schema), ``Rejection`` (a bad input line,
+with its line number and raw text) or ``IDLE`` (nothing new right now: the publisher uses the pause to settle
+acknowledgements).
+
+Image validity is not decided by any source; a folder source only picks files whose extension looks like an
+image, and the decode stage dead-letters what does not decode.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Union
+
+from schemas import DocumentRef
+
+BOM = b"\xef\xbb\xbf"  # a UTF-8 byte-order mark, as Windows editors and PowerShell pipes write
+# A scheme of two or more letters (one letter is a Windows drive: C:\\scan.jpg): http://, s3://, file:, data:, urn:...
+# The decode stage decides which it fetches and dead-letters the rest by name; a path it must not become.
+_URI_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]+:")
+_DIGITS = re.compile(r"(\d+)")
+
+
+class _Idle:
+    def __repr__(self) -> str:
+        return "IDLE"
+
+
+IDLE = _Idle()
+
+
+@dataclass(frozen=True)
+class Rejection:
+    """An input line that cannot become a document. ``reason`` is a stable code, ``detail`` the why."""
+
+    origin: str
+    line: int | None
+    reason: str
+    detail: str
+    raw: bytes
+    doc_id: str | None = None
+
+    def where(self) -> str:
+        return f"{self.origin}:{self.line}" if self.line is not None else self.origin
+
+
+SourceItem = Union[DocumentRef, Rejection, _Idle]
+
+
+def natural_key(text: str) -> tuple:
+    """'page2' sorts before 'page10'."""
+    # isdecimal, not isdigit: '²' is a digit to isdigit but not a number to int().
+    return tuple(int(part) if part.isdecimal() else part.lower() for part in _DIGITS.split(text))
+
+
+def resolve_uri(uri: str, base_dir: str | Path) -> str:
+    """URLs pass through; local paths become absolute, relative ones against ``base_dir``. Spaces around the text
+    are a manifest's, not the file's. Plain string operations: this runs for every image of every manifest line."""
+    uri = uri.strip()
+    if ":" in uri and _URI_SCHEME.match(uri):
+        return uri
+    if uri.startswith("~"):
+        uri = os.path.expanduser(uri)
+    return os.path.normpath(os.path.join(base_dir, uri))
+
+
+def replace_non_utf8(name: Path | str) -> str:
+    """A name as text any record can hold: the stray bytes of a name that is not UTF-8 (a Latin-1 file name) show
+    as U+FFFD. Used for a document's ``source`` and for what a rejection says."""
+    return os.fsencode(name).decode("utf-8", "replace")
+
+
+def validated(doc: DocumentRef) -> DocumentRef:
+    """Raises SchemaError naming the field; the publisher then encodes without validating again."""
+    doc.encode()
+    return doc
