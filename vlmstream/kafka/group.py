@@ -20,10 +20,9 @@ def subscribe_when_known(consumer: KafkaConsumer, topics: Iterable[str], listene
     """Subscribe once this consumer's metadata lists partitions for every topic: every group consumer joins so.
 
     A group leader that assigns while its metadata still lacks a topic's partitions hands out nothing, and
-    kafka-python 3.0 does not reliably recover: an inference consumer of `vlmstream run` (topics created a moment
-    before) was assigned [], then left out of its group (the broker listed it Empty) while it polled on with a
-    zero timeout, for good (CI, 2026-11-30; a results aggregator earlier). Knowing the partitions before joining
-    closes that window. Raises FatalPipelineError when a topic has none after timeout_s (it does not exist).
+    kafka-python 3.0 does not reliably recover: a consumer of topics created a moment before can be assigned [],
+    then left out of its group (the broker lists the group Empty) while it polls on, for good. Knowing the
+    partitions before joining closes that window. Raises FatalPipelineError when a topic has none after timeout_s (it does not exist).
     """
     topics = list(topics)
     consumer.subscribe(topics, listener=listener)
@@ -64,9 +63,8 @@ def topic_partitions(consumer: KafkaConsumer, topics: Iterable[str], timeout_s: 
 class GroupMembershipWatchdog:
     """Notices a consumer that its group no longer lists, so its owner can rejoin.
 
-    kafka-python 3.0 can lose a member without noticing: seen three times on a loaded machine (an inference
-    consumer assigned [], or its partitions lost, and then absent from the broker's member list for good while it
-    polled on). An empty assignment is also normal (more members than partitions, a standby), so only when it has
+    kafka-python 3.0 can lose a member without noticing, on a loaded machine above all: a consumer assigned [], or
+    whose partitions were lost, is then absent from the broker's member list for good while it polls on. An empty assignment is also normal (more members than partitions, a standby), so only when it has
     lasted ``grace_s`` does the watchdog ask the broker, at most every ``check_every_s``, whether a member with this
     consumer's client id is in the group; when none is, ``left_out`` says so.
     """
