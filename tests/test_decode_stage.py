@@ -34,7 +34,7 @@ def test_every_supported_format_decodes_to_the_smart_resize_size(tmp_path, name)
     pixels = pixels_of(result)
     with Image.open(path) as reference:
         width, height = reference.size
-    from consumers.decode.resize import smart_resize
+    from vlmstream.models.qwen2_vl import smart_resize
 
     assert (result.height, result.width) == smart_resize(height, width, 28, 56 * 56, 28 * 28 * 16384)
     assert (result.orig_width, result.orig_height) == (width, height)
@@ -187,7 +187,7 @@ def test_large_jpeg2000_skips_the_resolution_levels_it_does_not_need(tmp_path):
 
 
 def smart_resize_size(height, width, max_pixels):
-    from consumers.decode.resize import smart_resize
+    from vlmstream.models.qwen2_vl import smart_resize
 
     return smart_resize(height, width, 28, 56 * 56, max_pixels)
 

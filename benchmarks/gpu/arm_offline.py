@@ -16,7 +16,7 @@ from bench_processes import (
 )
 from bench_report import arms_at, save
 
-from consumers.decode.resize import smart_resize  # the pipeline's own rule (the path is set by bench_processes)
+from vlmstream.models.qwen2_vl import smart_resize  # the pipeline's own rule (the path is set by bench_processes)
 
 GPU_BENCH = Path(__file__).resolve().with_name("gpu_bench.py")
 

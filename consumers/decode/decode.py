@@ -22,10 +22,12 @@ import cv2
 import numpy as np
 from PIL import Image, ImageFile, UnidentifiedImageError
 
-from consumers.decode.resize import smart_resize, swaps_axes
+from consumers.decode.resize import swaps_axes
 from vlmstream.images.errors import ImageError
 from vlmstream.images import pages as page_files
 from vlmstream.images.turbojpeg import turbojpeg_handle
+from vlmstream.models.family import ModelFamily
+from vlmstream.models.qwen2_vl import QWEN2_VL
 
 
 class NotAnImage(ImageError):
@@ -164,21 +166,22 @@ def configure_pillow(max_source_pixels: int) -> None:
 
 
 class Decoder:
-    """Decodes bytes for one (factor, min_pixels, max_pixels) budget. Reusable; not shared across threads while
-    libjpeg-turbo warnings are collected (``warnings.catch_warnings`` is process-global)."""
+    """Decodes bytes for one model family and pixel budget (the family's own limits unless ``min_pixels`` /
+    ``max_pixels`` are given). Reusable; not shared across threads while libjpeg-turbo warnings are collected
+    (``warnings.catch_warnings`` is process-global)."""
 
     def __init__(
         self,
         *,
-        factor: int = 28,
-        min_pixels: int = 56 * 56,
-        max_pixels: int = 28 * 28 * 16384,
+        family: ModelFamily = QWEN2_VL,
+        min_pixels: int | None = None,
+        max_pixels: int | None = None,
         max_source_pixels: int = 200_000_000,
         use_turbojpeg: bool = True,
     ):
-        self.factor = factor
-        self.min_pixels = min_pixels
-        self.max_pixels = max_pixels
+        self.family = family.with_pixel_limits(
+            family.min_pixels if min_pixels is None else min_pixels,
+            family.max_pixels if max_pixels is None else max_pixels)
         self.max_source_pixels = max_source_pixels
         configure_pillow(max_source_pixels)
         self._turbo = turbojpeg_handle() if use_turbojpeg else None
@@ -207,7 +210,7 @@ class Decoder:
                 f"{self.max_source_pixels}"
             )
         width, height = (stored_h, stored_w) if swaps_axes(orientation) else (stored_w, stored_h)
-        target_h, target_w = smart_resize(height, width, self.factor, self.min_pixels, self.max_pixels)
+        target_h, target_w = self.family.target_size(height, width)
         return width, height, target_w, target_h
 
     # -- JPEG through libjpeg-turbo ---------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""The decode stage: a URI in, a ``PreparedImage`` (pixels at exactly the Qwen2-VL input size) or an
+"""The decode stage: a URI in, a ``PreparedImage`` (pixels at exactly the model family's input size) or an
 ``ImageFailure`` out. No Kafka here; ``consumers/decode/runner.py`` owns the clients and the commits.
 
 One call = fetch -> sniff + decode (DCT-scaled for JPEG) -> exact resize -> EXIF orientation -> encode.
@@ -20,6 +20,7 @@ from consumers.decode.fetch import Fetcher
 from consumers.decode.resize import apply_orientation, resize_exact
 from vlmstream.images.errors import ImageError
 from consumers.decode.types import ImageFailure, PreparedImage
+from vlmstream.models.registry import family_named
 
 log = logging.getLogger(__name__)
 
@@ -45,10 +46,10 @@ class DecodeStage:
     def __init__(self, settings, claim_check_url: str = "", *, fetcher: Fetcher | None = None,
                  use_turbojpeg: bool = True):
         self.settings = settings
-        self.factor = settings.patch_size * settings.merge_size
+        self.family = family_named(settings.model_family)
         self.fetcher = fetcher or Fetcher.from_settings(settings)
         self.decoder = Decoder(
-            factor=self.factor,
+            family=self.family,
             min_pixels=settings.min_pixels,
             max_pixels=settings.max_pixels,
             max_source_pixels=settings.max_source_pixels,
@@ -85,7 +86,6 @@ class DecodeStage:
             payload = encode(pixels, self.settings.codec, jpeg_quality=self.settings.jpeg_quality)
             t3 = time.perf_counter()
         height, width = pixels.shape[:2]
-        patch = self.settings.patch_size
         timings = {
             "fetch_ms": fetch_ms,
             "decode_ms": (t1 - t0) * 1000,
@@ -101,7 +101,7 @@ class DecodeStage:
             height=height,
             orig_width=decoded.width,
             orig_height=decoded.height,
-            grid_thw=(1, height // patch, width // patch),
+            grid_thw=self.family.grid_thw(height, width),
             source_format=decoded.source_format,
             decode_ms=(t2 - t0) * 1000,
             fetch_bytes=len(data),

@@ -36,17 +36,14 @@ from consumers.infer.engine import ENGINE_DEAD as _DEAD
 from consumers.infer.engine import (InferenceFailure, InferenceOutput, InferenceRequest,
                                     QueuedEngine)
 from consumers.infer.prompts import OutputSchema, PromptBuilder, with_schema
-from consumers.infer.vision import (MERGE_SIZE, VisionEncoder, groups_by_patches, load_vision_tower, mean_pool_each,
-                                    patchify_batch, request_problem, to_host_each)
+from consumers.infer.vision import (VisionEncoder, groups_by_patches, load_vision_tower, mean_pool_each, patchify_batch,
+                                    request_problem, to_host_each)
 from vlmstream.config import InferSettings
+from vlmstream.models.qwen2_vl import QWEN2_VL
 
 log = logging.getLogger(__name__)
 
 INSTALL_HINT = "pip install 'vlmstream[gpu]'"
-# Qwen2.5-VL's own processor bounds; an exact-size image inside them is not resized by vLLM.
-QWEN_MIN_PIXELS = 56 * 56
-QWEN_MAX_PIXELS = 16384 * 28 * 28
-
 
 
 def _patches(item: tuple[InferenceRequest, float]) -> int:
@@ -306,8 +303,9 @@ class VllmEngine(QueuedEngine):
                   "multi_modal_uuids": {"image": [engine_request_id]}}
         if self.mode == "pixels":
             height, width = request.image.shape[:2]
-            prompt["mm_processor_kwargs"] = {"min_pixels": QWEN_MIN_PIXELS,
-                                             "max_pixels": max(QWEN_MAX_PIXELS, height * width),
+            # The family's processor bounds; an exact-size image inside them is not resized by vLLM.
+            prompt["mm_processor_kwargs"] = {"min_pixels": QWEN2_VL.min_pixels,
+                                             "max_pixels": max(QWEN2_VL.max_pixels, height * width),
                                              "do_resize": False}
         started = time.perf_counter()
         try:
@@ -356,13 +354,12 @@ class VllmEngine(QueuedEngine):
         completion = final.outputs[0]
         if completion.finish_reason == "abort":
             return InferenceFailure(request.request_id, "inference_error", "vLLM aborted the request")
-        _, grid_h, grid_w = request.grid_thw
         output = InferenceOutput(
             request_id=request.request_id,
             text=completion.text,
             prompt_tokens=len(final.prompt_token_ids or []),
             output_tokens=len(completion.token_ids),
-            visual_tokens=grid_h * grid_w // (MERGE_SIZE * MERGE_SIZE),
+            visual_tokens=QWEN2_VL.visual_tokens(request.grid_thw),
             embedding=embedding,
             timings_ms=timings,
         )
