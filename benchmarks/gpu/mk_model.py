@@ -10,7 +10,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository's packages
 
-from consumers.infer.model7b import write_qwen25vl_7b_config  # noqa: E402
+from consumers.infer.model7b import write_qwen25vl_7b_config
 
 if __name__ == "__main__":
     out = write_qwen25vl_7b_config(sys.argv[1] if len(sys.argv) > 1 else "qwen25vl7b")

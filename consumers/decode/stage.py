@@ -14,7 +14,7 @@ import time
 
 from vlmstream.images.claimcheck import ClaimCheckStore
 from vlmstream.images.payload import encode
-from consumers.decode.decode import Decoder
+from consumers.decode.decoder import Decoder
 from vlmstream.images.pages import split_page
 from consumers.decode.fetch import Fetcher
 from consumers.decode.resize import apply_orientation, resize_exact
@@ -38,7 +38,7 @@ def size_class(width: int, height: int) -> str:
 
 class DecodeStage:
     """``stage(uri) -> PreparedImage | ImageFailure``; never raises. Known bad input gets a stable error_kind
-    (see fetch.py / decode.py / resize.py); anything a library throws unexpectedly becomes ``decode_unexpected``
+    (see fetch.py, errors.py, vlmstream/models/qwen2_vl.py); anything a library throws unexpectedly becomes ``decode_unexpected``
     and is logged with its traceback, so one hostile file cannot stop a partition.
 
     ``store`` is the claim-check store for payloads over the record limit; the runner decides when to use it."""

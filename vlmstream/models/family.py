@@ -3,8 +3,8 @@ engines need it. The numbers live in the family's own module (``vlmstream/models
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Callable
 
 # (height, width, factor, min_pixels, max_pixels) -> (height, width): a family's resize rule.
 SizeRule = Callable[[int, int, int, int, int], "tuple[int, int]"]
@@ -48,7 +48,7 @@ class ModelFamily:
         """Visual tokens of an image at ``max_pixels``."""
         return self.max_pixels // (self.factor * self.factor)
 
-    def with_pixel_limits(self, min_pixels: int, max_pixels: int) -> "ModelFamily":
+    def with_pixel_limits(self, min_pixels: int, max_pixels: int) -> ModelFamily:
         return replace(self, min_pixels=min_pixels, max_pixels=max_pixels)
 
     def target_size(self, height: int, width: int, min_pixels: int | None = None,

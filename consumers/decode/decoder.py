@@ -1,10 +1,11 @@
 """Bytes -> upright-aware RGB pixels, decoded no larger than the model needs.
 
-The format comes from the magic number, never from the file name. JPEGs go through libjpeg-turbo with DCT-domain
-scaling (the decoder itself produces a 1/2, 1/4 or 1/8 size image, which is both the fastest path and an
-antialiased reduction); everything else through Pillow (JPEG 2000 with its own reduction: whole wavelet
-resolution levels skipped). Sizes are checked from the header before any pixel is
-decoded, so a decompression bomb costs a few hundred bytes of parsing.
+The format comes from the magic number (``sniff``), never from the file name. JPEGs go through libjpeg-turbo with
+DCT-domain scaling (the decoder itself produces a 1/2, 1/4 or 1/8 size image, which is both the fastest path and an
+antialiased reduction); PNG and WebP through OpenCV; everything else through Pillow (JPEG 2000 with its own
+reduction: whole wavelet resolution levels skipped, ``jpeg2000``). Sizes are checked from the header before any
+pixel is decoded, so a decompression bomb costs a few hundred bytes of parsing (``headers``). Pillow's modes become
+8-bit RGB in ``pixels``; the failures are the classes in ``errors``.
 
 The result stays in the file's stored orientation: rotating the small resized image is cheaper than rotating the
 decoded one, so the stage applies ``orientation`` after the resize (see ``resize.apply_orientation``).
@@ -22,113 +23,24 @@ import cv2
 import numpy as np
 from PIL import Image, ImageFile, UnidentifiedImageError
 
+from consumers.decode.errors import CorruptImage, PageOutOfRange, TooManyPixels, TruncatedImage, UnsupportedFormat
+from consumers.decode.headers import (EXIF_ORIENTATION_TAG, check_jpeg_is_decodable, jpeg_exif_orientation, png_chunk,
+                                      tiff_orientation)
+from consumers.decode.jpeg2000 import jpeg2000_decomposition_levels, jpeg2000_is_cut_short, jpeg2000_levels_to_drop
+from consumers.decode.pixels import composite_on_white, eight_bit, to_rgb
 from consumers.decode.resize import swaps_axes
-from vlmstream.images.errors import ImageError
+from consumers.decode.sniff import sniff_format
 from vlmstream.images import pages as page_files
+from vlmstream.images.errors import ImageError
 from vlmstream.images.turbojpeg import turbojpeg_handle
 from vlmstream.models.family import ModelFamily
 from vlmstream.models.qwen2_vl import QWEN2_VL
 
-
-class NotAnImage(ImageError):
-    error_kind = "decode_not_an_image"
-
-
-class UnsupportedFormat(ImageError):
-    error_kind = "decode_unsupported"
-
-
-class TruncatedImage(ImageError):
-    error_kind = "decode_truncated"
-
-
-class CorruptImage(ImageError):
-    error_kind = "decode_corrupt"
-
-
-class TooManyPixels(ImageError):
-    error_kind = "decode_too_many_pixels"
-
-
-class PageOutOfRange(ImageError):
-    error_kind = "decode_page_out_of_range"
-
-
-# `scan.tif#page=3`: one page (frame) of a multi-page file, counted from 1, as in PDF open parameters. Any URI may
-# carry it; it never reaches a server or the file system.
-_MAGIC = (
-    (b"\xff\xd8\xff", "jpeg"),
-    (b"\x89PNG\r\n\x1a\n", "png"),
-    (b"GIF87a", "gif"),
-    (b"GIF89a", "gif"),
-    (b"II*\x00", "tiff"),
-    (b"MM\x00*", "tiff"),
-    (b"II+\x00", "tiff"),  # BigTIFF
-    (b"MM\x00+", "tiff"),
-    (b"BM", "bmp"),
-    # Archives and digitised collections store page images as JPEG 2000 (JP2 boxes or a bare codestream).
-    (b"\x00\x00\x00\x0cjP  \r\n\x87\n", "jpeg2000"),
-    (b"\xff\x4f\xff\x51", "jpeg2000"),
-    (b"qoif", "qoi"),
-)
-# Netpbm (PBM/PGM/PPM, ASCII or binary: scanners and OCR tools write them): "P1".."P6" then whitespace.
-_NETPBM_KINDS = b"123456"
-# ISO media brands (the bytes after "ftyp") that Pillow decodes when it was built with libavif.
-_AVIF_BRANDS = (b"avif", b"avis")
-# HEIF brands (HEIC: phone cameras' default), decoded when the optional pillow-heif is installed (extra `heif`).
-_HEIF_BRANDS = (b"heic", b"heix", b"hevc", b"hevx", b"heim", b"heis", b"mif1", b"msf1")
-# Recognised so the failure says "unsupported" rather than "not an image".
-_KNOWN_UNSUPPORTED = (
-    (b"%PDF", "pdf"),
-    (b"\xff\x0a", "jpegxl"),
-    (b"\x00\x00\x00\x0cJXL ", "jpegxl"),
-)
-
-EXIF_ORIENTATION_TAG = 0x0112
 TIFF_TILE_WIDTH_TAG, TIFF_TILE_LENGTH_TAG = 322, 323
-
-# Each progressive scan makes libjpeg walk every block of the image again, and it only warns about a repeated one:
-# a few hundred kB of duplicated scans cost minutes. 500 is libjpeg-turbo's recommended limit for untrusted input;
-# real progressive files have about ten (an EXIF thumbnail adds a few).
-MAX_JPEG_SCANS = 500
-# SOF markers of the lossless and hierarchical processes, which libjpeg-turbo's 8-bit decoder does not implement.
-_UNSUPPORTED_JPEG_FRAMES = {0xC3: "lossless", 0xC5: "hierarchical", 0xC6: "hierarchical", 0xC7: "lossless",
-                            0xCB: "lossless", 0xCD: "hierarchical", 0xCE: "hierarchical", 0xCF: "lossless"}
-_JPEG_FRAME_MARKERS = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}  # SOFn; C4/C8/CC are DHT, JPG, DAC
-_PROGRESSIVE_JPEG_FRAMES = frozenset({0xC2, 0xCA})  # Huffman and arithmetic progressive
 # A TIFF tile is what libtiff allocates and inflates, whatever the image size: one covers at most the image plus
 # padding to the tile grid. Tiles up to this area are allowed for any image (encoders use 256x256 for tiny ones).
 _TILE_PIXELS_ANY_IMAGE = 1 << 20
 _TILE_OVER_IMAGE_AREA = 4
-# Per-pixel arithmetic runs over this many pixels at a time, so its temporaries stay a few MB at any image size.
-_BLOCK_PIXELS = 1 << 18
-
-
-def sniff_format(data: bytes) -> str:
-    """The image format named by the leading bytes; raises NotAnImage / UnsupportedFormat."""
-    head = bytes(data[:32])
-    for magic, name in _MAGIC:
-        if head.startswith(magic):
-            return name
-    if head[:4] == b"RIFF" and head[8:12] == b"WEBP":
-        return "webp"
-    if head[:1] == b"P" and head[1:2] and head[1] in _NETPBM_KINDS and head[2:3].isspace():
-        return "netpbm"
-    if head[4:8] == b"ftyp":
-        brand = head[8:12]
-        if brand in _AVIF_BRANDS and pillow_reads_avif():
-            return "avif"
-        if brand in _HEIF_BRANDS and pillow_reads_heif():
-            return "heif"
-        hint = (" by this Pillow build" if brand in _AVIF_BRANDS else
-                " without pillow-heif (pip install 'vlmstream[heif]')" if brand in _HEIF_BRANDS else "")
-        raise UnsupportedFormat(f"ISO media image ({brand.decode('latin-1')!r}: HEIF/AVIF) is not supported{hint}")
-    for magic, name in _KNOWN_UNSUPPORTED:
-        if head.startswith(magic):
-            raise UnsupportedFormat(f"{name} is not supported")
-    if head.lstrip().startswith((b"<svg", b"<?xml")):
-        raise UnsupportedFormat("SVG (vector) is not supported")
-    raise NotAnImage(f"no known image signature (first bytes {head[:8]!r}, {len(data)} bytes)")
 
 
 @dataclass(frozen=True)
@@ -136,7 +48,7 @@ class Decoded:
     """Pixels in the file's stored orientation, possibly already reduced by the decoder.
 
     ``width``/``height`` are the upright full-size dimensions; ``target_width``/``target_height`` the upright
-    smart_resize size computed from them."""
+    model input size the family's rule (smart_resize) computes from them."""
 
     pixels: np.ndarray
     orientation: int
@@ -333,23 +245,6 @@ class Decoder:
             raise CorruptImage(f"TIFF tile {tile_w}x{tile_h} is far larger than its {stored_w}x{stored_h} image")
 
 
-def jpeg2000_decomposition_levels(data: bytes) -> int:
-    """The wavelet decomposition levels in a JPEG 2000 file's main header (its COD segment), 0 if not found: the
-    most resolution levels a decoder may skip. Walks the header's segments from the codestream's start (SOC)."""
-    at = data.find(b"\xff\x4f\xff\x51", 0, 4 << 20)  # SOC + SIZ; a JP2's boxes before it may hold an ICC profile
-    if at < 0:
-        return 0
-    at += 2
-    while at + 4 <= len(data):
-        marker, length = struct.unpack(">HH", data[at:at + 4])
-        if marker == 0xFF52:  # COD: length (2), Scod (1), progression (1), layers (2), colour transform (1), levels
-            return data[at + 9] if at + 9 < len(data) else 0
-        if marker == 0xFF90 or length < 2:  # the first tile begins: no COD in the main header
-            return 0
-        at += 2 + length
-    return 0
-
-
 def _decode_cv2(data: bytes, width: int, height: int, *, colour_key: bool = False) -> np.ndarray | None:
     """PNG and WebP through OpenCV (libpng/libwebp directly: 1.2-2.5x faster than Pillow on the corpus), after
     Pillow has read the header and the size has been checked. None when OpenCV cannot decode it exactly; Pillow
@@ -371,53 +266,6 @@ def _decode_cv2(data: bytes, width: int, height: int, *, colour_key: bool = Fals
     return None
 
 
-def eight_bit(array: np.ndarray) -> np.ndarray:
-    """uint16 -> uint8 with the full 16-bit range onto 0..255 (uint8 unchanged), a row block at a time: a full-size
-    uint32 temporary would be twice the 16-bit image."""
-    if array.dtype == np.uint8:
-        return array
-    out = np.empty(array.shape, np.uint8)
-    for rows in _row_blocks(array.shape[0], array.shape[1]):
-        wide = array[rows].astype(np.uint32)
-        wide += 128
-        wide //= 257
-        out[rows] = wide
-    return out
-
-
-def _row_blocks(height: int, width: int):
-    step = max(1, _BLOCK_PIXELS // max(1, width))
-    for top in range(0, height, step):
-        yield slice(top, min(top + step, height))
-
-
-def jpeg2000_levels_to_drop(width: int, height: int, need_w: int, need_h: int, most: int = 5) -> int:
-    """How many JPEG 2000 resolution levels can be skipped with the image still at least need_w x need_h (each
-    level halves both sides, rounding up). A file with fewer levels than asked for is decoded at its smallest."""
-    levels = 0
-    while (levels < most and -(-width // (2 << levels)) >= need_w and -(-height // (2 << levels)) >= need_h):
-        levels += 1
-    return levels
-
-
-@lru_cache(maxsize=1)
-def pillow_reads_avif() -> bool:
-    from PIL import features
-
-    return bool(features.check("avif"))
-
-
-@lru_cache(maxsize=1)
-def pillow_reads_heif() -> bool:
-    """True once pillow-heif's opener is registered with Pillow; False when it is not installed."""
-    try:
-        import pillow_heif
-    except ImportError:
-        return False
-    pillow_heif.register_heif_opener()
-    return True
-
-
 def pick_dct_scale(
     width: int, height: int, need_w: int, need_h: int, factors
 ) -> tuple[int, int]:
@@ -432,144 +280,6 @@ def pick_dct_scale(
             best = (num, denom)
             break
     return best
-
-
-def to_rgb(image: Image.Image) -> np.ndarray:
-    """Any Pillow mode -> H x W x 3 uint8 RGB; alpha composited on white, 16-bit and float scaled to 8 bits."""
-    mode = image.mode
-    if mode in ("RGB", "L") and "transparency" in image.info:
-        image = image.convert("RGBA")  # a tRNS colour key: those pixels are transparent, so white
-        mode = image.mode
-    if mode == "RGB":
-        return np.asarray(image)
-    if mode == "L":
-        return cv2.cvtColor(np.asarray(image), cv2.COLOR_GRAY2RGB)
-    if mode in ("P", "PA") or mode == "1":
-        has_alpha = mode == "PA" or "transparency" in image.info
-        image = image.convert("RGBA" if has_alpha else "RGB")
-        mode = image.mode
-        if mode == "RGB":
-            return np.asarray(image)
-    if mode in ("RGBA", "LA", "La", "RGBa"):
-        if mode in ("La", "RGBa"):  # premultiplied: Pillow un-premultiplies on convert
-            image = image.convert("RGBA")
-        rgba = np.asarray(image.convert("RGBA") if image.mode != "RGBA" else image)
-        return composite_on_white(rgba)
-    if mode.startswith("I;16") or mode == "I":
-        stored = np.asarray(image)
-        divisor = 257.0 if mode.startswith("I;16") or stored.max(initial=0) > 255 else 1.0  # 16-bit range onto 0..255
-        key = image.info.get("transparency")
-        gray = np.empty(stored.shape, np.uint8)
-        for rows in _row_blocks(*stored.shape):
-            gray[rows] = np.clip(np.rint(stored[rows].astype(np.float32) / divisor), 0, 255)
-            if isinstance(key, int):
-                gray[rows][stored[rows] == key] = 255  # tRNS colour key: transparent, so white
-        return cv2.cvtColor(gray, cv2.COLOR_GRAY2RGB)
-    if mode == "F":
-        # NaN and infinities (no-data pixels in scientific TIFFs, or damage) become black, not arbitrary bytes.
-        stored = np.asarray(image)
-        peak = max((float(np.nan_to_num(stored[rows], nan=0.0, posinf=0.0, neginf=0.0).max(initial=0))
-                    for rows in _row_blocks(*stored.shape)), default=0.0)
-        scale = 255.0 if peak <= 1.0 else 1.0  # float images are conventionally 0..1
-        gray = np.empty(stored.shape, np.uint8)
-        for rows in _row_blocks(*stored.shape):
-            values = np.nan_to_num(stored[rows].astype(np.float32), copy=False, nan=0.0, posinf=0.0, neginf=0.0)
-            values *= scale
-            gray[rows] = np.clip(np.rint(values, out=values), 0, 255, out=values)
-        return cv2.cvtColor(gray, cv2.COLOR_GRAY2RGB)
-    # CMYK, YCbCr, LAB, HSV, RGBX, I;16 variants Pillow can convert itself.
-    return np.asarray(image.convert("RGB"))
-
-
-def composite_on_white(array: np.ndarray, *, bgr: bool = False) -> np.ndarray:
-    """RGBA (or RGB), 8 or 16 bits -> 8-bit RGB over a white background (what transformers' convert_rgb does);
-    ``bgr``: the channels are in OpenCV's order. Done a row block at a time, 16 bits brought to 8 first, so the
-    only full-size allocation is the output."""
-    height, width = array.shape[:2]
-    out = np.empty((height, width, 3), np.uint8)
-    # Channel moves go through cvtColor: a reversed-stride numpy copy made RGBA PNGs 10-29% slower to decode.
-    to_rgb_order = cv2.COLOR_BGR2RGB if bgr else None
-    for rows in _row_blocks(height, width):
-        block = eight_bit(array[rows])
-        if block.shape[2] == 4:
-            if block[..., 3].min() == 255:  # many RGBA files are fully opaque: skip the arithmetic
-                cv2.cvtColor(block, cv2.COLOR_BGRA2RGB if bgr else cv2.COLOR_RGBA2RGB, dst=out[rows])
-                continue
-            alpha = block[..., 3:4].astype(np.uint16)
-            rgb = block[..., :3] * alpha
-            rgb += 255 * (255 - alpha) + 127
-            rgb //= 255
-            block = rgb.astype(np.uint8)
-        if to_rgb_order is not None:
-            cv2.cvtColor(block, to_rgb_order, dst=out[rows])  # out's rows are contiguous: written in place
-        else:
-            out[rows] = block
-    return out
-
-
-def jpeg_exif_orientation(data: bytes) -> int:
-    """EXIF orientation from a JPEG's APP1 segment, read without decoding anything; 1 when absent or unreadable."""
-    for marker, body in _jpeg_header_segments(data):
-        if marker == 0xE1 and body[:6] == b"Exif\x00\x00":
-            return tiff_orientation(bytes(body[6:]))
-    return 1
-
-
-def check_jpeg_is_decodable(data: bytes) -> None:
-    """Refuses, from the bytes alone, a JPEG libjpeg would spend minutes on or cannot decode."""
-    for marker, body in _jpeg_header_segments(data):
-        if marker in _JPEG_FRAME_MARKERS:
-            if marker in _UNSUPPORTED_JPEG_FRAMES:
-                raise UnsupportedFormat(f"{_UNSUPPORTED_JPEG_FRAMES[marker]} JPEG (SOF {marker:#x}) is not supported")
-            if body[:1] and body[0] != 8:
-                raise UnsupportedFormat(f"{body[0]}-bit JPEG is not supported (8-bit only)")
-            if marker in _PROGRESSIVE_JPEG_FRAMES:
-                # Only a progressive decode walks every block again per scan. Counting reads the whole file (about
-                # 1 ms per MB on the development machine, against ~11 ms for a whole 0.2 MP decode), so a
-                # sequential JPEG is spared it.
-                # Entropy-coded data stuffs every 0xFF: FF DA occurs only as a start-of-scan (or inside metadata).
-                scans = data.count(b"\xff\xda")
-                if scans > MAX_JPEG_SCANS:
-                    raise CorruptImage(f"JPEG with {scans} scans (more than {MAX_JPEG_SCANS}: a scan bomb)")
-            return
-
-
-def _jpeg_header_segments(data: bytes):
-    """(marker, body) of each marker segment before the first scan; stops at anything that is not one."""
-    view = memoryview(data)
-    pos, end = 2, len(data)
-    while pos + 4 <= end:
-        if view[pos] != 0xFF:
-            return
-        marker = view[pos + 1]
-        if marker == 0xFF:  # fill byte
-            pos += 1
-            continue
-        if marker in (0xD8, 0x01) or 0xD0 <= marker <= 0xD7:
-            pos += 2
-            continue
-        if marker in (0xDA, 0xD9):  # start of scan / end of image: no more metadata
-            return
-        length = (view[pos + 2] << 8) | view[pos + 3]
-        yield marker, view[pos + 4 : pos + 2 + length]
-        pos += 2 + length
-
-
-def tiff_orientation(tiff: bytes) -> int:
-    """Orientation tag of IFD0 in a TIFF-structured EXIF block."""
-    try:
-        endian = {b"II": "<", b"MM": ">"}[tiff[:2]]
-        (ifd,) = struct.unpack_from(endian + "I", tiff, 4)
-        (count,) = struct.unpack_from(endian + "H", tiff, ifd)
-        for i in range(count):
-            tag, typ, _n, = struct.unpack_from(endian + "HHI", tiff, ifd + 2 + 12 * i)
-            if tag == EXIF_ORIENTATION_TAG:
-                # SHORT by the standard, but some writers use LONG: read as 2 bytes, a big-endian LONG is 0.
-                (value,) = struct.unpack_from(endian + ("I" if typ == 4 else "H"), tiff, ifd + 2 + 12 * i + 8)
-                return value if 1 <= value <= 8 else 1
-    except (KeyError, struct.error):
-        pass
-    return 1
 
 
 def _pillow_orientation(image: Image.Image, data: bytes = b"") -> int:
@@ -588,21 +298,6 @@ def _pillow_orientation(image: Image.Image, data: bytes = b"") -> int:
     except Exception:  # a broken EXIF block must not fail an otherwise good image
         return 1
     return value if isinstance(value, int) and 1 <= value <= 8 else 1
-
-
-def png_chunk(data: bytes, kind: bytes) -> bytes | None:
-    """The body of a PNG's first chunk of ``kind``, found by jumping from chunk header to chunk header (nothing is
-    decompressed); None when absent or when the chunk layout is broken."""
-    pos, end = 8, len(data)
-    while pos + 8 <= end:
-        length = int.from_bytes(data[pos:pos + 4], "big")
-        chunk = data[pos + 4:pos + 8]
-        if chunk == kind:
-            return data[pos + 8:pos + 8 + length] if pos + 8 + length <= end else None
-        if chunk == b"IEND":
-            return None
-        pos += 12 + length
-    return None
 
 
 @lru_cache(maxsize=1)
@@ -634,22 +329,6 @@ def _pillow_failure(fmt: str, exc: Exception, data: bytes = b"") -> ImageError:
         # openjpeg says "broken data stream" for any failure; the codestream's own end marker tells a cut file.
         return TruncatedImage(f"{fmt}: the codestream has no end marker ({type(exc).__name__}: {message})")
     return CorruptImage(f"{fmt}: {type(exc).__name__}: {message}")
-
-
-def jpeg2000_is_cut_short(data: bytes) -> bool:
-    """True when a JPEG 2000 file ends before its codestream does: a bare codestream not ending in EOC (FF D9),
-    or a JP2 whose contiguous-codestream box (jp2c) is declared longer than the bytes there are."""
-    if data.startswith(b"\xff\x4f\xff\x51"):
-        return not data.endswith(b"\xff\xd9")
-    box = data.find(b"jp2c")
-    if box < 4:
-        return False
-    (length,) = struct.unpack(">I", data[box - 4:box])
-    if length == 0:  # the box runs to the end of the file
-        return not data.endswith(b"\xff\xd9")
-    if length == 1 and box + 12 <= len(data):  # 64-bit length after the type
-        (length,) = struct.unpack(">Q", data[box + 4:box + 12])
-    return box - 4 + length > len(data)
 
 
 # Pillow's AVIF plugin and pillow-heif report damaged files as RuntimeError ("Decoding of color planes failed",

@@ -1,0 +1,30 @@
+"""The decode stage's per-image failures, each with its stable ``error_kind``. (``BadAspectRatio`` belongs to the
+model family's resize rule: vlmstream/models/qwen2_vl.py; ``DecodeTimeout`` to the stage's time limit.)"""
+
+from __future__ import annotations
+
+from vlmstream.images.errors import ImageError
+
+
+class NotAnImage(ImageError):
+    error_kind = "decode_not_an_image"
+
+
+class UnsupportedFormat(ImageError):
+    error_kind = "decode_unsupported"
+
+
+class TruncatedImage(ImageError):
+    error_kind = "decode_truncated"
+
+
+class CorruptImage(ImageError):
+    error_kind = "decode_corrupt"
+
+
+class TooManyPixels(ImageError):
+    error_kind = "decode_too_many_pixels"
+
+
+class PageOutOfRange(ImageError):
+    error_kind = "decode_page_out_of_range"
