@@ -178,7 +178,7 @@ class InferSettings(BaseModel):
     engine_cpu_threads: int = Field(
         1, ge=0, description="vLLM: torch CPU threads of its engine process, which is then spawned (0: vLLM's own "
         "way, a fork keeping a thread per core; OMP_NUM_THREADS or VLLM_WORKER_MULTIPROC_METHOD exported by the user "
-        "win). At 0.2 MP those threads spun on 15 of the H200 host's 32 cores (2026-11-30 profile).")
+        "win). At 0.2 MP those threads spun on 15 of the H200 host's 32 cores (benchmarks/RESULTS.md).")
     vision_batch_images: int = Field(32, description="vLLM engine: most images per vision-tower forward (also "
                                      "bounded to 65,536 patches).")
     vision_compile: bool = Field(True, description="torch.compile the vision blocks on CUDA (falls back to eager).")

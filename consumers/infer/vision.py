@@ -207,7 +207,7 @@ class PatchProjection(torch.nn.Module):
     Its kernel equals its stride and covers the whole (channel, frame, 14, 14) patch, so the convolution is one
     GEMM. With torch 2.9 cuDNN had no fast bf16 algorithm for that shape and the Conv3d dominated whole towers
     (pytorch/pytorch#174051; vLLM's Conv3dLayer does the same substitution). On the device's torch 2.11 both
-    run at the same speed (benchmarks/gpu/bench_vision_tower.py, 2026-11-30); the swap guards other versions.
+    run at the same speed (benchmarks/gpu/bench_vision_tower.py; benchmarks/RESULTS.md); the swap guards other versions.
     The Parameter is the convolution's own, so its state-dict key and
     shape are unchanged and weights load before or after the swap.
     """
@@ -236,7 +236,7 @@ def use_linear_patch_embedding(visual: torch.nn.Module) -> torch.nn.Module:
 # ---------------------------------------------------------------------------------------------------------
 # Fast vision blocks. transformers' block is correct but slow on a GPU: its MLP width (3420 for the 7B
 # tower) is not a multiple of 8, so cuBLAS falls back to Ampere-era GEMM kernels (52% of a 1 MP forward on
-# the H200, 2026-11-30), and RMSNorm, rotary and SiLU run as ~20 separate float32 elementwise kernels per
+# the H200; benchmarks/RESULTS.md), and RMSNorm, rotary and SiLU run as ~20 separate float32 elementwise kernels per
 # layer (a further third). The replacement computes the same function: gate and up projections merged into
 # one GEMM and zero-padded to a multiple of 64 (silu(0) * 0 = 0, and zero columns of the down projection
 # add nothing), the attention kernel called directly on (tokens, heads, dim), and on CUDA the code around

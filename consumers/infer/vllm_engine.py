@@ -78,7 +78,7 @@ def import_vllm() -> SimpleNamespace:
 def engine_process_threads(threads: int):
     """Start vLLM's engine process (inside this block) with `threads` torch/OpenMP threads; this process keeps its
     own. vLLM lowers OMP_NUM_THREADS to 1 only when it runs several GPU workers; its one-GPU engine keeps a thread
-    per core, and at 0.2 MP those threads spun on 15 of the H200 host's 32 cores (2026-11-30 profile). libgomp
+    per core, and at 0.2 MP those threads spun on 15 of the H200 host's 32 cores (benchmarks/RESULTS.md). libgomp
     reads the variable when it loads, so the engine must be spawned, not forked (vLLM forks unless CUDA is already
     up here). Variables the user exported are kept as they are; 0 leaves vLLM to its own way."""
     if threads <= 0:
@@ -285,8 +285,8 @@ class VllmEngine(QueuedEngine):
 
     async def _start(self, engine_args):
         # This is batch inference: vLLM's defaults for its offline LLM class (on an H200: 1024 sequences, 16384
-        # tokens per step), not the async engine's 128 / 2048, which the 2026-11-30 H200 runs had by mistake
-        # while the offline arms they were compared with had the LLM class's.
+        # tokens per step), not the async engine's 128 / 2048, which would keep the GPU short of work and make the
+        # pipeline incomparable with vLLM's own offline batch inference (the benchmarks' offline arms).
         return self._v.AsyncLLM.from_engine_args(engine_args, usage_context=self._v.UsageContext.LLM_CLASS)
 
     async def _shutdown(self) -> None:
