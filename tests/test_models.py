@@ -79,14 +79,19 @@ def test_transformers_5_size_keys_are_read(tmp_path):
 
 
 def test_the_family_is_transformers_processor():
-    from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
+    import inspect
 
-    processor = Qwen2VLImageProcessor()
+    from transformers.models.qwen2_vl import image_processing_qwen2_vl as reference
+
+    processor = reference.Qwen2VLImageProcessor()
     assert (processor.patch_size, processor.merge_size, processor.temporal_patch_size) == (
         QWEN2_VL.patch_size, QWEN2_VL.merge_size, QWEN2_VL.temporal_patch_size)
     assert tuple(processor.image_mean) == QWEN2_VL.image_mean and tuple(processor.image_std) == QWEN2_VL.image_std
-    assert (processor.size["shortest_edge"], processor.size["longest_edge"]) == (
-        QWEN2_VL.min_pixels, QWEN2_VL.processor_max_pixels)
+    # The processor's class-level size dict is changed in place by any processor built with max_pixels (the tiny
+    # model's, in other tests), so the defaults are read from smart_resize's signature.
+    defaults = inspect.signature(reference.smart_resize).parameters
+    assert (defaults["factor"].default, defaults["min_pixels"].default, defaults["max_pixels"].default) == (
+        QWEN2_VL.factor, QWEN2_VL.min_pixels, QWEN2_VL.processor_max_pixels)
 
 
 def test_grid_and_visual_tokens():
