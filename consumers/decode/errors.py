@@ -1,5 +1,5 @@
 """The decode stage's per-image failures, each with its stable ``error_kind``. (``BadAspectRatio`` belongs to the
-model family's resize rule: vlmstream/models/qwen2_vl.py; ``DecodeTimeout`` to the stage's time limit.)"""
+model family's resize rule: vlmstream/models/qwen2_vl.py.)"""
 
 from __future__ import annotations
 
@@ -28,3 +28,9 @@ class TooManyPixels(ImageError):
 
 class PageOutOfRange(ImageError):
     error_kind = "decode_page_out_of_range"
+
+
+class DecodeTimeout(ImageError):
+    """Decoding took longer than ``decode.decode_time_limit_s`` (the stage's ``time_limit``)."""
+
+    error_kind = "decode_timeout"

@@ -15,6 +15,7 @@ import time
 from vlmstream.images.claimcheck import ClaimCheckStore
 from vlmstream.images.payload import encode
 from consumers.decode.decoder import Decoder
+from consumers.decode.errors import DecodeTimeout
 from vlmstream.images.pages import split_page
 from consumers.decode.fetch import Fetcher
 from consumers.decode.resize import apply_orientation, resize_exact
@@ -111,10 +112,6 @@ class DecodeStage:
 
     def close(self) -> None:
         self.fetcher.close()
-
-
-class DecodeTimeout(ImageError):
-    error_kind = "decode_timeout"
 
 
 @contextlib.contextmanager
