@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from consumers.decode.resize import smart_resize
+from vlmstream.models.qwen2_vl import smart_resize
 
 SUFFIXES = (".jpg", ".jpeg", ".png", ".webp")
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from consumers.decode.decode import pillow_reads_avif, pillow_reads_heif
+from consumers.decode.sniff import pillow_reads_avif, pillow_reads_heif
 
 
 def _photo_like(width: int, height: int, seed: int) -> Image.Image:

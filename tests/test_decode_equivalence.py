@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from PIL import Image, ImageOps
 
 from vlmstream.images.payload import decode as decode_payload
-from consumers.decode.resize import BadAspectRatio, smart_resize
+from vlmstream.models.qwen2_vl import BadAspectRatio, smart_resize
 from consumers.decode.stage import DecodeStage
 from tests.images import generated_corpus, supported_formats
 from vlmstream.config import DecodeSettings

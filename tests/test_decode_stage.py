@@ -7,8 +7,9 @@ import pytest
 from PIL import Image, ImageOps
 
 from vlmstream.images.payload import decode as decode_payload
-from consumers.decode.decode import (Decoder, jpeg2000_decomposition_levels, jpeg2000_levels_to_drop,
-                                     jpeg_exif_orientation, pick_dct_scale)
+from consumers.decode.decoder import Decoder, pick_dct_scale
+from consumers.decode.headers import jpeg_exif_orientation
+from consumers.decode.jpeg2000 import jpeg2000_decomposition_levels, jpeg2000_levels_to_drop
 from consumers.decode.stage import DecodeStage
 from consumers.decode.types import ImageFailure, PreparedImage
 from tests import images
@@ -34,7 +35,7 @@ def test_every_supported_format_decodes_to_the_smart_resize_size(tmp_path, name)
     pixels = pixels_of(result)
     with Image.open(path) as reference:
         width, height = reference.size
-    from consumers.decode.resize import smart_resize
+    from vlmstream.models.qwen2_vl import smart_resize
 
     assert (result.height, result.width) == smart_resize(height, width, 28, 56 * 56, 28 * 28 * 16384)
     assert (result.orig_width, result.orig_height) == (width, height)
@@ -187,7 +188,7 @@ def test_large_jpeg2000_skips_the_resolution_levels_it_does_not_need(tmp_path):
 
 
 def smart_resize_size(height, width, max_pixels):
-    from consumers.decode.resize import smart_resize
+    from vlmstream.models.qwen2_vl import smart_resize
 
     return smart_resize(height, width, 28, 56 * 56, max_pixels)
 
@@ -213,10 +214,10 @@ def test_float_pixels_that_are_not_numbers_become_black(tmp_path):
 
 
 def test_heic_needs_pillow_heif_and_says_so_without_it(tmp_path, monkeypatch):
-    from consumers.decode import decode
+    from consumers.decode import sniff
 
     assert "heif" in images.supported_formats()  # the test extra installs pillow-heif: HEIC decodes (above)
-    monkeypatch.setattr(decode, "pillow_reads_heif", lambda: False)
+    monkeypatch.setattr(sniff, "pillow_reads_heif", lambda: False)
     path = tmp_path / "phone.heic"
     path.write_bytes(images.supported_formats()["heif"])
     result = make_stage(tmp_path)(str(path))
@@ -241,10 +242,10 @@ def test_heic_rotation_is_applied_once(tmp_path):
 def test_jpeg2000_that_cannot_drop_the_levels_its_header_promised_decodes_at_full_size(tmp_path, monkeypatch):
     """A component may have fewer levels than the main header says (a COC segment): the reduced decode fails,
     and the picture is decoded whole rather than dead-lettered."""
-    from consumers.decode import decode
+    from consumers.decode import decoder
 
     one_level = images._save(images._photo_like(1600, 1200, 9), "JPEG2000", num_resolutions=2)
-    monkeypatch.setattr(decode, "jpeg2000_decomposition_levels", lambda data: 5)
+    monkeypatch.setattr(decoder, "jpeg2000_decomposition_levels", lambda data: 5)
     decoded = Decoder(max_pixels=128 * 28 * 28).decode(one_level)
     assert decoded.scale == 1.0 and decoded.pixels.shape == (1200, 1600, 3)
 

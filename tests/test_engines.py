@@ -13,7 +13,8 @@ import pytest
 import torch
 from PIL import Image
 
-from consumers.decode.resize import resize_exact, smart_resize
+from consumers.decode.resize import resize_exact
+from vlmstream.models.qwen2_vl import smart_resize
 from consumers.infer.engine import EngineDeadError, InferenceFailure, InferenceOutput, InferenceRequest
 from consumers.infer.prompts import OutputSchema, OutputSchemaViolation
 from consumers.infer.tiny_model import default_tiny_model_dir

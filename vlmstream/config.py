@@ -13,17 +13,12 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, SecretStr
+from pydantic import BaseModel, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-DEFAULT_BOOTSTRAP = "127.0.0.1:9092"
+from vlmstream.models.registry import DEFAULT_FAMILY, family_named
 
-# Qwen2-VL / Qwen2.5-VL image processor defaults (preprocessor_config.json of the released models).
-QWEN_PATCH_SIZE = 14
-QWEN_MERGE_SIZE = 2
-QWEN_TEMPORAL_PATCH_SIZE = 2
-QWEN_MIN_PIXELS = 56 * 56
-QWEN_MAX_PIXELS = 28 * 28 * 16384  # 12,845,056: the model's default budget (12.8 MP)
+DEFAULT_BOOTSTRAP = "127.0.0.1:9092"
 
 
 class KafkaSettings(BaseModel):
@@ -110,10 +105,12 @@ class ProducerSettings(BaseModel):
 class DecodeSettings(BaseModel):
     group_id: str = "vlmstream-decode"
     workers: int = Field(0, description="Worker processes on this machine; 0 means one per core.")
-    min_pixels: int = QWEN_MIN_PIXELS
-    max_pixels: int = QWEN_MAX_PIXELS
-    patch_size: int = QWEN_PATCH_SIZE
-    merge_size: int = QWEN_MERGE_SIZE
+    model_family: str = Field(
+        DEFAULT_FAMILY, description="Model family (vlmstream/models/) whose input size rule the images are resized "
+        "by; its released checkpoints' pixel limits are the defaults below.")
+    min_pixels: int = family_named(DEFAULT_FAMILY).min_pixels
+    max_pixels: int = Field(family_named(DEFAULT_FAMILY).max_pixels,
+                            description="Largest model input in pixels (the checkpoints' 12,845,056 by default).")
     codec: Literal["jpeg", "png", "raw"] = Field("jpeg", description="Payload codec; png and raw are lossless.")
     jpeg_quality: int = 95
     allowed_roots: list[str] = Field(
@@ -144,6 +141,12 @@ class DecodeSettings(BaseModel):
     session_timeout_ms: int = Field(
         10_000, description="How long a silent (killed) worker keeps its partitions before the group moves them."
     )
+
+    @field_validator("model_family")
+    @classmethod
+    def _known_family(cls, name: str) -> str:
+        family_named(name)  # raises, naming the known families
+        return name
 
 
 class InferSettings(BaseModel):
@@ -179,7 +182,7 @@ class InferSettings(BaseModel):
     engine_cpu_threads: int = Field(
         1, ge=0, description="vLLM: torch CPU threads of its engine process, which is then spawned (0: vLLM's own "
         "way, a fork keeping a thread per core; OMP_NUM_THREADS or VLLM_WORKER_MULTIPROC_METHOD exported by the user "
-        "win). At 0.2 MP vLLM's own way spun 15 of an H200 host's 32 cores.")
+        "win). At 0.2 MP vLLM's own way spins most of an H200 host's cores (benchmarks/RESULTS.md).")
     vision_batch_images: int = Field(32, description="vLLM engine: most images per vision-tower forward (also "
                                      "bounded to 65,536 patches).")
     vision_compile: bool = Field(True, description="torch.compile the vision blocks on CUDA (falls back to eager).")

@@ -16,7 +16,7 @@ from bench_processes import (
 )
 from bench_report import arms_at, save
 
-from consumers.decode.resize import smart_resize  # the pipeline's own rule (the path is set by bench_processes)
+from vlmstream.models.qwen2_vl import smart_resize  # the pipeline's own rule (the path is set by bench_processes)
 
 GPU_BENCH = Path(__file__).resolve().with_name("gpu_bench.py")
 
@@ -74,7 +74,7 @@ def offline_worker(args: argparse.Namespace) -> None:
             n_cal = 48
             dt_cal, _ = run([make(i) for i in range(n_cal)], kw)
             # Size the measured batch to last about --seconds. A 48-request batch runs at about 0.7 of a large
-            # batch's rate (H200, 2026-11-30: 21.7 vs 31.2, 46 vs 67, 64 vs 100 img/s), hence the 1.4.
+            # batch's rate (measured on the H200: 21.7 vs 31.2, 46 vs 67, 64 vs 100 img/s), hence the 1.4.
             n = int(min(args.max_requests, max(n_cal, 1.4 * n_cal / dt_cal * args.seconds)))
             prompts = [make(i) for i in range(n)]
             w0 = time.time()
@@ -136,7 +136,7 @@ def offline_worker(args: argparse.Namespace) -> None:
 
 def offline_worker_command(args: argparse.Namespace, arms: list[str], res_file: Path) -> list[str]:
     """The child's command line. It runs gpu_bench.py, which owns the flags: this module has no entry point of its
-    own (run as a script it would exit 0 having done nothing, as it did on the device on 2026-11-30)."""
+    own (run as a script it would exit 0 having done nothing)."""
     return [sys.executable, str(GPU_BENCH), "--offline-worker", "--arms", ",".join(arms),
             "--results-file", str(res_file)] + passthrough(args)
 

@@ -1,17 +1,10 @@
-"""Qwen2-VL target size (smart_resize) and the exact-size resize that gets there.
-
-``smart_resize`` is a copy of transformers' ``qwen2_vl.image_processing_qwen2_vl.smart_resize``, kept here so the
-decode workers need neither torch nor transformers; tests check it against the original with hypothesis.
-"""
+"""The exact-size resize to the model family's target size (``ModelFamily.target_size``, vlmstream/models/), and
+EXIF orientation applied to the result."""
 
 from __future__ import annotations
 
-import math
-
 import cv2
 import numpy as np
-
-from vlmstream.images.errors import ImageError
 
 # A scale this close to 1 gains nothing from an area filter (each output pixel covers ~1 source pixel), and
 # INTER_AREA's non-integer path at full resolution costs more than the JPEG decode; bilinear is then as good.
@@ -27,37 +20,6 @@ _ORIENT_OPS = {
     7: ((cv2.rotate, cv2.ROTATE_90_COUNTERCLOCKWISE), (cv2.flip, 1)),
     8: ((cv2.rotate, cv2.ROTATE_90_COUNTERCLOCKWISE),),
 }
-
-
-class BadAspectRatio(ImageError):
-    error_kind = "decode_bad_aspect"
-
-
-def smart_resize(
-    height: int,
-    width: int,
-    factor: int = 28,
-    min_pixels: int = 56 * 56,
-    max_pixels: int = 14 * 14 * 4 * 1280,
-) -> tuple[int, int]:
-    """The Qwen2-VL rule, exactly: both sides multiples of ``factor``, area within [min_pixels, max_pixels],
-    aspect ratio kept as closely as possible. Raises ``BadAspectRatio`` (a ValueError in transformers) when the
-    longer side is more than 200 times the shorter one."""
-    if max(height, width) / min(height, width) > 200:
-        raise BadAspectRatio(
-            f"absolute aspect ratio must be smaller than 200, got {max(height, width) / min(height, width)}"
-        )
-    h_bar = round(height / factor) * factor
-    w_bar = round(width / factor) * factor
-    if h_bar * w_bar > max_pixels:
-        beta = math.sqrt((height * width) / max_pixels)
-        h_bar = max(factor, math.floor(height / beta / factor) * factor)
-        w_bar = max(factor, math.floor(width / beta / factor) * factor)
-    elif h_bar * w_bar < min_pixels:
-        beta = math.sqrt(min_pixels / (height * width))
-        h_bar = math.ceil(height * beta / factor) * factor
-        w_bar = math.ceil(width * beta / factor) * factor
-    return h_bar, w_bar
 
 
 def resize_exact(image: np.ndarray, height: int, width: int) -> np.ndarray:

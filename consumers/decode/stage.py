@@ -1,4 +1,4 @@
-"""The decode stage: a URI in, a ``PreparedImage`` (pixels at exactly the Qwen2-VL input size) or an
+"""The decode stage: a URI in, a ``PreparedImage`` (pixels at exactly the model family's input size) or an
 ``ImageFailure`` out. No Kafka here; ``consumers/decode/runner.py`` owns the clients and the commits.
 
 One call = fetch -> sniff + decode (DCT-scaled for JPEG) -> exact resize -> EXIF orientation -> encode.
@@ -14,12 +14,14 @@ import time
 
 from vlmstream.images.claimcheck import ClaimCheckStore
 from vlmstream.images.payload import encode
-from consumers.decode.decode import Decoder
+from consumers.decode.decoder import Decoder
+from consumers.decode.errors import DecodeTimeout
 from vlmstream.images.pages import split_page
 from consumers.decode.fetch import Fetcher
 from consumers.decode.resize import apply_orientation, resize_exact
 from vlmstream.images.errors import ImageError
 from consumers.decode.types import ImageFailure, PreparedImage
+from vlmstream.models.registry import family_named
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +39,7 @@ def size_class(width: int, height: int) -> str:
 
 class DecodeStage:
     """``stage(uri) -> PreparedImage | ImageFailure``; never raises. Known bad input gets a stable error_kind
-    (see fetch.py / decode.py / resize.py); anything a library throws unexpectedly becomes ``decode_unexpected``
+    (see fetch.py, errors.py, vlmstream/models/qwen2_vl.py); anything a library throws unexpectedly becomes ``decode_unexpected``
     and is logged with its traceback, so one hostile file cannot stop a partition.
 
     ``store`` is the claim-check store for payloads over the record limit; the runner decides when to use it."""
@@ -45,10 +47,10 @@ class DecodeStage:
     def __init__(self, settings, claim_check_url: str = "", *, fetcher: Fetcher | None = None,
                  use_turbojpeg: bool = True):
         self.settings = settings
-        self.factor = settings.patch_size * settings.merge_size
+        self.family = family_named(settings.model_family)
         self.fetcher = fetcher or Fetcher.from_settings(settings)
         self.decoder = Decoder(
-            factor=self.factor,
+            family=self.family,
             min_pixels=settings.min_pixels,
             max_pixels=settings.max_pixels,
             max_source_pixels=settings.max_source_pixels,
@@ -85,7 +87,6 @@ class DecodeStage:
             payload = encode(pixels, self.settings.codec, jpeg_quality=self.settings.jpeg_quality)
             t3 = time.perf_counter()
         height, width = pixels.shape[:2]
-        patch = self.settings.patch_size
         timings = {
             "fetch_ms": fetch_ms,
             "decode_ms": (t1 - t0) * 1000,
@@ -101,7 +102,7 @@ class DecodeStage:
             height=height,
             orig_width=decoded.width,
             orig_height=decoded.height,
-            grid_thw=(1, height // patch, width // patch),
+            grid_thw=self.family.grid_thw(height, width),
             source_format=decoded.source_format,
             decode_ms=(t2 - t0) * 1000,
             fetch_bytes=len(data),
@@ -111,10 +112,6 @@ class DecodeStage:
 
     def close(self) -> None:
         self.fetcher.close()
-
-
-class DecodeTimeout(ImageError):
-    error_kind = "decode_timeout"
 
 
 @contextlib.contextmanager

@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from consumers.infer.tiny_model import _dump, model_config_dict, write_processor_files, write_tokenizer_files
+from vlmstream.models.qwen2_vl import QWEN2_VL
 
 TEXT_CONFIG_7B = {
     "model_type": "qwen2_5_vl_text", "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
@@ -22,7 +23,8 @@ TEXT_CONFIG_7B = {
 }
 VISION_CONFIG_7B = {
     "model_type": "qwen2_5_vl", "depth": 32, "hidden_size": 1280, "intermediate_size": 3420, "num_heads": 16,
-    "out_hidden_size": 3584, "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2,
+    "out_hidden_size": 3584, "patch_size": QWEN2_VL.patch_size, "spatial_merge_size": QWEN2_VL.merge_size,
+    "temporal_patch_size": QWEN2_VL.temporal_patch_size,
     "window_size": 112, "fullatt_block_indexes": [7, 15, 23, 31], "tokens_per_second": 2, "hidden_act": "silu",
     "in_chans": 3, "in_channels": 3, "torch_dtype": "bfloat16", "initializer_range": 0.02,
 }

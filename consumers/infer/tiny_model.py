@@ -14,6 +14,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from vlmstream.models.qwen2_vl import QWEN2_VL
+
 TINY_MODEL_DIRNAME = "tiny-qwen2.5-vl"
 # Bumped whenever the folder's contents change, so a cached older folder is rebuilt.
 TINY_MODEL_VERSION = 1
@@ -28,11 +30,6 @@ SPECIAL_TOKENS = [
 IMAGE_PAD_ID = 151655
 # The real Qwen2.5 vocabulary is padded to a multiple of 128 past the last special token.
 VOCAB_SIZE = 151936
-
-CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
-CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
-MIN_PIXELS = 56 * 56
-MAX_PIXELS = 12845056  # Qwen2.5-VL's own default (16384 * 28 * 28)
 
 # Qwen2.5-VL's chat template, reduced to what a single-image request needs (no tools, no video timing).
 CHAT_TEMPLATE = (
@@ -61,7 +58,8 @@ TEXT_CONFIG = {
 }
 VISION_CONFIG = {
     "model_type": "qwen2_5_vl", "depth": 2, "hidden_size": 64, "intermediate_size": 128, "num_heads": 4,
-    "out_hidden_size": 64, "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2,
+    "out_hidden_size": 64, "patch_size": QWEN2_VL.patch_size, "spatial_merge_size": QWEN2_VL.merge_size,
+    "temporal_patch_size": QWEN2_VL.temporal_patch_size,
     # 112 px windows = 4x4 merged tokens, as in the real model; block 1 attends over the whole image.
     "window_size": 112, "fullatt_block_indexes": [1], "tokens_per_second": 2, "hidden_act": "silu",
     "in_chans": 3, "in_channels": 3, "initializer_range": 0.02,
@@ -96,11 +94,14 @@ def write_tokenizer_files(path: Path) -> None:
     _dump(path / "chat_template.json", {"chat_template": CHAT_TEMPLATE})
 
 
-def write_processor_files(path: Path, max_pixels: int = MAX_PIXELS) -> None:
+def write_processor_files(path: Path, max_pixels: int = QWEN2_VL.max_pixels) -> None:
+    """The released checkpoints' processor settings: the family's sizes, normalisation and pixel limits."""
+    family = QWEN2_VL
     _dump(path / "preprocessor_config.json", {
         "image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen2_5_VLProcessor",
-        "min_pixels": MIN_PIXELS, "max_pixels": max_pixels, "patch_size": 14, "merge_size": 2,
-        "temporal_patch_size": 2, "image_mean": CLIP_MEAN, "image_std": CLIP_STD, "do_resize": True,
+        "min_pixels": family.min_pixels, "max_pixels": max_pixels, "patch_size": family.patch_size,
+        "merge_size": family.merge_size, "temporal_patch_size": family.temporal_patch_size,
+        "image_mean": list(family.image_mean), "image_std": list(family.image_std), "do_resize": True,
         "do_normalize": True, "do_rescale": True, "rescale_factor": 1 / 255, "do_convert_rgb": True,
     })
     _dump(path / "generation_config.json", {

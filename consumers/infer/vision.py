@@ -1,4 +1,5 @@
-"""Qwen2-VL pixel preprocessing and the vision tower, run on the target device.
+"""Qwen2-VL pixel preprocessing and the vision tower, run on the target device (the family's numbers:
+vlmstream/models/qwen2_vl.py).
 
 vLLM's front end normalises and patchifies every image on one CPU core (209 ms for a 12.8 MP image);
 here the uint8 pixels travel to the GPU as they are (a quarter of the float bytes) and are rescaled,
@@ -18,6 +19,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from vlmstream.models.qwen2_vl import QWEN2_VL
+
 try:  # transformers 5: the vision forward takes its index tensors precomputed (VisionEncoder._index_inputs)
     from transformers import vision_utils as _vision_utils
 except ImportError:  # older transformers derives them itself
@@ -25,17 +28,12 @@ except ImportError:  # older transformers derives them itself
 
 log = logging.getLogger(__name__)
 
-PATCH_SIZE = 14
-MERGE_SIZE = 2
-TEMPORAL_PATCH_SIZE = 2
-CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
-CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
-
 
 class PixelNormalizer:
-    """Rescale (1/255) and normalise (CLIP mean/std) folded into one multiply-add per channel."""
+    """Rescale (1/255) and normalise (the family's mean/std: CLIP's) folded into one multiply-add per channel."""
 
-    def __init__(self, device: torch.device | str, mean: Sequence[float] = CLIP_MEAN, std: Sequence[float] = CLIP_STD):
+    def __init__(self, device: torch.device | str, mean: Sequence[float] = QWEN2_VL.image_mean,
+                 std: Sequence[float] = QWEN2_VL.image_std):
         std_t = torch.tensor(std, dtype=torch.float32, device=device)
         mean_t = torch.tensor(mean, dtype=torch.float32, device=device)
         self.scale = (1.0 / (255.0 * std_t)).view(1, 3, 1, 1, 1)
@@ -54,10 +52,11 @@ def _normalizer(device: torch.device) -> PixelNormalizer:
 
 
 def grid_for(height: int, width: int) -> tuple[int, int, int]:
-    if height % (PATCH_SIZE * MERGE_SIZE) or width % (PATCH_SIZE * MERGE_SIZE):
-        raise ValueError(f"image {width}x{height} is not a multiple of {PATCH_SIZE * MERGE_SIZE} px: "
+    factor = QWEN2_VL.factor
+    if height % factor or width % factor:
+        raise ValueError(f"image {width}x{height} is not a multiple of {factor} px: "
                          "resize it with smart_resize before inference")
-    return 1, height // PATCH_SIZE, width // PATCH_SIZE
+    return QWEN2_VL.grid_thw(height, width)
 
 
 def patchify(image: np.ndarray | torch.Tensor, device: torch.device | str = "cpu",
@@ -79,14 +78,14 @@ def patchify(image: np.ndarray | torch.Tensor, device: torch.device | str = "cpu
     _, grid_h, grid_w = grid_for(height, width)
     # Move uint8, not float: 4x fewer bytes over PCIe, and the layout shuffle below copies bytes, not floats.
     pixels = pixels.to(device, non_blocking=True)
-    p, m = PATCH_SIZE, MERGE_SIZE
+    p, m, frames = QWEN2_VL.patch_size, QWEN2_VL.merge_size, QWEN2_VL.temporal_patch_size
     blocks = (pixels.view(grid_h // m, m, p, grid_w // m, m, p, 3)
               .permute(0, 3, 1, 4, 6, 2, 5)  # (gh/m, gw/m, m, m, channel, p, p)
               .reshape(grid_h * grid_w, 3, 1, p, p))
     norm = _normalizer(device)
     values = blocks.to(torch.float32).mul_(norm.scale).add_(norm.bias)
-    values = values.expand(-1, -1, TEMPORAL_PATCH_SIZE, -1, -1).to(dtype)
-    return values.reshape(grid_h * grid_w, 3 * TEMPORAL_PATCH_SIZE * p * p), (1, grid_h, grid_w)
+    values = values.expand(-1, -1, frames, -1, -1).to(dtype)
+    return values.reshape(grid_h * grid_w, 3 * frames * p * p), (1, grid_h, grid_w)
 
 
 def patchify_batch(images: Sequence[np.ndarray], device: torch.device | str = "cpu",
@@ -208,7 +207,7 @@ class PatchProjection(torch.nn.Module):
     Its kernel equals its stride and covers the whole (channel, frame, 14, 14) patch, so the convolution is one
     GEMM. With torch 2.9 cuDNN had no fast bf16 algorithm for that shape and the Conv3d dominated whole towers
     (pytorch/pytorch#174051; vLLM's Conv3dLayer does the same substitution). On the device's torch 2.11 both
-    run at the same speed (benchmarks/gpu/bench_vision_tower.py, 2026-11-30); the swap guards other versions.
+    run at the same speed (benchmarks/gpu/bench_vision_tower.py; benchmarks/RESULTS.md); the swap guards other versions.
     The Parameter is the convolution's own, so its state-dict key and
     shape are unchanged and weights load before or after the swap.
     """
@@ -237,7 +236,7 @@ def use_linear_patch_embedding(visual: torch.nn.Module) -> torch.nn.Module:
 # ---------------------------------------------------------------------------------------------------------
 # Fast vision blocks. transformers' block is correct but slow on a GPU: its MLP width (3420 for the 7B
 # tower) is not a multiple of 8, so cuBLAS falls back to Ampere-era GEMM kernels (52% of a 1 MP forward on
-# the H200, 2026-11-30), and RMSNorm, rotary and SiLU run as ~20 separate float32 elementwise kernels per
+# the H200; benchmarks/RESULTS.md), and RMSNorm, rotary and SiLU run as ~20 separate float32 elementwise kernels per
 # layer (a further third). The replacement computes the same function: gate and up projections merged into
 # one GEMM and zero-padded to a multiple of 64 (silu(0) * 0 = 0, and zero columns of the down projection
 # add nothing), the attention kernel called directly on (tokens, heads, dim), and on CUDA the code around
@@ -440,11 +439,12 @@ class VisionEncoder:
     def _warm_up_compiled(self) -> bool:
         """Compile now (tens of seconds, once) rather than inside the first real batch; on any compiler
         failure run the same blocks eagerly."""
-        image = np.zeros((PATCH_SIZE * MERGE_SIZE * 4, PATCH_SIZE * MERGE_SIZE * 6, 3), np.uint8)
+        factor = QWEN2_VL.factor
+        image = np.zeros((factor * 4, factor * 6, 3), np.uint8)
         started = time.perf_counter()
         try:
             for _ in range(2):
-                self.encode([image, image[: PATCH_SIZE * MERGE_SIZE * 2]])
+                self.encode([image, image[: factor * 2]])
             log.info("vision blocks compiled in %.1fs", time.perf_counter() - started)
             return True
         except Exception as exc:  # noqa: BLE001 - an optimisation must never stop the engine
@@ -497,7 +497,7 @@ class VisionEncoder:
         return results
 
     def _groups(self, images: Sequence[np.ndarray]):
-        return groups_by_patches(images, lambda im: (im.shape[0] // PATCH_SIZE) * (im.shape[1] // PATCH_SIZE),
+        return groups_by_patches(images, lambda im: QWEN2_VL.patches(im.shape[0], im.shape[1]),
                                  self.max_patches_per_call)
 
 
@@ -560,9 +560,9 @@ def request_problem(image: object, grid_thw: tuple[int, int, int]) -> str | None
         shape = getattr(image, "shape", None)
         return f"image must be an H x W x 3 uint8 RGB array, got {type(image).__name__} {shape}"
     height, width = image.shape[:2]
-    factor = PATCH_SIZE * MERGE_SIZE
-    if height < factor or width < factor or height % factor or width % factor:
-        return f"image {width}x{height} is not a positive multiple of {factor} px (smart_resize it first)"
-    if tuple(grid_thw) != (1, height // PATCH_SIZE, width // PATCH_SIZE):
+    problem = QWEN2_VL.size_problem(height, width)
+    if problem:
+        return problem
+    if tuple(grid_thw) != QWEN2_VL.grid_thw(height, width):
         return f"grid_thw {tuple(grid_thw)} does not match the {width}x{height} image"
     return None

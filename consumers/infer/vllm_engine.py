@@ -36,17 +36,14 @@ from consumers.infer.engine import ENGINE_DEAD as _DEAD
 from consumers.infer.engine import (InferenceFailure, InferenceOutput, InferenceRequest,
                                     QueuedEngine)
 from consumers.infer.prompts import OutputSchema, PromptBuilder, with_schema
-from consumers.infer.vision import (MERGE_SIZE, VisionEncoder, groups_by_patches, load_vision_tower, mean_pool_each,
-                                    patchify_batch, request_problem, to_host_each)
+from consumers.infer.vision import (VisionEncoder, groups_by_patches, load_vision_tower, mean_pool_each, patchify_batch,
+                                    request_problem, to_host_each)
 from vlmstream.config import InferSettings
+from vlmstream.models.qwen2_vl import QWEN2_VL
 
 log = logging.getLogger(__name__)
 
 INSTALL_HINT = "pip install 'vlmstream[gpu]'"
-# Qwen2.5-VL's own processor bounds; an exact-size image inside them is not resized by vLLM.
-QWEN_MIN_PIXELS = 56 * 56
-QWEN_MAX_PIXELS = 16384 * 28 * 28
-
 
 
 def _patches(item: tuple[InferenceRequest, float]) -> int:
@@ -81,7 +78,7 @@ def import_vllm() -> SimpleNamespace:
 def engine_process_threads(threads: int):
     """Start vLLM's engine process (inside this block) with `threads` torch/OpenMP threads; this process keeps its
     own. vLLM lowers OMP_NUM_THREADS to 1 only when it runs several GPU workers; its one-GPU engine keeps a thread
-    per core, and at 0.2 MP those threads spun on 15 of the H200 host's 32 cores (2026-11-30 profile). libgomp
+    per core, and at 0.2 MP those threads spun on 15 of the H200 host's 32 cores (benchmarks/RESULTS.md). libgomp
     reads the variable when it loads, so the engine must be spawned, not forked (vLLM forks unless CUDA is already
     up here). Variables the user exported are kept as they are; 0 leaves vLLM to its own way."""
     if threads <= 0:
@@ -288,8 +285,8 @@ class VllmEngine(QueuedEngine):
 
     async def _start(self, engine_args):
         # This is batch inference: vLLM's defaults for its offline LLM class (on an H200: 1024 sequences, 16384
-        # tokens per step), not the async engine's 128 / 2048, which the 2026-11-30 H200 runs had by mistake
-        # while the offline arms they were compared with had the LLM class's.
+        # tokens per step), not the async engine's 128 / 2048, which would keep the GPU short of work and make the
+        # pipeline incomparable with vLLM's own offline batch inference (the benchmarks' offline arms).
         return self._v.AsyncLLM.from_engine_args(engine_args, usage_context=self._v.UsageContext.LLM_CLASS)
 
     async def _shutdown(self) -> None:
@@ -306,8 +303,9 @@ class VllmEngine(QueuedEngine):
                   "multi_modal_uuids": {"image": [engine_request_id]}}
         if self.mode == "pixels":
             height, width = request.image.shape[:2]
-            prompt["mm_processor_kwargs"] = {"min_pixels": QWEN_MIN_PIXELS,
-                                             "max_pixels": max(QWEN_MAX_PIXELS, height * width),
+            # The family's processor bounds; an exact-size image inside them is not resized by vLLM.
+            prompt["mm_processor_kwargs"] = {"min_pixels": QWEN2_VL.min_pixels,
+                                             "max_pixels": max(QWEN2_VL.max_pixels, height * width),
                                              "do_resize": False}
         started = time.perf_counter()
         try:
@@ -356,13 +354,12 @@ class VllmEngine(QueuedEngine):
         completion = final.outputs[0]
         if completion.finish_reason == "abort":
             return InferenceFailure(request.request_id, "inference_error", "vLLM aborted the request")
-        _, grid_h, grid_w = request.grid_thw
         output = InferenceOutput(
             request_id=request.request_id,
             text=completion.text,
             prompt_tokens=len(final.prompt_token_ids or []),
             output_tokens=len(completion.token_ids),
-            visual_tokens=grid_h * grid_w // (MERGE_SIZE * MERGE_SIZE),
+            visual_tokens=QWEN2_VL.visual_tokens(request.grid_thw),
             embedding=embedding,
             timings_ms=timings,
         )

@@ -20,8 +20,8 @@ img = TurboJPEG().decode(open(jpegs[0], "rb").read()) if jpegs else None
 print("IMPORT_OK turbojpeg", turbojpeg.__version__ if hasattr(turbojpeg, "__version__") else "",
       "decoded", None if img is None else img.shape)
 try:
-    from vlmstream.images.turbojpeg import turbojpeg_handle
-    print("IMPORT_OK consumers.decode uses turbojpeg:", turbojpeg_handle() is not None)
+    from consumers.decode.decoder import Decoder
+    print("IMPORT_OK consumers.decode uses turbojpeg:", Decoder().uses_turbojpeg)
 except ImportError as e:
     print("consumers.decode not importable yet:", e)
 

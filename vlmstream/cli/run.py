@@ -16,13 +16,15 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from vlmstream.models import qwen2_vl
+
 console = Console(stderr=True)
 REPO_ROOT = Path(__file__).resolve().parents[1]
-# The built-in tiny model's text is meaningless at any size, and its CPU time grows with the pixels: 25 large photos
-# took 286 s at the checkpoint's 12.8 MP budget (a user's report); 25 photos of 1-8 MP (Debian's mate and sway
-# backgrounds) took 74 s at 1 MP, 28 s at 0.4 MP and 26 s at 0.2 MP on a 2-core machine, startup included.
-# 0.4 MP leaves room for a busier machine; --max-pixels or decode.max_pixels change it.
-TINY_MODEL_MAX_PIXELS = 512 * 28 * 28  # 401,408
+# The built-in tiny model's text is meaningless at any size, and its CPU time grows with the pixels: at the
+# checkpoint's 12.8 MP a folder of large photos takes minutes on two cores, at 0.4 MP about half a minute
+# (benchmarks/first_run.py; figures per budget in benchmarks/RESULTS.md). 0.4 MP leaves room for a busier machine;
+# --max-pixels or decode.max_pixels change it.
+TINY_MODEL_MAX_PIXELS = 512 * qwen2_vl.FACTOR**2  # 401,408
 PROGRESS_EVERY_S = 5.0
 
 
@@ -85,7 +87,7 @@ def run(
     decode_workers: Optional[int] = typer.Option(None, "--decode-workers", help="Decode processes (default: one "
                                                  "per core)."),
     max_pixels: Optional[int] = typer.Option(None, "--max-pixels", help="Pixel budget per image (a real model's "
-                                             "default 12845056; the built-in tiny model's, when neither this nor "
+                                             "default: its checkpoint's, 12845056 for Qwen2/2.5-VL; the built-in tiny model's, when neither this nor "
                                              f"decode.max_pixels is set, {TINY_MODEL_MAX_PIXELS}; e.g. 1003520 = "
                                              "1280*28*28)."),
     prompt: Optional[str] = typer.Option(None, "--prompt"),

@@ -1,0 +1,336 @@
+"""Bytes -> upright-aware RGB pixels, decoded no larger than the model needs.
+
+The format comes from the magic number (``sniff``), never from the file name. JPEGs go through libjpeg-turbo with
+DCT-domain scaling (the decoder itself produces a 1/2, 1/4 or 1/8 size image, which is both the fastest path and an
+antialiased reduction); PNG and WebP through OpenCV; everything else through Pillow (JPEG 2000 with its own
+reduction: whole wavelet resolution levels skipped, ``jpeg2000``). Sizes are checked from the header before any
+pixel is decoded, so a decompression bomb costs a few hundred bytes of parsing (``headers``). Pillow's modes become
+8-bit RGB in ``pixels``; the failures are the classes in ``errors``.
+
+The result stays in the file's stored orientation: rotating the small resized image is cheaper than rotating the
+decoded one, so the stage applies ``orientation`` after the resize (see ``resize.apply_orientation``).
+"""
+
+from __future__ import annotations
+
+import struct
+import warnings
+from dataclasses import dataclass
+from functools import lru_cache
+from io import BytesIO
+
+import cv2
+import numpy as np
+from PIL import Image, ImageFile, UnidentifiedImageError
+
+from consumers.decode.errors import CorruptImage, PageOutOfRange, TooManyPixels, TruncatedImage, UnsupportedFormat
+from consumers.decode.headers import (EXIF_ORIENTATION_TAG, check_jpeg_is_decodable, jpeg_exif_orientation, png_chunk,
+                                      tiff_orientation)
+from consumers.decode.jpeg2000 import jpeg2000_decomposition_levels, jpeg2000_is_cut_short, jpeg2000_levels_to_drop
+from consumers.decode.pixels import composite_on_white, eight_bit, to_rgb
+from consumers.decode.resize import swaps_axes
+from consumers.decode.sniff import sniff_format
+from vlmstream.images import pages as page_files
+from vlmstream.images.errors import ImageError
+from vlmstream.images.turbojpeg import turbojpeg_handle
+from vlmstream.models.family import ModelFamily
+from vlmstream.models.qwen2_vl import QWEN2_VL
+
+TIFF_TILE_WIDTH_TAG, TIFF_TILE_LENGTH_TAG = 322, 323
+# A TIFF tile is what libtiff allocates and inflates, whatever the image size: one covers at most the image plus
+# padding to the tile grid. Tiles up to this area are allowed for any image (encoders use 256x256 for tiny ones).
+_TILE_PIXELS_ANY_IMAGE = 1 << 20
+_TILE_OVER_IMAGE_AREA = 4
+
+
+@dataclass(frozen=True)
+class Decoded:
+    """Pixels in the file's stored orientation, possibly already reduced by the decoder.
+
+    ``width``/``height`` are the upright full-size dimensions; ``target_width``/``target_height`` the upright
+    model input size the family's rule (smart_resize) computes from them."""
+
+    pixels: np.ndarray
+    orientation: int
+    width: int
+    height: int
+    target_width: int
+    target_height: int
+    source_format: str
+    scale: float = 1.0
+    # Pages in a multi-page TIFF decoded without a page selector (only its first is decoded); 1 otherwise.
+    pages: int = 1
+
+    @property
+    def stored_target(self) -> tuple[int, int]:
+        """(height, width) the stored-orientation pixels must be resized to before ``orientation`` is applied."""
+        if swaps_axes(self.orientation):
+            return self.target_width, self.target_height
+        return self.target_height, self.target_width
+
+
+def configure_pillow(max_source_pixels: int) -> None:
+    """Process-wide Pillow policy: its decompression-bomb threshold is ours, its bomb warning is an error, and
+    truncated files never load silently."""
+    Image.MAX_IMAGE_PIXELS = max_source_pixels
+    ImageFile.LOAD_TRUNCATED_IMAGES = False
+    warnings.filterwarnings("error", category=Image.DecompressionBombWarning)
+
+
+class Decoder:
+    """Decodes bytes for one model family and pixel budget (the family's own limits unless ``min_pixels`` /
+    ``max_pixels`` are given). Reusable; not shared across threads while libjpeg-turbo warnings are collected
+    (``warnings.catch_warnings`` is process-global)."""
+
+    def __init__(
+        self,
+        *,
+        family: ModelFamily = QWEN2_VL,
+        min_pixels: int | None = None,
+        max_pixels: int | None = None,
+        max_source_pixels: int = 200_000_000,
+        use_turbojpeg: bool = True,
+    ):
+        self.family = family.with_pixel_limits(
+            family.min_pixels if min_pixels is None else min_pixels,
+            family.max_pixels if max_pixels is None else max_pixels)
+        self.max_source_pixels = max_source_pixels
+        configure_pillow(max_source_pixels)
+        self._turbo = turbojpeg_handle() if use_turbojpeg else None
+
+    @property
+    def uses_turbojpeg(self) -> bool:
+        return self._turbo is not None
+
+    def decode(self, data: bytes, page: int | None = None) -> Decoded:
+        """``page``: which page (frame) of a multi-page file, from 1; None = the first."""
+        fmt = sniff_format(data)
+        if fmt == "jpeg":
+            check_jpeg_is_decodable(data)
+        if fmt == "jpeg" and self._turbo is not None and (page or 1) == 1:
+            return self._decode_jpeg_turbo(data)
+        return self._decode_pillow(data, fmt, page)
+
+    # -- shared helpers ---------------------------------------------------------------------------------
+
+    def _check_and_target(self, stored_w: int, stored_h: int, orientation: int) -> tuple[int, int, int, int]:
+        if stored_w <= 0 or stored_h <= 0:
+            raise CorruptImage(f"header declares an empty image ({stored_w}x{stored_h})")
+        if stored_w * stored_h > self.max_source_pixels:
+            raise TooManyPixels(
+                f"{stored_w}x{stored_h} = {stored_w * stored_h} pixels exceeds max_source_pixels "
+                f"{self.max_source_pixels}"
+            )
+        width, height = (stored_h, stored_w) if swaps_axes(orientation) else (stored_w, stored_h)
+        target_h, target_w = self.family.target_size(height, width)
+        return width, height, target_w, target_h
+
+    # -- JPEG through libjpeg-turbo ---------------------------------------------------------------------
+
+    def _decode_jpeg_turbo(self, data: bytes) -> Decoded:
+        from turbojpeg import TJCS_CMYK, TJCS_YCCK, TJPF_CMYK, TJPF_RGB
+
+        turbo = self._turbo
+        try:
+            stored_w, stored_h, _subsample, colorspace = turbo.decode_header(data)
+        except OSError as exc:
+            raise _jpeg_failure(data, exc) from exc
+        orientation = jpeg_exif_orientation(data)
+        width, height, target_w, target_h = self._check_and_target(stored_w, stored_h, orientation)
+        need_h, need_w = (target_w, target_h) if swaps_axes(orientation) else (target_h, target_w)
+        scaling = pick_dct_scale(stored_w, stored_h, need_w, need_h, turbo.scaling_factors)
+        if colorspace in (TJCS_CMYK, TJCS_YCCK):
+            # libjpeg-turbo would hand back raw CMYK; Pillow knows Adobe's inverted-CMYK convention. But Pillow
+            # hides libjpeg's warnings, so a cut file would come out half grey: libjpeg-turbo reads it first
+            # (at the reduced size; CMYK JPEGs are rare) to hear them.
+            self._turbo_decode(data, TJPF_CMYK, scaling)
+            return self._decode_pillow(data, "jpeg")
+        pixels = self._turbo_decode(data, TJPF_RGB, scaling)
+        return Decoded(
+            pixels, orientation, width, height, target_w, target_h, "jpeg", scaling[0] / scaling[1]
+        )
+
+    def _turbo_decode(self, data: bytes, pixel_format: int, scaling: tuple[int, int]) -> np.ndarray:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                pixels = self._turbo.decode(data, pixel_format=pixel_format, scaling_factor=scaling)
+            except OSError as exc:
+                raise _jpeg_failure(data, exc) from exc
+        for warning in caught:
+            message = str(warning.message)
+            if "premature end" in message.lower():  # "Premature end of JPEG file", "... of data segment"
+                # libjpeg fills the missing rows with grey and calls it a warning; a half-grey page is a failure.
+                raise TruncatedImage(f"JPEG data ends early: {message}")
+        return pixels
+
+    # -- everything else through Pillow -----------------------------------------------------------------
+
+    def _decode_pillow(self, data: bytes, fmt: str, page: int | None = None) -> Decoded:
+        try:
+            image = Image.open(BytesIO(data))
+        except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
+            raise TooManyPixels(str(exc)) from exc
+        except UnidentifiedImageError as exc:
+            raise CorruptImage(f"{fmt} signature but Pillow cannot read it: {exc}") from exc
+        except (OSError, SyntaxError, ValueError, EOFError, struct.error) as exc:
+            raise _pillow_failure(fmt, exc, data) from exc
+        except RuntimeError as exc:
+            if fmt not in _RUNTIME_ERROR_FORMATS:
+                raise
+            raise _pillow_failure(fmt, exc, data) from exc
+        pages = 1
+        try:
+            with image:
+                if (page or 1) > 1:
+                    if page > page_files.MAX_PAGES:
+                        raise PageOutOfRange(f"page {page} asked for; pages past {page_files.MAX_PAGES} are not read")
+                    try:
+                        image.seek(page - 1)
+                    except EOFError:
+                        raise PageOutOfRange(f"page {page} asked for; the file has {page_files.count_pages(image)}") from None
+                elif page is None and image.format == "TIFF":
+                    pages = page_files.count_pages(image)  # a walk over the page directories, no pixels
+                orientation = _pillow_orientation(image, data)
+                stored_w, stored_h = image.size
+                width, height, target_w, target_h = self._check_and_target(stored_w, stored_h, orientation)
+                if image.format == "TIFF":
+                    self._check_tiff_tiles(image, stored_w, stored_h)
+                scale = 1.0
+                pixels = None
+                if fmt in ("png", "webp") and not getattr(image, "is_animated", False):
+                    pixels = _decode_cv2(data, stored_w, stored_h, colour_key="transparency" in image.info)
+                if pixels is None:
+                    need_h, need_w = (target_w, target_h) if swaps_axes(orientation) else (target_h, target_w)
+                    if image.format == "JPEG":
+                        image.draft(image.mode, (need_w, need_h))  # DCT-domain 1/2..1/8 reduction
+                        scale = image.size[0] / stored_w
+                    elif image.format == "JPEG2000":
+                        # Wavelet resolution levels: each one dropped halves the size and skips its decoding.
+                        levels = min(jpeg2000_levels_to_drop(stored_w, stored_h, need_w, need_h),
+                                     jpeg2000_decomposition_levels(data))
+                        if levels:
+                            image.reduce = levels
+                            try:
+                                image.load()
+                            except (OSError, ValueError):
+                                # A component with fewer levels (COC): the failed load leaves this image
+                                # unusable, so the whole picture again, at full size.
+                                image = Image.open(BytesIO(data))
+                            scale = image.size[0] / stored_w
+                    image.load()
+                    pixels = to_rgb(image)
+        except ImageError:
+            raise
+        except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
+            raise TooManyPixels(str(exc)) from exc
+        except (OSError, SyntaxError, ValueError, EOFError, struct.error, IndexError) as exc:
+            raise _pillow_failure(fmt, exc, data) from exc
+        except RuntimeError as exc:
+            if fmt not in _RUNTIME_ERROR_FORMATS:
+                raise
+            raise _pillow_failure(fmt, exc, data) from exc
+        return Decoded(pixels, orientation, width, height, target_w, target_h, fmt, scale, pages)
+
+    def _check_tiff_tiles(self, image: Image.Image, stored_w: int, stored_h: int) -> None:
+        tile_w = image.tag_v2.get(TIFF_TILE_WIDTH_TAG)
+        tile_h = image.tag_v2.get(TIFF_TILE_LENGTH_TAG)
+        if not isinstance(tile_w, int) or not isinstance(tile_h, int):
+            return
+        tile = tile_w * tile_h
+        if tile > self.max_source_pixels:
+            raise TooManyPixels(f"TIFF tile {tile_w}x{tile_h} = {tile} pixels exceeds max_source_pixels "
+                                f"{self.max_source_pixels}")
+        if tile > max(_TILE_OVER_IMAGE_AREA * stored_w * stored_h, _TILE_PIXELS_ANY_IMAGE):
+            raise CorruptImage(f"TIFF tile {tile_w}x{tile_h} is far larger than its {stored_w}x{stored_h} image")
+
+
+def _decode_cv2(data: bytes, width: int, height: int, *, colour_key: bool = False) -> np.ndarray | None:
+    """PNG and WebP through OpenCV (libpng/libwebp directly: 1.2-2.5x faster than Pillow on the corpus), after
+    Pillow has read the header and the size has been checked. None when OpenCV cannot decode it exactly; Pillow
+    then decodes it and names the failure (truncated, corrupt). ``colour_key``: the file has a tRNS colour key."""
+    try:
+        array = cv2.imdecode(np.frombuffer(data, np.uint8), cv2.IMREAD_UNCHANGED)
+    except cv2.error:
+        return None
+    if array is None or array.shape[:2] != (height, width) or array.dtype not in (np.uint8, np.uint16):
+        return None
+    if array.ndim == 2:
+        if colour_key:
+            return None  # OpenCV drops a grey PNG's tRNS key (an RGB one it expands to alpha); Pillow keeps it
+        return cv2.cvtColor(eight_bit(array), cv2.COLOR_GRAY2RGB)
+    if array.shape[2] == 3 and array.dtype == np.uint8:
+        return cv2.cvtColor(array, cv2.COLOR_BGR2RGB)
+    if array.shape[2] in (3, 4):
+        return composite_on_white(array, bgr=True)
+    return None
+
+
+def pick_dct_scale(
+    width: int, height: int, need_w: int, need_h: int, factors
+) -> tuple[int, int]:
+    """The smallest libjpeg-turbo scaling factor (<= 1) whose output is at least need_w x need_h.
+
+    libjpeg-turbo rounds scaled sizes up: TJSCALED(d, f) = ceil(d * num / denom)."""
+    best = (1, 1)
+    for num, denom in sorted(factors, key=lambda f: f[0] / f[1]):
+        if num > denom:
+            continue
+        if -(-width * num // denom) >= need_w and -(-height * num // denom) >= need_h:
+            best = (num, denom)
+            break
+    return best
+
+
+def _pillow_orientation(image: Image.Image, data: bytes = b"") -> int:
+    if image.format == "TIFF" and pillow_turns_tiffs_upright():
+        return 1
+    try:
+        if image.format in ("PNG", "WEBP"):
+            # PngImageFile.getexif() decodes the whole image to look for an eXIf chunk after the pixels; the header
+            # pass found one before IDAT (the usual place), and a walk over the chunks finds one after.
+            raw = image.info.get("exif") or (png_chunk(data, b"eXIf") if image.format == "PNG" else None)
+            if not raw:
+                return 1
+            raw = raw[6:] if raw.startswith(b"Exif\x00\x00") else raw
+            return tiff_orientation(raw)
+        value = image.getexif().get(EXIF_ORIENTATION_TAG, 1)
+    except Exception:  # a broken EXIF block must not fail an otherwise good image
+        return 1
+    return value if isinstance(value, int) and 1 <= value <= 8 else 1
+
+
+@lru_cache(maxsize=1)
+def pillow_turns_tiffs_upright() -> bool:
+    """True when Pillow applies a TIFF's Orientation tag itself (Pillow 13 does, when it opens and loads one): the
+    stage must then not apply it again."""
+    exif = Image.Exif()
+    exif[EXIF_ORIENTATION_TAG] = 6
+    buffer = BytesIO()
+    Image.new("L", (2, 1)).save(buffer, "TIFF", exif=exif)
+    with Image.open(buffer) as probe:
+        probe.load()
+        return probe.size == (1, 2)
+
+
+def _jpeg_failure(data: bytes, exc: Exception) -> ImageError:
+    if "Unsupported JPEG" in str(exc):  # "... data precision 12", "... process: SOF type 0xc3"
+        return UnsupportedFormat(f"JPEG: {exc}")
+    if not bytes(data[-16:]).rstrip(b"\x00\r\n ").endswith(b"\xff\xd9"):
+        return TruncatedImage(f"JPEG without end-of-image marker: {exc}")
+    return CorruptImage(f"JPEG: {exc}")
+
+
+def _pillow_failure(fmt: str, exc: Exception, data: bytes = b"") -> ImageError:
+    message = str(exc)
+    if isinstance(exc, EOFError) or "truncated" in message.lower() or "Truncated" in message:
+        return TruncatedImage(f"{fmt}: {message or type(exc).__name__}")
+    if fmt == "jpeg2000" and jpeg2000_is_cut_short(data):
+        # openjpeg says "broken data stream" for any failure; the codestream's own end marker tells a cut file.
+        return TruncatedImage(f"{fmt}: the codestream has no end marker ({type(exc).__name__}: {message})")
+    return CorruptImage(f"{fmt}: {type(exc).__name__}: {message}")
+
+
+# Pillow's AVIF plugin and pillow-heif report damaged files as RuntimeError ("Decoding of color planes failed",
+# libheif's "Security limit exceeded").
+_RUNTIME_ERROR_FORMATS = ("avif", "heif")

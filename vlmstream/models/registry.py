@@ -1,0 +1,69 @@
+"""Which ``ModelFamily`` a checkpoint belongs to, from its ``config.json``, with the pixel limits its
+``preprocessor_config.json`` sets. Families are the ``FAMILY`` of each module in this package."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import pkgutil
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import vlmstream.models as _package
+from vlmstream.models.family import ModelFamily
+
+DEFAULT_FAMILY = "qwen2_vl"
+
+
+class UnknownModelFamily(ValueError):
+    """No family here describes this model; the message names what the checkpoint says it is."""
+
+
+@lru_cache(maxsize=1)
+def families() -> dict[str, ModelFamily]:
+    """Every family, by name: the ``FAMILY`` of each module of ``vlmstream.models``."""
+    found: dict[str, ModelFamily] = {}
+    for module in pkgutil.iter_modules(_package.__path__):
+        family = getattr(importlib.import_module(f"{_package.__name__}.{module.name}"), "FAMILY", None)
+        if isinstance(family, ModelFamily):
+            found[family.name] = family
+    return found
+
+
+def family_named(name: str) -> ModelFamily:
+    try:
+        return families()[name]
+    except KeyError:
+        raise UnknownModelFamily(f"unknown model family {name!r}; known: {', '.join(sorted(families()))}") from None
+
+
+def family_for_config(config: dict[str, Any]) -> ModelFamily:
+    """The family of a checkpoint's parsed ``config.json``: by ``model_type``, else by ``architectures``."""
+    model_type = config.get("model_type")
+    architectures = config.get("architectures") or []
+    for family in families().values():
+        if model_type in family.model_types:
+            return family
+    for family in families().values():
+        if any(name in family.architectures for name in architectures):
+            return family
+    raise UnknownModelFamily(
+        f"no model family in vlmstream/models for model_type {model_type!r} (architectures {architectures}); "
+        f"known model types: {', '.join(t for f in families().values() for t in f.model_types)}")
+
+
+def family_of(checkpoint: str | Path) -> ModelFamily:
+    """The family of the checkpoint folder ``checkpoint``, its pixel limits those of the folder's
+    ``preprocessor_config.json`` (``min_pixels``/``max_pixels``, or transformers 5's ``size`` with
+    ``shortest_edge``/``longest_edge``); without that file or those keys, the image processor's own defaults."""
+    folder = Path(checkpoint)
+    family = family_for_config(json.loads((folder / "config.json").read_text()))
+    min_pixels, max_pixels = family.min_pixels, family.processor_max_pixels
+    processor_file = folder / "preprocessor_config.json"
+    if processor_file.exists():
+        processor = json.loads(processor_file.read_text())
+        size = processor.get("size") or {}
+        min_pixels = processor.get("min_pixels") or size.get("shortest_edge") or min_pixels
+        max_pixels = processor.get("max_pixels") or size.get("longest_edge") or max_pixels
+    return family.with_pixel_limits(int(min_pixels), int(max_pixels))
