@@ -21,6 +21,7 @@ import socket
 import subprocess
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -413,20 +414,19 @@ def _start_nodes(settings: Settings, nodes: list[int]) -> dict[int, subprocess.P
     cluster_id = _cluster_id(b)
     classpath = f"{provision_jars(b)}/*"
     java = _java()
-    procs: dict[int, subprocess.Popen] = {}
-    for n in nodes:
-        paths = node_paths(b, n)
-        if _read_pid(paths) is not None:
-            continue
+    down = [n for n in nodes if _read_pid(node_paths(b, n)) is None]
+    for n in down:
         for port in b.node_ports(n):
             if port_open(b.host, port):
                 raise BrokerError(f"port {port} of node {n} is taken by another process")
+        paths = node_paths(b, n)
         paths.root.mkdir(parents=True, exist_ok=True)
         paths.properties.write_text(_server_properties(b, paths, settings.kafka.max_message_bytes, node=n))
-        if not (paths.data / "meta.properties").exists():
-            _format(java, classpath, paths, cluster_id)
-        procs[n] = _launch(java, classpath, paths, b.node_heap)
-    return procs
+    unformatted = [node_paths(b, n) for n in down if not (node_paths(b, n).data / "meta.properties").exists()]
+    if unformatted:  # one JVM each, side by side
+        with ThreadPoolExecutor(len(unformatted)) as pool:
+            list(pool.map(lambda paths: _format(java, classpath, paths, cluster_id), unformatted))
+    return {n: _launch(java, classpath, node_paths(b, n), b.node_heap) for n in down}
 
 
 def _wait_answering(settings: Settings, procs: dict[int, subprocess.Popen], nodes: list[int], wait_s: float) -> None:
