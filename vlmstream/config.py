@@ -100,7 +100,9 @@ class BrokerSettings(BaseModel):
     )
     host: str = "127.0.0.1"
     port: int = 9092
-    controller_port: int = Field(9093, description="The single node's controller port (a cluster's: see nodes).")
+    controller_port: int | None = Field(
+        None, description="The single node's controller port; None: the port after `port` (9093 by default). A "
+        "cluster's: see nodes.")
     heap: str = Field("1g", description="JVM heap of the single node.")
     nodes: int = Field(
         1, ge=1, description="1: the single embedded node. More: a local cluster, one controller quorum, node N "
@@ -111,7 +113,7 @@ class BrokerSettings(BaseModel):
     def node_ports(self, node: int) -> tuple[int, int]:
         """(client port, controller port) of one node, from 1."""
         if self.nodes == 1:
-            return self.port, self.controller_port
+            return self.port, self.controller_port or self.port + 1
         return self.port + 2 * (node - 1), self.port + 2 * (node - 1) + 1
 
     def bootstrap(self) -> str:
