@@ -450,7 +450,7 @@ def _wait_answering(settings: Settings, procs: dict[int, subprocess.Popen], node
 
 
 def _registered_brokers(settings: Settings, node: int) -> set[int]:
-    """The brokers the cluster lists (unfenced), as seen from ``node``; empty when it does not answer."""
+    """The brokers the cluster lists unfenced, as seen from ``node``; empty when it does not answer."""
     address = node_bootstrap(settings, node)
     if not port_open(settings.broker.host, settings.broker.node_ports(node)[0]):
         return set()
@@ -458,7 +458,10 @@ def _registered_brokers(settings: Settings, node: int) -> set[int]:
     if admin is None:
         return set()
     try:
-        return {int(broker["broker_id"]) for broker in admin.describe_cluster()["brokers"]}
+        # A restarted node is listed fenced until it has caught up with the metadata log and the controller lets
+        # it lead and follow partitions again: only then is it back.
+        return {int(broker["broker_id"]) for broker in admin.describe_cluster()["brokers"]
+                if not broker.get("is_fenced")}
     except Exception:  # noqa: BLE001 - not answering yet
         return set()
     finally:
@@ -511,7 +514,8 @@ def snapshot_node_data(settings: Settings, node: int, dest: str | Path | None = 
     paths = node_paths(_running_layout(settings).broker, node)
     if _read_pid(paths) is not None:
         raise BrokerError(f"node {node} is running; stop or kill it before taking a snapshot of its data")
-    target = Path(dest) if dest else paths.root.parent / "snapshots" / f"node-{node}-{time.strftime('%Y%m%d-%H%M%S')}"
+    stamp = f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:4]}"
+    target = Path(dest) if dest else paths.root.parent / "snapshots" / f"node-{node}-{stamp}"
     if target.exists():
         raise BrokerError(f"{target} already exists")
     target.parent.mkdir(parents=True, exist_ok=True)
