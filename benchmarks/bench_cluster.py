@@ -10,8 +10,9 @@ with 3 replicas and min.insync.replicas=2, written with acks=all as always. The 
 single, cluster, ...); each run is `vlmstream run FOLDER --per-file` with the built-in tiny CPU model at its
 default pixel budget, on topics and groups of its own (uuid names, deleted afterwards), over --images files of
 the corpus (one document per file). Prints each run's images/s (the run's own summary: images described over the
-run's seconds, workers' start included) and wall time, each arm's median, and the ratio cluster/single (target >=
-0.9). Both brokers are stopped at the end.
+run's seconds, workers' start included), its wall time, the CPU seconds the arm's broker JVMs used during it and
+the machine's load average (other users' work on a shared machine moves the figures), each arm's median, and the
+ratio cluster/single (target >= 0.9). Both brokers are stopped at the end.
 """
 
 from __future__ import annotations
@@ -69,6 +70,19 @@ def one_run(config: Path, folder: Path, images: int) -> dict:
     if proc.returncode != 0 or len(cells) < 7 or int(cells[5]) != images:
         raise SystemExit(f"run failed (exit {proc.returncode}, summary {cells}):\n{out[-4000:]}")
     return {"described": int(cells[5]), "seconds": float(cells[4]), "img_s": float(cells[6]), "wall_s": wall}
+
+
+def broker_cpu_s(settings) -> float:
+    """CPU seconds (user + system) the arm's broker JVMs have used so far, from /proc."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for pid in broker.node_pids(settings).values():
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError, TypeError):
+            continue
+        total += (int(fields[11]) + int(fields[12])) / ticks
+    return total
 
 
 def cleanup(config: Path) -> None:
@@ -148,21 +162,28 @@ def main() -> int:
         for round_ in range(1, args.rounds + 1):
             for arm, (home, port, nodes) in arms.items():
                 config = arm_config(workdir, arm, home, port, nodes, args.corpus)
+                cpu_before, load_before = broker_cpu_s(settings[arm]), os.getloadavg()[0]
                 try:
                     r = one_run(config, folder, args.images)
                 finally:
                     cleanup(config)
+                r["broker_cpu_s"] = broker_cpu_s(settings[arm]) - cpu_before
                 results[arm].append(r)
                 print(f"round {round_} {arm:7s}: {r['described']} images in {r['seconds']:.1f} s -> "
-                      f"{r['img_s']:.2f} images/s (wall {r['wall_s']:.1f} s)", flush=True)
+                      f"{r['img_s']:.2f} images/s (wall {r['wall_s']:.1f} s); broker JVMs used "
+                      f"{r['broker_cpu_s']:.1f} CPU s; machine load {load_before:.1f} -> {os.getloadavg()[0]:.1f} "
+                      f"(1-min average, every process on it)", flush=True)
     finally:
         for arm, s in settings.items():
             broker.stop(s)
         shutil.rmtree(workdir, ignore_errors=True)
     single = statistics.median(r["img_s"] for r in results["single"])
     cluster = statistics.median(r["img_s"] for r in results["cluster"])
+    cpu = {arm: statistics.median(r["broker_cpu_s"] for r in rs) for arm, rs in results.items()}
     print(f"median images/s: single node {single:.2f}, 3-node cluster (RF 3, min ISR 2, acks=all) {cluster:.2f}; "
           f"ratio cluster/single {cluster / single:.2f} (target >= 0.9)")
+    print(f"median broker CPU per run: single node {cpu['single']:.1f} s, 3-node cluster {cpu['cluster']:.1f} s "
+          f"(all three JVMs)")
     return 0
 
 

@@ -211,10 +211,12 @@ def _format(java: str, classpath: str, paths: BrokerPaths, cluster_id: str) -> N
         raise BrokerError(f"formatting KRaft storage failed:\n{fmt.stdout}\n{fmt.stderr}")
 
 
-def _launch(java: str, classpath: str, paths: BrokerPaths, heap: str) -> subprocess.Popen:
+def _launch(java: str, classpath: str, paths: BrokerPaths, heap: str, jvm_options: str | None = None
+            ) -> subprocess.Popen:
     log4j = resources.files("vlmstream.kafka").joinpath("log4j2.xml")
+    options = jvm_options.split() if jvm_options is not None else ["-XX:+UseG1GC"]
     with resources.as_file(log4j) as log4j_path:
-        cmd = [java, f"-Xmx{heap}", f"-Xms{heap}", "-XX:+UseG1GC", "-Djava.awt.headless=true",
+        cmd = [java, f"-Xmx{heap}", f"-Xms{heap}", *options, "-Djava.awt.headless=true",
                f"-Dlog4j2.configurationFile={log4j_path}", f"-Dkafka.logs.dir={paths.root}",
                "-cp", classpath, "kafka.Kafka", str(paths.properties)]
         with open(paths.log_file, "ab") as out:
@@ -426,7 +428,7 @@ def _start_nodes(settings: Settings, nodes: list[int]) -> dict[int, subprocess.P
     if unformatted:  # one JVM each, side by side
         with ThreadPoolExecutor(len(unformatted)) as pool:
             list(pool.map(lambda paths: _format(java, classpath, paths, cluster_id), unformatted))
-    return {n: _launch(java, classpath, node_paths(b, n), b.node_heap) for n in down}
+    return {n: _launch(java, classpath, node_paths(b, n), b.node_heap, b.node_jvm_options) for n in down}
 
 
 def _wait_answering(settings: Settings, procs: dict[int, subprocess.Popen], nodes: list[int], wait_s: float) -> None:
