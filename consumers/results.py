@@ -56,7 +56,7 @@ from kafka.consumer.subscription_state import AsyncConsumerRebalanceListener
 
 from schemas import DeadLetter, Description, DocumentResult, SchemaError, now
 from vlmstream.config import Settings
-from vlmstream.kafka.checkpoint import CheckedProducer, Checkpoint, Commit, Output
+from vlmstream.kafka.checkpoint import CheckedProducer, Checkpoint, Commit, Output, bounded_producer_kwargs
 from vlmstream.kafka.clients import make_consumer, make_producer, unique_client_id
 from vlmstream.kafka.errors import FatalPipelineError
 from vlmstream.kafka.group import GroupMembershipWatchdog, rewind, subscribe_when_known
@@ -181,7 +181,11 @@ class AggregatorStats:
 
 
 class ResultsAggregator:
-    """``run(stop_event, max_seconds=None, until_idle_s=None)`` in a thread or its own process."""
+    """``run(stop_event, max_seconds=None, until_idle_s=None)`` in a thread or its own process.
+
+    Once stopped it takes at most 3 x ``kafka.request_timeout_ms`` whether or not the cluster answers (flush and
+    commit, leaving the group, closing the producer); a result the cluster did not acknowledge means no commit and
+    exit status 4."""
 
     def __init__(self, settings: Settings, *, group_id: str | None = None, commit_interval_s: float = 1.0,
                  open_timeout_s: float = 3600.0, recent_docs: int = 10_000, emitted_docs: int = 200_000):
@@ -201,6 +205,7 @@ class ResultsAggregator:
         self.last_record_at = time.monotonic()
         self._assigned = False
         self.open_at_stop = 0
+        self.exit_code: int | None = None  # run()'s, once it has returned
         self.consumer = None
         self.producer = None
         self.sender: CheckedProducer | None = None  # the producer, raising a failed send from flush()
@@ -212,7 +217,7 @@ class ResultsAggregator:
             until_idle_s: float | None = None) -> int:
         stop_event = stop_event or threading.Event()
         started = last_record = last_commit = time.monotonic()
-        self.producer = make_producer(self.settings)
+        self.producer = make_producer(self.settings, **bounded_producer_kwargs(self.settings))
         client_id = unique_client_id(self.settings, "results")
         membership = GroupMembershipWatchdog(self.settings, self.group_id, client_id)
         self.consumer = make_consumer(self.settings, self.group_id, (), client_id=client_id,
@@ -266,7 +271,8 @@ class ResultsAggregator:
             try:
                 self.consumer.close(autocommit=False)
             finally:
-                self.producer.close(timeout=10)
+                self.sender.close(flushed=not code)
+            self.exit_code = code
         return code
 
     def start_thread(self, stop_event: threading.Event, **kwargs: Any) -> threading.Thread:
