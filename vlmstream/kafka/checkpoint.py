@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Iterable, Mapping
 
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
-from kafka.errors import KafkaTimeoutError, RebalanceInProgressError
+from kafka.errors import KafkaError, KafkaTimeoutError, RebalanceInProgressError
 
 from vlmstream.config import Settings
 from kafka.structs import OffsetAndMetadata
@@ -177,6 +177,13 @@ class Checkpoint:
             # owner redoes what was not committed.
             log.warning("%s: commit refused, the group moved on; duplicates may follow: %r", self.name, exc)
             return Commit.REFUSED
+        except KafkaError as exc:
+            # The coordinator did not answer within kafka.request_timeout_ms (kafka-python's bound on a commit): the
+            # cluster is away. Whether the commit landed is unknown; the next owner redoes at most these records.
+            self.stop()
+            servers = ",".join(self.consumer.config.get("bootstrap_servers") or ()) or "?"
+            raise FatalPipelineError(f"commit not acknowledged by the cluster at {servers} (kafka.request_timeout_ms "
+                                     f"bounds the wait): {exc!r}") from exc
         return Commit.DONE
 
     def _flush(self) -> None:
