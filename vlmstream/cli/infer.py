@@ -27,11 +27,11 @@ def infer(
 ) -> None:
     """Consume image payloads, describe and embed them, publish descriptions/embeddings (and document results).
 
-    SIGTERM/SIGINT: stop fetching, let the engine finish what it holds (up to 120 s), flush, commit, leave the group
-    and exit 0; the results aggregator then reads the last descriptions (up to 30 s), flushes and commits. Whether or not the
-    cluster answers, each flush, commit and close waits at most kafka.request_timeout_ms (30 s): outputs the cluster
-    did not acknowledge mean no commit, one log line naming the bootstrap servers, and exit status 4. A second
-    signal stops at once (nothing more is committed).
+    SIGTERM/SIGINT: stop fetching, let the engine finish what it holds (up to 120 s), flush, commit, leave the group.
+    The results aggregator then reads the last descriptions (up to 30 s), flushes and commits; exit 0.
+    Each flush, commit and close waits at most kafka.request_timeout_ms (30 s), whether or not the cluster answers.
+    Outputs the cluster did not acknowledge: no commit, one log line naming the bootstrap servers, exit status 4.
+    A second signal stops at once (nothing more is committed).
     """
     import logging
     import os

@@ -138,9 +138,9 @@ def run(
 
     Prints a progress line every few seconds, descriptions as they arrive, and a summary at the end.
 
-    SIGTERM or Ctrl-C stops it: the workers drain, flush and commit, for up to 180 s whether or not the cluster
-    answers (each flush, commit and close waits at most kafka.request_timeout_ms); a second one stops them at once.
-    Nothing a worker could not flush is committed.
+    SIGTERM or Ctrl-C: the workers drain, flush and commit, for up to 180 s whether or not the cluster answers.
+    Each flush, commit and close waits at most kafka.request_timeout_ms; nothing a worker could not flush is committed.
+    A second SIGTERM or Ctrl-C stops them at once.
     """
     from kafka.errors import KafkaError
 
