@@ -46,7 +46,7 @@ def bounded_producer_kwargs(settings: Settings) -> dict[str, int]:
 
 def unacknowledged(producer: KafkaProducer, waited_s: float | None) -> str:
     """The one line saying that the cluster did not acknowledge outputs: where, and which setting bounds the wait."""
-    servers = ",".join(producer.config.get("bootstrap_servers") or ()) or "?"
+    servers = ",".join(getattr(producer, "config", {}).get("bootstrap_servers") or ()) or "?"
     return (f"outputs not acknowledged by the cluster at {servers} within {waited_s:.0f} s "
             f"(kafka.request_timeout_ms bounds the wait); not committing")
 
@@ -72,7 +72,7 @@ class CheckedProducer:
         self.producer = producer
         # Never unbounded: kafka-python's flush() without a timeout waits as long as the cluster stays away.
         self.flush_timeout_s = (flush_timeout_s if flush_timeout_s is not None
-                                else producer.config.get("request_timeout_ms", 30_000) / 1000)
+                                else getattr(producer, "config", {}).get("request_timeout_ms", 30_000) / 1000)
         self._lock = threading.Lock()
         self.failed = 0
         self.first_error: BaseException | None = None
@@ -82,7 +82,8 @@ class CheckedProducer:
             future = self.producer.send(output.topic, key=output.key, value=output.value, headers=output.headers)
         except KafkaTimeoutError as exc:  # no metadata or no buffer space within max_block_ms: the cluster is away
             self._on_error(exc)
-            raise FatalPipelineError(f"{unacknowledged(self.producer, self.producer.config['max_block_ms'] / 1000)}"
+            waited_s = getattr(self.producer, "config", {}).get("max_block_ms", 60_000) / 1000
+            raise FatalPipelineError(f"{unacknowledged(self.producer, waited_s)}"
                                      f": {exc!r}") from exc
         future.add_errback(self._on_error)
         return future
@@ -181,7 +182,7 @@ class Checkpoint:
             # The coordinator did not answer within kafka.request_timeout_ms (kafka-python's bound on a commit): the
             # cluster is away. Whether the commit landed is unknown; the next owner redoes at most these records.
             self.stop()
-            servers = ",".join(self.consumer.config.get("bootstrap_servers") or ()) or "?"
+            servers = ",".join(getattr(self.consumer, "config", {}).get("bootstrap_servers") or ()) or "?"
             raise FatalPipelineError(f"commit not acknowledged by the cluster at {servers} (kafka.request_timeout_ms "
                                      f"bounds the wait): {exc!r}") from exc
         return Commit.DONE
