@@ -56,7 +56,8 @@ from kafka.consumer.subscription_state import AsyncConsumerRebalanceListener
 
 from schemas import DeadLetter, Description, DocumentResult, SchemaError, now
 from vlmstream.config import Settings
-from vlmstream.kafka.checkpoint import CheckedProducer, Checkpoint, Commit, Output, bounded_producer_kwargs
+from vlmstream.kafka.checkpoint import (CheckedProducer, Checkpoint, Commit, Output, bounded_client_kwargs,
+                                        bounded_producer_kwargs)
 from vlmstream.kafka.clients import make_consumer, make_producer, unique_client_id
 from vlmstream.kafka.errors import FatalPipelineError
 from vlmstream.kafka.group import GroupMembershipWatchdog, rewind, subscribe_when_known
@@ -223,7 +224,7 @@ class ResultsAggregator:
         self.consumer = make_consumer(self.settings, self.group_id, (), client_id=client_id,
                                       partition_assignment_strategy=(SingleOwnerAssignor,),
                                       # Failover is not latency-critical here; a loaded host must not evict it.
-                                      session_timeout_ms=30_000)
+                                      session_timeout_ms=30_000, **bounded_client_kwargs(self.settings))
         self.sender = CheckedProducer(self.producer, flush_timeout_s=self.settings.kafka.request_timeout_ms / 1000)
         self.checkpoint = Checkpoint(self.consumer, self.sender, name="results")
         t = self.settings.topics

@@ -45,7 +45,8 @@ from consumers.decode.types import ImageFailure, PreparedImage
 from vlmstream.images.claimcheck import claim_check_url
 from schemas import DeadLetter, DocumentRef, ImagePayload, SchemaError, now, source_coords
 from vlmstream.config import Settings
-from vlmstream.kafka.checkpoint import CheckedProducer, Checkpoint, Commit, Output, bounded_producer_kwargs
+from vlmstream.kafka.checkpoint import (CheckedProducer, Checkpoint, Commit, Output, bounded_client_kwargs,
+                                        bounded_producer_kwargs)
 from vlmstream.kafka.clients import make_consumer, make_producer
 from vlmstream.kafka.errors import FatalPipelineError
 from vlmstream.kafka.group import subscribe_when_known
@@ -118,6 +119,8 @@ class DecodeWorker:
         self._size_class = size_class
         if self._stage is None:
             self._stage = DecodeStage(settings.decode, claim_check_url(settings))
+        if self._stop_requested():
+            return EXIT_OK  # asked to stop before connecting: nothing to drain
         tid = transactional_id(settings, self.index) if self.exactly_once else None
         # A send waiting for metadata, and init_transactions, wait at most kafka.request_timeout_ms.
         self.producer = make_producer(settings, transactional_id=tid, **bounded_producer_kwargs(settings))
@@ -131,6 +134,7 @@ class DecodeWorker:
             partition_assignment_strategy=(CooperativeStickyAssignor,),
             session_timeout_ms=settings.decode.session_timeout_ms,
             heartbeat_interval_ms=max(1000, settings.decode.session_timeout_ms // 3),
+            **bounded_client_kwargs(settings),
         )
         self.checkpoint = Checkpoint(self.consumer, self.sender, name=f"decode worker {self.index}",
                                      defer_on_rebalance=True)

@@ -35,7 +35,8 @@ from consumers.infer.work import NO_META, InFlightWindow, Work
 from schemas import ImagePayload, SchemaError, decode_image_payload
 from schemas.messages import HEADER_ATTEMPT
 from vlmstream.config import Settings
-from vlmstream.kafka.checkpoint import CheckedProducer, Checkpoint, Output, bounded_producer_kwargs
+from vlmstream.kafka.checkpoint import (CheckedProducer, Checkpoint, Output, bounded_client_kwargs,
+                                        bounded_producer_kwargs)
 from vlmstream.kafka.clients import make_consumer, make_producer, unique_client_id
 from vlmstream.kafka.errors import FatalPipelineError
 from vlmstream.kafka.group import GroupMembershipWatchdog, rewind, subscribe_when_known
@@ -98,6 +99,8 @@ class InferenceRunner:
     def run(self, stop_event: threading.Event | None = None, max_seconds: float | None = None,
             until_idle_s: float | None = None) -> int:
         stop_event = stop_event or threading.Event()
+        if stop_event.is_set():
+            return EXIT_OK  # asked to stop before connecting (while the engine loaded): nothing to drain
         started = time.monotonic()
         self.saturation.warn_static_settings(self.max_images_in_flight)
         # A send waiting for metadata, and init_transactions, wait at most kafka.request_timeout_ms.
@@ -110,7 +113,8 @@ class InferenceRunner:
         self._membership = GroupMembershipWatchdog(self.settings, self.group_id, client_id)
         self.consumer = make_consumer(self.settings, self.group_id, (), client_id=client_id,
                                       max_poll_records=max(1, min(self.max_images_in_flight, 500)),
-                                      session_timeout_ms=self.cfg.session_timeout_ms)
+                                      session_timeout_ms=self.cfg.session_timeout_ms,
+                                      **bounded_client_kwargs(self.settings))
         self.sender = CheckedProducer(self.producer, flush_timeout_s=self.settings.kafka.request_timeout_ms / 1000)
         self.checkpoint = Checkpoint(self.consumer, self.sender, name="inference runner")
         self.commits = DonePrefix(self.checkpoint, exactly_once=self.exactly_once, commit_every=self.commit_every,

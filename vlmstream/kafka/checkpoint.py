@@ -38,10 +38,17 @@ from vlmstream.kafka.errors import GROUP_MOVED_ON, FatalPipelineError
 log = logging.getLogger(__name__)
 
 
+def bounded_client_kwargs(settings: Settings) -> dict[str, int]:
+    """``make_consumer`` overrides: the first connection (kafka-python's ``bootstrap_timeout_ms``, 30 s by default,
+    checked between attempts) waits at most ``kafka.request_timeout_ms`` plus one reconnect backoff."""
+    return {"bootstrap_timeout_ms": settings.kafka.request_timeout_ms}
+
+
 def bounded_producer_kwargs(settings: Settings) -> dict[str, int]:
     """``make_producer`` overrides that bound a send waiting for metadata or buffer space (kafka-python's
-    ``max_block_ms``, 60 s by default, also bounds ``init_transactions``) by ``kafka.request_timeout_ms``."""
-    return {"max_block_ms": settings.kafka.request_timeout_ms}
+    ``max_block_ms``, 60 s by default, also bounds ``init_transactions``) by ``kafka.request_timeout_ms``, and the
+    first connection as ``bounded_client_kwargs`` does."""
+    return {"max_block_ms": settings.kafka.request_timeout_ms, **bounded_client_kwargs(settings)}
 
 
 def unacknowledged(producer: KafkaProducer, waited_s: float | None) -> str:
