@@ -149,6 +149,7 @@ def test_the_decode_fleet_stops_within_its_bound_when_the_cluster_is_gone(own_br
 
 
 @pytest.mark.kafka
+@pytest.mark.model
 def test_the_inference_process_stops_within_its_bound_and_exits_cleanly_when_the_cluster_is_gone(
         own_broker, tmp_path, corpus_dir, unique):
     """`vlmstream infer` (runner, tiny transformers engine, results aggregator) loses the cluster with images in
@@ -197,3 +198,67 @@ def test_the_inference_process_stops_within_its_bound_and_exits_cleanly_when_the
                                                         idle_s=1.0)}
     # Whatever was committed was described first (the descriptions reached the broker before the commit).
     assert sum(committed.values()) <= len(described), (committed, len(described))
+
+
+def _children_of(pid: int) -> set[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+    return {int(p) for p in out.split()}
+
+
+@pytest.mark.kafka
+@pytest.mark.model
+def test_vlmstream_run_stops_its_workers_on_sigterm_when_the_cluster_is_gone(own_broker, tmp_path, corpus_dir):
+    """`vlmstream run` used to die at SIGTERM at once (no handler) and leave its decode and inference workers
+    running in their own sessions, the decode workers crash-looping against the gone cluster."""
+    from vlmstream.cli.run import STOP_GRACE_S
+
+    settings = own_broker.settings
+    folder = tmp_path / "docs"
+    folder.mkdir()
+    for path in _uris(corpus_dir, 4):
+        (folder / Path(path).name).write_bytes(Path(path).read_bytes())
+    b = settings.broker
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VLMSTREAM_")}
+    env.update({"VLMSTREAM_HOME": str(b.home), "VLMSTREAM_BROKER__PORT": str(b.port),
+                "VLMSTREAM_BROKER__CONTROLLER_PORT": str(b.controller_port),
+                "VLMSTREAM_KAFKA__BOOTSTRAP_SERVERS": settings.kafka.bootstrap_servers,
+                "VLMSTREAM_KAFKA__REQUEST_TIMEOUT_MS": str(REQUEST_TIMEOUT_MS),
+                "VLMSTREAM_INFER__MODEL": tiny_model_dir(), "VLMSTREAM_PRODUCER__STATE_DIR": str(tmp_path / "ledger"),
+                "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+    log_file = tmp_path / "run.log"
+    with open(log_file, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "vlmstream.cli", "run", str(folder), "--per-file", "--fresh",
+                                 "--decode-workers", "1", "--max-pixels", str(128 * 28 * 28)],
+                                cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    workers: set[int] = set()
+    try:
+        wait_for(lambda: "workers started" in log_file.read_text(errors="replace") or proc.poll() is not None, 180,
+                 "the workers started")
+        assert proc.poll() is None, log_file.read_text()[-4000:]
+        workers = _children_of(proc.pid)
+        assert len(workers) == 2, workers
+        time.sleep(5)  # the workers are connecting and loading
+        own_broker.kill()
+        stopped_at = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        try:
+            code = proc.wait(timeout=STOP_GRACE_S + 60)
+        except subprocess.TimeoutExpired:
+            code = None
+        took = time.monotonic() - stopped_at
+        print(f"vlmstream run: exit {code} {took:.1f} s after SIGTERM with the broker gone")
+        left = {pid for pid in workers if Path(f"/proc/{pid}").exists()
+                and "zombie" not in Path(f"/proc/{pid}/status").read_text()}
+    finally:
+        for pid in [proc.pid, *workers]:
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        proc.wait()
+    log = log_file.read_text(errors="replace")
+    assert code is not None and took <= STOP_GRACE_S + 10, f"{took:.0f} s\n{log[-4000:]}"
+    assert not left, f"workers {left} outlived `vlmstream run`\n{log[-4000:]}"
+    assert "stopped by SIGTERM" in log and code == 143, log[-4000:]
+    worker_logs = "".join(p.read_text(errors="replace") for p in (Path(b.home) / "logs").glob("*.log"))
+    assert "terminate called" not in worker_logs
