@@ -99,12 +99,17 @@ def _publish_documents(settings: Settings, docs: list[DocumentRef]) -> None:
         producer.close()
 
 
+def _committed(settings: Settings, group_id: str, topic: str) -> dict[int, int]:
+    """The group's committed offsets once the restarted broker's coordinator answers (it loads the offsets first)."""
+    return wait_for(lambda: [committed_offsets(settings, group_id, topic)], 60, "the group coordinator")[0]
+
+
 def _assert_committed_only_what_was_flushed(settings: Settings, group_id: str, docs: list[DocumentRef]) -> int:
     """Every document below a committed offset has all its images (or dead letters) on the broker. Returns how
     many documents were committed."""
     by_id = {d.doc_id: d for d in docs}
     records = read_topic(settings, settings.topics.documents, timeout_s=20, idle_s=1.0)
-    committed = committed_offsets(settings, group_id, settings.topics.documents)
+    committed = _committed(settings, group_id, settings.topics.documents)
     images = {r.key.decode() for r in read_topic(settings, settings.topics.images, timeout_s=30, idle_s=2.0)}
     letters = read_topic(settings, settings.topics.deadletter, timeout_s=10, idle_s=1.0)
     lettered = {r.key.decode() for r in letters if r.key}
@@ -193,7 +198,7 @@ def test_the_inference_process_stops_within_its_bound_and_exits_cleanly_when_the
     assert "terminate called" not in log and code > 0, f"exit {code}\n{log[-6000:]}"
     assert "kafka.request_timeout_ms" in log and settings.kafka.bootstrap_servers in log, log[-6000:]
     own_broker.start()
-    committed = committed_offsets(settings, settings.infer.group_id, settings.topics.images)
+    committed = _committed(settings, settings.infer.group_id, settings.topics.images)
     described = {(r.key, r.offset) for r in read_topic(settings, settings.topics.descriptions, timeout_s=20,
                                                         idle_s=1.0)}
     # Whatever was committed was described first (the descriptions reached the broker before the commit).
