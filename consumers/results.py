@@ -61,7 +61,7 @@ from vlmstream.kafka.checkpoint import (CheckedProducer, Checkpoint, Commit, Out
 from vlmstream.kafka.clients import make_consumer, make_producer, unique_client_id
 from vlmstream.kafka.errors import FatalPipelineError
 from vlmstream.kafka.group import GroupMembershipWatchdog, rewind, subscribe_when_known
-from vlmstream.kafka.records import UnreadableRecord, poll_past_unreadable
+from vlmstream.kafka.records import Record, UnreadableRecord, poll_past_unreadable
 
 log = logging.getLogger(__name__)
 
@@ -284,7 +284,7 @@ class ResultsAggregator:
 
     # --- records -----------------------------------------------------------------------------
 
-    def handle(self, tp: TopicPartition, record: Any) -> None:
+    def handle(self, tp: TopicPartition, record: Record) -> None:
         self.stats.records += 1
         self._positions[tp] = record.offset + 1
         if isinstance(record, UnreadableRecord):

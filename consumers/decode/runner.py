@@ -50,7 +50,7 @@ from vlmstream.kafka.checkpoint import (CheckedProducer, Checkpoint, Commit, Out
 from vlmstream.kafka.clients import make_consumer, make_producer
 from vlmstream.kafka.errors import FatalPipelineError
 from vlmstream.kafka.group import subscribe_when_known
-from vlmstream.kafka.records import UnreadableRecord, dead_letter_from_record, poll_past_unreadable
+from vlmstream.kafka.records import Record, UnreadableRecord, dead_letter_from_record, poll_past_unreadable
 
 log = logging.getLogger(__name__)
 
@@ -233,7 +233,7 @@ class DecodeWorker:
 
     # --- one document --------------------------------------------------------------------------
 
-    def _handle_record(self, record: Any) -> None:
+    def _handle_record(self, record: Record) -> None:
         if isinstance(record, UnreadableRecord):
             self._publish_dead_letter(dead_letter_from_record(
                 record, stage="decode", error_kind="unreadable_record", detail=record.error))

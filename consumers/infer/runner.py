@@ -40,7 +40,7 @@ from vlmstream.kafka.checkpoint import (CheckedProducer, Checkpoint, Output, bou
 from vlmstream.kafka.clients import make_consumer, make_producer, unique_client_id
 from vlmstream.kafka.errors import FatalPipelineError
 from vlmstream.kafka.group import GroupMembershipWatchdog, rewind, subscribe_when_known
-from vlmstream.kafka.records import UnreadableRecord, poll_past_unreadable
+from vlmstream.kafka.records import Record, UnreadableRecord, poll_past_unreadable
 
 log = logging.getLogger(__name__)
 
@@ -224,7 +224,7 @@ class InferenceRunner:
             self.consumer.unsubscribe()
             self._subscribe(stop_event)
 
-    def _accept(self, tp: TopicPartition, record: Any) -> None:
+    def _accept(self, tp: TopicPartition, record: Record) -> None:
         self.stats.records += 1
         self._last_activity = time.monotonic()
         if self.stats.first_record_at is None:

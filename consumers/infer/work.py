@@ -7,16 +7,17 @@ import itertools
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator
+from typing import Iterable, Iterator
 
 from kafka import TopicPartition
 
 from schemas import ImagePayload
+from vlmstream.kafka.records import Record
 
 
 @dataclass
 class Work:
-    record: Any
+    record: Record
     tp: TopicPartition
     meta: ImagePayload
     attempts: int = 0

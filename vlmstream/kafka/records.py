@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
 
 from kafka import KafkaConsumer, TopicPartition
+from kafka.consumer.fetcher import ConsumerRecord
 from kafka.errors import CorruptRecordError, UnsupportedCodecError
 
 from schemas import DeadLetter, b64_or_none, now, source_coords
@@ -30,7 +30,11 @@ class UnreadableRecord:
     timestamp: int = -1
 
 
-def poll_past_unreadable(consumer: KafkaConsumer, **poll_kwargs) -> dict[TopicPartition, list[Any]]:
+# What a runner gets from a poll: a record kafka-python parsed, or one it could not, in its place.
+Record = ConsumerRecord | UnreadableRecord
+
+
+def poll_past_unreadable(consumer: KafkaConsumer, **poll_kwargs) -> dict[TopicPartition, list[Record]]:
     """``consumer.poll``, except that a record kafka-python cannot parse comes back as an ``UnreadableRecord`` and
     the consumer moves past it. Raised, it would stop the consumer on the same record after every restart, since
     nothing past it is ever committed. Raises as before where the record's partition cannot be told."""
@@ -51,7 +55,7 @@ def poll_past_unreadable(consumer: KafkaConsumer, **poll_kwargs) -> dict[TopicPa
         return {tp: [UnreadableRecord(tp.topic, tp.partition, offset, f"{type(exc).__name__}: {exc}")]}
 
 
-def dead_letter_from_record(record: Any, *, stage: str, error_kind: str, detail: str, retriable: bool = False,
+def dead_letter_from_record(record: Record, *, stage: str, error_kind: str, detail: str, retriable: bool = False,
                             doc_id: str | None = None, image_index: int | None = None,
                             image_count: int | None = None, source_uri: str | None = None,
                             attempts: int = 1) -> DeadLetter:
