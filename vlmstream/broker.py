@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
+from vlmstream import security
 from vlmstream.config import BrokerSettings, Settings
 
 log = logging.getLogger(__name__)
@@ -150,13 +151,13 @@ def port_open(host: str, port: int, timeout: float = 0.5) -> bool:
         return False
 
 
-def broker_answers(bootstrap: str, timeout_s: float = 5.0) -> bool:
-    """True when a metadata request succeeds (not just an open port)."""
+def broker_answers(bootstrap: str, timeout_s: float = 5.0, **client_kwargs) -> bool:
+    """True when a metadata request succeeds (not just an open port); ``client_kwargs``: a secured broker's login."""
     from kafka import KafkaAdminClient
 
     try:
         admin = KafkaAdminClient(bootstrap_servers=bootstrap.split(","), request_timeout_ms=int(timeout_s * 1000),
-                                 client_id="vlmstream-probe")
+                                 client_id="vlmstream-probe", **client_kwargs)
     except Exception:  # noqa: BLE001 - any failure means "not answering yet"
         return False
     try:
@@ -183,24 +184,27 @@ def start(settings: Settings, wait_s: float = 90.0) -> str:
     b = settings.broker
     bootstrap = f"{b.host}:{b.port}"
     paths = broker_paths(b)
+    login = security.probe_kwargs(settings)  # empty unless broker.security asks for SASL_SSL
     pid = _read_pid(paths)
-    if pid is not None and broker_answers(bootstrap):
+    if pid is not None and broker_answers(bootstrap, **login):
         log.info("local Kafka already running (pid %s) on %s", pid, bootstrap)
         return bootstrap
     if pid is None and port_open(b.host, b.port):
-        if broker_answers(bootstrap):
+        if broker_answers(bootstrap, **login):
             log.info("a Kafka broker already answers on %s; reusing it", bootstrap)
             return bootstrap
         raise BrokerError(f"port {b.port} is taken by something that is not a Kafka broker")
     lib = provision_jars(b)
     paths.root.mkdir(parents=True, exist_ok=True)
-    paths.properties.write_text(_server_properties(b, paths, settings.kafka.max_message_bytes))
+    properties = _server_properties(b, paths, settings.kafka.max_message_bytes)
+    paths.properties.write_text(security.broker_properties(b, properties))  # unchanged unless broker.security
     classpath = f"{lib}/*"
     java = _java()
     if not (paths.data / "meta.properties").exists():
         cluster_id = uuid.uuid4().hex[:22]
         fmt = subprocess.run([java, "-cp", classpath, "kafka.tools.StorageTool", "format", "-t", cluster_id,
-                              "-c", str(paths.properties), "--ignore-formatted"], capture_output=True, text=True)
+                              "-c", str(paths.properties), "--ignore-formatted", *security.format_args(b)],
+                             capture_output=True, text=True)
         if fmt.returncode != 0:
             raise BrokerError(f"formatting KRaft storage failed:\n{fmt.stdout}\n{fmt.stderr}")
     log4j = resources.files("vlmstream.kafka").joinpath("log4j2.xml")
@@ -217,8 +221,10 @@ def start(settings: Settings, wait_s: float = 90.0) -> str:
         if proc.poll() is not None:
             raise BrokerError(f"Kafka exited with {proc.returncode}; see {paths.log_file}:\n"
                               f"{paths.log_file.read_text()[-4000:]}")
-        if port_open(b.host, b.port) and broker_answers(bootstrap, timeout_s=3):
+        if port_open(b.host, b.port) and broker_answers(bootstrap, timeout_s=3, **login):
             log.info("local Kafka %s started (pid %s) on %s", b.kafka_version, proc.pid, bootstrap)
+            if security.enabled(b):
+                security.provision(settings, bootstrap)  # stage principals and their ACLs
             return bootstrap
         time.sleep(0.5)
     stop(settings)
@@ -253,7 +259,8 @@ def status(settings: Settings) -> dict[str, object]:
     return {
         "bootstrap": bootstrap,
         "pid": _read_pid(paths),
-        "answers": broker_answers(bootstrap, timeout_s=3) if port_open(b.host, b.port) else False,
+        "answers": broker_answers(bootstrap, timeout_s=3, **security.probe_kwargs(settings))
+        if port_open(b.host, b.port) else False,
         "kafka_version": b.kafka_version,
         "home": str(paths.root),
         "log": str(paths.log_file),

@@ -20,8 +20,11 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Kafka-native pipeline: document images -> VLM descriptions and vision embeddings.")
 broker_app = typer.Typer(no_args_is_help=True, help="The project's local single-node Kafka (KRaft) broker.")
 topics_app = typer.Typer(no_args_is_help=True, help="The pipeline's topics.")
+security_app = typer.Typer(no_args_is_help=True, help="The local secured broker's principals: their ACLs and each "
+                           "one's client settings (`broker start --secure` first).")
 app.add_typer(broker_app, name="broker")
 app.add_typer(topics_app, name="topics")
+app.add_typer(security_app, name="security")
 console = Console(stderr=True)
 
 
@@ -46,12 +49,20 @@ def main_options(
 
 
 @broker_app.command("start")
-def broker_start(ctx: typer.Context) -> None:
+def broker_start(
+    ctx: typer.Context,
+    secure: bool = typer.Option(False, "--secure", help="SASL_SSL (SCRAM-SHA-512, TLS from a CA of its own), ACLs "
+                                "per stage principal (broker.security = \"sasl_ssl\"); `vlmstream security clients "
+                                "DIR` then writes each principal's client settings."),
+) -> None:
     """Provision (Maven) and start the local broker; reuse it when it already runs."""
     from vlmstream import broker
 
-    settings = settings_from(ctx)
+    settings = settings_from(ctx, {"broker": {"security": "sasl_ssl" if secure else None}})
     console.print(f"Kafka answering on {broker.start(settings)}")
+    if settings.broker.security == "sasl_ssl":
+        console.print("secured: SASL_SSL with SCRAM-SHA-512, ACLs per principal; "
+                      "`vlmstream security clients DIR` writes each principal's settings")
 
 
 @broker_app.command("stop")
@@ -87,6 +98,48 @@ def topics_create(
         console.print(f"exists   {name}")
     for warning in report.warnings:
         console.print(f"[yellow]warning[/] {warning}")
+
+
+def _secured_settings(ctx: typer.Context):
+    settings = settings_from(ctx, {"broker": {"security": "sasl_ssl"}})
+    # A --config of a principal's own names the broker by its bootstrap only: take the local broker's port from it.
+    host, _, port = settings.kafka.bootstrap_servers.split(",")[0].rpartition(":")
+    if settings.kafka.security_protocol == "SASL_SSL" and port.isdigit() and host == settings.broker.host:
+        settings = settings.model_copy(update={"broker": settings.broker.model_copy(update={"port": int(port)})})
+    return settings
+
+
+@security_app.command("clients")
+def security_clients(
+    ctx: typer.Context,
+    out: str = typer.Argument(..., help="Folder for the files (made 0700; each file 0600)."),
+) -> None:
+    """Write each principal's client settings (admin, producer, decode, infer, tap, ops: <name>.toml) and run.toml
+    (admin for run's own process, each stage's login under [kafka.principals]); use one with --config."""
+    from vlmstream import security
+
+    for name, path in security.write_client_configs(_secured_settings(ctx), out).items():
+        console.print(f"{name:9} {path}")
+
+
+@security_app.command("acls")
+def security_acls(ctx: typer.Context) -> None:
+    """Print what each stage principal may do (the ACLs `broker start --secure` creates)."""
+    from vlmstream import security
+
+    for line in security.grants_table(_secured_settings(ctx)):
+        print(line)
+
+
+@security_app.command("provision")
+def security_provision(ctx: typer.Context) -> None:
+    """Create (again) every stage principal's credential and ACLs on the running secured broker, as the admin:
+    after changing topic names or group ids. Idempotent."""
+    from vlmstream import security
+
+    settings = _secured_settings(ctx)
+    security.provision(settings, f"{settings.broker.host}:{settings.broker.port}")
+    console.print(f"{len(security.acl_bindings(settings))} ACLs in place for {', '.join(security.STAGE_PRINCIPALS)}")
 
 
 def _register_optional_commands() -> None:
