@@ -444,3 +444,45 @@ def grants_table(settings: Settings, principals: Iterable[str] = STAGE_PRINCIPAL
             name = f"{g.name}*" if g.prefixed else g.name
             lines.append(f"{g.principal:9} {g.kind:17} {name:40} {','.join(g.operations)}")
     return lines
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Logs: no secret in them, whatever a library logs
+
+
+class SecretsFilter(logging.Filter):
+    """Masks the given secrets in every record a handler emits. kafka-python logs its whole configuration, the
+    SASL password included, at DEBUG (``Starting KafkaAdminClient with configuration: ...``)."""
+
+    MASK = "**********"
+
+    def __init__(self, secret_values: Iterable[str]):
+        super().__init__()
+        self.secrets = sorted({s for s in secret_values if s and len(s) >= 4}, key=len, reverse=True)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        try:
+            message = record.getMessage()
+        except Exception:  # noqa: BLE001 - a record that cannot format is the logging module's to report
+            return True
+        if any(s in message for s in self.secrets):
+            for s in self.secrets:
+                message = message.replace(s, self.MASK)
+            record.msg, record.args = message, None
+        return True
+
+
+def settings_secrets(settings: Settings) -> list[str]:
+    kafka = settings.kafka
+    values = [kafka.sasl_plain_password, kafka.ssl_password, *(p.password for p in kafka.principals.values())]
+    return [v.get_secret_value() for v in values if v is not None]
+
+
+def mask_secrets_in_logs(settings: Settings) -> None:
+    """Install (or replace) a SecretsFilter with the settings' secrets on every handler of the root logger."""
+    secret_values = settings_secrets(settings)
+    for handler in logging.getLogger().handlers:
+        for old in [f for f in handler.filters if isinstance(f, SecretsFilter)]:
+            handler.removeFilter(old)
+        if secret_values:
+            handler.addFilter(SecretsFilter(secret_values))
