@@ -104,7 +104,7 @@ def _secured_settings(ctx: typer.Context):
     settings = settings_from(ctx, {"broker": {"security": "sasl_ssl"}})
     # A --config of a principal's own names the broker by its bootstrap only: take the local broker's port from it.
     host, _, port = settings.kafka.bootstrap_servers.split(",")[0].rpartition(":")
-    if settings.kafka.security_protocol == "SASL_SSL" and port.isdigit() and host == settings.broker.host:
+    if port.isdigit() and host in (settings.broker.host, "localhost"):
         settings = settings.model_copy(update={"broker": settings.broker.model_copy(update={"port": int(port)})})
     return settings
 
