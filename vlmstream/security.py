@@ -35,9 +35,10 @@ import os
 import secrets
 import subprocess
 import tempfile
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Any
 
 from vlmstream.config import BrokerSettings, Settings
 
@@ -108,7 +109,7 @@ def _write_private(path: Path, text: str) -> None:
 
 
 def _openssl(*args: str, cwd: Path) -> None:
-    result = subprocess.run(["openssl", *args], cwd=cwd, capture_output=True, text=True)
+    result = subprocess.run(["openssl", *args], cwd=cwd, capture_output=True, text=True, check=False)
     if result.returncode != 0:
         raise SecurityError(f"openssl {args[0]} failed: {result.stderr[-2000:]}")
 
@@ -309,8 +310,9 @@ def write_client_configs(settings: Settings, out_dir: str | Path) -> dict[str, P
     written: dict[str, Path] = {}
     for name in ("admin", *STAGE_PRINCIPALS):
         fields = client_security(settings.broker, name, credentials[name])
-        body = [f"# vlmstream client settings of principal {name!r} on the secured broker "
-                f"{fields['bootstrap_servers']}; secret: keep this file 0600", "[kafka]"]
+        header = (f"# vlmstream client settings of principal {name!r} on the secured broker "
+                  f"{fields['bootstrap_servers']}; secret: keep this file 0600")
+        body = [header, "[kafka]"]
         body += [f"{key} = {json.dumps(value)}" for key, value in fields.items()]
         path = out / f"{name}.toml"
         _write_private(path, "\n".join(body) + "\n")
@@ -394,9 +396,15 @@ def grants(settings: Settings) -> list[Grant]:
     return out
 
 
-def acl_bindings(settings: Settings) -> list["ACL"]:
-    from kafka.admin import ACL, ACLOperation, ACLPermissionType, ACLResourcePatternType, ResourcePattern, \
-        ResourceType
+def acl_bindings(settings: Settings) -> list[ACL]:
+    from kafka.admin import (
+        ACL,
+        ACLOperation,
+        ACLPermissionType,
+        ACLResourcePatternType,
+        ResourcePattern,
+        ResourceType,
+    )
 
     kinds = {"topic": ResourceType.TOPIC, "group": ResourceType.GROUP, "cluster": ResourceType.CLUSTER,
              "transactional_id": ResourceType.TRANSACTIONAL_ID}

@@ -8,7 +8,11 @@ from dataclasses import dataclass
 
 from kafka import KafkaAdminClient
 from kafka.admin import ConfigResource, ConfigResourceType, NewTopic
-from kafka.errors import ClusterAuthorizationFailedError, TopicAlreadyExistsError, TopicAuthorizationFailedError
+from kafka.errors import (
+    ClusterAuthorizationFailedError,
+    TopicAlreadyExistsError,
+    TopicAuthorizationFailedError,
+)
 
 from vlmstream.config import Settings
 from vlmstream.kafka.clients import make_admin
