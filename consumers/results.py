@@ -16,6 +16,22 @@ document already emitted also holds the commit back while any of its records wou
 restart never rebuilds half of a finished document (it would stay open forever); the price is that a
 crash can emit a document's result twice (topic ``results`` is compacted by doc_id: the copies agree).
 
+Late records (a duplicate from at-least-once redelivery, a redriven image, a late dead letter) can arrive after a
+document left memory (``_docs``, then the ``recent_docs`` LRU). Such a record would open the document again with
+that one image, and ``open_timeout_s`` later a partial result would replace the complete one in the compacted topic.
+So every emitted result leaves a compact record (``_Emitted``: image count, a 4-byte hash of each image's source
+URI, the set of indexes that succeeded) in a second LRU of ``emitted_docs`` entries (200,000 by default, about
+50 MB), and:
+
+* a record of the same version (same image count, no other source URI at a known index) that cannot add a success
+  (a description of an image that already succeeded; any dead letter) is dropped before it opens the document;
+* a result of the same version that lacks a success already emitted is never sent (``stats.stale``); a redriven
+  success of a document forgotten this way is kept out too (the old result stays);
+* another image count or another source URI at an index is a newer version: it is emitted, and replaces the record.
+
+The record does not survive a restart: after one, a late record of a document emitted before it can still produce
+a partial result ``open_timeout_s`` later (reading the compacted results topic back would close that window).
+
 Descriptions and dead letters are keyed by doc_id, but the dead-letter topic usually has fewer
 partitions, so one document's records are spread over two partitions that no assignor can co-locate.
 The group therefore gives every partition to one member (``SingleOwnerAssignor``); other members are
@@ -25,6 +41,7 @@ hot standbys. Aggregation is JSON parsing of small records, far from being a bot
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 import threading
 import time
@@ -39,7 +56,8 @@ from kafka.consumer.subscription_state import AsyncConsumerRebalanceListener
 
 from schemas import DeadLetter, Description, DocumentResult, SchemaError, now
 from vlmstream.config import Settings
-from vlmstream.kafka.checkpoint import CheckedProducer, Checkpoint, Commit, Output
+from vlmstream.kafka.checkpoint import (CheckedProducer, Checkpoint, Commit, Output, bounded_client_kwargs,
+                                        bounded_producer_kwargs)
 from vlmstream.kafka.clients import make_consumer, make_producer, unique_client_id
 from vlmstream.kafka.errors import FatalPipelineError
 from vlmstream.kafka.group import GroupMembershipWatchdog, rewind, subscribe_when_known
@@ -117,12 +135,46 @@ class _Doc:
         return self.image_count is not None and all(i in self.images for i in range(self.image_count))
 
 
+def _uri_hash(uri: str | None) -> bytes:
+    return hashlib.blake2b(uri.encode(), digest_size=4).digest() if uri else b"\0\0\0\0"
+
+
+@dataclass(frozen=True, slots=True)
+class _Emitted:
+    """What the last result emitted for a document said, compactly: enough to tell a late record of the same
+    version (which must not make the result worse) from a newer version (which replaces it)."""
+
+    image_count: int
+    uri_hashes: bytes  # 4 bytes per index, zeros where the source URI is unknown
+    succeeded: frozenset[int]
+
+    @classmethod
+    def of(cls, images: list[dict[str, Any]]) -> "_Emitted":
+        return cls(len(images), b"".join(_uri_hash(i.get("source_uri")) for i in images),
+                   frozenset(i["image_index"] for i in images if i["status"] == "ok"))
+
+    def same_version(self, image_count: int | None, uris: dict[int, str | None]) -> bool:
+        """No other image count, and no other source URI at an index both know."""
+        if image_count is not None and image_count != self.image_count:
+            return False
+        zero = b"\0\0\0\0"
+        for index, uri in uris.items():
+            if not 0 <= index < self.image_count:
+                return False
+            known = self.uri_hashes[4 * index:4 * index + 4]
+            if uri and known != zero and known != _uri_hash(uri):
+                return False
+        return True
+
+
 @dataclass
 class AggregatorStats:
     records: int = 0
     results: int = 0
     reemitted: int = 0
     timed_out: int = 0
+    late: int = 0  # records of a document already emitted and forgotten, that could not improve its result: dropped
+    stale: int = 0  # results not sent: fewer successes than the one already emitted for the same version
     skipped: int = 0
     texts_cut: int = 0  # results over the record limit, sent with their descriptions' texts shortened
     unwritable: int = 0  # results that could not be written at all, dead-lettered instead
@@ -130,24 +182,31 @@ class AggregatorStats:
 
 
 class ResultsAggregator:
-    """``run(stop_event, max_seconds=None, until_idle_s=None)`` in a thread or its own process."""
+    """``run(stop_event, max_seconds=None, until_idle_s=None)`` in a thread or its own process.
+
+    Once stopped it takes at most 3 x ``kafka.request_timeout_ms`` whether or not the cluster answers (flush and
+    commit, leaving the group, closing the producer); a result the cluster did not acknowledge means no commit and
+    exit status 4."""
 
     def __init__(self, settings: Settings, *, group_id: str | None = None, commit_interval_s: float = 1.0,
-                 open_timeout_s: float = 3600.0, recent_docs: int = 10_000):
+                 open_timeout_s: float = 3600.0, recent_docs: int = 10_000, emitted_docs: int = 200_000):
         self.settings = settings
         self.group_id = group_id or results_group_id(settings)
         self.commit_interval_s = commit_interval_s
         self.open_timeout_s = open_timeout_s
         self.recent_docs = recent_docs
+        self.emitted_docs = emitted_docs
         self.stats = AggregatorStats()
         self._docs: dict[str, _Doc] = {}  # open, or emitted but still pinning a commit point
         self._recent: OrderedDict[str, _Doc] = OrderedDict()  # emitted and released: for late records
+        self._emitted: OrderedDict[str, _Emitted] = OrderedDict()  # what went out, kept longer than _recent
         self._positions: dict[TopicPartition, int] = {}  # next offset to read, per partition consumed
         self._committed: dict[TopicPartition, int] = {}
         self._dirty = False
         self.last_record_at = time.monotonic()
         self._assigned = False
         self.open_at_stop = 0
+        self.exit_code: int | None = None  # run()'s, once it has returned
         self.consumer = None
         self.producer = None
         self.sender: CheckedProducer | None = None  # the producer, raising a failed send from flush()
@@ -159,13 +218,13 @@ class ResultsAggregator:
             until_idle_s: float | None = None) -> int:
         stop_event = stop_event or threading.Event()
         started = last_record = last_commit = time.monotonic()
-        self.producer = make_producer(self.settings)
+        self.producer = make_producer(self.settings, **bounded_producer_kwargs(self.settings))
         client_id = unique_client_id(self.settings, "results")
         membership = GroupMembershipWatchdog(self.settings, self.group_id, client_id)
         self.consumer = make_consumer(self.settings, self.group_id, (), client_id=client_id,
                                       partition_assignment_strategy=(SingleOwnerAssignor,),
                                       # Failover is not latency-critical here; a loaded host must not evict it.
-                                      session_timeout_ms=30_000)
+                                      session_timeout_ms=30_000, **bounded_client_kwargs(self.settings))
         self.sender = CheckedProducer(self.producer, flush_timeout_s=self.settings.kafka.request_timeout_ms / 1000)
         self.checkpoint = Checkpoint(self.consumer, self.sender, name="results")
         t = self.settings.topics
@@ -213,7 +272,8 @@ class ResultsAggregator:
             try:
                 self.consumer.close(autocommit=False)
             finally:
-                self.producer.close(timeout=10)
+                self.sender.close(flushed=not code)
+            self.exit_code = code
         return code
 
     def start_thread(self, stop_event: threading.Event, **kwargs: Any) -> threading.Thread:
@@ -249,7 +309,28 @@ class ResultsAggregator:
             self._docs[doc_id] = doc
         return doc
 
+    def _late(self, doc_id: str, image_count: int | None, image_index: int | None, source_uri: str | None, *,
+              success: bool) -> bool:
+        """Whether a record is of a document emitted and forgotten (not in ``_docs`` or ``_recent``), of the same
+        version, and cannot add a success to its result: then it is dropped instead of opening the document."""
+        if doc_id in self._docs or doc_id in self._recent:
+            return False
+        emitted = self._emitted.get(doc_id)
+        if emitted is None:
+            return False
+        uris = {} if image_index is None else {image_index: source_uri}
+        if not emitted.same_version(image_count, uris):
+            return False
+        if success and image_index not in emitted.succeeded:
+            return False  # a redriven image that succeeded: it opens the document (see the module docstring)
+        self.stats.late += 1
+        log.info("document %s: a late %s for image %s of a result already sent; dropped", doc_id,
+                 "description" if success else "dead letter", image_index)
+        return True
+
     def _on_description(self, tp: TopicPartition, offset: int, d: Description) -> None:
+        if self._late(d.doc_id, d.image_count, d.image_index, d.source_uri, success=True):
+            return
         doc = self._doc(d.doc_id)
         doc.add_position(tp, offset)
         new_version = doc.is_new_version(d.image_count)  # another source URI at an index (below) is one too
@@ -264,6 +345,8 @@ class ResultsAggregator:
     def _on_dead_letter(self, tp: TopicPartition, offset: int, letter: DeadLetter) -> None:
         if letter.doc_id is None or letter.stage == "results":
             self.stats.skipped += 1  # nothing to attribute it to; it still counts as read
+            return
+        if self._late(letter.doc_id, letter.image_count, letter.image_index, letter.source_uri, success=False):
             return
         doc = self._doc(letter.doc_id)
         doc.add_position(tp, offset)
@@ -309,6 +392,20 @@ class ResultsAggregator:
                                                "detail": "no description or dead letter arrived for this image"}
                 entry = {"image_index": index, "status": "failed", "source_uri": None, **error}
             images.append(entry)
+        emitted = _Emitted.of(images)
+        before = self._emitted.get(doc.doc_id)
+        if (before is not None and not before.succeeded <= emitted.succeeded
+                and before.same_version(count, {i["image_index"]: i.get("source_uri") for i in images})):
+            # A late record reopened a document already sent: this result would undo successes of the same version.
+            log.warning("document %s: not sending a result with %d of %d images succeeded over one with %d",
+                        doc.doc_id, len(emitted.succeeded), count, len(before.succeeded))
+            self.stats.stale += 1
+            doc.emitted = True
+            return
+        self._emitted[doc.doc_id] = emitted
+        self._emitted.move_to_end(doc.doc_id)
+        while len(self._emitted) > self.emitted_docs:
+            self._emitted.popitem(last=False)
         succeeded = sum(1 for i in images if i["status"] == "ok")
         metadata = dict(doc.metadata)
         if doc.document_error is not None:

@@ -19,12 +19,13 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, NamedTuple
 
 import orjson
-from kafka.errors import KafkaError, MessageSizeTooLargeError
+from kafka.errors import KafkaError, KafkaTimeoutError, MessageSizeTooLargeError
 
 from producers.items import IDLE, Rejection, replace_non_utf8
 from producers.ledger import Ledger, bootstrap_scope, bytes_hash, document_hash, ledger_path
 from schemas import DeadLetter, DocumentRef, b64_or_none, now
 from vlmstream.config import Settings
+from vlmstream.kafka.checkpoint import bounded_producer_kwargs, unacknowledged
 from vlmstream.kafka.clients import make_producer
 from vlmstream.kafka.errors import FatalPipelineError
 
@@ -116,7 +117,9 @@ class DocumentPublisher:
         self.deadletter_topic = settings.topics.deadletter
         self.bootstrap = bootstrap_scope(settings)
         self.max_in_flight = max(1, settings.producer.max_in_flight_documents)
-        self.producer = make_producer(settings, batch_size=BATCH_BYTES)
+        # A send waiting for metadata or buffer space, and the final flush, wait at most kafka.request_timeout_ms.
+        self.producer = make_producer(settings, batch_size=BATCH_BYTES, **bounded_producer_kwargs(settings))
+        self.flush_timeout_s = settings.kafka.request_timeout_ms / 1000
         self.ledger = Ledger(ledger_path(settings)) if use_ledger else None
         self._in_flight: deque[_InFlight] = deque()
         self._acked: list[tuple[str, str, str, str]] = []
@@ -161,7 +164,13 @@ class DocumentPublisher:
 
     def close(self) -> None:
         try:
-            self.producer.close(timeout=30)
+            # At once when sends are still unacknowledged (_settle waited for them already): they are failures,
+            # left out of the ledger, and go out on the next run.
+            self.producer.close(timeout=0 if self._in_flight else self.flush_timeout_s)
+        except KafkaTimeoutError:
+            sender = getattr(self.producer, "_sender", None)
+            if sender is not None:
+                sender.force_close()
         finally:
             if self.ledger is not None:
                 self.ledger.close()
@@ -249,9 +258,16 @@ class DocumentPublisher:
             self._reap_one(self._in_flight.popleft())
 
     def _settle(self) -> None:
-        """Flush the producer, collect every acknowledgement, write the ledger."""
+        """Flush the producer (for at most kafka.request_timeout_ms), collect every acknowledgement, write the
+        ledger. A send not acknowledged by then is a failure: not in the ledger, sent again on the next run."""
         if self._in_flight:
-            self.producer.flush()
+            try:
+                self.producer.flush(timeout=self.flush_timeout_s)
+            except KafkaTimeoutError:
+                log.error("%s", unacknowledged(self.producer, self.flush_timeout_s).replace(
+                    "not committing", "they are not in the ledger and go out on the next run"))
+                while self._in_flight:
+                    self._reap_one(self._in_flight.popleft(), timeout_s=0)
         self._reap(wait=True)
         self._write_ledger()
 
@@ -259,9 +275,10 @@ class DocumentPublisher:
         while self._in_flight and (wait or self._in_flight[0].future.is_done):
             self._reap_one(self._in_flight.popleft())
 
-    def _reap_one(self, entry: _InFlight) -> None:
+    def _reap_one(self, entry: _InFlight, timeout_s: float | None = None) -> None:
         try:
-            entry.future.get(timeout=None)
+            # Without a timeout: a send kafka-python accepted completes within its delivery_timeout_ms (120 s).
+            entry.future.get(timeout=timeout_s)
         except KafkaError as exc:
             # Not acknowledged: leave it out of the ledger so the next run sends it again.
             self._unrecorded.pop((entry.topic, entry.record_id), None)

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 
 import pytest
 from kafka import KafkaProducer
 
 from consumers.results import ResultsAggregator
 from schemas import DeadLetter, Description, DocumentResult, now
+from tests.helpers import wait_for
 from tests.kafka_helpers import read_topic
 
 
@@ -233,3 +235,75 @@ def test_an_oversized_result_goes_out_with_texts_cut_and_an_unreadable_record_is
         assert len(image["text"]) < len(words[i])
     assert len(long_result.encode()) <= limit
     assert [(r.image_count, r.succeeded) for r in got[after]] == [(1, 1)]
+
+
+def _forgotten(aggregator: ResultsAggregator, doc_id: str) -> bool:
+    return doc_id not in aggregator._docs and doc_id not in aggregator._recent
+
+
+@pytest.mark.kafka
+def test_late_records_of_a_forgotten_document_never_replace_its_result_with_a_partial_one(topic_names, unique):
+    """A document's records can come again after its result went out and it left memory (``recent_docs``): a
+    duplicate description (at-least-once redelivery), a late dead letter of an image that succeeded. Each used to
+    open the document again with that one image, and ``open_timeout_s`` later a partial result replaced the
+    complete one in the compacted topic."""
+    settings = topic_names
+    whole, other, failed = (f"{name}-{unique}" for name in ("whole", "other", "failed"))
+    aggregator = ResultsAggregator(settings, group_id=f"test-results-{unique}", commit_interval_s=0.3,
+                                   open_timeout_s=1.0, recent_docs=1)
+    stop = threading.Event()
+    thread = aggregator.start_thread(stop, max_seconds=90)
+    try:
+        publish(settings, [description(whole, 0, 2), description(whole, 1, 2),
+                           description(failed, 0, 2), dead_letter(failed, 1, 2, "out_of_memory")])
+        results_by_doc(settings, expected=2)
+        publish(settings, [description(other, 0, 1)])  # pushes both out of the LRU of one
+        results_by_doc(settings, expected=3)
+        wait_for(lambda: _forgotten(aggregator, whole) and _forgotten(aggregator, failed), 20, "documents released")
+        publish(settings, [
+            description(whole, 1, 2),  # redelivered
+            dead_letter(whole, 0, 2, "out_of_memory"),  # an earlier try of an image that succeeded
+            dead_letter(whole, None, 2, "fetch_timeout", stage="decode"),  # a late document-level failure
+            dead_letter(failed, 1, 2, "out_of_memory"),  # redelivered dead letter
+        ])
+        wait_for(lambda: aggregator.stats.records >= 9, 20, "late records read")
+        time.sleep(2.5)  # past open_timeout_s and a few commits: a reopened document would have been emitted
+        got = results_by_doc(settings, expected=3)
+    finally:
+        stop.set()
+        thread.join(30)
+    assert [(r.succeeded, r.failed) for r in got[whole]] == [(2, 0)]
+    assert [(r.succeeded, r.failed) for r in got[failed]] == [(1, 1)]
+    assert aggregator.stats.timed_out == 0 and aggregator.open_documents() == 0 and aggregator.stats.late == 4
+
+
+@pytest.mark.kafka
+def test_a_partial_result_of_a_reopened_document_is_not_sent_but_a_newer_version_is(topic_names, unique):
+    """A record that can add a success (a redriven image of a document that failed) opens the forgotten document
+    again; should it time out with fewer successes than the result already sent, that result stays. A newer
+    version of the document (another image count) still replaces it."""
+    settings = topic_names
+    doc_id, other = f"doc-{unique}", f"other-{unique}"
+    aggregator = ResultsAggregator(settings, group_id=f"test-results-{unique}", commit_interval_s=0.3,
+                                   open_timeout_s=1.0, recent_docs=1)
+    stop = threading.Event()
+    thread = aggregator.start_thread(stop, max_seconds=90)
+    try:
+        publish(settings, [description(doc_id, 0, 3), description(doc_id, 1, 3),
+                           dead_letter(doc_id, 2, 3, "out_of_memory")])
+        results_by_doc(settings, expected=1)
+        publish(settings, [description(other, 0, 1)])
+        results_by_doc(settings, expected=2)
+        wait_for(lambda: _forgotten(aggregator, doc_id), 20, "document released")
+        publish(settings, [description(doc_id, 2, 3)])  # redriven: succeeds now, but the others are forgotten
+        wait_for(lambda: aggregator.stats.timed_out >= 1, 20, "the reopened document timing out")
+        time.sleep(1.0)  # a result it emitted would be on the topic by now
+        assert [(r.succeeded, r.failed) for r in results_by_doc(settings, expected=2)[doc_id]] == [(2, 1)]
+        # The producer republishes the document with two images: a newer version, emitted over the old one.
+        publish(settings, [description(doc_id, 0, 2), description(doc_id, 1, 2)])
+        final = results_by_doc(settings, expected=3)[doc_id][-1]
+    finally:
+        stop.set()
+        thread.join(30)
+    assert (final.image_count, final.succeeded, final.failed) == (2, 2, 0)
+    assert aggregator.stats.stale == 1

@@ -418,3 +418,20 @@ def test_properties_unchanged_unless_secured(tmp_path):
     text = broker._server_properties(b, broker.broker_paths(b), 1 << 20)
     assert security.broker_properties(b, text) == text
     assert security.format_args(b) == []
+
+
+def test_every_node_of_a_cluster_is_secured_alike(tmp_path):
+    b = BrokerSettings(home=tmp_path, port=39292, nodes=3, security="sasl_ssl")
+    for node in range(1, 4):
+        port, cport = b.node_ports(node)
+        text = security.broker_properties(b, broker._server_properties(b, broker.node_paths(b, node), 1 << 20,
+                                                                     node=node))
+        assert f"listeners=SASL_SSL://127.0.0.1:{port},CONTROLLER://127.0.0.1:{cport}" in text
+        assert f"advertised.listeners=SASL_SSL://127.0.0.1:{port}" in text and "PLAINTEXT" not in text
+        assert "listener.name.controller.ssl.client.auth=required" in text and "password" not in text
+    assert len(security.format_args(b)) == 4  # --add-scram for admin and broker, on every node's format
+    # The cluster's secrets are its own, not the single node's on the same port; its clients list every node.
+    single = b.model_copy(update={"nodes": 1})
+    assert security.security_paths(b).root != security.security_paths(single).root
+    assert not security.enabled(single.model_copy(update={"security": "none"}))
+    assert security.client_security(b, "decode")["bootstrap_servers"] == b.bootstrap()

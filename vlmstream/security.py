@@ -2,11 +2,12 @@
 
 With ``broker.security = "sasl_ssl"`` (``vlmstream broker start --secure``) the local broker's client listener is
 SASL_SSL and its controller listener mutual TLS; ``StandardAuthorizer`` allows nothing no ACL allows
-(``allow.everyone.if.no.acl.found=false``). This module owns everything that takes: the folder of certificates and
-passwords (``<broker home>/security/<host>-<port>/``, mode 0700, every secret file 0600), the broker properties
-(``broker_properties``, called by ``broker.py`` where it writes server.properties), the SCRAM credentials added when
-the storage is formatted (``format_args``), the stage principals and their ACLs (``provision``, through the admin
-API), and each principal's client settings (``write_client_configs``).
+(``allow.everyone.if.no.acl.found=false``); on a local cluster (``--nodes``), every node alike. This module owns
+everything that takes: the folder of certificates and passwords (``<broker home>/security/<host>-<port>/``, a
+cluster's ``...-cluster/``; mode 0700, every secret file 0600), the broker properties (``broker_properties``, called
+by ``broker.py`` where it writes each node's server.properties), the SCRAM credentials added when the storage is
+formatted (``format_args``), the stage principals and their ACLs (``provision``, through the admin API), and each
+principal's client settings (``write_client_configs``).
 
 Principals (the ACLs are ``acl_bindings``; LITERAL names, plus PREFIXED ``<name>.`` so ``run --fresh``'s topics and
 groups are covered too):
@@ -97,7 +98,10 @@ class SecurityPaths:
 
 
 def security_paths(broker: BrokerSettings) -> SecurityPaths:
-    return SecurityPaths(Path(broker.home).expanduser() / "security" / f"{broker.host}-{broker.port}")
+    """One folder per single node, another per local cluster on the same base port (its storage is another too): a
+    cluster is secured for good only when it was itself formatted secured."""
+    name = f"{broker.host}-{broker.port}" + ("-cluster" if broker.nodes > 1 else "")
+    return SecurityPaths(Path(broker.home).expanduser() / "security" / name)
 
 
 def _write_private(path: Path, text: str) -> None:
@@ -261,7 +265,7 @@ def client_security(broker: BrokerSettings, principal: str, password: str | None
     if password is None:
         password = load_credentials(broker)[principal]
     return {
-        "bootstrap_servers": f"{broker.host}:{broker.port}",
+        "bootstrap_servers": broker.bootstrap(),  # every node of a cluster
         "security_protocol": "SASL_SSL",
         "sasl_mechanism": MECHANISM,
         "sasl_plain_username": principal,

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Here, before a device session: the files of the pipeline's code (consumers/ vlmstream/ schemas/ producers/) as
+# Here, before a GPU run: the files of the pipeline's code (consumers/ vlmstream/ schemas/ producers/) as
 # they were at BASE_COMMIT, for those that changed since, written under DIR at their paths. plan_x2.sh lays them
-# over a copy of its snapshot, so one device session runs a change and the code before it side by side.
+# over a copy of its snapshot, so one GPU lease runs a change and the code before it side by side.
 #   bash benchmarks/gpu/ab_overlay.sh d907c5c~1 .gpu/ab
 set -euo pipefail
 base=$1; dir=$2

@@ -57,7 +57,7 @@ def gpu_env(env: dict[str, str], gpu: int) -> dict[str, str]:
 
 
 def spawn(cmd: list[str], log_path: Path, env: dict[str, str] | None = None, tag: str = "") -> subprocess.Popen:
-    """Start cmd in a new session (its own process group) with stdout+stderr appended to log_path."""
+    """Start cmd in a new OS session (setsid: its own process group) with stdout+stderr appended to log_path."""
     with open(log_path, "ab") as f:
         f.write(f"\n===== {tag} {time.strftime('%H:%M:%S')} $ {' '.join(cmd)}\n".encode())
     out = open(log_path, "ab")

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# One device session's measurements on a two-GPU host (kind nvidia-h200-x2), run in the background so that they
+# One GPU lease's measurements on a two-GPU host (kind nvidia-h200-x2), run in the background so that they
 # outlast the 10-minute limit of one device command. Pairs of runs go side by side, one per GPU, on one shared
 # broker; a CPU-bound run (0.2 MP pipeline or offline arms) is paired only with a GPU-bound one (1 MP, 12.8 MP),
-# because two CPU-bound runs measured each other (benchmarks/RESULTS.md, third session, when each engine
-# spun ~15 cores). The fourth session ran the previous list (commit 71801ff), the fifth the list of commit 9781a78,
-# the sixth that of d1480f4; this is the list for the seventh. Jobs run in order and a job that would end after the
+# because two CPU-bound runs measured each other (benchmarks/RESULTS.md, 2026-11-30, code at ba10793, when each
+# engine spun ~15 cores). Earlier lists ran on 2026-11-30 at 71801ff, 9781a78 and d1480f4 (RESULTS.md has each
+# run's section); this list ran at e68d8ed. Jobs run in order and a job that would end after the
 # plan's end (second argument, seconds from now) is skipped and says so in jobs.tsv, so the list may be longer than
-# one session.
+# one lease.
 #
 #   S1  0.2 MP / 64, embeds, 150 s, side by side: GPU 0 this code | GPU 1 the code before a change (an overlay made
 #       here by `benchmarks/gpu/ab_overlay.sh BASE .gpu/ab` and copied to /root/ab in call 3; without /root/ab the
@@ -31,7 +31,7 @@ if [ "$(cd "$(dirname "$0")/../.." && pwd)" != "$SNAPSHOT" ]; then
 fi
 cd "$SNAPSHOT"
 source scripts/gpu/env.sh
-# The device may keep /root from an earlier session: an old DONE would end wait_plan.sh at once.
+# The device may keep /root from an earlier lease: an old DONE would end wait_plan.sh at once.
 [ -e "$RES" ] && mv "$RES" "$RES.before-$(date +%s)"
 mkdir -p "$RES"
 END=$(( $(date +%s) + PLAN_S ))

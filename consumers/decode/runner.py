@@ -45,7 +45,8 @@ from consumers.decode.types import ImageFailure, PreparedImage
 from vlmstream.images.claimcheck import claim_check_url
 from schemas import DeadLetter, DocumentRef, ImagePayload, SchemaError, now, source_coords
 from vlmstream.config import Settings
-from vlmstream.kafka.checkpoint import CheckedProducer, Checkpoint, Commit, Output
+from vlmstream.kafka.checkpoint import (CheckedProducer, Checkpoint, Commit, Output, bounded_client_kwargs,
+                                        bounded_producer_kwargs)
 from vlmstream.kafka.clients import make_consumer, make_producer
 from vlmstream.kafka.errors import FatalPipelineError
 from vlmstream.kafka.group import subscribe_when_known
@@ -61,8 +62,15 @@ EXIT_FATAL = 3
 POLL_TIMEOUT_MS = 200
 # Backoff of a worker that keeps crashing: 1, 2, 4 ... seconds, never more than this.
 MAX_RESTART_BACKOFF_S = 30.0
-# How long the supervisor waits for a stopping worker to finish its batch, flush and commit.
+# How long the supervisor waits for a stopping worker to finish its batch, flush and commit (``drain_timeout_s``).
 DRAIN_TIMEOUT_S = 120.0
+
+
+def worker_drain_bound_s(settings: Settings) -> float:
+    """How long a worker takes at most to stop once asked, after the document in hand, whether or not the cluster
+    answers: a flush, a commit, leaving the group and closing the producer, each bounded by
+    ``kafka.request_timeout_ms``. Within the supervisor's ``drain_timeout_s`` with the defaults (4 x 30 s)."""
+    return 4 * settings.kafka.request_timeout_ms / 1000
 
 
 def transactional_id(settings: Settings, worker_index: int) -> str:
@@ -111,8 +119,12 @@ class DecodeWorker:
         self._size_class = size_class
         if self._stage is None:
             self._stage = DecodeStage(settings.decode, claim_check_url(settings))
+        if self._stop_requested():
+            return EXIT_OK  # asked to stop before connecting: nothing to drain
         tid = transactional_id(settings, self.index) if self.exactly_once else None
-        self.producer = make_producer(settings, transactional_id=tid)
+        # A send waiting for metadata, and init_transactions, wait at most kafka.request_timeout_ms.
+        self.producer = make_producer(settings, transactional_id=tid, **bounded_producer_kwargs(settings))
+        self.sender = CheckedProducer(self.producer)  # flushes wait at most kafka.request_timeout_ms
         if tid:
             # Fences any earlier producer with this id and aborts its open transaction.
             self.producer.init_transactions()
@@ -122,8 +134,8 @@ class DecodeWorker:
             partition_assignment_strategy=(CooperativeStickyAssignor,),
             session_timeout_ms=settings.decode.session_timeout_ms,
             heartbeat_interval_ms=max(1000, settings.decode.session_timeout_ms // 3),
+            **bounded_client_kwargs(settings),
         )
-        self.sender = CheckedProducer(self.producer)
         self.checkpoint = Checkpoint(self.consumer, self.sender, name=f"decode worker {self.index}",
                                      defer_on_rebalance=True)
         status = EXIT_OK
@@ -150,8 +162,10 @@ class DecodeWorker:
                      self.metrics.claim_checks)
             # Consumer first: close() leaves the group (the partitions move at once) and may call the
             # revoke listener, which needs the producer still open.
+            # Each close waits at most kafka.request_timeout_ms; a producer whose outputs were not all flushed closes
+            # at once, dropping them (nothing past them was committed).
             _close_quietly(self.consumer.close, "consumer")
-            _close_quietly(self.producer.close, "producer")
+            _close_quietly(lambda: self.sender.close(flushed=status == EXIT_OK), "producer")
             _close_quietly(getattr(self._stage, "close", lambda: None), "decode stage")
         return status
 
@@ -412,7 +426,13 @@ class _Slot:
 
 
 class DecodeFleet:
-    """Supervisor: starts the workers, restarts a crashed one, forwards SIGTERM/SIGINT as a drain."""
+    """Supervisor: starts the workers, restarts a crashed one, forwards SIGTERM/SIGINT as a drain.
+
+    Stopping takes at most ``drain_timeout_s`` (120 s) whether or not the cluster answers: each worker finishes
+    the document in hand, then flushes, commits and closes, each step bounded by ``kafka.request_timeout_ms``
+    (``worker_drain_bound_s``); an output the cluster did not acknowledge means no commit and exit status 1. A worker
+    still running at ``drain_timeout_s`` is killed (its documents repeat from the last commit). A crashed worker
+    waiting for its restart is not restarted once stopping."""
 
     def __init__(self, settings: Settings, *, workers: int | None = None, until_idle_s: float | None = None,
                  max_seconds: float | None = None, drain_timeout_s: float = DRAIN_TIMEOUT_S) -> None:

@@ -35,7 +35,8 @@ from consumers.infer.work import NO_META, InFlightWindow, Work
 from schemas import ImagePayload, SchemaError, decode_image_payload
 from schemas.messages import HEADER_ATTEMPT
 from vlmstream.config import Settings
-from vlmstream.kafka.checkpoint import CheckedProducer, Checkpoint, Output
+from vlmstream.kafka.checkpoint import (CheckedProducer, Checkpoint, Output, bounded_client_kwargs,
+                                        bounded_producer_kwargs)
 from vlmstream.kafka.clients import make_consumer, make_producer, unique_client_id
 from vlmstream.kafka.errors import FatalPipelineError
 from vlmstream.kafka.group import GroupMembershipWatchdog, rewind, subscribe_when_known
@@ -98,19 +99,24 @@ class InferenceRunner:
     def run(self, stop_event: threading.Event | None = None, max_seconds: float | None = None,
             until_idle_s: float | None = None) -> int:
         stop_event = stop_event or threading.Event()
+        if stop_event.is_set():
+            return EXIT_OK  # asked to stop before connecting (while the engine loaded): nothing to drain
         started = time.monotonic()
         self.saturation.warn_static_settings(self.max_images_in_flight)
+        # A send waiting for metadata, and init_transactions, wait at most kafka.request_timeout_ms.
         self.producer = make_producer(self.settings, transactional_id=self.transactional_id if self.exactly_once
-                                      else None, **({"transaction_timeout_ms": 15_000} if self.exactly_once else {}))
+                                      else None, **({"transaction_timeout_ms": 15_000} if self.exactly_once else {}),
+                                      **bounded_producer_kwargs(self.settings))
         if self.exactly_once:
             self.producer.init_transactions()
         client_id = unique_client_id(self.settings, "infer")
         self._membership = GroupMembershipWatchdog(self.settings, self.group_id, client_id)
         self.consumer = make_consumer(self.settings, self.group_id, (), client_id=client_id,
                                       max_poll_records=max(1, min(self.max_images_in_flight, 500)),
-                                      session_timeout_ms=self.cfg.session_timeout_ms)
-        sender = CheckedProducer(self.producer, flush_timeout_s=self.settings.kafka.request_timeout_ms / 1000)
-        self.checkpoint = Checkpoint(self.consumer, sender, name="inference runner")
+                                      session_timeout_ms=self.cfg.session_timeout_ms,
+                                      **bounded_client_kwargs(self.settings))
+        self.sender = CheckedProducer(self.producer, flush_timeout_s=self.settings.kafka.request_timeout_ms / 1000)
+        self.checkpoint = Checkpoint(self.consumer, self.sender, name="inference runner")
         self.commits = DonePrefix(self.checkpoint, exactly_once=self.exactly_once, commit_every=self.commit_every,
                                   interval_s=self.commit_interval_s)
         exit_code = EXIT_OK
@@ -147,7 +153,7 @@ class InferenceRunner:
                 log.exception("closing the consumer failed")
         if self.producer is not None:
             try:
-                self.producer.close(timeout=10 if committed else 0)
+                self.sender.close(flushed=committed)
             except Exception:  # noqa: BLE001
                 log.exception("closing the producer failed")
 

@@ -25,7 +25,13 @@ def decode(
     until_idle_s: Optional[float] = typer.Option(
         None, help="A worker drains and stops after this many seconds without new records (batch runs, tests)."),
 ) -> None:
-    """Consume DocumentRefs, publish one exact-size image record (or a dead letter) per image."""
+    """Consume DocumentRefs, publish one exact-size image record (or a dead letter) per image.
+
+    SIGTERM/SIGINT: each worker finishes the document in hand, flushes, commits and leaves the group.
+    The fleet stops within 120 s whether or not the cluster answers, killing a worker still running then.
+    Each flush, commit and close waits at most kafka.request_timeout_ms (30 s).
+    Outputs the cluster did not acknowledge: no commit, one log line naming the bootstrap servers, exit status 1.
+    """
     from vlmstream.cli.support import bootstrap, settings_from
     from vlmstream.kafka.topics import create_topics
 

@@ -25,7 +25,16 @@ def infer(
     until_idle_s: Optional[float] = typer.Option(None, "--until-idle-s", help="Stop when idle this long."),
     no_results: bool = typer.Option(False, "--no-results", help="Do not run the document-result aggregator."),
 ) -> None:
-    """Consume image payloads, describe and embed them, publish descriptions/embeddings (and document results)."""
+    """Consume image payloads, describe and embed them, publish descriptions/embeddings (and document results).
+
+    SIGTERM/SIGINT: stop fetching, let the engine finish what it holds (up to 120 s), flush, commit, leave the group.
+    The results aggregator then reads the last descriptions (up to 30 s), flushes and commits; exit 0.
+    Each flush, commit and close waits at most kafka.request_timeout_ms (30 s), whether or not the cluster answers.
+    Outputs the cluster did not acknowledge: no commit, one log line naming the bootstrap servers, exit status 4.
+    A second signal stops at once (nothing more is committed).
+    """
+    import logging
+    import os
     import signal
     import threading
 
@@ -50,14 +59,26 @@ def infer(
 
         model_path = str(default_tiny_model_dir())
     stop = threading.Event()
-    # SIGTERM/SIGINT: stop fetching, drain what is in flight, flush, commit, leave the group, exit 0.
+    signals: list[int] = []
+
+    def on_signal(signum, _frame):
+        # The first: stop fetching, drain what is in flight, flush, commit, leave the group, exit 0. The second:
+        # at once, without waiting for anything (nothing more is committed; the next owner redoes it).
+        signals.append(signum)
+        if len(signals) > 1:
+            logging.getLogger(__name__).warning("signal %d again: stopping at once, committing nothing more", signum)
+            logging.shutdown()
+            os._exit(128 + signum)
+        stop.set()
+
     for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda *_: stop.set())
+        signal.signal(signum, on_signal)
     aggregator, aggregator_thread, aggregator_stop = None, None, threading.Event()
     if not no_results:
         aggregator = ResultsAggregator(settings)
         aggregator_thread = aggregator.start_thread(aggregator_stop)
     engine_impl = make_engine(settings.infer, model_path)
+    code = 1  # an exception out of the runner
     try:
         code = InferenceRunner(settings, engine_impl).run(stop, max_seconds=max_seconds, until_idle_s=until_idle_s)
     finally:
@@ -67,13 +88,25 @@ def infer(
             # Let the aggregator read the last descriptions before it commits and leaves.
             import time
 
-            deadline = time.monotonic() + 30
+            deadline = time.monotonic() + (30 if code == 0 else 0)  # failed: the cluster may be gone, no waiting
             while time.monotonic() < deadline and time.monotonic() - aggregator.last_record_at < 3:
                 time.sleep(0.2)
             aggregator_stop.set()
-            aggregator_thread.join(timeout=30)
+            # Its flush, commit and closes each wait at most kafka.request_timeout_ms.
+            aggregator_thread.join(timeout=3 * settings.kafka.request_timeout_ms / 1000 + 5)
+            if not code and aggregator.exit_code != 0:  # failed, or still closing (its commits wait on the cluster)
+                code = aggregator.exit_code or 4
         if profiler is not None:
             profiler.stop()
+        engine_thread = getattr(engine_impl, "_worker", None)
+        if engine_thread is not None and engine_thread.is_alive():
+            # A thread still inside torch when the interpreter tears down aborts the process ("terminate called
+            # without an active exception", SIGABRT): torch's thread pools are destroyed under it. Nothing is left
+            # to commit (the runner has stopped), so leave without the teardown.
+            logging.getLogger(__name__).warning("the engine thread is still busy after close; exiting without "
+                                                "interpreter teardown")
+            logging.shutdown()
+            os._exit(code if code else 1)
     raise typer.Exit(code)
 
 

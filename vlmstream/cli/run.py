@@ -62,21 +62,52 @@ def _child(args: list[str], config: Path, log_path: Path) -> subprocess.Popen:
                             start_new_session=True)
 
 
-def _stop_children(children: dict[str, subprocess.Popen], grace_s: float = 60.0) -> dict[str, int | None]:
-    """SIGTERM (drain, commit, leave the group), then SIGKILL whatever outlives the grace period."""
+# How long `vlmstream run` waits for its workers to drain once stopped, whether or not the cluster answers: the
+# decode fleet's drain_timeout_s (120 s, its workers' flush/commit/close each bounded by kafka.request_timeout_ms)
+# and the inference process's (the engine finishes what it holds, then flush, commit and closes, each bounded the
+# same way) fit in it with the defaults. What outlives it is killed: nothing it had not flushed was committed.
+STOP_GRACE_S = 180.0
+
+
+class _Stopped(KeyboardInterrupt):
+    """SIGTERM, raised like Ctrl-C's KeyboardInterrupt so that the run's ``finally`` stops the workers."""
+
+
+def _raise_stopped(signum: int, _frame: Any) -> None:
+    raise _Stopped(signum)
+
+
+def _stop_children(children: dict[str, subprocess.Popen], grace_s: float = STOP_GRACE_S) -> dict[str, int | None]:
+    """SIGTERM (drain, commit, leave the group), then SIGKILL whatever outlives the grace period, or everything at
+    once on a second SIGTERM/Ctrl-C."""
     # Only the worker's main process: it drains and stops its own children (a vLLM EngineCore signalled
     # directly would abort the requests in flight instead of finishing them).
     for proc in children.values():
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
+    if any(proc.poll() is None for proc in children.values()):
+        console.print(f"stopping: the workers flush and commit (up to {grace_s:.0f} s, also when the cluster does "
+                      "not answer); Ctrl-C again to stop them at once")
     deadline = time.monotonic() + grace_s
-    for proc in children.values():
-        try:
-            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    try:
+        for proc in children.values():
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                _kill(proc)
+    except KeyboardInterrupt:  # a second signal: at once (their next owners redo what was not committed)
+        for proc in children.values():
+            _kill(proc)
     return {name: proc.returncode for name, proc in children.items()}
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # its own session: the decode workers and any engine process too
+        except ProcessLookupError:
+            pass
+        proc.wait()
 
 
 def run(
@@ -113,6 +144,10 @@ def run(
     --fresh keeps the run apart from that backlog (topics and groups of its own).
 
     Prints a progress line every few seconds, descriptions as they arrive, and a summary at the end.
+
+    SIGTERM or Ctrl-C: the workers drain, flush and commit, for up to 180 s whether or not the cluster answers.
+    Each flush, commit and close waits at most kafka.request_timeout_ms; nothing a worker could not flush is committed.
+    A second SIGTERM or Ctrl-C stops them at once.
     """
     from kafka.errors import KafkaError
 
@@ -192,6 +227,8 @@ def run(
     results: dict[str, DocumentResult] = {}
     started = time.monotonic()
     probe = None
+    previous_handler = signal.signal(signal.SIGTERM, _raise_stopped)
+    stopped_by: str | None = None
     try:
         # Position the live view before anything is published, so no description is missed.
         watcher = make_consumer(_as_stage(settings, "tap"), None)  # reads the outputs only
@@ -273,12 +310,25 @@ def run(
         rate = probe.infer_rate(window_s=float("inf"))
         if rate:
             rate_memory.save(RememberedRate(rate, settings.decode.max_pixels, settings.infer.model))
+    except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM (_Stopped)
+        stopped_by = "SIGTERM" if isinstance(exc, _Stopped) else "Ctrl-C"
     finally:
+        try:
+            # The workers first: the live view's clients may wait on a cluster that does not answer.
+            codes = _stop_children(children) if children else {}
+        finally:
+            signal.signal(signal.SIGTERM, previous_handler)
+            for config_file in config_files.values():
+                config_file.unlink(missing_ok=True)
         if probe is not None:
-            probe.close()
-        codes = _stop_children(children) if children else {}
-        for config_file in config_files.values():
-            config_file.unlink(missing_ok=True)
+            try:
+                probe.close()
+            except Exception as exc:  # noqa: BLE001 - the live view only; the workers have stopped
+                console.print(f"[yellow]closing the live view failed: {exc!r}[/]")
+    if stopped_by is not None:
+        console.print(f"[yellow]stopped by {stopped_by}: workers exited with "
+                      f"{', '.join(f'{n} {c}' for n, c in codes.items()) or 'nothing started'}[/]")
+        raise typer.Exit(130 if stopped_by == "Ctrl-C" else 143)
     elapsed = time.monotonic() - started
     _print_summary(results, elapsed, codes, images_described)
     # A worker stopped by our SIGTERM before it had set up its handlers ends with -SIGTERM: still clean.

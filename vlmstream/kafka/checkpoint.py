@@ -11,6 +11,12 @@ keeps the first error and a count, and ``flush()`` raises ``FatalPipelineError``
 the three ways of committing: at-least-once (``commit``), exactly-once (``commit_transaction``: outputs and
 offsets in one transaction) and from inside a rebalance listener (``commit_from_listener``). After a fatal error
 it commits nothing more (``stop``): whoever owns the partitions next redoes everything since the last commit.
+
+Every wait on the cluster is bounded by ``kafka.request_timeout_ms`` (30 s by default), so a runner stops whether or
+not the cluster answers: a flush (``CheckedProducer.flush``), a send waiting for metadata (the runners make their
+producers with ``max_block_ms`` = the same, ``bounded_producer_kwargs``), a commit (kafka-python's default) and a
+close (``CheckedProducer.close``). An output not acknowledged in time is a failed send: no commit, and one log line
+names the bootstrap servers and the setting.
 """
 
 from __future__ import annotations
@@ -22,12 +28,34 @@ from dataclasses import dataclass
 from typing import Iterable, Mapping
 
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
-from kafka.errors import KafkaTimeoutError, RebalanceInProgressError
+from kafka.errors import KafkaError, KafkaTimeoutError, RebalanceInProgressError
+
+from vlmstream.config import Settings
 from kafka.structs import OffsetAndMetadata
 
 from vlmstream.kafka.errors import GROUP_MOVED_ON, FatalPipelineError
 
 log = logging.getLogger(__name__)
+
+
+def bounded_client_kwargs(settings: Settings) -> dict[str, int]:
+    """``make_consumer`` overrides: the first connection (kafka-python's ``bootstrap_timeout_ms``, 30 s by default,
+    checked between attempts) waits at most ``kafka.request_timeout_ms`` plus one reconnect backoff."""
+    return {"bootstrap_timeout_ms": settings.kafka.request_timeout_ms}
+
+
+def bounded_producer_kwargs(settings: Settings) -> dict[str, int]:
+    """``make_producer`` overrides that bound a send waiting for metadata or buffer space (kafka-python's
+    ``max_block_ms``, 60 s by default, also bounds ``init_transactions``) by ``kafka.request_timeout_ms``, and the
+    first connection as ``bounded_client_kwargs`` does."""
+    return {"max_block_ms": settings.kafka.request_timeout_ms, **bounded_client_kwargs(settings)}
+
+
+def unacknowledged(producer: KafkaProducer, waited_s: float | None) -> str:
+    """The one line saying that the cluster did not acknowledge outputs: where, and which setting bounds the wait."""
+    servers = ",".join(getattr(producer, "config", {}).get("bootstrap_servers") or ()) or "?"
+    return (f"outputs not acknowledged by the cluster at {servers} within {waited_s:.0f} s "
+            f"(kafka.request_timeout_ms bounds the wait); not committing")
 
 
 @dataclass(frozen=True)
@@ -49,13 +77,21 @@ class CheckedProducer:
 
     def __init__(self, producer: KafkaProducer, *, flush_timeout_s: float | None = None):
         self.producer = producer
-        self.flush_timeout_s = flush_timeout_s
+        # Never unbounded: kafka-python's flush() without a timeout waits as long as the cluster stays away.
+        self.flush_timeout_s = (flush_timeout_s if flush_timeout_s is not None
+                                else getattr(producer, "config", {}).get("request_timeout_ms", 30_000) / 1000)
         self._lock = threading.Lock()
         self.failed = 0
         self.first_error: BaseException | None = None
 
     def send(self, output: Output):
-        future = self.producer.send(output.topic, key=output.key, value=output.value, headers=output.headers)
+        try:
+            future = self.producer.send(output.topic, key=output.key, value=output.value, headers=output.headers)
+        except KafkaTimeoutError as exc:  # no metadata or no buffer space within max_block_ms: the cluster is away
+            self._on_error(exc)
+            waited_s = getattr(self.producer, "config", {}).get("max_block_ms", 60_000) / 1000
+            raise FatalPipelineError(f"{unacknowledged(self.producer, waited_s)}"
+                                     f": {exc!r}") from exc
         future.add_errback(self._on_error)
         return future
 
@@ -70,8 +106,22 @@ class CheckedProducer:
         try:
             self.producer.flush(timeout=self.flush_timeout_s)
         except KafkaTimeoutError as exc:
-            raise FatalPipelineError(f"outputs not acknowledged within {self.flush_timeout_s} s: {exc!r}") from exc
+            self._on_error(exc)  # for good: a later flush must not pass these outputs either
+            raise FatalPipelineError(unacknowledged(self.producer, self.flush_timeout_s)) from exc
         self.raise_on_failure()
+
+    def close(self, *, flushed: bool) -> None:
+        """Close within ``flush_timeout_s`` (``flushed``: the last flush succeeded, so nothing is left to wait for
+        but a few late sends) or at once: records still unacknowledged are dropped, none of them committed.
+        kafka-python's close() flushes first and, when that times out, raises before stopping its IO thread."""
+        try:
+            self.producer.close(timeout=self.flush_timeout_s if flushed else 0)
+        except KafkaTimeoutError:
+            log.warning("%s", unacknowledged(self.producer, self.flush_timeout_s if flushed else 0).replace(
+                "not committing", "dropping them at close (none was committed)"))
+            sender = getattr(self.producer, "_sender", None)
+            if sender is not None:
+                sender.force_close()
 
     def raise_on_failure(self) -> None:
         if self.first_error is not None:
@@ -135,6 +185,13 @@ class Checkpoint:
             # owner redoes what was not committed.
             log.warning("%s: commit refused, the group moved on; duplicates may follow: %r", self.name, exc)
             return Commit.REFUSED
+        except KafkaError as exc:
+            # The coordinator did not answer within kafka.request_timeout_ms (kafka-python's bound on a commit): the
+            # cluster is away. Whether the commit landed is unknown; the next owner redoes at most these records.
+            self.stop()
+            servers = ",".join(getattr(self.consumer, "config", {}).get("bootstrap_servers") or ()) or "?"
+            raise FatalPipelineError(f"commit not acknowledged by the cluster at {servers} (kafka.request_timeout_ms "
+                                     f"bounds the wait): {exc!r}") from exc
         return Commit.DONE
 
     def _flush(self) -> None:
