@@ -6,6 +6,10 @@ formatted once (a cluster: every node with one cluster id, kept in ``cluster.jso
 found again through its pid file, so a second ``start`` reuses running nodes. Nothing here is used when the
 configured bootstrap servers point at another cluster.
 
+With ``broker.security = "sasl_ssl"`` (``start --secure``) ``security.py`` secures the single node or every node
+of a cluster at four hooks: the written properties, the format arguments, the probes' login and, once every node
+answers, the stage principals' provisioning.
+
 The cluster half is also the API of chaos runs: ``kill_node``, ``restart_node``, ``node_pids``,
 ``node_bootstrap``, ``active_controller``, ``partition_leaders``, ``snapshot_node_data``, ``restore_node_data``.
 """
@@ -26,6 +30,7 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
+from vlmstream import security
 from vlmstream.config import BrokerSettings, Settings
 
 log = logging.getLogger(__name__)
@@ -176,13 +181,13 @@ def port_open(host: str, port: int, timeout: float = 0.5) -> bool:
         return False
 
 
-def broker_answers(bootstrap: str, timeout_s: float = 5.0) -> bool:
-    """True when a metadata request succeeds (not just an open port)."""
+def broker_answers(bootstrap: str, timeout_s: float = 5.0, **client_kwargs) -> bool:
+    """True when a metadata request succeeds (not just an open port); ``client_kwargs``: a secured broker's login."""
     from kafka import KafkaAdminClient
 
     try:
         admin = KafkaAdminClient(bootstrap_servers=bootstrap.split(","), request_timeout_ms=int(timeout_s * 1000),
-                                 client_id="vlmstream-probe")
+                                 client_id="vlmstream-probe", **client_kwargs)
     except Exception:  # noqa: BLE001 - any failure means "not answering yet"
         return False
     try:
@@ -204,9 +209,11 @@ def _java() -> str:
     return java
 
 
-def _format(java: str, classpath: str, paths: BrokerPaths, cluster_id: str) -> None:
+def _format(java: str, classpath: str, paths: BrokerPaths, cluster_id: str, extra_args: list[str]) -> None:
+    """kafka-storage format; ``extra_args``: security.format_args (SCRAM users; secrets, so never logged)."""
     fmt = subprocess.run([java, "-cp", classpath, "kafka.tools.StorageTool", "format", "-t", cluster_id,
-                          "-c", str(paths.properties), "--ignore-formatted"], capture_output=True, text=True)
+                          "-c", str(paths.properties), "--ignore-formatted", *extra_args],
+                         capture_output=True, text=True)
     if fmt.returncode != 0:
         raise BrokerError(f"formatting KRaft storage failed:\n{fmt.stdout}\n{fmt.stderr}")
 
@@ -235,32 +242,37 @@ def start(settings: Settings, nodes: int | None = None, wait_s: float = 90.0) ->
     b = settings.broker
     if b.nodes > 1:
         b = b.model_copy(update={"nodes": 1})
+        settings = settings.model_copy(update={"broker": b})  # the security hooks find the single node's folder
     bootstrap = f"{b.host}:{b.port}"
     paths = broker_paths(b)
+    login = security.probe_kwargs(settings)  # empty unless broker.security asks for SASL_SSL
     pid = _read_pid(paths)
-    if pid is not None and broker_answers(bootstrap):
+    if pid is not None and broker_answers(bootstrap, **login):
         log.info("local Kafka already running (pid %s) on %s", pid, bootstrap)
         return bootstrap
     if pid is None and port_open(b.host, b.port):
-        if broker_answers(bootstrap):
+        if broker_answers(bootstrap, **login):
             log.info("a Kafka broker already answers on %s; reusing it", bootstrap)
             return bootstrap
         raise BrokerError(f"port {b.port} is taken by something that is not a Kafka broker")
     lib = provision_jars(b)
     paths.root.mkdir(parents=True, exist_ok=True)
-    paths.properties.write_text(_server_properties(b, paths, settings.kafka.max_message_bytes))
+    properties = _server_properties(b, paths, settings.kafka.max_message_bytes)
+    paths.properties.write_text(security.broker_properties(b, properties))  # unchanged unless broker.security
     classpath = f"{lib}/*"
     java = _java()
     if not (paths.data / "meta.properties").exists():
-        _format(java, classpath, paths, uuid.uuid4().hex[:22])
+        _format(java, classpath, paths, uuid.uuid4().hex[:22], security.format_args(b))
     proc = _launch(java, classpath, paths, b.heap)
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise BrokerError(f"Kafka exited with {proc.returncode}; see {paths.log_file}:\n"
                               f"{paths.log_file.read_text()[-4000:]}")
-        if port_open(b.host, b.port) and broker_answers(bootstrap, timeout_s=3):
+        if port_open(b.host, b.port) and broker_answers(bootstrap, timeout_s=3, **login):
             log.info("local Kafka %s started (pid %s) on %s", b.kafka_version, proc.pid, bootstrap)
+            if security.enabled(b):
+                security.provision(settings, bootstrap)  # stage principals and their ACLs
             return bootstrap
         time.sleep(0.5)
     _stop_paths([paths])
@@ -297,13 +309,14 @@ def status(settings: Settings, node: int | None = None) -> dict[str, object]:
     ``node``), the active controller and the cluster id."""
     settings = _running_layout(settings)
     b = settings.broker
+    login = security.probe_kwargs(settings)  # empty unless the local broker is secured
     if b.nodes == 1:
         paths = broker_paths(b)
         bootstrap = f"{b.host}:{b.port}"
         return {
             "bootstrap": bootstrap,
             "pid": _read_pid(paths),
-            "answers": broker_answers(bootstrap, timeout_s=3) if port_open(b.host, b.port) else False,
+            "answers": broker_answers(bootstrap, timeout_s=3, **login) if port_open(b.host, b.port) else False,
             "kafka_version": b.kafka_version,
             "home": str(paths.root),
             "log": str(paths.log_file),
@@ -313,7 +326,7 @@ def status(settings: Settings, node: int | None = None) -> dict[str, object]:
         paths, address = node_paths(b, n), node_bootstrap(settings, n)
         rows.append({"node": n, "bootstrap": address, "controller_port": b.node_ports(n)[1],
                      "pid": _read_pid(paths),
-                     "answers": broker_answers(address, timeout_s=3) if port_open(b.host, b.node_ports(n)[0])
+                     "answers": broker_answers(address, timeout_s=3, **login) if port_open(b.host, b.node_ports(n)[0])
                      else False,
                      "data": str(paths.data), "log": str(paths.log_file)})
     try:
@@ -367,6 +380,12 @@ def _read_layout(settings: BrokerSettings) -> dict | None:
         return json.loads((cluster_root(settings) / "cluster.json").read_text())
     except (FileNotFoundError, ValueError):
         return None
+
+
+def running_layout(settings: Settings) -> Settings:
+    """The settings of the local broker as it runs: the configured node count, or the cluster last started on this
+    base port and home while one of its nodes runs (for tools that reach it without --nodes, e.g. `security`)."""
+    return _running_layout(settings)
 
 
 def _running_layout(settings: Settings) -> Settings:
@@ -423,11 +442,15 @@ def _start_nodes(settings: Settings, nodes: list[int]) -> dict[int, subprocess.P
                 raise BrokerError(f"port {port} of node {n} is taken by another process")
         paths = node_paths(b, n)
         paths.root.mkdir(parents=True, exist_ok=True)
-        paths.properties.write_text(_server_properties(b, paths, settings.kafka.max_message_bytes, node=n))
+        properties = _server_properties(b, paths, settings.kafka.max_message_bytes, node=n)
+        # Unchanged unless broker.security: then every node alike (one certificate serves them all, one host).
+        paths.properties.write_text(security.broker_properties(b, properties))
     unformatted = [node_paths(b, n) for n in down if not (node_paths(b, n).data / "meta.properties").exists()]
     if unformatted:  # one JVM each, side by side
+        # Every node with the super users' SCRAM credentials: whichever controller first leads writes them.
+        scram = security.format_args(b)
         with ThreadPoolExecutor(len(unformatted)) as pool:
-            list(pool.map(lambda paths: _format(java, classpath, paths, cluster_id), unformatted))
+            list(pool.map(lambda paths: _format(java, classpath, paths, cluster_id, scram), unformatted))
     return {n: _launch(java, classpath, node_paths(b, n), b.node_heap, b.node_jvm_options) for n in down}
 
 
@@ -481,6 +504,8 @@ def _start_cluster(settings: Settings, wait_s: float) -> str:
         raise
     log.info("local Kafka %s cluster of %d nodes (%s) answering on %s", b.kafka_version, b.nodes,
              "started" if procs else "already running", b.bootstrap())
+    if procs and security.enabled(b):
+        security.provision(settings, b.bootstrap())  # once every node answers: stage principals and their ACLs
     return b.bootstrap()
 
 
@@ -542,10 +567,11 @@ def _admin(settings: Settings, bootstrap: str | None = None, timeout_s: float = 
     """An admin client on the local cluster (every node in its bootstrap), or None when none answers."""
     from kafka import KafkaAdminClient
 
-    address = bootstrap or _running_layout(settings).broker.bootstrap()
+    settings = _running_layout(settings)
+    address = bootstrap or settings.broker.bootstrap()
     try:
         return KafkaAdminClient(bootstrap_servers=address.split(","), request_timeout_ms=int(timeout_s * 1000),
-                                client_id="vlmstream-cluster-admin")
+                                client_id="vlmstream-cluster-admin", **security.probe_kwargs(settings))
     except Exception:  # noqa: BLE001 - no node answers
         return None
 

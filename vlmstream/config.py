@@ -21,6 +21,13 @@ from vlmstream.models.registry import DEFAULT_FAMILY, family_named
 DEFAULT_BOOTSTRAP = "127.0.0.1:9092"
 
 
+class KafkaPrincipal(BaseModel):
+    """One stage's own SASL login (``kafka.principals.<stage>``)."""
+
+    username: str
+    password: SecretStr
+
+
 class KafkaSettings(BaseModel):
     """How to reach the cluster. Security fields pass straight through to kafka-python."""
 
@@ -38,6 +45,11 @@ class KafkaSettings(BaseModel):
     ssl_certfile: str | None = None
     ssl_keyfile: str | None = None
     ssl_password: SecretStr | None = None
+    principals: dict[str, KafkaPrincipal] = Field(
+        default_factory=dict,
+        description="Per-stage SASL logins (producer, decode, infer, tap, ops) that `vlmstream run` hands to the "
+        "stage it starts, each only its own; the login above stays run's own. `vlmstream security clients` writes "
+        "them for the local secured broker.")
     request_timeout_ms: int = 30_000
     max_message_bytes: int = Field(
         16 * 1024 * 1024,
@@ -63,6 +75,15 @@ class KafkaSettings(BaseModel):
         if self.ssl_password:
             kwargs["ssl_password"] = self.ssl_password.get_secret_value()
         return kwargs
+
+    def as_principal(self, stage: str) -> "KafkaSettings":
+        """These settings with ``stage``'s own login when ``principals`` has one (and no other stage's): what a
+        stage's process gets. Unchanged, less ``principals``, otherwise."""
+        login = self.principals.get(stage)
+        update: dict[str, Any] = {"principals": {}}
+        if login is not None:
+            update |= {"sasl_plain_username": login.username, "sasl_plain_password": login.password}
+        return self.model_copy(update=update)
 
 
 class TopicSettings(BaseModel):
@@ -108,6 +129,11 @@ class BrokerSettings(BaseModel):
         "-XX:+UseSerialGC -XX:TieredStopAtLevel=1", description="JVM options of each node of a cluster of more than "
         "one: three JVMs share the machine with the pipeline, and these keep what they take small (one GC thread, "
         "no C2 compiler, which used about half the CPU of an idle node on 2 cores). Empty: the JVM's defaults.")
+    security: Literal["none", "sasl_ssl"] = Field(
+        "none", description="sasl_ssl: the local broker's client listener is SASL_SSL (SCRAM-SHA-512, TLS from a CA "
+        "it makes), its controller listener mutual TLS, and ACLs allow each stage's principal only what the stage "
+        "needs (vlmstream/security.py); on a cluster, every node so, one certificate for all. `vlmstream broker start "
+        "--secure` sets it.")
 
     def node_ports(self, node: int) -> tuple[int, int]:
         """(client port, controller port) of one node, from 1."""

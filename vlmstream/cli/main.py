@@ -21,8 +21,11 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
 broker_app = typer.Typer(no_args_is_help=True, help="The project's local Kafka (KRaft): one node by default, or a "
                          "local cluster of several (--nodes, or broker.nodes in the settings).")
 topics_app = typer.Typer(no_args_is_help=True, help="The pipeline's topics.")
+security_app = typer.Typer(no_args_is_help=True, help="The local secured broker's principals: their ACLs and each "
+                           "one's client settings (`broker start --secure` first).")
 app.add_typer(broker_app, name="broker")
 app.add_typer(topics_app, name="topics")
+app.add_typer(security_app, name="security")
 console = Console(stderr=True)
 
 
@@ -55,12 +58,18 @@ def broker_start(
     nodes: Optional[int] = typer.Option(None, "--nodes", min=1, help="Nodes: 1, the single embedded broker on "
                                         "broker.port; more, a local cluster, node N on broker.port + 2(N-1) and its "
                                         "controller on the next port (default: broker.nodes, 1)."),
+    secure: bool = typer.Option(False, "--secure", help="SASL_SSL (SCRAM-SHA-512, TLS from a CA of its own), ACLs "
+                                "per stage principal (broker.security = \"sasl_ssl\"), on every node of a cluster; "
+                                "`vlmstream security clients DIR` then writes each principal's client settings."),
 ) -> None:
     """Provision (Maven) and start the local broker or cluster; reuse the nodes that already run."""
     from vlmstream import broker
 
-    settings = settings_from(ctx, {"broker": {"nodes": nodes}})
+    settings = settings_from(ctx, {"broker": {"nodes": nodes, "security": "sasl_ssl" if secure else None}})
     console.print(f"Kafka answering on {broker.start(settings)}")
+    if settings.broker.security == "sasl_ssl":
+        console.print("secured: SASL_SSL with SCRAM-SHA-512, ACLs per principal; "
+                      "`vlmstream security clients DIR` writes each principal's settings")
 
 
 @broker_app.command("stop")
@@ -123,6 +132,52 @@ def topics_create(
         console.print(f"exists   {name}")
     for warning in report.warnings:
         console.print(f"[yellow]warning[/] {warning}")
+
+
+def _secured_settings(ctx: typer.Context):
+    settings = settings_from(ctx, {"broker": {"security": "sasl_ssl"}})
+    # A --config of a principal's own names the broker by its bootstrap only: take the local broker's port from it
+    # (when bootstrap servers were given: the default's 9092 would override broker.port).
+    host, _, port = settings.kafka.bootstrap_servers.split(",")[0].rpartition(":")
+    if "bootstrap_servers" in settings.kafka.model_fields_set and port.isdigit() and \
+            host in (settings.broker.host, "localhost"):
+        settings = settings.model_copy(update={"broker": settings.broker.model_copy(update={"port": int(port)})})
+    from vlmstream import broker
+
+    return broker.running_layout(settings)  # a cluster running on that base port: every node's address
+
+
+@security_app.command("clients")
+def security_clients(
+    ctx: typer.Context,
+    out: str = typer.Argument(..., help="Folder for the files (made 0700; each file 0600)."),
+) -> None:
+    """Write each principal's client settings (admin, producer, decode, infer, tap, ops: <name>.toml) and run.toml
+    (admin for run's own process, each stage's login under [kafka.principals]); use one with --config."""
+    from vlmstream import security
+
+    for name, path in security.write_client_configs(_secured_settings(ctx), out).items():
+        console.print(f"{name:9} {path}")
+
+
+@security_app.command("acls")
+def security_acls(ctx: typer.Context) -> None:
+    """Print what each stage principal may do (the ACLs `broker start --secure` creates)."""
+    from vlmstream import security
+
+    for line in security.grants_table(_secured_settings(ctx)):
+        print(line)
+
+
+@security_app.command("provision")
+def security_provision(ctx: typer.Context) -> None:
+    """Create (again) every stage principal's credential and ACLs on the running secured broker, as the admin:
+    after changing topic names or group ids. Idempotent."""
+    from vlmstream import security
+
+    settings = _secured_settings(ctx)
+    security.provision(settings, settings.broker.bootstrap())
+    console.print(f"{len(security.acl_bindings(settings))} ACLs in place for {', '.join(security.STAGE_PRINCIPALS)}")
 
 
 def _register_optional_commands() -> None:

@@ -50,6 +50,11 @@ def _settings_file(settings: Any) -> Path:
     return Path(name)
 
 
+def _as_stage(settings: Any, stage: str) -> Any:
+    """The settings a stage gets: its own login from ``kafka.principals`` when there is one, and no other's."""
+    return settings.model_copy(update={"kafka": settings.kafka.as_principal(stage)})
+
+
 def _child(args: list[str], config: Path, log_path: Path) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "vlmstream.cli", "--config", str(config), *args]
     log = open(log_path, "ab")
@@ -213,7 +218,8 @@ def run(
     else:
         console.print("nothing from earlier runs is queued ahead of yours")
 
-    config_file = _settings_file(settings)
+    # Each stage's process gets a settings file with its own login only (kafka.principals; none: run's own login).
+    config_files = {stage: _settings_file(_as_stage(settings, stage)) for stage in ("decode", "infer")}
     log_dir = Path(settings.broker.home).expanduser() / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")
@@ -225,7 +231,7 @@ def run(
     stopped_by: str | None = None
     try:
         # Position the live view before anything is published, so no description is missed.
-        watcher = make_consumer(settings, None)
+        watcher = make_consumer(_as_stage(settings, "tap"), None)  # reads the outputs only
         # The topics were created a moment ago: a watcher assigned before they list partitions would see nothing.
         tps = topic_partitions(watcher, [settings.topics.descriptions, settings.topics.results,
                                          settings.topics.deadletter])
@@ -240,11 +246,11 @@ def run(
 
         probe = StageProbe(settings, backlog)
         probe.snapshot()  # where the topics and groups stand before anything of this run is published
-        children["decode"] = _child(["decode"], config_file, log_dir / f"decode-{stamp}.log")
-        children["infer"] = _child(["infer"], config_file, log_dir / f"infer-{stamp}.log")
+        children["decode"] = _child(["decode"], config_files["decode"], log_dir / f"decode-{stamp}.log")
+        children["infer"] = _child(["infer"], config_files["infer"], log_dir / f"infer-{stamp}.log")
         console.print(f"decode and inference workers started (logs in {log_dir})")
 
-        summary = publish_documents(settings, items, force=force)
+        summary = publish_documents(_as_stage(settings, "producer"), items, force=force)
         failed_ids = {failure.doc_id for failure in summary.failed}
         expected = {item.doc_id for item in items if isinstance(item, DocumentRef)} - failed_ids
         images_expected = sum(len(item.image_uris) for item in items
@@ -312,7 +318,8 @@ def run(
             codes = _stop_children(children) if children else {}
         finally:
             signal.signal(signal.SIGTERM, previous_handler)
-            config_file.unlink(missing_ok=True)
+            for config_file in config_files.values():
+                config_file.unlink(missing_ok=True)
         if probe is not None:
             try:
                 probe.close()

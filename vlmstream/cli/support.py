@@ -29,6 +29,9 @@ def settings_from(ctx: typer.Context, overrides: dict[str, Any] | None = None) -
                 merged[section] = values
     settings = load_settings(state.config_file, merged)
     logging.getLogger().setLevel(settings.log_level.upper())
+    from vlmstream.security import mask_secrets_in_logs
+
+    mask_secrets_in_logs(settings)  # kafka-python logs its configuration, passwords included, at DEBUG
     return settings
 
 
