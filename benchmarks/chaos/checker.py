@@ -207,6 +207,7 @@ def check(bootstrap: str, topics: dict[str, str], plan: dict[str, Any]) -> Repor
     letters: dict[tuple, Counter] = defaultdict(Counter)
     dl_count = TopicCount()
     dead_images: set[tuple[str, int]] = set()
+    manifest_lines: set[str] = set()
     for r in read["deadletter"]:
         dl_count.records += 1
         try:
@@ -216,7 +217,10 @@ def check(bootstrap: str, topics: dict[str, str], plan: dict[str, Any]) -> Repor
             continue
         if dl.stage == "produce":
             # A bad manifest line: no doc id; a producer restart re-reads the manifest and rejects it again.
-            ok = dl.error_kind in ("invalid_json",)
+            # A planted bad manifest line comes back as invalid_manifest_line, its detail naming invalid_json.
+            ok = dl.error_kind == "invalid_manifest_line" and "invalid_json" in dl.detail
+            if ok:
+                manifest_lines.add(dl.detail.split(":")[0])
             # Each rejection is its own input: the producer's re-reads count as inherited copies, not reprocessing.
             ident = ("produce", dl.error_kind, dl.detail.split(":")[0])
             letters[ident][("copy", r.partition, r.offset)] += 1
@@ -248,6 +252,9 @@ def check(bootstrap: str, topics: dict[str, str], plan: dict[str, Any]) -> Repor
                 report.images_described += 1
             else:
                 report.images_lost.append(key)
+
+    for missing in range(plan.get("bad_manifest_lines", 0) - len(manifest_lines)):
+        report.planted_without_dead_letter.append(("bad manifest line", missing))
 
     # results: one per document, agreeing with the plan
     results: dict[str, list[DocumentResult]] = defaultdict(list)

@@ -204,15 +204,20 @@ def decode_worker_pids(fleet_pid: int) -> list[int]:
     return out
 
 
-def schedule(rng: random.Random, total: int) -> list[str]:
-    """At least one of every kind, at least 5 broker faults when total >= 30, the rest drawn at random."""
-    kinds = list(KINDS)
+def schedule(rng: random.Random, total: int, allowed: list[str]) -> list[str]:
+    """At least one of every allowed kind, at least 5 broker faults when total >= 30, the rest drawn at random
+    (worker faults twice as likely as a broker kill)."""
+    unknown = set(allowed) - set(KINDS)
+    if unknown:
+        raise SystemExit(f"unknown fault kinds {sorted(unknown)}; known: {', '.join(KINDS)}")
+    kinds = list(allowed)
+    quick_broker = [k for k in ("kill_leader_broker", "kill_controller") if k in allowed]
     if total >= 30:
-        kinds += ["kill_leader_broker", "kill_controller"]
+        kinds += quick_broker
+    draw = [k for k in WORKER_KILLS + ZOMBIES if k in allowed] * 2 + quick_broker
     while len(kinds) < total:
-        kinds.append(rng.choice(WORKER_KILLS + ZOMBIES + WORKER_KILLS + ("kill_leader_broker", "kill_controller")))
+        kinds.append(rng.choice(draw))
     rng.shuffle(kinds)
-    # The rolling restart and the stale restart are long: not first, so the feeder has put load on the cluster.
     return kinds
 
 
@@ -293,19 +298,22 @@ class ChaosRun:
         for i in range(self.knobs.infer_consumers):
             sup.add("infer", i, ["infer"])
 
-    def feeder(self, stop: threading.Event, duration_s: float) -> None:
+    def feeder(self, stop: threading.Event, total_faults: int) -> None:
+        """Appends manifest lines all through the fault schedule: by fault i, about (i + 1) / total of them, a few
+        each second, so every fault meets documents on their way."""
         lines = self.plan["lines"]
-        per_tick = max(1, int(len(lines) / max(1.0, duration_s)))
-        self.feed_chunk = per_tick
+        self.feed_chunk = per_tick = max(2, len(lines) // 60)
         fed = 0
         with open(self.manifest, "a") as fh:
             while fed < len(lines) and not stop.is_set():
-                for line in lines[fed:fed + per_tick]:
-                    fh.write(line + "\n")
-                fh.flush()
-                fed += per_tick
+                target = int(len(lines) * min(1.0, (len(self.faults) + 1) / max(1, total_faults)))
+                if target > fed:
+                    for line in lines[fed:min(target, fed + per_tick)]:
+                        fh.write(line + "\n")
+                    fh.flush()
+                    fed = min(target, fed + per_tick)
                 stop.wait(1.0)
-        self.event("feeder", f"all {len(lines)} manifest lines written")
+        self.event("feeder", f"{fed} of {len(lines)} manifest lines written")
 
     def results_done(self) -> int:
         """Documents with any result so far (cheap progress probe, the checker decides at the end)."""
@@ -419,13 +427,12 @@ class ChaosRun:
         args = self.args
         self.setup()
         self.start_pipeline()
-        kinds = schedule(self.rng, args.faults)
-        fault_window = args.faults * args.fault_interval_s
+        kinds = schedule(self.rng, args.faults, args.kinds.split(",") if args.kinds else list(KINDS))
         stop_feeder = threading.Event()
-        feeder = threading.Thread(target=self.feeder, args=(stop_feeder, fault_window * 0.8), daemon=True)
+        self.faults: list[dict[str, Any]] = []
+        feeder = threading.Thread(target=self.feeder, args=(stop_feeder, len(kinds)), daemon=True)
         self.supervise_for(args.warmup_s)
         feeder.start()
-        self.faults: list[dict[str, Any]] = []
         try:
             for i, kind in enumerate(kinds, 1):
                 self.supervise_for(self.rng.uniform(0.5, 1.5) * args.fault_interval_s)
@@ -550,6 +557,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--heap", default="384m", help="JVM heap per broker node.")
     ap.add_argument("--corpus", default=str(REPO.parent / "shared" / "corpus"))
     ap.add_argument("--keep-cluster", action="store_true")
+    ap.add_argument("--kinds", default="", help="Comma-separated fault kinds to draw from (default: all): "
+                    + ", ".join(KINDS))
     return ap.parse_args(argv)
 
 
