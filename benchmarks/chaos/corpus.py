@@ -75,6 +75,7 @@ def make_plan(folder: Path, docs: int, *, seed: int, run_id: str, corpus: Path |
     plan_docs: list[dict[str, Any]] = []
     lines: list[bytes] = []
     bad_docs = set(rng.sample(range(docs), k=min(docs, max(3, docs // 40))))
+    bad_order = {d: j for j, d in enumerate(sorted(bad_docs))}
     real_docs = set(rng.sample(range(docs), k=min(docs, max(2, docs // 50)))) if real else set()
     for d, count in enumerate(counts):
         doc_id = f"{run_id}-doc-{d:05d}"
@@ -82,7 +83,7 @@ def make_plan(folder: Path, docs: int, *, seed: int, run_id: str, corpus: Path |
         planted: dict[str, list[str]] = {}
         if d in bad_docs:
             index = rng.randrange(count)
-            kind = list(PLANTED)[d % 3]
+            kind = list(PLANTED)[bad_order[d] % len(PLANTED)]  # round robin: every kind is planted
             doc_uris[index] = bad_uri[kind]
             planted[str(index)] = list(PLANTED[kind])
         if d in real_docs:

@@ -299,14 +299,14 @@ class ChaosRun:
             sup.add("infer", i, ["infer"])
 
     def feeder(self, stop: threading.Event, total_faults: int) -> None:
-        """Appends manifest lines all through the fault schedule: by fault i, about (i + 1) / total of them, a few
+        """Appends manifest lines all through the fault schedule: by fault i, about 1.5 (i + 1) / total of them (a backlog in the first two thirds), a few
         each second, so every fault meets documents on their way."""
         lines = self.plan["lines"]
         self.feed_chunk = per_tick = max(2, len(lines) // 60)
         fed = 0
         with open(self.manifest, "a") as fh:
             while fed < len(lines) and not stop.is_set():
-                target = int(len(lines) * min(1.0, (len(self.faults) + 1) / max(1, total_faults)))
+                target = int(len(lines) * min(1.0, 1.5 * (len(self.faults) + 1) / max(1, total_faults)))
                 if target > fed:
                     for line in lines[fed:min(target, fed + per_tick)]:
                         fh.write(line + "\n")
