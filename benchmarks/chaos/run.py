@@ -344,8 +344,50 @@ class ChaosRun:
         self.event("warning", f"partitions not fully replicated after {limit_s:.0f} s")
         return False
 
+    def lag(self, group: str, topic: str) -> int | None:
+        """Records on ``topic`` past ``group``'s committed offsets (transaction markers count as one each)."""
+        from kafka import KafkaAdminClient, KafkaConsumer, TopicPartition
+
+        try:
+            admin = KafkaAdminClient(bootstrap_servers=self.bootstrap.split(","), client_id="chaos-lag",
+                                     request_timeout_ms=5000)
+            consumer = KafkaConsumer(bootstrap_servers=self.bootstrap.split(","), client_id="chaos-lag",
+                                     request_timeout_ms=5000)
+        except Exception:  # noqa: BLE001 - a node restarting: unknown
+            return None
+        try:
+            committed = {tp: om.offset for tp, om in admin.list_consumer_group_offsets(group).items()
+                         if tp.topic == topic}
+            tps = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic) or ())]
+            ends = consumer.end_offsets(tps)
+            return sum(max(0, end - max(0, committed.get(tp, 0))) for tp, end in ends.items())
+        except Exception:  # noqa: BLE001
+            return None
+        finally:
+            admin.close()
+            consumer.close()
+
+    def wait_for_work(self, stage: str, limit_s: float = 30.0) -> int | None:
+        """A worker fault should hit a worker with work in hand: wait (up to ``limit_s``) until the stage's group
+        lags behind its input topic."""
+        group, topic, least = ((f"{self.run_id}-decode", self.topics["documents"], 2) if stage == "decode" else
+                               (f"{self.run_id}-infer", self.topics["images"], self.knobs.partitions + 4))
+        deadline = time.monotonic() + limit_s
+        lag = None
+        while time.monotonic() < deadline:
+            lag = self.lag(group, topic)
+            if lag is not None and lag >= least:
+                return lag
+            self.supervise_for(1.0)
+        return lag
+
     def inject(self, kind: str) -> None:
         sup, rng = self.supervisor, self.rng
+        stage = {"kill_decode_worker": "decode", "kill_decode_fleet": "decode", "zombie_decode": "decode",
+                 "kill_infer": "infer", "zombie_infer": "infer"}.get(kind)
+        if stage is not None and self.args.under_load:
+            lag = self.wait_for_work(stage)
+            self.event("load", f"{stage} group lag {lag} before {kind}")
         if kind == "kill_producer":
             proc = sup.pick("producer", rng)
             if proc:
@@ -557,6 +599,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--heap", default="384m", help="JVM heap per broker node.")
     ap.add_argument("--corpus", default=str(REPO.parent / "shared" / "corpus"))
     ap.add_argument("--keep-cluster", action="store_true")
+    ap.add_argument("--no-under-load", dest="under_load", action="store_false",
+                    help="Do not wait for a stage's lag before killing or stopping its worker.")
     ap.add_argument("--kinds", default="", help="Comma-separated fault kinds to draw from (default: all): "
                     + ", ".join(KINDS))
     return ap.parse_args(argv)
