@@ -356,8 +356,9 @@ class ChaosRun:
         except Exception:  # noqa: BLE001 - a node restarting: unknown
             return None
         try:
-            committed = {tp: om.offset for tp, om in admin.list_consumer_group_offsets(group).items()
-                         if tp.topic == topic}
+            # kafka-python 3.0: {group: {TopicPartition: OffsetAndMetadata}}
+            offsets = admin.list_group_offsets(group).get(group, {})
+            committed = {tp: om.offset for tp, om in offsets.items() if tp.topic == topic}
             tps = [TopicPartition(topic, p) for p in sorted(consumer.partitions_for_topic(topic) or ())]
             ends = consumer.end_offsets(tps)
             return sum(max(0, end - max(0, committed.get(tp, 0))) for tp, end in ends.items())
