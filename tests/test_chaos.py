@@ -22,7 +22,7 @@ def test_chaos_short_run_loses_nothing(capsys):
 
     mode = os.environ.get("VLMSTREAM_CHAOS_MODE", "at-least-once")
     run = ChaosRun(parse_args(["--docs", "80", "--faults", "8", "--fault-interval-s", "9", "--warmup-s", "15",
-                               "--drain-timeout-s", "240", "--mode", mode, "--seed", "7",
+                               "--drain-timeout-s", "240", "--mode", mode, "--seed", "2", "--feed-all",
                                "--kinds", "kill_producer,kill_decode_worker,kill_decode_fleet,kill_infer,"
                                "zombie_decode,zombie_infer,kill_leader_broker,kill_controller"]))
     code = run.run()

@@ -124,6 +124,9 @@ class Supervisor:
     def __init__(self, env: dict[str, str], logs: Path, log_event):
         self.env, self.logs, self.log_event = env, logs, log_event
         self.procs: list[Proc] = []
+        # Every process group ever started (one per incarnation): a killed decode supervisor's workers keep its
+        # group, and any that outlive it must not outlive the run.
+        self.groups: list[tuple[str, int]] = []
         self.running = True
         self._lock = threading.Lock()
 
@@ -141,6 +144,7 @@ class Supervisor:
         proc.popen = subprocess.Popen([PYTHON, "-m", "vlmstream.cli", *proc.argv], env=self.env, cwd=REPO,
                                       stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                       start_new_session=True)
+        self.groups.append((f"{proc.role}-{proc.slot}#{proc.incarnation}", proc.popen.pid))
         out.close()
 
     def loop_once(self) -> None:
@@ -157,6 +161,18 @@ class Supervisor:
     def pick(self, role: str, rng: random.Random) -> Proc | None:
         live = [p for p in self.procs if p.role == role and p.popen is not None and p.popen.poll() is None]
         return rng.choice(live) if live else None
+
+    def leftovers(self) -> dict[str, list[int]]:
+        """Processes still alive in the groups of earlier incarnations (orphans of a killed supervisor)."""
+        current = {p.popen.pid for p in self.procs if p.popen is not None}
+        out: dict[str, list[int]] = {}
+        for name, pgid in self.groups:
+            if pgid in current:
+                continue
+            alive = [pid for pid in _group_members(pgid)]
+            if alive:
+                out[name] = alive
+        return out
 
     def stop_all(self, timeout_s: float = 60.0) -> None:
         with self._lock:
@@ -177,11 +193,27 @@ class Supervisor:
             except subprocess.TimeoutExpired:
                 os.killpg(proc.popen.pid, signal.SIGKILL)
                 proc.popen.wait()
-            # The decode fleet's workers are its children: none may outlive the run.
+        # The decode fleet's workers are in its group: none may outlive the run, of any incarnation.
+        for _name, pgid in self.groups:
             try:
-                os.killpg(proc.popen.pid, signal.SIGKILL)
+                os.killpg(pgid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
+
+
+def _group_members(pgid: int) -> list[int]:
+    members = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            members.append(int(entry.name))
+    return members
 
 
 def children(pid: int) -> list[int]:
@@ -302,11 +334,12 @@ class ChaosRun:
         """Appends manifest lines all through the fault schedule: by fault i, about 1.5 (i + 1) / total of them (a backlog in the first two thirds), a few
         each second, so every fault meets documents on their way."""
         lines = self.plan["lines"]
-        self.feed_chunk = per_tick = max(2, len(lines) // 60)
+        self.feed_chunk = per_tick = len(lines) if self.args.feed_all else max(2, len(lines) // 60)
         fed = 0
         with open(self.manifest, "a") as fh:
             while fed < len(lines) and not stop.is_set():
-                target = int(len(lines) * min(1.0, 1.5 * (len(self.faults) + 1) / max(1, total_faults)))
+                target = (len(lines) if self.args.feed_all else
+                          int(len(lines) * min(1.0, 1.5 * (len(self.faults) + 1) / max(1, total_faults))))
                 if target > fed:
                     for line in lines[fed:min(target, fed + per_tick)]:
                         fh.write(line + "\n")
@@ -398,7 +431,8 @@ class ChaosRun:
             proc = sup.pick("decode", rng)
             if proc:
                 os.kill(proc.popen.pid, signal.SIGKILL)
-                self.event(kind, f"SIGKILL decode supervisor pid {proc.popen.pid} (its workers drain and exit)")
+                self.event(kind, f"SIGKILL decode supervisor pid {proc.popen.pid} (its workers should notice and "
+                           f"drain); workers of killed supervisors still alive: {self.supervisor.leftovers() or 0}")
         elif kind == "kill_decode_worker":
             proc = sup.pick("decode", rng)
             pids = decode_worker_pids(proc.popen.pid) if proc else []
@@ -485,17 +519,26 @@ class ChaosRun:
             feeder.join()
             self.wait_replicated()
             deadline = time.monotonic() + args.drain_timeout_s
-            done = 0
+            done, moved_at = -1, time.monotonic()
             while time.monotonic() < deadline:
                 self.supervise_for(10)
-                done = self.results_done()
-                self.event("progress", f"{done}/{args.docs} documents have a result")
-                if done >= args.docs:
+                now_done = self.results_done()
+                self.event("progress", f"{now_done}/{args.docs} documents have a result")
+                if now_done >= args.docs:
+                    break
+                if now_done != done:
+                    done, moved_at = now_done, time.monotonic()
+                elif time.monotonic() - moved_at > args.stall_s:
+                    self.event("stalled", f"no new result for {args.stall_s:.0f} s: stopping, the checker says what "
+                               "is missing")
                     break
             # Let the last transactions and commits settle before stopping.
             self.supervise_for(5)
         finally:
             stop_feeder.set()
+            self.orphans = self.supervisor.leftovers()
+            if self.orphans:
+                self.event("orphans", f"still alive from earlier incarnations at the end: {self.orphans}")
             self.supervisor.stop_all()
             self.event("pipeline", "stopped")
         code = self.report()
@@ -548,6 +591,8 @@ class ChaosRun:
         print("faults: " + ", ".join(f"{kind} {counts.get(kind, 0)}" for kind in KINDS))
         print(f"broker faults: {sum(counts.get(kind, 0) for kind in BROKER_FAULTS)}; process restarts by the "
               f"supervisor: {restarts}")
+        if getattr(self, "orphans", None):
+            print(f"workers of killed supervisors still alive at the end (killed now): {self.orphans}")
         print(report.render())
         code = checker.verdict(report, exactly_once=self.exactly_once)
         summary: dict[str, Any] = {"run_id": self.run_id, "mode": self.args.mode, "faults": counts,
@@ -594,6 +639,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--fault-interval-s", type=float, default=12.0, help="Mean time between two faults.")
     ap.add_argument("--warmup-s", type=float, default=20.0, help="Before the first document: workers start.")
     ap.add_argument("--drain-timeout-s", type=float, default=900.0)
+    ap.add_argument("--feed-all", action="store_true", help="Write the whole manifest at once (a backlog from the "
+                    "start: short runs, where a trickle would leave the workers idle between faults).")
+    ap.add_argument("--stall-s", type=float, default=180.0, help="After the schedule: stop waiting when no document "
+                    "got its result for this long.")
     ap.add_argument("--max-poll-records", type=int, default=4)
     ap.add_argument("--home", default=os.environ.get("VLMSTREAM_CHAOS_HOME", "/tmp/vlm-chaos"))
     ap.add_argument("--base-port", type=int, default=29092)
