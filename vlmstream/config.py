@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, SecretStr
+from pydantic import BaseModel, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 DEFAULT_BOOTSTRAP = "127.0.0.1:9092"
@@ -78,13 +78,20 @@ class TopicSettings(BaseModel):
     results: str = "vlmstream.results"
     deadletter: str = "vlmstream.deadletter"
     partitions: int = Field(12, description="Partitions of each topic created by `topics create`.")
-    replication_factor: int = Field(1, description="1 for the local broker; 3 on a real cluster.")
+    replication_factor: int | None = Field(
+        None, ge=1, description="Replicas of each topic created by `topics create` and `run`; None: min(3, the "
+        "brokers the cluster has), so 1 on the single local broker and 3 on a cluster of three or more.")
+    min_insync_replicas: int | None = Field(
+        None, ge=1, description="Topic config min.insync.replicas (with acks=all, the replicas a write needs); "
+        "None: 2 when the replication factor is 3 or more, else 1. Set on the topics only on a cluster of more "
+        "than one broker or when given.")
     retention_ms: int = Field(7 * 24 * 3600 * 1000, description="Retention of the data topics.")
     deadletter_retention_ms: int = Field(30 * 24 * 3600 * 1000)
 
 
 class BrokerSettings(BaseModel):
-    """The project's own single-node KRaft broker (used only when bootstrap is local)."""
+    """The project's own KRaft broker (used only when bootstrap is local): one node by default, or a local cluster
+    of ``nodes`` combined broker+controller nodes from the same jars."""
 
     kafka_version: str = "4.1.1"
     home: Path = Field(
@@ -93,8 +100,29 @@ class BrokerSettings(BaseModel):
     )
     host: str = "127.0.0.1"
     port: int = 9092
-    controller_port: int = 9093
-    heap: str = "1g"
+    controller_port: int | None = Field(
+        None, description="The single node's controller port; None: the port after `port` (9093 by default). A "
+        "cluster's: see nodes.")
+    heap: str = Field("1g", description="JVM heap of the single node.")
+    nodes: int = Field(
+        1, ge=1, description="1: the single embedded node. More: a local cluster, one controller quorum, node N "
+        "(from 1) listening on port + 2(N-1) and its controller on the port after, data under "
+        "<home>/kafka-<version>-cluster-<port>/node-N; the bootstrap then lists every node.")
+    node_heap: str = Field("512m", description="JVM heap of each node of a cluster of more than one.")
+    node_jvm_options: str = Field(
+        "-XX:+UseSerialGC -XX:TieredStopAtLevel=1", description="JVM options of each node of a cluster of more than "
+        "one: three JVMs share the machine with the pipeline, and these keep what they take small (one GC thread, "
+        "no C2 compiler, which used about half the CPU of an idle node on 2 cores). Empty: the JVM's defaults.")
+
+    def node_ports(self, node: int) -> tuple[int, int]:
+        """(client port, controller port) of one node, from 1."""
+        if self.nodes == 1:
+            return self.port, self.controller_port or self.port + 1
+        return self.port + 2 * (node - 1), self.port + 2 * (node - 1) + 1
+
+    def bootstrap(self) -> str:
+        """Every node's client address, comma-separated."""
+        return ",".join(f"{self.host}:{self.node_ports(n)[0]}" for n in range(1, self.nodes + 1))
 
 
 class ProducerSettings(BaseModel):
@@ -212,9 +240,17 @@ class Settings(BaseSettings):
     def masked_json(self) -> str:
         return json.dumps(self.model_dump(mode="json"), indent=2, default=str)
 
+    @model_validator(mode="after")
+    def _cluster_bootstrap(self) -> "Settings":
+        """On a local cluster the bootstrap lists every node, unless the bootstrap servers were given."""
+        if self.broker.nodes > 1 and "bootstrap_servers" not in self.kafka.model_fields_set:
+            self.kafka.bootstrap_servers = self.broker.bootstrap()
+        return self
+
     @property
     def uses_local_broker(self) -> bool:
-        local = {f"{self.broker.host}:{self.broker.port}", f"localhost:{self.broker.port}"}
+        ports = [self.broker.node_ports(n)[0] for n in range(1, self.broker.nodes + 1)]
+        local = {f"{host}:{port}" for port in ports for host in (self.broker.host, "localhost")}
         servers = {s.strip() for s in self.kafka.bootstrap_servers.split(",") if s.strip()}
         return servers <= local
 

@@ -18,7 +18,8 @@ from vlmstream.cli.support import CliState, bootstrap, settings_from
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Kafka-native pipeline: document images -> VLM descriptions and vision embeddings.")
-broker_app = typer.Typer(no_args_is_help=True, help="The project's local single-node Kafka (KRaft) broker.")
+broker_app = typer.Typer(no_args_is_help=True, help="The project's local Kafka (KRaft): one node by default, or a "
+                         "local cluster of several (--nodes, or broker.nodes in the settings).")
 topics_app = typer.Typer(no_args_is_help=True, help="The pipeline's topics.")
 app.add_typer(broker_app, name="broker")
 app.add_typer(topics_app, name="topics")
@@ -45,41 +46,76 @@ def main_options(
     ctx.obj = CliState(config_file=config, overrides=overrides)
 
 
+NODE_HELP = "One node of the cluster (from 1); default: every node."
+
+
 @broker_app.command("start")
-def broker_start(ctx: typer.Context) -> None:
-    """Provision (Maven) and start the local broker; reuse it when it already runs."""
+def broker_start(
+    ctx: typer.Context,
+    nodes: Optional[int] = typer.Option(None, "--nodes", min=1, help="Nodes: 1, the single embedded broker on "
+                                        "broker.port; more, a local cluster, node N on broker.port + 2(N-1) and its "
+                                        "controller on the next port (default: broker.nodes, 1)."),
+) -> None:
+    """Provision (Maven) and start the local broker or cluster; reuse the nodes that already run."""
     from vlmstream import broker
 
-    settings = settings_from(ctx)
+    settings = settings_from(ctx, {"broker": {"nodes": nodes}})
     console.print(f"Kafka answering on {broker.start(settings)}")
 
 
 @broker_app.command("stop")
-def broker_stop(ctx: typer.Context) -> None:
-    """Stop the local broker cleanly."""
+def broker_stop(ctx: typer.Context, node: Optional[int] = typer.Option(None, "--node", min=1, help=NODE_HELP)) -> None:
+    """Stop the local broker cleanly: every node of a cluster, or one."""
     from vlmstream import broker
 
-    stopped = broker.stop(settings_from(ctx))
+    stopped = broker.stop(settings_from(ctx), node=node)
     console.print("stopped" if stopped else "no local broker was running")
 
 
 @broker_app.command("status")
-def broker_status(ctx: typer.Context) -> None:
-    """Print the local broker's pid, address and whether it answers metadata requests."""
+def broker_status(ctx: typer.Context,
+                  node: Optional[int] = typer.Option(None, "--node", min=1, help=NODE_HELP)) -> None:
+    """Print the local broker's pid, address and whether it answers metadata requests; on a cluster, each node's,
+    the cluster id and the active controller."""
     from vlmstream import broker
 
-    print(orjson.dumps(broker.status(settings_from(ctx)), option=orjson.OPT_INDENT_2).decode())
+    print(orjson.dumps(broker.status(settings_from(ctx), node=node), option=orjson.OPT_INDENT_2).decode())
+
+
+@broker_app.command("kill")
+def broker_kill(ctx: typer.Context, node: int = typer.Option(..., "--node", min=1, help="The node to kill.")) -> None:
+    """SIGKILL one node of the local cluster (a crash: no controlled shutdown)."""
+    from vlmstream import broker
+
+    pid = broker.kill_node(settings_from(ctx), node)
+    console.print(f"node {node} (pid {pid}) killed" if pid else f"node {node} was not running")
+
+
+@broker_app.command("restart")
+def broker_restart(ctx: typer.Context,
+                   node: int = typer.Option(..., "--node", min=1, help="The node to start again.")) -> None:
+    """Start one node of the local cluster again and wait until it answers and the cluster lists it."""
+    from vlmstream import broker
+
+    console.print(f"node {node} answering on {broker.restart_node(settings_from(ctx), node)}")
 
 
 @topics_app.command("create")
 def topics_create(
     ctx: typer.Context,
     partitions: Optional[int] = typer.Option(None, help="Partitions per topic (default from config)."),
+    replication_factor: Optional[int] = typer.Option(None, min=1, help="Replicas per topic (default from config; "
+                                                     "unset: min(3, brokers))."),
+    min_insync_replicas: Optional[int] = typer.Option(None, min=1, help="Topic config min.insync.replicas (default "
+                                                      "from config; unset: 2 from 3 replicas, else 1)."),
 ) -> None:
-    """Create the pipeline's topics from the config (idempotent); warn where existing ones differ."""
+    """Create the pipeline's topics from the config (idempotent); warn where existing ones differ. On a cluster of
+    three or more brokers they get 3 replicas and min.insync.replicas=2 unless configured otherwise."""
     from vlmstream.kafka.topics import create_topics
 
-    settings = bootstrap(settings_from(ctx, {"topics": {"partitions": partitions}}))
+    settings = bootstrap(settings_from(ctx, {"topics": {"partitions": partitions,
+                                                        "replication_factor": replication_factor,
+                                                        "min_insync_replicas": min_insync_replicas}}))
     report = create_topics(settings)
     for name in report.created:
         console.print(f"created  {name}")

@@ -24,23 +24,44 @@ class TopicSpec:
     configs: dict[str, str]
 
 
-def pipeline_topic_specs(settings: Settings) -> list[TopicSpec]:
+def replication(settings: Settings, brokers: int) -> tuple[int, int | None]:
+    """(replication factor, min.insync.replicas to set or None) for a cluster of ``brokers``: the configured ones,
+    or min(3, brokers) and, from a factor of 3, 2 in sync, so that one broker can fail without losing a write
+    acknowledged by all in-sync replicas (our producers use acks=all). The single local broker gets (1, None),
+    as it always had; on a cluster the topic config is set even at 1, against a broker default of 2."""
     t = settings.topics
+    factor = t.replication_factor or min(3, max(1, brokers))
+    min_isr = t.min_insync_replicas
+    if min_isr is None and brokers > 1:
+        min_isr = 2 if factor >= 3 else 1
+    return factor, min_isr
+
+
+def pipeline_topic_specs(settings: Settings, brokers: int = 1) -> list[TopicSpec]:
+    """The six topics, replicated as ``replication`` says for a cluster of ``brokers``."""
+    t = settings.topics
+    factor, min_isr = replication(settings, brokers)
     max_bytes = str(settings.kafka.max_message_bytes + 1024 * 1024)
-    data = {"retention.ms": str(t.retention_ms), "max.message.bytes": max_bytes}
+    durability = {"min.insync.replicas": str(min_isr)} if min_isr is not None else {}
+    data = {"retention.ms": str(t.retention_ms), "max.message.bytes": max_bytes, **durability}
     keyed_output = dict(data)
     return [
-        TopicSpec(t.documents, t.partitions, t.replication_factor, dict(data)),
+        TopicSpec(t.documents, t.partitions, factor, dict(data)),
         # Image payloads are large and transient: shorter retention would also do; replay needs them.
-        TopicSpec(t.images, t.partitions, t.replication_factor, dict(data)),
-        TopicSpec(t.descriptions, t.partitions, t.replication_factor, keyed_output),
-        TopicSpec(t.embeddings, t.partitions, t.replication_factor, dict(keyed_output)),
+        TopicSpec(t.images, t.partitions, factor, dict(data)),
+        TopicSpec(t.descriptions, t.partitions, factor, keyed_output),
+        TopicSpec(t.embeddings, t.partitions, factor, dict(keyed_output)),
         # One result per document, keyed by doc_id: compaction keeps the latest without losing any document.
-        TopicSpec(t.results, t.partitions, t.replication_factor,
-                  {"cleanup.policy": "compact", "max.message.bytes": max_bytes}),
-        TopicSpec(t.deadletter, max(1, t.partitions // 4), t.replication_factor,
-                  {"retention.ms": str(t.deadletter_retention_ms), "max.message.bytes": max_bytes}),
+        TopicSpec(t.results, t.partitions, factor,
+                  {"cleanup.policy": "compact", "max.message.bytes": max_bytes, **durability}),
+        TopicSpec(t.deadletter, max(1, t.partitions // 4), factor,
+                  {"retention.ms": str(t.deadletter_retention_ms), "max.message.bytes": max_bytes, **durability}),
     ]
+
+
+def broker_count(admin: KafkaAdminClient) -> int:
+    """The brokers the cluster lists now (describe cluster)."""
+    return max(1, len(admin.describe_cluster().get("brokers", [])))
 
 
 @dataclass
@@ -51,11 +72,12 @@ class TopicReport:
 
 
 def create_topics(settings: Settings, specs: list[TopicSpec] | None = None) -> TopicReport:
-    """Create missing topics; for existing ones compare partitions and configs and warn on differences."""
-    specs = specs if specs is not None else pipeline_topic_specs(settings)
+    """Create missing topics; for existing ones compare partitions, replicas and configs and warn on differences.
+    Without ``specs``, the pipeline's six, replicated for the brokers the cluster lists now."""
     admin = make_admin(settings)
     report = TopicReport([], [], [])
     try:
+        specs = specs if specs is not None else pipeline_topic_specs(settings, broker_count(admin))
         existing = set(admin.list_topics())
         new = [NewTopic(s.name, s.partitions, s.replication_factor, topic_configs=s.configs)
                for s in specs if s.name not in existing]
@@ -110,9 +132,14 @@ def _compare_existing(admin: KafkaAdminClient, specs: list[TopicSpec]) -> list[s
         configs[name] = {key: (entry.get("value") if isinstance(entry, dict) else entry)
                          for key, entry in entries.items()}
     for spec in specs:
-        partitions = len(described.get(spec.name, {}).get("partitions", []))
-        if partitions != spec.partitions:
-            warnings.append(f"topic {spec.name} has {partitions} partitions; the config asks for {spec.partitions}")
+        partitions = described.get(spec.name, {}).get("partitions", [])
+        if len(partitions) != spec.partitions:
+            warnings.append(f"topic {spec.name} has {len(partitions)} partitions; the config asks for "
+                            f"{spec.partitions}")
+        replicas = max((len(p.get("replica_nodes", [])) for p in partitions), default=spec.replication_factor)
+        if replicas != spec.replication_factor:
+            warnings.append(f"topic {spec.name} has {replicas} replicas; the config asks for "
+                            f"{spec.replication_factor}")
         actual = configs.get(spec.name, {})
         for key, wanted in spec.configs.items():
             if key in actual and str(actual[key]) != wanted:
