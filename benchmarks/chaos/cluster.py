@@ -234,12 +234,20 @@ class Cluster:
     def __init__(self, home: Path, *, base_port: int = 29092, heap: str = "384m", settings: Any = None,
                  use_project_api: bool = True):
         self.api = _project_api() if use_project_api else None
+        if self.api is not None and settings is None:
+            from vlmstream.config import BrokerSettings, KafkaSettings, Settings
+
+            broker = BrokerSettings(home=Path(home), port=base_port, nodes=3, node_heap=heap)
+            settings = Settings(broker=broker, kafka=KafkaSettings(bootstrap_servers=broker.bootstrap()))
         self.settings = settings
         self.local = None if self.api else LocalCluster(home, base_port=base_port, heap=heap)
         self.backend = f"project API ({self.api.__name__})" if self.api else "benchmarks.chaos.cluster.LocalCluster"
 
     def start(self) -> str:
         if self.api:
+            # A fresh cluster: a running one of ours is stopped and its folder removed (topics of earlier runs).
+            self.api.stop(self.settings)
+            shutil.rmtree(self.api.cluster_root(self.settings.broker), ignore_errors=True)
             out = self.api.start(self.settings, nodes=3)
             return out if isinstance(out, str) else self.settings.kafka.bootstrap_servers
         return self.local.start()
