@@ -482,7 +482,7 @@ class ChaosRun:
             elif kind == "stale_restart":
                 node = self.rng.choice(self.cluster.node_ids())
                 self.cluster.stop_node(node)
-                snapshot = self.cluster.snapshot_node_data(node, self.work / f"stale-node-{node}")
+                snapshot = self.cluster.snapshot_node_data(node, self.work / f"stale-node-{node}-{len(self.faults)}")
                 self.cluster.restart_node(node)
                 self.event(kind, f"node {node}: data copied, restarted; running on under load")
                 self.wait_replicated()
