@@ -25,7 +25,7 @@ import enum
 import logging
 import threading
 from dataclasses import dataclass
-from typing import Iterable, Mapping
+from typing import Callable, Iterable, Mapping
 
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.errors import KafkaError, KafkaTimeoutError, RebalanceInProgressError
@@ -224,9 +224,11 @@ class Checkpoint:
             # 2. the offsets, with the group metadata: the broker refuses them if a rebalance gave these partitions
             #    to someone else meanwhile, and fences a zombie
             if points:
-                producer.send_offsets_to_transaction(offsets_to_commit(points), self.consumer.group_metadata())
+                group = self.consumer.group_metadata()
+                self._bounded(lambda: producer.send_offsets_to_transaction(offsets_to_commit(points), group),
+                              "sending the offsets into the transaction")
             # 3. commit: commit_transaction flushes the outputs and commits them with the offsets
-            producer.commit_transaction()
+            self._bounded(producer.commit_transaction, "committing the transaction")
             self._in_transaction = False
             self.producer.raise_on_failure()
         except Exception as exc:
@@ -236,12 +238,40 @@ class Checkpoint:
                 raise
             raise FatalPipelineError(f"transaction failed, nothing committed: {exc!r}") from exc
 
+    def _bounded(self, call: Callable[[], object], what: str) -> None:
+        """Run a transaction call, waiting at most the flush bound (``kafka.request_timeout_ms``).
+
+        kafka-python 3.0 waits for ``send_offsets_to_transaction``, ``commit_transaction`` and ``abort_transaction``
+        without a timeout: with the transaction coordinator's broker gone, a worker would block there for good, still
+        heartbeating from its IO thread and so keeping its partitions, never seeing a stop request or its
+        supervisor's death. The call runs in a daemon thread instead; past the bound this raises, and the runner
+        stops without committing (the broker aborts the open transaction when its timeout passes)."""
+        outcome: list[BaseException | None] = []
+
+        def target() -> None:
+            try:
+                call()
+                outcome.append(None)
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+                outcome.append(exc)
+
+        thread = threading.Thread(target=target, name=f"{self.name}-transaction", daemon=True)
+        thread.start()
+        thread.join(self.producer.flush_timeout_s)
+        if not outcome:
+            servers = ",".join(getattr(self.producer.producer, "config", {}).get("bootstrap_servers", []) or [])
+            raise FatalPipelineError(f"{what}: no answer from the cluster at {servers or '?'} within "
+                                     f"{self.producer.flush_timeout_s:.0f} s (kafka.request_timeout_ms bounds the "
+                                     "wait); nothing committed")
+        if outcome[0] is not None:
+            raise outcome[0]
+
     def abort(self) -> None:
         if not self._in_transaction:
             return
         self._in_transaction = False
         try:
-            self.producer.producer.abort_transaction()
+            self._bounded(self.producer.producer.abort_transaction, "aborting the transaction")
         except Exception as exc:  # noqa: BLE001 - a fenced producer cannot abort; the broker's timeout will
             log.warning("%s: aborting the transaction failed: %r", self.name, exc)
 
