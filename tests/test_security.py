@@ -104,6 +104,17 @@ def _broker_log(secured: Secured) -> str:
 # ------------------------------------------------------------------------------------------------- refusals
 
 @on_the_secured_broker
+def assert_group_refused(settings: Settings, group_id: str, topic: str) -> None:
+    """A consumer of these settings may not join ``group_id``: its polls raise GroupAuthorizationFailedError."""
+    consumer = make_consumer(settings, group_id, [topic])
+    try:
+        with pytest.raises(GroupAuthorizationFailedError):
+            for _ in range(10):
+                consumer.poll(timeout_ms=500)
+    finally:
+        consumer.close()
+
+
 def test_no_credentials_plaintext_to_the_sasl_ssl_port_is_refused(secured: Secured, caplog):
     error, logged = _bootstrap_refused(caplog)  # PLAINTEXT, no login
     # The broker expects a TLS handshake and drops the connection: no Kafka request is ever answered.
@@ -163,13 +174,7 @@ def test_decode_principal_cannot_read_results(secured: Secured):
 @on_the_secured_broker
 def test_decode_principal_cannot_join_another_stages_group(secured: Secured):
     decode = secured.as_("decode")
-    consumer = make_consumer(decode, decode.infer.group_id, [decode.topics.documents])
-    try:
-        with pytest.raises(GroupAuthorizationFailedError):
-            for _ in range(10):
-                consumer.poll(timeout_ms=500)
-    finally:
-        consumer.close()
+    assert_group_refused(decode, decode.infer.group_id, decode.topics.documents)
 
 
 @on_the_secured_broker
@@ -201,13 +206,7 @@ def test_tap_principal_writes_nothing(secured: Secured):
     finally:
         producer.close(timeout=2)
     # Nor may it take a stage's group (and with it the stage's offsets).
-    consumer = make_consumer(tap, tap.infer.group_id, [t.descriptions])
-    try:
-        with pytest.raises(GroupAuthorizationFailedError):
-            for _ in range(10):
-                consumer.poll(timeout_ms=500)
-    finally:
-        consumer.close()
+    assert_group_refused(tap, tap.infer.group_id, t.descriptions)
     assert ClusterAuthorizationFailedError.errno == 31  # the error the producer id request names
 
 
