@@ -89,3 +89,24 @@ def test_topic_partitions_waits_for_a_new_topic_and_says_which_is_missing(kafka_
             [TopicPartition(topic, p) for p in range(4)]
     finally:
         consumer.close()
+
+
+@pytest.mark.parametrize("error", ["CoordinatorNotAvailableError", "CoordinatorLoadInProgressError",
+                                   "NotCoordinatorError"])
+def test_group_admin_calls_wait_out_a_coordinator_that_is_not_ready(error: str):
+    """A fresh broker, or one that just took over a group's coordinator, answers these for a while; `vlmstream run`
+    once died of the load-in-progress one when it read a group's offsets right after starting the broker."""
+    import kafka.errors
+
+    from vlmstream.cli.groups import retry_until_coordinator
+
+    calls = []
+
+    def answer():
+        calls.append(1)
+        if len(calls) < 3:
+            raise getattr(kafka.errors, error)()
+        return "offsets"
+
+    assert retry_until_coordinator(answer) == "offsets"
+    assert len(calls) == 3

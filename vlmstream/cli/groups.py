@@ -7,7 +7,7 @@ import time
 from typing import Any, Callable, TypeVar
 
 from kafka import TopicPartition
-from kafka.errors import CoordinatorNotAvailableError, NotCoordinatorError
+from kafka.errors import CoordinatorLoadInProgressError, CoordinatorNotAvailableError, NotCoordinatorError
 
 from vlmstream.config import Settings
 
@@ -33,11 +33,12 @@ def stage_group(settings: Settings, stage: str) -> tuple[str, list[str]]:
 
 def retry_until_coordinator(call: Callable[[], T], attempts: int = 15) -> T:
     """``call()``, again with back-off while the broker has no group coordinator to answer it."""
-    # A fresh broker answers "coordinator not available" until __consumer_offsets exists.
+    # A fresh broker answers "coordinator not available" until __consumer_offsets exists, and "load in progress"
+    # while the coordinator reads that partition back in (after a start, or when leadership moves to it).
     for attempt in range(attempts):
         try:
             return call()
-        except (CoordinatorNotAvailableError, NotCoordinatorError):
+        except (CoordinatorNotAvailableError, CoordinatorLoadInProgressError, NotCoordinatorError):
             if attempt == attempts - 1:
                 raise
             time.sleep(min(2.0, 0.2 * 2 ** attempt))
