@@ -3,6 +3,7 @@
 from schemas.messages import (  # noqa: F401
     HEADER_ATTEMPT,
     HEADER_DOC_ID,
+    HEADER_IMAGE_COUNT,
     HEADER_IMAGE_INDEX,
     HEADER_META,
     HEADER_SCHEMA,
@@ -17,6 +18,7 @@ from schemas.messages import (  # noqa: F401
     SchemaError,
     b64_or_none,
     decode_image_payload,
+    document_image_count,
     header_value,
     image_key,
     now,

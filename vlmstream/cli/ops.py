@@ -80,16 +80,24 @@ def status(
                                 "windows (records each topic gained in the last N seconds)."),
     sample: float = typer.Option(0.0, "--sample", help="Seconds to watch the groups' commits, for each stage's "
                                  "consumption rate and the time its backlog takes at that rate (0: no sample)."),
+    follow: bool = typer.Option(False, "--follow", help="Keep watching: every --every seconds, per stage images "
+                                "done / total, the rate over a sliding window, an ETA range, drift, and the stage "
+                                "that limits the run; until Ctrl-C."),
+    every: float = typer.Option(5.0, "--every", help="Seconds between --follow's readings."),
+    window: float = typer.Option(60.0, "--window", help="Seconds of --follow's sliding rate window."),
 ) -> None:
-    """Consumer lag, group state and members per stage; each topic's throughput over recent windows; dead-letter
-    counts by stage and error kind."""
+    """Consumer lag, group state and members per stage, and each stage's backlog in images; each topic's throughput
+    over recent windows; dead-letter counts by stage and error kind. --follow: live progress per stage."""
     from rich.table import Table
 
-    from vlmstream.cli.status import pipeline_status, pipeline_throughput
+    from vlmstream.cli.status import pipeline_status, pipeline_throughput, stage_bottleneck
     from vlmstream.cli.support import bootstrap, settings_from
 
     console = _console()
     settings = bootstrap(settings_from(ctx))
+    if follow:
+        _follow(settings, every, window)
+        return
     try:
         window_s = tuple(int(w) for w in windows.split(",") if w.strip())
     except ValueError:
@@ -99,19 +107,25 @@ def status(
         raise typer.Exit(2)
     stages, letters = pipeline_status(settings, sample_s=sample)
     table = Table(title="stages" + (f" (rates over a {sample:g} s sample)" if sample > 0 else ""))
-    columns = ["stage", "group", "state", "members", "topic", "lag"] + (["consumed/s", "backlog clears in"]
-                                                                        if sample > 0 else [])
+    columns = ["stage", "group", "state", "members", "topic", "lag", "images"] + (
+        ["consumed/s", "images/s", "backlog clears in"] if sample > 0 else [])
     for column in columns:
         table.add_column(column)
     for s in stages:
         for i, (topic, lag) in enumerate(s.lag.items()):
             first = i == 0
             row = [s.stage if first else "", s.group_id if first else "", s.state if first else "",
-                   str(s.members) if first else "", topic, str(lag)]
+                   str(s.members) if first else "", topic, str(lag), _images(s) if first else ""]
             if sample > 0:
-                row += [f"{s.consumed_per_s:.2f}" if first else "", _duration(s.eta_s) if first else ""]
+                row += [f"{s.consumed_per_s:.2f}" if first else "",
+                        f"{s.images_per_s:.2f}" if first and s.images_per_s is not None else "",
+                        _duration(s.eta_s) if first else ""]
             table.add_row(*row)
     console.print(table)
+    if any(not s.images_exact for s in stages):
+        console.print("[yellow]images marked ~ are estimated: more documents wait than could be read in time; the "
+                      "count is scaled from those read[/]")
+    print(f"bottleneck: {stage_bottleneck(settings, stages).why}")
     throughput = Table(title="throughput (records per second, by record time)")
     throughput.add_column("topic")
     throughput.add_column("records are")
@@ -127,6 +141,44 @@ def status(
     for (stage, kind), count in sorted(letters.items()):
         dead.add_row(stage, kind, str(count))
     console.print(dead)
+
+
+def _images(s) -> str:
+    if s.images is None:
+        return "-"
+    return f"{'' if s.images_exact else '~'}{s.images}"
+
+
+def _follow(settings, every_s: float, window_s: float) -> None:
+    """Live progress lines until Ctrl-C: plain lines (a log or a pipe), redrawn in place on a terminal."""
+    import time
+
+    from rich.live import Live
+    from rich.text import Text
+
+    from vlmstream.cli.backlog import LiveView, StageProbe
+
+    probe = StageProbe(settings)
+    view = LiveView(probe, window_s=window_s)
+    started = time.monotonic()
+    live = Live(console=_console(), auto_refresh=False) if sys.stdout.isatty() else None
+    try:
+        if live is not None:
+            live.start()
+        while True:
+            view.update()
+            lines = [f"[{time.monotonic() - started:5.0f}s]", *view.lines()]
+            if live is not None:
+                live.update(Text("\n".join(lines)), refresh=True)
+            else:
+                print("\n".join(lines), flush=True)
+            time.sleep(every_s)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        if live is not None:
+            live.stop()
+        probe.close()
 
 
 def _console():
