@@ -176,32 +176,114 @@ def size_class(source_px: int | None, effective_px: int | None) -> str:
     return f"e{bin_of(effective_px)}/s{bin_of(source_px)}"
 
 
-def class_pixels(name: str) -> float | None:
-    """A class's typical effective pixels (the geometric middle of its bin), for costs of classes not sampled."""
-    bin_ = name.split("/")[0][1:]
-    if bin_ == "?":
+def class_pixels(name: str) -> tuple[float, float] | None:
+    """A class's typical (effective, source) pixels, the geometric middle of its bins; None when unknown."""
+    try:
+        e, s = (part[1:] for part in name.split("/"))
+        return tuple(_CLASS_BASE_PX * 4 ** (int(b) - 0.5) if int(b) > 0 else _CLASS_BASE_PX / 2 for b in (e, s))
+    except ValueError:
         return None
-    b = int(bin_)
-    return _CLASS_BASE_PX * 4 ** (b - 0.5) if b > 0 else _CLASS_BASE_PX / 2
 
 
 @dataclass
 class SampleImage:
-    """One image of the sample run, as its description reports it."""
+    """One image of the sample run: its size class, each stage's own time for it, and when each stage finished
+    it (seconds on one clock)."""
 
     size_class: str
-    decode_s: float  # decode's own time for it (fetch + decode + resize + encode)
+    decode_s: float  # decode's own time (fetch + decode + resize + encode), on one worker
     infer_s: float  # its share of the inference batch it was in
-    done_at: float  # when its description was written (seconds, any clock shared by the sample's images)
+    done_at: float  # its description written
+    decoded_at: float | None = None  # its image record written
+    batch: str = ""  # the inference batch it was in
 
 
 @dataclass
-class StageCosts:
-    """Calibrated wall seconds per image, per size class, on the machine the sample ran on."""
+class ClassCosts:
+    """Each stage's measured seconds per image by size class (one decode worker, one inference process), and the
+    scale that turns the sample's busy seconds into its wall seconds on this machine."""
 
-    per_class: dict[str, float]
-    decode_share: float  # of the sample's busy time, decode's part
-    infer_share: float
+    decode_s: dict[str, float]
+    infer_s: dict[str, float]
+    scale: float
+    shared_cores: bool
+    decode_parallel: float
+
+    def cost(self, name: str) -> tuple[float, float, str | None]:
+        """(decode s, inference s, a note when the class was not sampled) for one image of a class."""
+        if name in self.decode_s:
+            return self.decode_s[name], self.infer_s[name], None
+        px = class_pixels(name)
+        known = [(class_pixels(c), c) for c in self.decode_s]
+        known = [(p, c) for p, c in known if p is not None]
+        if px is None or not known:
+            return (statistics.fmean(self.decode_s.values()), statistics.fmean(self.infer_s.values()),
+                    f"class {name} not sampled: the sample's mean cost")
+        # The nearest sampled class, in log pixels; costs scaled linearly in pixels (decode by source pixels,
+        # inference by effective pixels), never below the nearest's.
+        near_px, near = min(known, key=lambda k: abs(math.log(k[0][0] / px[0])) + abs(math.log(k[0][1] / px[1])))
+        d = self.decode_s[near] * max(1.0, px[1] / near_px[1])
+        i = self.infer_s[near] * max(1.0, px[0] / near_px[0])
+        return d, i, f"class {name} not sampled: from class {near}, scaled up in pixels"
+
+    def wall(self, decode_s: float, infer_s: float, gpus: int = 1, decode_parallel: float | None = None) -> float:
+        """Wall seconds for this much busy time: stages sharing the cores add up; on their own cores they overlap,
+        the slower one sets the pace."""
+        d = decode_s / (decode_parallel or self.decode_parallel)
+        i = infer_s / gpus
+        return self.scale * (d + i if self.shared_cores else max(d, i))
+
+
+def _mean_by_class(images: list[SampleImage], attr: str) -> dict[str, float]:
+    by: dict[str, list[float]] = defaultdict(list)
+    for im in images:
+        by[im.size_class].append(getattr(im, attr))
+    return {c: statistics.fmean(v) for c, v in by.items()}
+
+
+@dataclass
+class SampleWindows:
+    """The sample run's timeline: warm-up until its first batch is described, then the steady window."""
+
+    steady_start: float  # the first batch's description time
+    steady_end: float  # the last description's
+    warmup_images: int  # described in the first batch
+    decoded_in_warmup: int  # images decoded before steady_start
+    decode_exhausted: bool  # decode had finished the whole sample before steady_start (it could have done more)
+    decode_rate_warmup: float | None  # images decoded per second before steady_start
+    first_decoded_at: float | None = None
+
+    @property
+    def steady_s(self) -> float:
+        return self.steady_end - self.steady_start
+
+
+def sample_windows(images: list[SampleImage]) -> SampleWindows:
+    ordered = sorted(images, key=lambda im: im.done_at)
+    first_batch = ordered[0].batch
+    warm = [im for im in ordered if im.batch == first_batch] if first_batch else ordered[:1]
+    start = max(im.done_at for im in warm)
+    decoded = sorted(im.decoded_at for im in images if im.decoded_at is not None)
+    before = [t for t in decoded if t <= start]
+    exhausted = bool(decoded) and len(before) == len(decoded)
+    rate = None
+    if len(before) >= 2 and before[-1] > before[0]:
+        rate = (len(before) - 1) / (before[-1] - before[0])
+    return SampleWindows(start, ordered[-1].done_at, len(warm), len(before), exhausted, rate,
+                         decoded[0] if decoded else None)
+
+
+def calibrate(images: list[SampleImage], windows: SampleWindows, *, decode_parallel: float,
+              shared_cores: bool) -> ClassCosts:
+    """Per-class stage costs from every sample image, and the scale from the steady window: the busy time of what
+    was done inside it (images decoded and images described there) against its wall time."""
+    costs = ClassCosts(_mean_by_class(images, "decode_s"), _mean_by_class(images, "infer_s"), 1.0, shared_cores,
+                       decode_parallel)
+    inside = [im for im in images if im.done_at > windows.steady_start]
+    decoded = [im for im in images if im.decoded_at is not None and im.decoded_at > windows.steady_start]
+    busy = costs.wall(sum(im.decode_s for im in decoded), sum(im.infer_s for im in inside))
+    costs.scale = windows.steady_s / busy if busy > 0 and windows.steady_s > 0 else 1.0
+    return costs
 
 
 @dataclass
@@ -212,9 +294,9 @@ class Projection:
     images: int
     documents: int
     fixed_s: float  # start-up, warm-up and stopping: measured on the sample, the same for any job size
-    steady_s_per_image: float  # the job's mean calibrated cost
+    steady_s: float
     bottleneck: str
-    bottleneck_share: float  # the bottleneck stage's part of the busy time
+    bottleneck_share: float  # the bottleneck stage's part of the job's busy time
     decode_cores_per_gpu: float | None  # decode processes that keep one inference process busy
     scaled: list[str] = field(default_factory=list)  # what was scaled for --gpus / --decode-cores, and how
     assumptions: list[str] = field(default_factory=list)
@@ -223,111 +305,76 @@ class Projection:
         return {"predicted_s": round(self.predicted_s, 1), "low_s": round(self.low_s, 1),
                 "high_s": round(self.high_s, 1), "images": self.images, "documents": self.documents,
                 "bottleneck": self.bottleneck, "bottleneck_share": round(self.bottleneck_share, 3),
-                "fixed_s": round(self.fixed_s, 1), "steady_s_per_image": round(self.steady_s_per_image, 4),
+                "fixed_s": round(self.fixed_s, 1), "steady_s": round(self.steady_s, 1),
                 "decode_cores_per_gpu": (round(self.decode_cores_per_gpu, 2)
                                          if self.decode_cores_per_gpu is not None else None),
                 "scaled": self.scaled, "assumptions": self.assumptions}
 
 
-def steady_window(images: list[SampleImage], warmup_images: int) -> tuple[list[SampleImage], float]:
-    """The images done after the first ``warmup_images`` (the first batch: model loading ends with it), and the wall
-    seconds they took (from the last warm-up image's completion to the last image's)."""
-    ordered = sorted(images, key=lambda im: im.done_at)
-    warm = max(1, min(warmup_images, len(ordered) - 1))
-    steady = ordered[warm:]
-    return steady, (ordered[-1].done_at - ordered[warm - 1].done_at) if steady else 0.0
+def project(job_classes: dict[str, int], documents: int, costs: ClassCosts, windows: SampleWindows,
+            sample_wall_s: float, *, spread: float, gpus: int = 1, decode_cores: int | None = None) -> Projection:
+    """The whole job's wall time: the sample's fixed part (its wall time outside the steady window: start-up, the
+    model loading, the first batch, results and stopping) plus the job's remaining busy time in wall seconds.
 
+    What the fixed part already holds is taken off the job: the first batch's inference, and the decoding done
+    while the model loaded (the sample's count; when the sample ran out of documents to decode before the model was
+    ready, what decode's rate would have done in that time). The range: ± the steady rate's spread (at least 5%).
 
-def calibrate(steady: list[SampleImage], steady_wall_s: float, *, decode_parallel: float,
-              shared_cores: bool) -> StageCosts:
-    """Wall seconds per image per class: each image's busy weight (decode's time over its parallel workers, and
-    inference's share; summed when both stages share the machine's cores, the larger of the two when they do not),
-    scaled so that the steady images' weights add up to the wall time they took."""
-    def weight(im: SampleImage) -> float:
-        d = im.decode_s / max(decode_parallel, 1.0)
-        return d + im.infer_s if shared_cores else max(d, im.infer_s)
-
-    total = sum(weight(im) for im in steady)
-    scale = steady_wall_s / total if total > 0 else 0.0
-    by_class: dict[str, list[float]] = defaultdict(list)
-    for im in steady:
-        by_class[im.size_class].append(weight(im) * scale)
-    decode_busy = sum(im.decode_s for im in steady)
-    infer_busy = sum(im.infer_s for im in steady)
-    busy = decode_busy + infer_busy
-    return StageCosts({c: statistics.fmean(v) for c, v in by_class.items()},
-                      decode_busy / busy if busy else 0.0, infer_busy / busy if busy else 0.0)
-
-
-def class_cost(costs: StageCosts, name: str) -> tuple[float, str | None]:
-    """A class's cost, and a note when it was not sampled: then it is interpolated in effective pixels between
-    the sampled classes (linear; the nearest one's cost beyond them), or the sampled mean for an unknown size."""
-    if name in costs.per_class:
-        return costs.per_class[name], None
-    known = sorted((px, c) for c, px in ((c, class_pixels(c)) for c in costs.per_class) if px is not None)
-    px = class_pixels(name)
-    if px is None or not known:
-        mean = statistics.fmean(costs.per_class.values())
-        return mean, f"class {name} not sampled: the sample's mean cost used"
-    points = [(p, costs.per_class[c]) for p, c in known]
-    if px <= points[0][0]:
-        return points[0][1], f"class {name} not sampled: the nearest smaller-than-sampled cost used"
-    if px >= points[-1][0]:
-        p, cost = points[-1]
-        return cost * px / p, f"class {name} not sampled: scaled linearly in pixels from class {known[-1][1]}"
-    for (p0, c0), (p1, c1) in zip(points, points[1:]):
-        if p0 <= px <= p1:
-            return c0 + (c1 - c0) * (px - p0) / (p1 - p0), f"class {name} not sampled: interpolated in pixels"
-    return statistics.fmean(costs.per_class.values()), None  # not reached
-
-
-def project(job_classes: dict[str, int], documents: int, costs: StageCosts, fixed_s: float, *,
-            steady_rates_spread: float, gpus: int = 1, decode_cores: int | None = None,
-            sample_decode_cores: int = 1, measured_infer_per_image_s: float | None = None,
-            measured_decode_per_image_s: float | None = None) -> Projection:
-    """The whole job: fixed cost + Σ images × their class's calibrated cost, with a range from the spread of the
-    sample's steady rate (``steady_rates_spread``: the relative spread of the rate between the sample's halves, at
-    least 5%).
-
-    ``gpus`` / ``decode_cores`` (a job meant for more machines than this one): the inference part of the cost is
-    divided by gpus (inference processes share nothing), the decode part by decode_cores/sample_decode_cores; the
-    wall time is the slower of the two stages' scaled totals, as on separate machines the stages overlap."""
+    ``gpus`` / ``decode_cores`` (a job meant for more than this machine): inference time divided by gpus (one
+    process each, nothing shared), decode time by the decode processes; stages on their own cores overlap."""
     images = sum(job_classes.values())
     notes = []
-    steady = 0.0
+    decode_total = infer_total = 0.0
     for name, count in sorted(job_classes.items()):
-        cost, note = class_cost(costs, name)
-        steady += count * cost
+        d, i, note = costs.cost(name)
+        decode_total += count * d
+        infer_total += count * i
         if note:
             notes.append(f"{count} images: {note}")
+    mean_d = decode_total / images if images else 0.0
+    mean_i = infer_total / images if images else 0.0
+    free_decoded = windows.decoded_in_warmup
+    if windows.decode_exhausted and windows.decode_rate_warmup and windows.first_decoded_at is not None:
+        # Decode ran out of sample before the model was ready: the job keeps it busy all that time.
+        capacity = 1 + windows.decode_rate_warmup * (windows.steady_start - windows.first_decoded_at)
+        free_decoded = max(free_decoded, int(capacity))
+    free_decoded = min(images, free_decoded)
+    decode_left = max(0.0, decode_total - free_decoded * mean_d)
+    infer_left = max(0.0, infer_total - min(images, windows.warmup_images) * mean_i)
     scaled = []
-    decode_part, infer_part = steady * costs.decode_share, steady * costs.infer_share
-    if gpus != 1 or (decode_cores is not None and decode_cores != sample_decode_cores):
-        cores = decode_cores if decode_cores is not None else sample_decode_cores * gpus
-        decode_scaled = decode_part * sample_decode_cores / cores
-        infer_scaled = infer_part / gpus
-        scaled.append(f"inference: this machine's measured per-image cost divided by {gpus} GPU(s) "
-                      "(one inference process each, nothing shared)")
-        scaled.append(f"decode: measured cost per image divided by {cores}/{sample_decode_cores} decode cores "
-                      "(decode scales with processes)")
-        scaled.append("stages on separate machines overlap: wall time = the slower stage's total, not the sum")
-        steady = max(decode_scaled, infer_scaled)
-        decode_part, infer_part = decode_scaled, infer_scaled
-    share = max(costs.decode_share, costs.infer_share)
-    neck = "decode" if decode_part > infer_part else "inference"
-    if scaled:
-        total_part = decode_part + infer_part
-        share = max(decode_part, infer_part) / total_part if total_part else 0.0
-    per_gpu = None
-    if measured_infer_per_image_s and measured_decode_per_image_s:
-        per_gpu = measured_decode_per_image_s / measured_infer_per_image_s
-    spread = max(steady_rates_spread, 0.05)
-    predicted = fixed_s + steady
+    parallel = costs.decode_parallel
+    if gpus != 1 or (decode_cores is not None and decode_cores != costs.decode_parallel):
+        parallel = decode_cores if decode_cores is not None else costs.decode_parallel * gpus
+        scaled.append(f"inference: measured seconds per image here divided by {gpus} GPU(s) (one inference "
+                      "process each, nothing shared)")
+        scaled.append(f"decode: measured seconds per image on one worker divided by {parallel:g} decode processes "
+                      f"(here {costs.decode_parallel:g})")
+        if costs.shared_cores:
+            scaled.append("stages on separate machines overlap: the slower stage's total sets the time, where here "
+                          "(one machine's cores) they add up")
+        costs = ClassCosts(costs.decode_s, costs.infer_s, costs.scale, False, parallel)
+    steady = costs.wall(decode_left, infer_left, gpus=gpus, decode_parallel=parallel)
+    fixed = max(0.0, sample_wall_s - windows.steady_s)
+    d_part, i_part = decode_left / parallel, infer_left / gpus
+    neck = "decode" if d_part > i_part else "inference"
+    share = max(d_part, i_part) / (d_part + i_part) if d_part + i_part else 0.0
+    spread = max(spread, 0.05)
     return Projection(
-        predicted_s=predicted, low_s=fixed_s + steady * (1 - spread), high_s=fixed_s + steady * (1 + spread),
-        images=images, documents=documents, fixed_s=fixed_s,
-        steady_s_per_image=steady / images if images else 0.0, bottleneck=neck, bottleneck_share=share,
-        decode_cores_per_gpu=per_gpu, scaled=scaled, assumptions=notes)
+        predicted_s=fixed + steady, low_s=fixed + steady * (1 - spread), high_s=fixed + steady * (1 + spread),
+        images=images, documents=documents, fixed_s=fixed, steady_s=steady, bottleneck=neck, bottleneck_share=share,
+        decode_cores_per_gpu=mean_d / mean_i if mean_i else None, scaled=scaled, assumptions=notes)
+
+
+def rate_spread(images: list[SampleImage], after: float) -> float:
+    """The relative difference between the rates of the steady window's two halves (images described after
+    ``after``); 0.25 when too few images to tell."""
+    ordered = sorted(im.done_at for im in images if im.done_at > after)
+    if len(ordered) < 6:
+        return 0.25
+    mid = len(ordered) // 2
+    first = mid / max(1e-6, ordered[mid - 1] - after)
+    second = (len(ordered) - mid) / max(1e-6, ordered[-1] - ordered[mid - 1])
+    return abs(first - second) / ((first + second) / 2)
 
 
 def _duration(seconds: float) -> str:

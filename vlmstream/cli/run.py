@@ -113,7 +113,9 @@ def _kill(proc: subprocess.Popen) -> None:
 def run(
     ctx: typer.Context,
     folder: Optional[Path] = typer.Argument(None, help="Folder of images (a subfolder per document, or one "
-                                            "document per file). Default: a small built-in sample folder."),
+                                            "document per file), or a manifest file (JSON lines, JSON, CSV; "
+                                            "local images in it may be read). Default: a small built-in sample "
+                                            "folder."),
     model: Optional[str] = typer.Option(None, "--model", help="HF id or local folder (default: the built-in "
                                         "tiny random-weight model, whose text is meaningless)."),
     engine: Optional[str] = typer.Option(None, "--engine", help="auto (vLLM on a GPU, else transformers), vllm, "
@@ -154,7 +156,7 @@ def run(
     from producers.folder import IMAGE_EXTENSIONS, scan_folder
     from producers.publisher import publish_documents
     from schemas import DeadLetter, Description, DocumentRef, DocumentResult, SchemaError
-    from vlmstream.cli.backlog import RateMemory, RememberedRate, StageProbe, measure_backlog
+    from vlmstream.cli.backlog import LiveView, RateMemory, RememberedRate, StageProbe, measure_backlog
     from vlmstream.cli.support import bootstrap, settings_from
     from vlmstream.kafka.clients import make_consumer
     from vlmstream.kafka.group import topic_partitions
@@ -167,10 +169,20 @@ def run(
         folder = sample_folder()
         console.print(f"[dim]no folder given: using the built-in sample images in {folder}[/]")
     folder = folder.resolve()
-    if not folder.is_dir():
-        raise typer.BadParameter(f"{folder} is not a folder")
-    # Read before anything starts: an empty or mistyped folder needs no broker, model or workers to say so.
-    items = list(scan_folder(folder, per_file=per_file))
+    if folder.is_file():  # a manifest: its documents as they are
+        from producers.manifest import read_manifest
+
+        items = list(read_manifest(folder))
+        image_roots = _manifest_roots(items)
+        if not any(isinstance(item, DocumentRef) for item in items):
+            raise typer.BadParameter(f"{folder} holds no valid document (see the rejections: vlmstream produce "
+                                     f"--manifest {folder} lists them)")
+    elif not folder.is_dir():
+        raise typer.BadParameter(f"{folder} is not a folder or a manifest file")
+    else:
+        # Read before anything starts: an empty or mistyped folder needs no broker, model or workers to say so.
+        items = list(scan_folder(folder, per_file=per_file))
+        image_roots = [str(folder)]
     if not items:
         extensions = " ".join(sorted(IMAGE_EXTENSIONS))
         raise typer.BadParameter(f"{folder} holds no image files (looked for {extensions}, in it and its "
@@ -187,8 +199,7 @@ def run(
     if fresh:
         settings = _fresh_settings(settings)
     roots = list(settings.decode.allowed_roots)
-    if str(folder) not in roots:
-        roots.append(str(folder))
+    roots += [root for root in image_roots if root not in roots]
     settings = settings.model_copy(update={"decode": settings.decode.model_copy(update={"allowed_roots": roots})})
     if not settings.infer.model:
         from consumers.infer.tiny_model import default_tiny_model_dir
@@ -245,7 +256,8 @@ def run(
             watcher.seek_to_beginning(*earlier)
 
         probe = StageProbe(settings, backlog)
-        probe.snapshot()  # where the topics and groups stand before anything of this run is published
+        view = LiveView(probe)
+        view.update()  # where the topics and groups stand before anything of this run is published
         children["decode"] = _child(["decode"], config_files["decode"], log_dir / f"decode-{stamp}.log")
         children["infer"] = _child(["infer"], config_files["infer"], log_dir / f"infer-{stamp}.log")
         console.print(f"decode and inference workers started (logs in {log_dir})")
@@ -268,7 +280,7 @@ def run(
         while expected - results.keys():
             if time.monotonic() >= next_progress:
                 next_progress = time.monotonic() + PROGRESS_EVERY_S
-                console.print(_progress_line(probe, started, len(expected & results.keys()), len(expected),
+                console.print(_progress_line(view, started, len(expected & results.keys()), len(expected),
                                              images_described, images_expected, dead_letters,
                                              earlier_dead_letters),
                               markup=False, highlight=False)
@@ -336,6 +348,20 @@ def run(
     raise typer.Exit(0 if clean else 1)
 
 
+def _manifest_roots(items: list[Any]) -> list[str]:
+    """The folders a manifest's local images lie in: `vlmstream run MANIFEST` lets its decode workers read there."""
+    from schemas import DocumentRef
+
+    roots: set[str] = set()
+    for item in items:
+        if isinstance(item, DocumentRef):
+            for uri in item.image_uris:
+                path = uri.removeprefix("file://").split("#", 1)[0]
+                if "://" not in path:
+                    roots.add(str(Path(path).resolve().parent))
+    return sorted(roots)
+
+
 def with_pixel_budget(settings: Any) -> tuple[Any, str]:
     """The built-in tiny model (no infer.model) gets TINY_MODEL_MAX_PIXELS unless decode.max_pixels was given (flag,
     file or environment); a real model keeps the configured budget. Returns the settings and the line saying which."""
@@ -364,15 +390,17 @@ def _fresh_settings(settings: Any) -> Any:
     })
 
 
-def _progress_line(probe: Any, started: float, docs_done: int, docs: int, described: int, images: int,
+def _progress_line(view: Any, started: float, docs_done: int, docs: int, described: int, images: int,
                    dead_letters: int, earlier_dead_letters: int = 0) -> str:
-    """One line of where the run stands: its own documents and images, and what each stage's group is doing."""
+    """Where the run stands: its own documents and images and what each stage's group is doing, then a line per
+    stage (images done / total, rate over a sliding window, ETA range, drift) and the stage that limits the run."""
     elapsed = time.monotonic() - started
     try:
-        snap = probe.snapshot()
+        snap = view.update()
     except Exception as exc:  # noqa: BLE001 - a progress line must never stop the run
         return f"[{elapsed:4.0f}s] documents {docs_done}/{docs}, images described {described}/{images}; " \
                f"stages not readable now ({type(exc).__name__})"
+    probe = view.probe
     rate = probe.infer_rate()
     first = probe.first
     decoded = snap.images_published - first.images_published
@@ -396,7 +424,7 @@ def _progress_line(probe: Any, started: float, docs_done: int, docs: int, descri
             line += f" | earlier runs' work still ahead: about {ahead} images{eta}"
     if earlier_dead_letters:
         line += f" | dead letters of earlier runs' documents: {earlier_dead_letters} (`vlmstream redrive` retries them)"
-    return line
+    return "\n".join([line, *(f"  {stage_line}" for stage_line in view.lines())])
 
 
 def _print_summary(results: dict[str, Any], elapsed: float, codes: dict[str, int | None],
