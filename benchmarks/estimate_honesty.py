@@ -34,7 +34,9 @@ CORPUS = Path(os.environ.get("VLMSTREAM_TEST_IMAGES", REPO.parent / "shared" / "
 if not CORPUS.is_dir():
     CORPUS = Path("/work/shared/corpus")
 COMMON = ["--max-new-tokens", "4"]
-ENV = {"OMP_NUM_THREADS": "1", "VLMSTREAM_INFER__BATCH_SIZE": "4"}
+# The jobs link to the corpus's files: decode may read there.
+ENV = {"OMP_NUM_THREADS": "1", "VLMSTREAM_INFER__BATCH_SIZE": "4",
+       "VLMSTREAM_DECODE__ALLOWED_ROOTS": json.dumps([str(CORPUS.resolve())])}
 
 
 def corpus(kind: str) -> list[Path]:
@@ -47,8 +49,8 @@ def corpus(kind: str) -> list[Path]:
             sized.append((p, im.size[0] * im.size[1]))
     if kind == "small":
         return [p for p, px in sized if px < 300_000]
-    if kind == "large":
-        return [p for p, px in sized if 1_500_000 <= px <= 10_000_000]
+    if kind == "large":  # photos the tiny model takes in seconds at their own size (9 MP ones take ~40 s here)
+        return [p for p, px in sized if 900_000 <= px <= 2_500_000]
     return [p for p, _ in sized]
 
 
@@ -68,7 +70,7 @@ def job_b(root: Path, scale: float) -> tuple[Path, list[str]]:
     """1-40 images per document, heavy-tailed (most documents have 1-3), the heavy ones clustered at the end."""
     images = corpus("small") + corpus("large")[:6]
     rng = random.Random(2)
-    sizes = sorted(min(40, max(1, int(rng.paretovariate(1.2)))) for _ in range(int(120 * scale)))
+    sizes = sorted(min(40, max(1, int(rng.paretovariate(1.2)))) for _ in range(int(240 * scale)))
     manifest = root / "b.jsonl"
     with manifest.open("w") as handle:
         for d, size in enumerate(sizes):  # sorted: the heavy documents come last
@@ -78,13 +80,14 @@ def job_b(root: Path, scale: float) -> tuple[Path, list[str]]:
 
 
 def job_c(root: Path, scale: float) -> tuple[Path, list[str]]:
-    """Small screenshots (0.1 MP: the model takes them as they are) and large photos (1-10 MP, taken at up to
-    12.8 MP), one image per document, interleaved."""
+    """Small screenshots (0.1 MP: the model takes them as they are) and large photos (1-2.1 MP, under the 12.8 MP
+    budget the model takes them at their own size: 10-20x the small ones' pixels), one image per document,
+    interleaved."""
     small, large = corpus("small"), corpus("large")
     rng = random.Random(3)
     manifest = root / "c.jsonl"
     with manifest.open("w") as handle:
-        for d in range(int(100 * scale)):
+        for d in range(int(150 * scale)):
             src = rng.choice(large) if d % 10 == 0 else rng.choice(small)
             handle.write(json.dumps({"doc_id": f"c{d:04d}", "image_uris": [str(src)]}) + "\n")
     return manifest, ["--max-pixels", "12845056"]
@@ -120,11 +123,13 @@ def run_full(job: Path, options: list[str]) -> tuple[float, dict[str, float]]:
     wall = time.monotonic() - started
     if proc.returncode != 0:
         raise SystemExit(f"run failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-    results = _result_times(settings, names["results"], started_wall)
+    results, failed = _result_times(settings, names["results"], started_wall)
+    if failed:
+        raise SystemExit(f"{failed} images failed in the full run: the job is not what was estimated")
     return wall, results
 
 
-def _result_times(settings, topic: str, started_wall: float) -> dict[str, float]:
+def _result_times(settings, topic: str, started_wall: float) -> tuple[dict[str, float], int]:
     from schemas import DocumentResult
     from vlmstream.kafka.clients import make_consumer
     from vlmstream.kafka.group import topic_partitions
@@ -132,6 +137,7 @@ def _result_times(settings, topic: str, started_wall: float) -> dict[str, float]
     scoped = settings.model_copy(update={"topics": settings.topics.model_copy(update={"results": topic})})
     consumer = make_consumer(scoped, None)
     out: dict[str, float] = {}
+    failed = 0
     try:
         consumer.assign(topic_partitions(consumer, [topic]))
         consumer.seek_to_beginning()
@@ -140,10 +146,12 @@ def _result_times(settings, topic: str, started_wall: float) -> dict[str, float]
             for records in consumer.poll(timeout_ms=500).values():
                 quiet = time.monotonic()
                 for r in records:
-                    out.setdefault(DocumentResult.decode(r.value).doc_id, r.timestamp / 1000 - started_wall)
+                    result = DocumentResult.decode(r.value)
+                    failed += result.failed
+                    out.setdefault(result.doc_id, r.timestamp / 1000 - started_wall)
     finally:
         consumer.close()
-    return out
+    return out, failed
 
 
 def estimate(job: Path, options: list[str]) -> dict:
@@ -153,7 +161,10 @@ def estimate(job: Path, options: list[str]) -> dict:
     if proc.returncode != 0:
         raise SystemExit(f"estimate failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
     sys.stderr.write(proc.stderr)
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    data = json.loads(proc.stdout.strip().splitlines()[-1])
+    if data["sample_missing"]:
+        raise SystemExit(f"{data['sample_missing']} sample images were not described: see the estimate's output")
+    return data
 
 
 def main() -> None:
@@ -168,13 +179,14 @@ def main() -> None:
             job, options = JOBS[case](root, args.scale)
             docs = documents_in(job)
             t0 = time.monotonic()
-            predicted = estimate(job, options)
+            images = sum(k for _, k in docs)
+            predicted = estimate(job, [*options, "--sample-images", str(max(16, images // 10))])
             estimate_s = time.monotonic() - t0
             wall, results = run_full(job, options)
             n = max(1, predicted["sample_documents"])
             first_n = [results.get(doc_id) for doc_id, _ in docs[:n]]
             naive = max(t for t in first_n if t is not None) * len(docs) / n if any(first_n) else None
-            row = {"case": case, "documents": len(docs), "images": sum(k for _, k in docs),
+            row = {"case": case, "documents": len(docs), "images": images,
                    "sample_documents": predicted["sample_documents"], "sample_images": predicted["sample_images"],
                    "estimate_s": round(estimate_s, 1), "predicted_s": predicted["predicted_s"],
                    "low_s": predicted["low_s"], "high_s": predicted["high_s"], "actual_s": round(wall, 1),

@@ -37,7 +37,7 @@ def test_estimate_samples_the_heavy_tail_runs_it_and_ends_with_one_json_line(kaf
     assert 0 < data["low_s"] <= data["predicted_s"] <= data["high_s"]
     assert data["bottleneck"] in ("decode", "inference")
     assert data["sample_images"] < sum(sizes)
-    assert data["warmup_s"] > 0 and data["warmup_images"] >= 1
+    assert 0 < data["warmup_s"] < data["sample_wall_s"]
     # The heavy document's stratum is in the sample, and the scaling for --gpus/--decode-cores is said.
     assert 12 in data["sample_images_per_document"] and 1 in data["sample_images_per_document"]
     assert any("2 GPU" in line for line in data["scaled"]) and any("4 decode" in line for line in data["scaled"])

@@ -69,23 +69,25 @@ def _sample(batches: list[list[tuple[str, float, float]]], start: float = 100.0,
     for b, batch in enumerate(batches):
         done = start + b * every_s
         for name, decode_s, infer_s in batch:
-            out.append(SampleImage(name, decode_s, infer_s, done, decoded_at=done - 1.0, batch=f"b{b}"))
+            out.append(SampleImage(name, decode_s, infer_s, done, decoded_at=done - 1.0, batch=f"b{b}",
+                                   batch_s=every_s))
     return out
 
 
 def test_a_projection_costs_each_size_class_and_takes_warm_up_off():
-    # Small images: 0.1 s inference each; large: 0.4 s. One batch of 4 per 2 s wall.
-    small, large = ("e1/s1", 0.0, 0.5), ("e2/s5", 0.0, 0.5)
-    images = _sample([[small] * 4, [small] * 4, [large] * 4, [large] * 4, [large] * 4], every_s=2.0)
+    # Small images: 0.25 s of inference each, large ones 0.75 s; batches of 4 every 2 s, then 3 s.
+    small, large = ("e1/s1", 0.0, 0.25), ("e2/s5", 0.0, 0.75)
+    images = _sample([[small] * 4, [small] * 4], every_s=1.0) + _sample([[large] * 4] * 2, start=104.0, every_s=3.0)
     windows = sample_windows(images)
-    assert windows.warmup_images == 4 and windows.steady_s == pytest.approx(8.0)
+    # Warm-up ends when the first batch starts (its description time less its batch time): 99 s.
+    assert windows.warmup_images == 0 and windows.steady_start == pytest.approx(99.0)
+    assert windows.steady_s == pytest.approx(107.0 - 99.0)
     costs = calibrate(images, windows, decode_parallel=1, shared_cores=True)
-    # 16 images after the first batch, 0.5 busy s each = 8 busy s in 8 wall s.
-    assert costs.scale == pytest.approx(1.0)
-    job = project({"e1/s1": 40, "e2/s5": 40}, 20, costs, windows, sample_wall_s=30.0, spread=0.1)
-    # fixed = 30 - 8; steady = (80 - 4 warm-up images) * 0.5 s.
-    assert job.fixed_s == pytest.approx(22.0)
-    assert job.predicted_s == pytest.approx(22.0 + 76 * 0.5)
+    assert costs.infer_s == {"e1/s1": 0.25, "e2/s5": 0.75}
+    assert costs.scale == pytest.approx(8.0 / (8 * 0.25 + 8 * 0.75))  # wall s per busy s in the steady window
+    job = project({"e1/s1": 40, "e2/s5": 40}, 20, costs, windows, fixed_s=30.0 - windows.steady_s, spread=0.1)
+    assert job.fixed_s == pytest.approx(30.0 - 8.0)
+    assert job.predicted_s == pytest.approx(22.0 + costs.scale * (40 * 0.25 + 40 * 0.75))
     assert job.low_s < job.predicted_s < job.high_s and job.images == 80 and job.bottleneck == "inference"
 
 
@@ -96,7 +98,7 @@ def test_an_unsampled_class_is_scaled_up_from_the_nearest_and_said_so():
     decode_s, infer_s, note = costs.cost("e3/s3")
     assert decode_s == pytest.approx(0.1 * 16) and infer_s == pytest.approx(0.2 * 16)
     assert "not sampled" in note
-    job = project({"e3/s3": 10}, 10, costs, windows, sample_wall_s=20.0, spread=0.1)
+    job = project({"e3/s3": 10}, 10, costs, windows, fixed_s=20.0 - windows.steady_s, spread=0.1)
     assert any("10 images: class e3/s3 not sampled" in a for a in job.assumptions)
 
 
@@ -104,9 +106,9 @@ def test_more_gpus_and_decode_cores_scale_each_stage_and_the_slower_one_sets_the
     images = _sample([[("e1/s1", 0.3, 0.1)] * 4] * 4)  # decode 0.3 s an image, inference 0.1 s
     windows = sample_windows(images)
     costs = calibrate(images, windows, decode_parallel=1, shared_cores=False)
-    here = project({"e1/s1": 1000}, 1000, costs, windows, sample_wall_s=20.0, spread=0.1)
+    here = project({"e1/s1": 1000}, 1000, costs, windows, fixed_s=20.0 - windows.steady_s, spread=0.1)
     assert here.bottleneck == "decode" and here.decode_cores_per_gpu == pytest.approx(3.0)
-    wider = project({"e1/s1": 1000}, 1000, costs, windows, sample_wall_s=20.0, spread=0.1, gpus=2, decode_cores=6)
+    wider = project({"e1/s1": 1000}, 1000, costs, windows, fixed_s=20.0 - windows.steady_s, spread=0.1, gpus=2, decode_cores=6)
     # decode 0.3 / 6 = 0.05 s an image, inference 0.1 / 2 = 0.05: both halve... then inference is not slower.
     assert wider.steady_s == pytest.approx(here.steady_s * (0.05 / 0.3), rel=0.02)
     assert any("2 GPU" in line for line in wider.scaled) and any("6 decode" in line for line in wider.scaled)
@@ -114,14 +116,15 @@ def test_more_gpus_and_decode_cores_scale_each_stage_and_the_slower_one_sets_the
 
 def test_decoding_while_the_model_loads_is_free_even_beyond_the_sample():
     # The whole sample was decoded 10 s before the model was ready, at 1 image per second.
-    images = [SampleImage("e1/s1", 1.0, 0.5, 100.0 + i // 4, decoded_at=80.0 + i, batch=f"b{i // 4}")
+    images = [SampleImage("e1/s1", 1.0, 0.5, 100.0 + i // 4, decoded_at=80.0 + i, batch=f"b{i // 4}", batch_s=1.0)
               for i in range(12)]
     windows = sample_windows(images)
     assert windows.decode_exhausted and windows.decode_rate_warmup == pytest.approx(1.0)
     costs = calibrate(images, windows, decode_parallel=1, shared_cores=True)
-    job = project({"e1/s1": 100}, 100, costs, windows, sample_wall_s=30.0, spread=0.1)
+    job = project({"e1/s1": 100}, 100, costs, windows, fixed_s=30.0 - windows.steady_s, spread=0.1)
     free = 1 + 1.0 * (windows.steady_start - 80.0)  # decode's rate times the time until the model was ready
-    expected_busy = (100 - int(free)) * 1.0 + (100 - windows.warmup_images) * 0.5
+    assert int(free) == 20
+    expected_busy = (100 - int(free)) * 1.0 + 100 * 0.5
     assert job.steady_s == pytest.approx(costs.scale * expected_busy)
 
 

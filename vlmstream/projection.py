@@ -196,6 +196,7 @@ class SampleImage:
     done_at: float  # its description written
     decoded_at: float | None = None  # its image record written
     batch: str = ""  # the inference batch it was in
+    batch_s: float = 0.0  # that batch's own time (0: an engine without batch times)
 
 
 @dataclass
@@ -243,11 +244,12 @@ def _mean_by_class(images: list[SampleImage], attr: str) -> dict[str, float]:
 
 @dataclass
 class SampleWindows:
-    """The sample run's timeline: warm-up until its first batch is described, then the steady window."""
+    """The sample run's timeline: warm-up (start-up and model loading) until its first inference batch starts, then
+    the steady window to its last description."""
 
-    steady_start: float  # the first batch's description time
+    steady_start: float  # the first batch's start: its description time less its own batch time
     steady_end: float  # the last description's
-    warmup_images: int  # described in the first batch
+    warmup_images: int  # described before steady_start (an engine without batch times: the first image)
     decoded_in_warmup: int  # images decoded before steady_start
     decode_exhausted: bool  # decode had finished the whole sample before steady_start (it could have done more)
     decode_rate_warmup: float | None  # images decoded per second before steady_start
@@ -258,18 +260,24 @@ class SampleWindows:
         return self.steady_end - self.steady_start
 
 
-def sample_windows(images: list[SampleImage]) -> SampleWindows:
+def sample_windows(images: list[SampleImage], steady_start: float | None = None) -> SampleWindows:
+    """The windows of a sample run; ``steady_start`` when the caller knows when the model was ready (else: when the
+    first inference batch started)."""
     ordered = sorted(images, key=lambda im: im.done_at)
-    first_batch = ordered[0].batch
-    warm = [im for im in ordered if im.batch == first_batch] if first_batch else ordered[:1]
-    start = max(im.done_at for im in warm)
+    first = ordered[0]
+    if steady_start is not None:
+        start, warm = steady_start, sum(1 for im in ordered if im.done_at <= steady_start)
+    elif first.batch_s > 0:
+        start, warm = first.done_at - first.batch_s, 0
+    else:
+        start, warm = first.done_at, 1
     decoded = sorted(im.decoded_at for im in images if im.decoded_at is not None)
     before = [t for t in decoded if t <= start]
     exhausted = bool(decoded) and len(before) == len(decoded)
     rate = None
     if len(before) >= 2 and before[-1] > before[0]:
         rate = (len(before) - 1) / (before[-1] - before[0])
-    return SampleWindows(start, ordered[-1].done_at, len(warm), len(before), exhausted, rate,
+    return SampleWindows(start, ordered[-1].done_at, warm, len(before), exhausted, rate,
                          decoded[0] if decoded else None)
 
 
@@ -312,9 +320,9 @@ class Projection:
 
 
 def project(job_classes: dict[str, int], documents: int, costs: ClassCosts, windows: SampleWindows,
-            sample_wall_s: float, *, spread: float, gpus: int = 1, decode_cores: int | None = None) -> Projection:
-    """The whole job's wall time: the sample's fixed part (its wall time outside the steady window: start-up, the
-    model loading, the first batch, results and stopping) plus the job's remaining busy time in wall seconds.
+            fixed_s: float, *, spread: float, gpus: int = 1, decode_cores: int | None = None) -> Projection:
+    """The whole job's wall time: the fixed part measured on the sample (start-up, model loading, results and
+    stopping) plus the job's remaining busy time in wall seconds.
 
     What the fixed part already holds is taken off the job: the first batch's inference, and the decoding done
     while the model loaded (the sample's count; when the sample ran out of documents to decode before the model was
@@ -354,7 +362,7 @@ def project(job_classes: dict[str, int], documents: int, costs: ClassCosts, wind
                           "(one machine's cores) they add up")
         costs = ClassCosts(costs.decode_s, costs.infer_s, costs.scale, False, parallel)
     steady = costs.wall(decode_left, infer_left, gpus=gpus, decode_parallel=parallel)
-    fixed = max(0.0, sample_wall_s - windows.steady_s)
+    fixed = fixed_s
     d_part, i_part = decode_left / parallel, infer_left / gpus
     neck = "decode" if d_part > i_part else "inference"
     share = max(d_part, i_part) / (d_part + i_part) if d_part + i_part else 0.0

@@ -7,8 +7,8 @@
    by the documents' size classes, at least one document from each stratum, the rest in proportion to the images.
 3. The sample through the real pipeline: `vlmstream run SAMPLE [same options]` on this machine's broker and workers,
    on topics and groups of its own, timed from start to exit.
-4. Its descriptions give each image's decode time and inference batch; the first batch (the model loading ends with
-   it) is warm-up, the rest the steady window. ``vlmstream.projection`` calibrates the per-image costs by size
+4. Its descriptions give each image's decode time and inference batch; until the first batch starts is warm-up
+   (start-up, model loading), from there to the last description the steady window. ``vlmstream.projection`` calibrates the per-image costs by size
    class against the steady window's wall time and projects the whole job.
 """
 
@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import statistics
 import subprocess
 import sys
@@ -37,6 +38,9 @@ console = Console(stderr=True) if sys.stderr.isatty() else Console(stderr=True, 
 # Images per document, the strata's edges: 1, 2-3, 4-7, 8-15, 16-31, 32+.
 _IPD_EDGES = (1, 2, 4, 8, 16, 32)
 SIZE_HEADERS_WITHIN_S = 20.0
+# The command's start, as near as this module knows it (`vlmstream`'s main imports it at start-up): `vlmstream run`'s
+# time counts from its process start too.
+PROCESS_STARTED = time.time()
 
 
 @dataclass
@@ -175,55 +179,119 @@ def draw_sample(shape: JobShape, target_images: int, seed: int = 0) -> list[JobD
 
 @dataclass
 class SampleRun:
-    wall_s: float
-    returncode: int
-    output: str
     images: list[Any]  # projection.SampleImage
-    first_at: float | None  # seconds from the run's start to its first description
-    missing: int  # sample images without a description (dead letters, or the run stopped)
+    started_at: float  # epoch seconds: the command's start
+    workers_at: float  # the workers started
+    ready_at: float  # the warm-up document described: the model is loaded and answering
+    measured_at: float  # the rest of the sample published: the steady window starts
+    done_at: float  # the last sample image described (or dead-lettered)
+    stop_s: float  # stopping the workers took
+    missing: int  # sample images without a description (dead letters, or the time ran out)
+
+    @property
+    def fixed_s(self) -> float:
+        """What `vlmstream run` spends whatever the job: up to the workers, their warm-up, and stopping them."""
+        return (self.ready_at - self.started_at) + self.stop_s
 
 
-def run_sample(docs: list[JobDocument], run_args: list[str], env_overrides: dict[str, str], config: str | None,
-               settings: Any, timeout_s: float) -> SampleRun:
-    """`vlmstream run MANIFEST` of the sample, on topics and groups of its own; then its descriptions, read back."""
-    from schemas import Description, SchemaError
+def run_sample(docs: list[JobDocument], settings: Any, timeout_s: float) -> SampleRun:
+    """The sample through the real pipeline as `vlmstream run` runs it (its decode and inference workers, as child
+    processes, with the same settings), on topics and groups of its own, in two steps: a one-image warm-up document
+    plus about a quarter of the sample (decoded while the model loads, as a run's first documents are), then, once
+    the warm-up document is described, the rest; the steady window runs from there to the last description."""
+    from producers.publisher import publish_documents
+    from schemas import DeadLetter, Description, DocumentRef, SchemaError
+    from vlmstream.cli.run import _as_stage, _child, _manifest_roots, _settings_file, _stop_children
+    from vlmstream.kafka.clients import make_consumer
+    from vlmstream.kafka.group import topic_partitions
+    from vlmstream.kafka.records import poll_past_unreadable
+    from vlmstream.kafka.topics import create_topics
 
     suffix = f"estimate-{uuid.uuid4().hex[:10]}"
     names = {name: f"{getattr(settings.topics, name)}.{suffix}"
              for name in ("documents", "images", "descriptions", "embeddings", "results", "deadletter")}
-    env = dict(os.environ, **env_overrides, **{f"VLMSTREAM_TOPICS__{k.upper()}": v for k, v in names.items()})
-    env.update({"VLMSTREAM_DECODE__GROUP_ID": f"{settings.decode.group_id}.{suffix}",
-                "VLMSTREAM_INFER__GROUP_ID": f"{settings.infer.group_id}.{suffix}",
-                "VLMSTREAM_PRODUCER__STATE_DIR": tempfile.mkdtemp(prefix="vlmstream-estimate-ledger-")})
-    with tempfile.NamedTemporaryFile("w", suffix=".jsonl", prefix="vlmstream-estimate-", delete=False) as handle:
-        for d in docs:
-            handle.write(json.dumps(d.doc.to_dict()) + "\n")
-        manifest = handle.name
-    cmd = [sys.executable, "-m", "vlmstream.cli", *(["--config", config] if config else []), "run", manifest,
-           *run_args, "--show", "0", "--timeout-s", str(int(timeout_s))]
-    started_wall = time.time()
-    started = time.monotonic()
-    try:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s + 240)
-    finally:
-        os.unlink(manifest)
-    wall = time.monotonic() - started
+    roots = list(settings.decode.allowed_roots)
+    roots += [r for r in _manifest_roots([d.doc for d in docs]) if r not in roots]
+    settings = settings.model_copy(update={
+        "topics": settings.topics.model_copy(update=names),
+        "decode": settings.decode.model_copy(update={"group_id": f"{settings.decode.group_id}.{suffix}",
+                                                     "allowed_roots": roots}),
+        "infer": settings.infer.model_copy(update={"group_id": f"{settings.infer.group_id}.{suffix}"}),
+        "producer": settings.producer.model_copy(update={
+            "state_dir": tempfile.mkdtemp(prefix="vlmstream-estimate-ledger-")}),
+    })
+    create_topics(settings)
+    smallest = min((im for d in docs for im in d.images), key=lambda im: im.effective_px or 1 << 40)
+    warmup = DocumentRef(doc_id=f"estimate-warmup-{suffix}", image_uris=(smallest.uri,))
+    first_part, rest, images = [], [], 0
+    total = sum(len(d.images) for d in docs)
+    for d in docs:
+        (first_part if images < total / 4 else rest).append(d)
+        images += len(d.images) if images < total / 4 else 0
+    wanted = {(d.doc.doc_id, i) for d in docs for i in range(len(d.images))}
+    seen: set[tuple[str, int]] = set()
 
-    sample_settings = settings.model_copy(update={"topics": settings.topics.model_copy(update=names)})
+    watcher = make_consumer(_as_stage(settings, "tap"), None)
+    tps = topic_partitions(watcher, [names["descriptions"], names["deadletter"]])
+    watcher.assign(tps)
+    watcher.seek_to_beginning()
+    log_dir = Path(tempfile.mkdtemp(prefix="vlmstream-estimate-logs-"))
+    config_files = {stage: _settings_file(_as_stage(settings, stage)) for stage in ("decode", "infer")}
+    children: dict[str, subprocess.Popen] = {}
+    ready_at = measured_at = done_at = 0.0
+    deadline = time.monotonic() + timeout_s
+    try:
+        workers_at = time.time()
+        children["decode"] = _child(["decode"], config_files["decode"], log_dir / "decode.log")
+        children["infer"] = _child(["infer"], config_files["infer"], log_dir / "infer.log")
+        publish_documents(_as_stage(settings, "producer"), [warmup, *(d.doc for d in first_part)], force=True)
+        warm_done = False
+        while (not warm_done or wanted - seen) and time.monotonic() < deadline:
+            for name, proc in children.items():
+                if proc.poll() is not None:
+                    raise typer.BadParameter(f"the sample's {name} worker exited with {proc.returncode}: "
+                                             f"{(log_dir / f'{name}.log').read_text()[-2000:]}")
+            for tp, records in poll_past_unreadable(watcher, timeout_ms=300).items():
+                for record in records:
+                    try:
+                        message = (Description if tp.topic == names["descriptions"] else DeadLetter).decode(
+                            record.value)
+                    except SchemaError:
+                        continue
+                    if message.doc_id == warmup.doc_id:
+                        warm_done = True
+                    elif message.doc_id is not None and getattr(message, "image_index", None) is not None:
+                        seen.add((message.doc_id, message.image_index))
+            if warm_done and not ready_at:
+                ready_at = time.time()
+                publish_documents(_as_stage(settings, "producer"), [d.doc for d in rest], force=True)
+                measured_at = time.time()
+        done_at = time.time()
+    finally:
+        watcher.close()
+        stopping = time.monotonic()
+        _stop_children(children)
+        stop_s = time.monotonic() - stopping
+        for config_file in config_files.values():
+            config_file.unlink(missing_ok=True)
+    if not ready_at:
+        raise typer.BadParameter(f"the sample's warm-up document was not described within --timeout-s {timeout_s:g}; "
+                                 f"worker logs in {log_dir}")
     classes = {im.uri: im.size_class for d in docs for im in d.images}
-    wanted = sum(len(d.images) for d in docs)
     rows = []
-    for record in _read_all(sample_settings, names["descriptions"], wanted):
+    for record in _read_all(settings, names["descriptions"], len(wanted) + 1):
         try:
-            rows.append((record.timestamp / 1000, Description.decode(record.value)))
+            description = Description.decode(record.value)
         except SchemaError:
             continue
-    decoded = {record.key: record.timestamp / 1000 for record in _read_all(sample_settings, names["images"], wanted)}
+        if description.doc_id != warmup.doc_id:
+            rows.append((record.timestamp / 1000, description))
+    decoded = {record.key: record.timestamp / 1000
+               for record in _read_all(settings, names["images"], len(wanted) + 1)}
     _delete_topics(settings, list(names.values()))
-    images = _sample_images(rows, classes, decoded)
-    first = min((at for at, _ in rows), default=None)
-    return SampleRun(wall, proc.returncode, proc.stdout + proc.stderr, images,
-                     first - started_wall if first is not None else None, wanted - len(images))
+    shutil.rmtree(log_dir, ignore_errors=True)
+    return SampleRun(_sample_images(rows, classes, decoded), PROCESS_STARTED, workers_at, ready_at, measured_at,
+                     done_at, stop_s, len(wanted) - len(rows))
 
 
 def _read_all(settings: Any, topic: str, wanted: int) -> list[Any]:
@@ -248,9 +316,10 @@ def _read_all(settings: Any, topic: str, wanted: int) -> list[Any]:
 
 
 def _sample_images(rows: list[tuple[float, Any]], classes: dict[str, str], decoded: dict[bytes, float]) -> list[Any]:
-    """Each described image's decode time and its share of its inference batch. A transformers batch's images
-    carry the same batch_ms: that batch's time is shared out by tokens (prompt, visual tokens included, plus
-    output). An engine without batch times (vLLM): engine_ms over the images in flight with it, by tokens too."""
+    """Each described image's decode time and its share of its inference batch. A transformers batch's images carry
+    the same batch_ms: the vision tower's part is shared out by visual tokens (it runs on each image's own patches),
+    the rest equally (the language model pads every sequence to the batch's longest). An engine without batch
+    times (vLLM): each image's own engine_ms."""
     from schemas import image_key
     from vlmstream.projection import SampleImage
 
@@ -261,16 +330,17 @@ def _sample_images(rows: list[tuple[float, Any]], classes: dict[str, str], decod
         batches[key].append((at, d))
     out = []
     for n, (key, members) in enumerate(batches.items()):
-        tokens = [(d.prompt_tokens or 0) + (d.output_tokens or 0) or 1 for _, d in members]
-        for (at, d), tok in zip(members, tokens):
+        tokens = sum(d.visual_tokens or 1 for _, d in members)
+        for at, d in members:
             t = d.timings_ms or {}
             if key[0] == "batch":
-                infer_s = t["batch_ms"] / 1000 * tok / sum(tokens)
+                vision = t.get("vision_ms", 0.0)
+                infer_s = (vision * (d.visual_tokens or 1) / tokens + (t["batch_ms"] - vision) / len(members)) / 1000
+                batch, batch_s = f"b{n}", t["batch_ms"] / 1000
             else:
-                infer_s = t.get("engine_ms", 0.0) / 1000
+                infer_s, batch, batch_s = t.get("engine_ms", 0.0) / 1000, "", 0.0
             out.append(SampleImage(classes.get(d.source_uri or "", "e?/s?"), t.get("decode_ms", 0.0) / 1000,
-                                   infer_s, at, decoded.get(image_key(d.doc_id, d.image_index)),
-                                   f"b{n}" if key[0] == "batch" else ""))
+                                   infer_s, at, decoded.get(image_key(d.doc_id, d.image_index)), batch, batch_s))
     return out
 
 
@@ -349,35 +419,39 @@ def estimate(
     console.print(f"sample: {len(sample)} documents, {sample_count} images, from "
                   f"{len({d.stratum for d in sample})} strata (images per document x size class)")
 
-    run_args = _run_args(per_file=False, decode_workers=decode_workers, max_pixels=max_pixels, model=model,
-                         engine=engine, mode=mode, prompt=prompt, max_new_tokens=max_new_tokens)
     bootstrap(settings)
-    state = ctx.find_root().obj
-    env = {"VLMSTREAM_BOOTSTRAP_SERVERS": settings.kafka.bootstrap_servers}
-    result = run_sample(sample, run_args, env, getattr(state, "config_file", None), settings, timeout_s)
-    if result.returncode != 0 or len(result.images) < 2:
-        console.print(f"[red]the sample run failed (exit {result.returncode}, {len(result.images)} images described)"
-                      f"[/]\n{result.output[-3000:]}")
+    if not settings.infer.model:
+        from consumers.infer.tiny_model import default_tiny_model_dir
+
+        settings = settings.model_copy(update={"infer": settings.infer.model_copy(
+            update={"model": str(default_tiny_model_dir())})})
+        tiny = True
+    else:
+        tiny = False
+    result = run_sample(sample, settings, timeout_s)
+    if len(result.images) < 2:
+        console.print(f"[red]the sample run described {len(result.images)} images: nothing to measure[/]")
         raise typer.Exit(1)
 
     decode_parallel = settings.decode.workers or os.cpu_count() or 1
     on_cpu = _inference_on_cpu(settings)
-    windows = sample_windows(result.images)
+    windows = sample_windows(result.images, steady_start=result.measured_at)
     costs = calibrate(result.images, windows, decode_parallel=decode_parallel, shared_cores=on_cpu)
     spread = rate_spread(result.images, windows.steady_start)
-    projection = project(dict(shape.classes()), len(shape.documents), costs, windows, result.wall_s, spread=spread,
+    projection = project(dict(shape.classes()), len(shape.documents), costs, windows, result.fixed_s, spread=spread,
                          gpus=gpus, decode_cores=decode_cores)
-    fixed, warm, steady_wall = projection.fixed_s, windows.warmup_images, windows.steady_s
+    fixed, steady_wall = projection.fixed_s, windows.steady_s
     steady = [im for im in result.images if im.done_at > windows.steady_start]
     decode_per_image = statistics.fmean(im.decode_s for im in result.images)
     infer_per_image = statistics.fmean(im.infer_s for im in result.images)
+    warmup_s = result.ready_at - result.started_at
     assumptions = [
         f"the sample ran as `vlmstream run` does here: {decode_parallel} decode process(es), inference on "
         f"{'the CPU, sharing its cores with decode (their costs add)' if on_cpu else 'its accelerator (decode overlaps it)'}",
         "the cost of an image depends on its size class only (not on its document, its place in the job or the "
         "time of day); the steady rate does not drift past what the sample saw",
-        f"fixed cost {fixed:.1f} s (start-up, model loading, the first batch of {warm} images, results and stopping) "
-        "is the same for the whole job",
+        f"fixed cost {fixed:.1f} s (start-up and model loading until a first image is described: "
+        f"{warmup_s:.1f} s; stopping the workers: {result.stop_s:.1f} s) is the same for the whole job",
         f"the range is the steady rate's spread between the sample's two halves ({spread:.0%}, at least 5%)",
         f"decoding done while the model loads is free: the sample decoded {windows.decoded_in_warmup} images then"
         + (" and ran out of work; the job's count is decode's rate then times that time"
@@ -386,13 +460,18 @@ def estimate(
     ]
     if result.missing:
         assumptions.append(f"{result.missing} sample images were not described (dead letters): costed like the rest")
-    if not settings.infer.model:
+    if tiny:
         assumptions.append("the built-in tiny random-weight model: figures for a real model differ")
     projection.assumptions = assumptions
 
-    console.print(f"sample run: {result.wall_s:.1f} s wall; warm-up {result.first_at or 0:.1f} s to the first "
-                  f"description, first batch of {warm} images excluded; steady window {steady_wall:.1f} s for "
+    console.print(f"sample run: warm-up {warmup_s:.1f} s from the command's start until a first image was "
+                  f"described (the workers started after {result.workers_at - result.started_at:.1f} s); steady "
+                  f"window {steady_wall:.1f} s for "
                   f"{len(steady)} images ({len(steady) / steady_wall if steady_wall else 0:.2f} img/s)")
+    if windows.decode_rate_warmup:
+        console.print(f"  decoded while the model loaded: {windows.decoded_in_warmup} images at "
+                      f"{windows.decode_rate_warmup:.2f} img/s"
+                      + (" (then it ran out of sample)" if windows.decode_exhausted else ""))
     console.print(f"  per image: decode {decode_per_image * 1000:.0f} ms of one worker, inference "
                   f"{infer_per_image * 1000:.0f} ms of its batch; busy seconds to wall seconds here: x{costs.scale:.2f}")
     console.print("  per size class (decode ms / inference ms): " + ", ".join(
@@ -412,8 +491,10 @@ def estimate(
         data = projection.as_dict()
         data.update({"sample_documents": len(sample), "sample_images": sample_count,
                      "sample_images_per_document": sorted(len(d.images) for d in sample),
-                     "sample_wall_s": round(result.wall_s, 1), "warmup_s": round(result.first_at or 0.0, 1),
-                     "warmup_images": warm, "steady_window_s": round(steady_wall, 1)})
+                     "sample_missing": result.missing,
+                     "sample_wall_s": round(result.done_at - result.started_at + result.stop_s, 1),
+                     "warmup_s": round(warmup_s, 1), "stop_s": round(result.stop_s, 1),
+                     "steady_window_s": round(steady_wall, 1)})
         print(json.dumps(data))
 
 
@@ -470,17 +551,6 @@ def _backlog_documents(settings: Any, within_s: float = 60.0) -> list[Any]:
     finally:
         consumer.close()
     return docs
-
-
-def _run_args(**options: Any) -> list[str]:
-    args = []
-    for name, value in options.items():
-        flag = "--" + name.replace("_", "-")
-        if value is True:
-            args.append(flag)
-        elif value not in (None, False):
-            args += [flag, str(value)]
-    return args
 
 
 def _inference_on_cpu(settings: Any) -> bool:
