@@ -326,7 +326,8 @@ def project(job_classes: dict[str, int], documents: int, costs: ClassCosts, wind
 
     What the fixed part already holds is taken off the job: the first batch's inference, and the decoding done
     while the model loaded (the sample's count; when the sample ran out of documents to decode before the model was
-    ready, what decode's rate would have done in that time). The range: ± the steady rate's spread (at least 5%).
+    ready, what decode's rate would have done in that time). The range: the steady part at a rate the steady rate's
+    spread (5% to 50%) faster or slower.
 
     ``gpus`` / ``decode_cores`` (a job meant for more than this machine): inference time divided by gpus (one
     process each, nothing shared), decode time by the decode processes; stages on their own cores overlap."""
@@ -366,9 +367,9 @@ def project(job_classes: dict[str, int], documents: int, costs: ClassCosts, wind
     d_part, i_part = decode_left / parallel, infer_left / gpus
     neck = "decode" if d_part > i_part else "inference"
     share = max(d_part, i_part) / (d_part + i_part) if d_part + i_part else 0.0
-    spread = max(spread, 0.05)
+    spread = min(max(spread, 0.05), 0.5)
     return Projection(
-        predicted_s=fixed + steady, low_s=fixed + steady * (1 - spread), high_s=fixed + steady * (1 + spread),
+        predicted_s=fixed + steady, low_s=fixed + steady / (1 + spread), high_s=fixed + steady * (1 + spread),
         images=images, documents=documents, fixed_s=fixed, steady_s=steady, bottleneck=neck, bottleneck_share=share,
         decode_cores_per_gpu=mean_d / mean_i if mean_i else None, scaled=scaled, assumptions=notes)
 

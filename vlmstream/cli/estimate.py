@@ -145,27 +145,27 @@ def read_shape(documents: list[Any], family: Any, min_pixels: int, max_pixels: i
 
 
 def draw_sample(shape: JobShape, target_images: int, seed: int = 0) -> list[JobDocument]:
-    """Whole documents, stratified by images per document and size class: each stratum gets a share of the target in
-    proportion to its images, and at least one document, so the heavy tail is always in."""
+    """Whole documents, stratified by images per document and size class: one document from every stratum first (so
+    the heavy tail is always in), then the rest of the target shared out over the strata in proportion to their
+    images; then a document for any size class still missing."""
     rng = random.Random(seed)
     strata: dict[tuple[int, str], list[JobDocument]] = defaultdict(list)
     for doc in shape.documents:
         if doc.images:
             strata[doc.stratum].append(doc)
-    total = max(1, shape.images)
-    chosen: list[JobDocument] = []
-    for key in sorted(strata):
-        docs = strata[key]
+    for docs in strata.values():
         rng.shuffle(docs)
-        share = target_images * sum(len(d.images) for d in docs) / total
-        taken, images = [], 0
-        for doc in docs:
-            if taken and images + len(doc.images) / 2 > share:
+    chosen = [docs[0] for _key, docs in sorted(strata.items())]
+    left = max(0, target_images - sum(len(d.images) for d in chosen))
+    total = max(1, shape.images)
+    for _key, docs in sorted(strata.items()):
+        share = left * sum(len(d.images) for d in docs) / total
+        images = 0
+        for doc in docs[1:]:
+            if images + len(doc.images) / 2 > share:
                 break
-            taken.append(doc)
+            chosen.append(doc)
             images += len(doc.images)
-        chosen += taken
-    # Every size class of the job in the sample, where a document has it.
     have = {im.size_class for d in chosen for im in d.images}
     for name in sorted(set(shape.classes()) - have):
         candidates = [d for d in shape.documents if d not in chosen and any(im.size_class == name for im in d.images)]
@@ -452,7 +452,8 @@ def estimate(
         "time of day); the steady rate does not drift past what the sample saw",
         f"fixed cost {fixed:.1f} s (start-up and model loading until a first image is described: "
         f"{warmup_s:.1f} s; stopping the workers: {result.stop_s:.1f} s) is the same for the whole job",
-        f"the range is the steady rate's spread between the sample's two halves ({spread:.0%}, at least 5%)",
+        f"the range: the steady part at a rate faster or slower by the spread between the sample's two halves "
+        f"({spread:.0%}; used within 5%-50%)",
         f"decoding done while the model loads is free: the sample decoded {windows.decoded_in_warmup} images then"
         + (" and ran out of work; the job's count is decode's rate then times that time"
            if windows.decode_exhausted else ""),
