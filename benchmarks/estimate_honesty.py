@@ -1,8 +1,7 @@
 """Does `vlmstream estimate` hold? For each job: `vlmstream estimate JOB --json` (a sample run), then the whole job
 with `vlmstream run JOB` (at least 10x the sample), timed from start to exit; predicted against actual, and the
-naive estimate for contrast: the time the first N documents took (N = the sample's documents, in the job's order:
-what one would time by watching the run start): their documents per second, from the first result to the N-th,
-times the documents.
+naive estimate for contrast: documents per second over the first N documents done (N = the sample's documents: what
+one would time by watching the run start), from the first result to the N-th, times the documents.
 
 Jobs (real images from the corpus, the built-in tiny model on this machine's CPU and broker):
   a  a folder of uniform documents (3 images each) of real photos and screenshots
@@ -121,6 +120,7 @@ def run_full(job: Path, options: list[str]) -> tuple[float, dict[str, float]]:
     started_wall, started = time.time(), time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "vlmstream.cli", "run", str(job), *options, *COMMON,
                            "--show", "0", "--timeout-s", "1500"], env=env, capture_output=True, text=True)
+    sys.stderr.write(proc.stderr[-6000:])  # its progress lines: where the run spent its time
     wall = time.monotonic() - started
     if proc.returncode != 0:
         raise SystemExit(f"run failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
@@ -184,10 +184,10 @@ def main() -> None:
             predicted = estimate(job, [*options, "--sample-images", str(max(16, images // 10))])
             estimate_s = time.monotonic() - t0
             wall, results = run_full(job, options)
-            # The naive estimate: documents per second over the first N documents (from the first result to the N-th,
-            # start-up left out as a throughput benchmark does), times the documents.
+            # The naive estimate: documents per second over the first N documents done (from the first result to
+            # the N-th, start-up left out as a throughput benchmark does), times the documents.
             n = max(2, predicted["sample_documents"])
-            first_n = sorted(t for t in (results.get(doc_id) for doc_id, _ in docs[:n]) if t is not None)
+            first_n = sorted(results.values())[:n]
             naive = (first_n[-1] - first_n[0]) / (len(first_n) - 1) * len(docs) if len(first_n) > 1 else None
             row = {"case": case, "documents": len(docs), "images": images,
                    "sample_documents": predicted["sample_documents"], "sample_images": predicted["sample_images"],

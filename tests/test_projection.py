@@ -133,3 +133,12 @@ def test_the_range_follows_the_steady_rate_spread():
     assert rate_spread(steady, after=10.0) == pytest.approx(0.0, abs=1e-9)
     uneven = [SampleImage("e1/s1", 0, 0, 10.0 + t) for t in (1, 2, 3, 6, 9, 12)]
     assert rate_spread(uneven, after=10.0) > 0.5
+
+
+def test_a_warm_up_shared_with_decode_all_along_is_longer():
+    from vlmstream.projection import contended_warmup
+
+    # 2 cores, 2 decode processes: loading gets 2/3 of a core while decode works. Decode worked 6 s of a 20 s warm-up.
+    assert contended_warmup(20.0, 6.0, cores=2, decode_parallel=2) == pytest.approx((6 * 2 / 3 + 14) / (2 / 3))
+    assert contended_warmup(20.0, 20.0, cores=2, decode_parallel=2) == pytest.approx(20.0)  # it already was
+    assert contended_warmup(20.0, 6.0, cores=8, decode_parallel=2) == pytest.approx(20.0)  # cores to spare

@@ -319,8 +319,19 @@ class Projection:
                 "scaled": self.scaled, "assumptions": self.assumptions}
 
 
+def contended_warmup(warmup_s: float, decode_busy_s: float, *, cores: int, decode_parallel: float) -> float:
+    """The warm-up (loading the model) of a job whose decoding lasts through all of it, from a sample's whose decoding
+    lasted ``decode_busy_s`` of its ``warmup_s``: on shared cores, loading gets a core while decode is idle and
+    cores / (decode processes + 1) of one while decode works (the same loading work, spread thinner)."""
+    contended = min(1.0, cores / (decode_parallel + 1))
+    busy = min(max(decode_busy_s, 0.0), warmup_s)
+    work = busy * contended + (warmup_s - busy)
+    return work / contended
+
+
 def project(job_classes: dict[str, int], documents: int, costs: ClassCosts, windows: SampleWindows,
-            fixed_s: float, *, spread: float, gpus: int = 1, decode_cores: int | None = None) -> Projection:
+            fixed_s: float, *, spread: float, gpus: int = 1, decode_cores: int | None = None,
+            warmup_extra_s: float = 0.0) -> Projection:
     """The whole job's wall time: the fixed part measured on the sample (start-up, model loading, results and
     stopping) plus the job's remaining busy time in wall seconds.
 
@@ -328,6 +339,8 @@ def project(job_classes: dict[str, int], documents: int, costs: ClassCosts, wind
     while the model loaded (the sample's count; when the sample ran out of documents to decode before the model was
     ready, what decode's rate would have done in that time). The range: the steady part at a rate the steady rate's
     spread (5% to 50%) faster or slower.
+
+    ``warmup_extra_s``: how much longer the job's warm-up is than the sample's (``contended_warmup``).
 
     ``gpus`` / ``decode_cores`` (a job meant for more than this machine): inference time divided by gpus (one
     process each, nothing shared), decode time by the decode processes; stages on their own cores overlap."""
@@ -344,9 +357,10 @@ def project(job_classes: dict[str, int], documents: int, costs: ClassCosts, wind
     mean_i = infer_total / images if images else 0.0
     free_decoded = windows.decoded_in_warmup
     if windows.decode_exhausted and windows.decode_rate_warmup and windows.first_decoded_at is not None:
-        # Decode ran out of sample before the model was ready: the job keeps it busy all that time.
-        capacity = 1 + windows.decode_rate_warmup * (windows.steady_start - windows.first_decoded_at)
-        free_decoded = max(free_decoded, int(capacity))
+        # Decode ran out of sample before the model was ready: the job keeps it busy all that time (and the longer
+        # warm-up that its decoding causes, warmup_extra_s).
+        span = windows.steady_start - windows.first_decoded_at + warmup_extra_s
+        free_decoded = max(free_decoded, int(1 + windows.decode_rate_warmup * span))
     free_decoded = min(images, free_decoded)
     decode_left = max(0.0, decode_total - free_decoded * mean_d)
     infer_left = max(0.0, infer_total - min(images, windows.warmup_images) * mean_i)
@@ -363,7 +377,7 @@ def project(job_classes: dict[str, int], documents: int, costs: ClassCosts, wind
                           "(one machine's cores) they add up")
         costs = ClassCosts(costs.decode_s, costs.infer_s, costs.scale, False, parallel)
     steady = costs.wall(decode_left, infer_left, gpus=gpus, decode_parallel=parallel)
-    fixed = fixed_s
+    fixed = fixed_s + warmup_extra_s
     d_part, i_part = decode_left / parallel, infer_left / gpus
     neck = "decode" if d_part > i_part else "inference"
     share = max(d_part, i_part) / (d_part + i_part) if d_part + i_part else 0.0

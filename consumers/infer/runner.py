@@ -323,6 +323,7 @@ class InferenceRunner:
 
     def _dead_letter(self, work: Work, error_kind: str, detail: str, *, retriable: bool) -> None:
         self.stats.dead_lettered += 1
+        self.stats.dead_letters_by_kind[error_kind] = self.stats.dead_letters_by_kind.get(error_kind, 0) + 1
         log.warning("dead letter %s/%d@%d: %s after %d attempt(s): %s", work.tp.topic, work.tp.partition,
                     work.offset, error_kind, max(1, work.attempts), detail[:200])
         self._finish(work, [outputs.dead_letter(self.settings, work, error_kind, detail, retriable=retriable)])

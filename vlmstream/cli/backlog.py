@@ -173,12 +173,16 @@ class StageProbe:
     """Reads the stages' groups and topics every few seconds: what is waiting where, and how fast inference
     commits (over the last minute), for the run's progress lines."""
 
-    def __init__(self, settings: Settings, backlog: Backlog | None = None):
+    def __init__(self, settings: Settings, backlog: Backlog | None = None, count_every_s: float = 60.0):
         self.settings = settings
         self.backlog = backlog
         self.admin = make_admin(settings)
         self.history: deque[StageSnapshot] = deque(maxlen=64)
         self.first: StageSnapshot | None = None
+        # Reading the waiting documents for their image counts costs a consumer and up to a second: done every
+        # count_every_s; in between, the last count scaled by the documents still waiting.
+        self.count_every_s = count_every_s
+        self._counted: tuple[float, int, int] | None = None  # (when, documents waiting then, their images)
 
     def close(self) -> None:
         self.admin.close()
@@ -208,8 +212,14 @@ class StageProbe:
             earlier_documents=sum(max(0, ends[tp] - done(decode, tp)) for tp in doc_tps if tp in ends),
             infer_members=len(group_state(admin, self.settings.infer.group_id)[1]),
         )
-        spans = {tp: (done(decode, tp), latest[tp].offset) for tp in doc_tps if latest[tp].offset > done(decode, tp)}
-        snap.document_images_waiting = count_document_images(self.settings, spans, within_s=1.0).images
+        if self._counted is None or snap.at - self._counted[0] >= self.count_every_s or \
+                snap.documents_waiting > self._counted[1]:
+            spans = {tp: (done(decode, tp), latest[tp].offset) for tp in doc_tps
+                     if latest[tp].offset > done(decode, tp)}
+            images = count_document_images(self.settings, spans, within_s=1.0).images
+            self._counted = (snap.at, snap.documents_waiting, images)
+        _at, documents, images = self._counted
+        snap.document_images_waiting = round(images * snap.documents_waiting / documents) if documents else 0
         self.first = self.first or snap
         self.history.append(snap)
         return snap

@@ -390,7 +390,7 @@ def estimate(
     from vlmstream.cli.run import with_pixel_budget
     from vlmstream.cli.support import bootstrap, settings_from
     from vlmstream.models.registry import family_named, family_of
-    from vlmstream.projection import calibrate, project, rate_spread, sample_windows
+    from vlmstream.projection import calibrate, contended_warmup, project, rate_spread, sample_windows
 
     overrides: dict[str, Any] = {
         "decode": {"max_pixels": max_pixels, "workers": decode_workers},
@@ -437,9 +437,20 @@ def estimate(
     on_cpu = _inference_on_cpu(settings)
     windows = sample_windows(result.images, steady_start=result.measured_at)
     costs = calibrate(result.images, windows, decode_parallel=decode_parallel, shared_cores=on_cpu)
-    spread = rate_spread(result.images, windows.steady_start)
+    # The range: the steady rate's wander between the window's halves, but no narrower than a window of n batches
+    # can tell (1/sqrt(n)): a short window on a busy machine says little about the next ten minutes.
+    batches = len({im.batch for im in result.images if im.done_at > windows.steady_start}) or len(result.images)
+    spread = max(rate_spread(result.images, windows.steady_start), 1 / batches ** 0.5)
+    extra = 0.0
+    warm_workers = result.ready_at - result.workers_at
+    if on_cpu and windows.decode_exhausted:
+        # The sample's decoding ran out before the model was ready; a job's keeps the cores busy all that time.
+        decode_busy = max(im.decoded_at for im in result.images
+                          if im.decoded_at is not None and im.decoded_at <= windows.steady_start) - result.workers_at
+        extra = contended_warmup(warm_workers, decode_busy, cores=os.cpu_count() or 1,
+                                 decode_parallel=decode_parallel) - warm_workers
     projection = project(dict(shape.classes()), len(shape.documents), costs, windows, result.fixed_s, spread=spread,
-                         gpus=gpus, decode_cores=decode_cores)
+                         gpus=gpus, decode_cores=decode_cores, warmup_extra_s=extra)
     fixed, steady_wall = projection.fixed_s, windows.steady_s
     steady = [im for im in result.images if im.done_at > windows.steady_start]
     decode_per_image = statistics.fmean(im.decode_s for im in result.images)
@@ -450,10 +461,12 @@ def estimate(
         f"{'the CPU, sharing its cores with decode (their costs add)' if on_cpu else 'its accelerator (decode overlaps it)'}",
         "the cost of an image depends on its size class only (not on its document, its place in the job or the "
         "time of day); the steady rate does not drift past what the sample saw",
-        f"fixed cost {fixed:.1f} s (start-up and model loading until a first image is described: "
-        f"{warmup_s:.1f} s; stopping the workers: {result.stop_s:.1f} s) is the same for the whole job",
-        f"the range: the steady part at a rate faster or slower by the spread between the sample's two halves "
-        f"({spread:.0%}; used within 5%-50%)",
+        f"fixed cost {fixed:.1f} s: start-up and model loading until a first image is described ({warmup_s:.1f} s"
+        + (f", plus {extra:.1f} s: the sample's decoding ran out while the model loaded, a job's shares the "
+           f"{os.cpu_count()} cores with it all along" if extra else "")
+        + f"), stopping the workers ({result.stop_s:.1f} s); the same for the whole job",
+        f"the range: the steady part at a rate faster or slower by {min(max(spread, 0.05), 0.5):.0%} (the larger of "
+        f"the spread between the sample's two halves and 1/sqrt({batches} batches in its steady window))",
         f"decoding done while the model loads is free: the sample decoded {windows.decoded_in_warmup} images then"
         + (" and ran out of work; the job's count is decode's rate then times that time"
            if windows.decode_exhausted else ""),

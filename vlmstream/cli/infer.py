@@ -80,7 +80,12 @@ def infer(
     engine_impl = make_engine(settings.infer, model_path)
     code = 1  # an exception out of the runner
     try:
-        code = InferenceRunner(settings, engine_impl).run(stop, max_seconds=max_seconds, until_idle_s=until_idle_s)
+        runner = InferenceRunner(settings, engine_impl)
+        if settings.metrics_port > 0:
+            from consumers.infer.metrics import serve
+
+            serve(runner, settings.metrics_port)
+        code = runner.run(stop, max_seconds=max_seconds, until_idle_s=until_idle_s)
     finally:
         stop.set()
         engine_impl.close()
