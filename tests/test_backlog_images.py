@@ -12,6 +12,7 @@ from producers.publisher import publish_documents
 from schemas import HEADER_IMAGE_COUNT, DocumentRef, header_value
 from tests.helpers import Fleet, corpus_images, wait_for
 from tests.kafka_helpers import read_topic
+from vlmstream.cli.backlog import LiveView, StageProbe
 from vlmstream.cli.status import pipeline_status, stage_bottleneck
 
 pytestmark = pytest.mark.kafka
@@ -44,6 +45,14 @@ def test_status_counts_the_backlog_in_images_and_names_the_stage_that_limits(top
     assert by["infer"].images == 0
     neck = stage_bottleneck(settings, stages)
     assert neck.stage == "decode", neck.why
+    probe = StageProbe(settings)  # run's and status --follow's live view: the same count
+    view = LiveView(probe)
+    try:
+        assert view.update().document_images_waiting == 13
+        assert view.totals() == (13, 13)
+        assert view.bottleneck().stage == "decode"
+    finally:
+        probe.close()
 
     # Decode does its part; inference is not running: the 13 images wait for it.
     with Fleet(settings, tmp_path, "--workers", "1", decode=decode.model_dump(mode="json")) as fleet:
@@ -55,3 +64,9 @@ def test_status_counts_the_backlog_in_images_and_names_the_stage_that_limits(top
     assert by["decode"].images == 0 and by["infer"].images == 13
     neck = stage_bottleneck(settings, stages)
     assert neck.stage == "inference", neck.why
+    probe = StageProbe(settings)
+    try:
+        snap = LiveView(probe).update()
+        assert (snap.document_images_waiting, snap.images_waiting) == (0, 13)
+    finally:
+        probe.close()

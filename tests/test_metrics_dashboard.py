@@ -28,7 +28,10 @@ def _free_port() -> int:
 
 
 def _scrape(port: int) -> set[str]:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    try:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    except OSError:  # not serving yet
+        return set()
     return {sample.name for family in text_string_to_metric_families(text) for sample in family.samples}
 
 

@@ -113,6 +113,9 @@ class ImageCount:
     documents: int
     documents_read: int
     exact: bool
+    # Per partition, (offset, images) of each document read, and the offset it was read up to.
+    by_record: dict[TopicPartition, list[tuple[int, int]]] = field(default_factory=dict)
+    read_to: dict[TopicPartition, int] = field(default_factory=dict)
 
     def describe(self) -> str:
         if self.exact:
@@ -131,6 +134,8 @@ def count_document_images(settings: Settings, spans: dict[TopicPartition, tuple[
         return ImageCount(0, 0, 0, True)
     consumer = make_consumer(settings, None)
     images, seen = 0, 0
+    by_record: dict[TopicPartition, list[tuple[int, int]]] = {tp: [] for tp in spans}
+    read_to = {tp: start for tp, (start, _end) in spans.items()}
     try:
         consumer.assign(list(spans))
         for tp, (start, _end) in spans.items():
@@ -143,14 +148,18 @@ def count_document_images(settings: Settings, spans: dict[TopicPartition, tuple[
                     if record.offset >= spans[tp][1]:
                         continue
                     seen += 1
-                    images += document_image_count(record.headers, record.value) or 0  # None: decode dead-letters it
-            done = {tp for tp, (_start, end) in spans.items() if consumer.position(tp) >= end}
+                    count = document_image_count(record.headers, record.value) or 0  # None: decode dead-letters it
+                    images += count
+                    by_record[tp].append((record.offset, count))
+            for tp, (_start, end) in spans.items():
+                read_to[tp] = min(end, consumer.position(tp))
+            done = {tp for tp, (_start, end) in spans.items() if read_to[tp] >= end}
     finally:
         consumer.close()
     # Offsets count transaction markers too, so "every partition read to its end" is the test, not seen == wanted.
     if len(done) == len(spans) or seen >= wanted:
-        return ImageCount(images, seen, seen, True)
-    return ImageCount(round(images * wanted / seen) if seen else 0, wanted, seen, False)
+        return ImageCount(images, seen, seen, True, by_record, read_to)
+    return ImageCount(round(images * wanted / seen) if seen else 0, wanted, seen, False, by_record, read_to)
 
 
 # --- while the run waits ---------------------------------------------------------------------------------------
@@ -173,16 +182,16 @@ class StageProbe:
     """Reads the stages' groups and topics every few seconds: what is waiting where, and how fast inference
     commits (over the last minute), for the run's progress lines."""
 
-    def __init__(self, settings: Settings, backlog: Backlog | None = None, count_every_s: float = 60.0):
+    def __init__(self, settings: Settings, backlog: Backlog | None = None):
         self.settings = settings
         self.backlog = backlog
         self.admin = make_admin(settings)
         self.history: deque[StageSnapshot] = deque(maxlen=64)
         self.first: StageSnapshot | None = None
-        # Reading the waiting documents for their image counts costs a consumer and up to a second: done every
-        # count_every_s; in between, the last count scaled by the documents still waiting.
-        self.count_every_s = count_every_s
-        self._counted: tuple[float, int, int] | None = None  # (when, documents waiting then, their images)
+        # Each waiting document's image count, read once (up to a second per reading, continued at the next):
+        # the images still waiting are those of the documents at or past the decode group's committed offsets.
+        self._images_at: dict[TopicPartition, list[tuple[int, int]]] = {}
+        self._read_to: dict[TopicPartition, int] = {}
 
     def close(self) -> None:
         self.admin.close()
@@ -212,17 +221,30 @@ class StageProbe:
             earlier_documents=sum(max(0, ends[tp] - done(decode, tp)) for tp in doc_tps if tp in ends),
             infer_members=len(group_state(admin, self.settings.infer.group_id)[1]),
         )
-        if self._counted is None or snap.at - self._counted[0] >= self.count_every_s or \
-                snap.documents_waiting > self._counted[1]:
-            spans = {tp: (done(decode, tp), latest[tp].offset) for tp in doc_tps
-                     if latest[tp].offset > done(decode, tp)}
-            images = count_document_images(self.settings, spans, within_s=1.0).images
-            self._counted = (snap.at, snap.documents_waiting, images)
-        _at, documents, images = self._counted
-        snap.document_images_waiting = round(images * snap.documents_waiting / documents) if documents else 0
+        snap.document_images_waiting = self._document_images_waiting(
+            {tp: (done(decode, tp), latest[tp].offset) for tp in doc_tps})
         self.first = self.first or snap
         self.history.append(snap)
         return snap
+
+    def _document_images_waiting(self, spans: dict[TopicPartition, tuple[int, int]]) -> int:
+        """Images named by the documents in spans (tp -> [committed, end)): read once per document; documents not
+        read yet (past the second a reading may take) at the mean of those read."""
+        unread = {tp: (max(start, self._read_to.get(tp, start)), end) for tp, (start, end) in spans.items()}
+        unread = {tp: span for tp, span in unread.items() if span[1] > span[0]}
+        if unread:
+            counted = count_document_images(self.settings, unread, within_s=1.0)
+            for tp, rows in counted.by_record.items():
+                self._images_at.setdefault(tp, []).extend(rows)
+                self._read_to[tp] = counted.read_to[tp]
+        documents, images = 0, 0
+        for tp, (start, _end) in spans.items():
+            rows = self._images_at.get(tp, [])
+            rows[:] = [(offset, n) for offset, n in rows if offset >= start]  # decoded: forget them
+            documents += len(rows)
+            images += sum(n for _offset, n in rows)
+        not_read = sum(max(0, end - max(start, self._read_to.get(tp, start))) for tp, (start, end) in spans.items())
+        return images + (round(not_read * images / documents) if documents else 0)
 
     def infer_rate(self, window_s: float = 60.0) -> float | None:
         """Images the inference group committed per second over the last window_s, counted from the last reading

@@ -147,7 +147,7 @@ def read_shape(documents: list[Any], family: Any, min_pixels: int, max_pixels: i
 def draw_sample(shape: JobShape, target_images: int, seed: int = 0) -> list[JobDocument]:
     """Whole documents, stratified by images per document and size class: one document from every stratum first (so
     the heavy tail is always in), then the rest of the target shared out over the strata in proportion to their
-    images; then a document for any size class still missing."""
+    images; then a document for any size class still missing. Returned in the job's order."""
     rng = random.Random(seed)
     strata: dict[tuple[int, str], list[JobDocument]] = defaultdict(list)
     for doc in shape.documents:
@@ -171,7 +171,10 @@ def draw_sample(shape: JobShape, target_images: int, seed: int = 0) -> list[JobD
         candidates = [d for d in shape.documents if d not in chosen and any(im.size_class == name for im in d.images)]
         if candidates:
             chosen.append(min(candidates, key=lambda d: len(d.images)))
-    return chosen
+    # In the job's order: what runs together (a large image padding its batch's small ones, heavy documents
+    # clustered at the end) runs together in the sample too.
+    position = {id(d): i for i, d in enumerate(shape.documents)}
+    return sorted(chosen, key=lambda d: position[id(d)])
 
 
 # --- the sample run ------------------------------------------------------------------------------------------------
