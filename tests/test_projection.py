@@ -142,3 +142,16 @@ def test_a_warm_up_shared_with_decode_all_along_is_longer():
     assert contended_warmup(20.0, 6.0, cores=2, decode_parallel=2) == pytest.approx((6 * 2 / 3 + 14) / (2 / 3))
     assert contended_warmup(20.0, 20.0, cores=2, decode_parallel=2) == pytest.approx(20.0)  # it already was
     assert contended_warmup(20.0, 6.0, cores=8, decode_parallel=2) == pytest.approx(20.0)  # cores to spare
+
+
+def test_on_shared_cores_the_cpu_is_the_third_limit():
+    from vlmstream.projection import ClassCosts
+
+    costs = ClassCosts({"e1/s1": 0.0}, {"e1/s1": 0.0}, 1.0, True, decode_parallel=2, cores=2, infer_threads=1)
+    # Light decode beside one-thread inference: inference's own time sets the pace (decode uses the other core).
+    assert costs.wall(10.0, 50.0) == pytest.approx(50.0)
+    # Heavy decode: 200 CPU s of decode and 60 of inference over 2 cores, more than either stage alone.
+    assert costs.wall(200.0, 60.0) == pytest.approx(130.0)
+    # Inference on every core: the stages' times add.
+    costs.infer_threads = 2
+    assert costs.wall(10.0, 50.0) == pytest.approx(55.0)

@@ -211,6 +211,8 @@ class ClassCosts:
     scale: float
     shared_cores: bool
     decode_parallel: float
+    cores: int = 1  # the machine's, when the stages share them
+    infer_threads: int = 1  # the threads an inference batch runs on (its measured time is wall time on them)
 
     def cost(self, name: str) -> tuple[float, float, str | None]:
         """(decode s, inference s, a note when the class was not sampled) for one image of a class."""
@@ -230,11 +232,14 @@ class ClassCosts:
         return d, i, f"class {name} not sampled: from class {near}, scaled up in pixels"
 
     def wall(self, decode_s: float, infer_s: float, gpus: int = 1, decode_parallel: float | None = None) -> float:
-        """Wall seconds for this much busy time: stages sharing the cores add up; on their own cores they overlap,
-        the slower one sets the pace."""
+        """Wall seconds for this much busy time. On their own hardware the stages overlap and the slower one sets
+        the pace. Sharing the cores, the CPU is a third limit: decode's seconds (one core each) plus inference's
+        (on its threads) over the cores."""
         d = decode_s / (decode_parallel or self.decode_parallel)
         i = infer_s / gpus
-        return self.scale * (d + i if self.shared_cores else max(d, i))
+        if not self.shared_cores:
+            return self.scale * max(d, i)
+        return self.scale * max(d, i, (decode_s + infer_s * self.infer_threads) / self.cores)
 
 
 def _mean_by_class(images: list[SampleImage], attr: str) -> dict[str, float]:
@@ -284,11 +289,11 @@ def sample_windows(images: list[SampleImage], steady_start: float | None = None)
 
 
 def calibrate(images: list[SampleImage], windows: SampleWindows, *, decode_parallel: float,
-              shared_cores: bool) -> ClassCosts:
+              shared_cores: bool, cores: int = 1, infer_threads: int = 1) -> ClassCosts:
     """Per-class stage costs from every sample image, and the scale from the steady window: the busy time of what
     was done inside it (images decoded and images described there) against its wall time."""
     costs = ClassCosts(_mean_by_class(images, "decode_s"), _mean_by_class(images, "infer_s"), 1.0, shared_cores,
-                       decode_parallel)
+                       decode_parallel, cores, infer_threads)
     inside = [im for im in images if im.done_at > windows.steady_start]
     decoded = [im for im in images if im.decoded_at is not None and im.decoded_at > windows.steady_start]
     busy = costs.wall(sum(im.decode_s for im in decoded), sum(im.infer_s for im in inside))

@@ -439,7 +439,11 @@ def estimate(
     decode_parallel = settings.decode.workers or os.cpu_count() or 1
     on_cpu = _inference_on_cpu(settings)
     windows = sample_windows(result.images, steady_start=result.measured_at)
-    costs = calibrate(result.images, windows, decode_parallel=decode_parallel, shared_cores=on_cpu)
+    cores = os.cpu_count() or 1
+    # torch's CPU threads: OMP_NUM_THREADS (the workers inherit this environment), else one per core.
+    infer_threads = int(os.environ.get("OMP_NUM_THREADS", "0") or 0) or cores
+    costs = calibrate(result.images, windows, decode_parallel=decode_parallel, shared_cores=on_cpu, cores=cores,
+                      infer_threads=infer_threads)
     # The range: the steady rate's wander between the window's halves, but no narrower than a window of n batches
     # can tell (1/sqrt(n)): a short window on a busy machine says little about the next ten minutes.
     batches = len({im.batch for im in result.images if im.done_at > windows.steady_start}) or len(result.images)
@@ -461,7 +465,9 @@ def estimate(
     warmup_s = result.ready_at - result.started_at
     assumptions = [
         f"the sample ran as `vlmstream run` does here: {decode_parallel} decode process(es), inference on "
-        f"{'the CPU, sharing its cores with decode (their costs add)' if on_cpu else 'its accelerator (decode overlaps it)'}",
+        + (f"the CPU on {infer_threads} thread(s), sharing the {cores} cores with decode: the wall time is the "
+           "largest of decode's time over its processes, inference's, and both stages' CPU seconds over the cores"
+           if on_cpu else "its accelerator: decode overlaps it, the slower stage sets the pace"),
         "the cost of an image depends on its size class only (not on its document, its place in the job or the "
         "time of day); the steady rate does not drift past what the sample saw",
         f"fixed cost {fixed:.1f} s: start-up and model loading until a first image is described ({warmup_s:.1f} s"
