@@ -431,7 +431,9 @@ def estimate(
         tiny = True
     else:
         tiny = False
+    load_before = os.getloadavg()[0]
     result = run_sample(sample, settings, timeout_s)
+    load_after = os.getloadavg()[0]
     if len(result.images) < 2:
         console.print(f"[red]the sample run described {len(result.images)} images: nothing to measure[/]")
         raise typer.Exit(1)
@@ -479,6 +481,9 @@ def estimate(
         f"decoding done while the model loads is free: the sample decoded {windows.decoded_in_warmup} images then"
         + (" and ran out of work; the job's count is decode's rate then times that time"
            if windows.decode_exhausted else ""),
+        f"the machine's other load stays as it was during the sample (load average {load_before:.1f} before it, "
+        f"{load_after:.1f} after, on {os.cpu_count()} cores): on a shared machine it will not, and the run moves with "
+        "it",
         *projection.assumptions, *shape.unseen,
     ]
     if result.missing:
@@ -517,7 +522,8 @@ def estimate(
                      "sample_missing": result.missing,
                      "sample_wall_s": round(result.done_at - result.started_at + result.stop_s, 1),
                      "warmup_s": round(warmup_s, 1), "stop_s": round(result.stop_s, 1),
-                     "steady_window_s": round(steady_wall, 1)})
+                     "steady_window_s": round(steady_wall, 1), "load_average": [round(load_before, 2),
+                                                                                 round(load_after, 2)]})
         print(json.dumps(data))
 
 
