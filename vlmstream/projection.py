@@ -152,8 +152,8 @@ def progress_line(meter: StageMeter, total: int | None) -> str:
     """``decode  120/400 images  2.31 img/s (60 s)  ETA 2 min (1 min-3 min)  drift -4%``; total None: unknown."""
     rate = meter.rate()
     parts = [f"{meter.name:<9} {meter.done}/{total if total is not None else '?'} images"]
-    if total is not None and meter.done >= total and meter.done:
-        return "  ".join([*parts, "done (nothing waits for it)"])  # an idle window's rate is no slowdown
+    if total is not None and meter.done >= total:  # an idle window's rate is no slowdown
+        return "  ".join([*parts, "done, nothing waits for it" if meter.done else "nothing waits for it"])
     parts.append(f"{rate:.2f} img/s over {meter.window_s:.0f} s" if rate is not None else "not moving yet")
     if total is not None and (eta := meter.eta(total - meter.done)) is not None:
         parts.append(f"ETA {eta.render()}")
