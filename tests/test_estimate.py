@@ -42,3 +42,29 @@ def test_estimate_samples_the_heavy_tail_runs_it_and_ends_with_one_json_line(kaf
     assert 12 in data["sample_images_per_document"] and 1 in data["sample_images_per_document"]
     assert any("2 GPU" in line for line in data["scaled"]) and any("4 decode" in line for line in data["scaled"])
     assert "assumptions and what the estimate could not see" in proc.stderr
+
+
+def test_estimate_of_a_topic_backlog_leaves_the_real_group_where_it_was(topic_names, corpus_dir, tmp_path, unique):
+    """The job's topics and group named in the environment (as a deployment does) must not reach the sample's
+    workers: the backlog is read, sampled onto topics of its own, and still waits for the real decode group."""
+    from producers.publisher import publish_documents
+    from schemas import DocumentRef
+    from vlmstream.cli.status import pipeline_status
+
+    decode = topic_names.decode.model_copy(update={"group_id": f"test-decode-{unique}"})
+    settings = topic_names.model_copy(update={"decode": decode, "producer": topic_names.producer.model_copy(
+        update={"state_dir": str(tmp_path / "ledger")})})
+    images = [str(p) for p in corpus_images(corpus_dir, 3)]
+    docs = [DocumentRef(doc_id=f"{unique}-{n}", image_uris=tuple(images[:n])) for n in (1, 2, 3)]
+    assert publish_documents(settings, docs).sent == 3
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "VLMSTREAM_INFER__BATCH_SIZE": "2",
+           "VLMSTREAM_TOPICS__DOCUMENTS": settings.topics.documents, "VLMSTREAM_DECODE__GROUP_ID": decode.group_id,
+           "VLMSTREAM_DECODE__ALLOWED_ROOTS": json.dumps([str(corpus_dir)])}
+    cmd = [sys.executable, "-m", "vlmstream.cli", "estimate", "--topic", "--sample-images", "2", "--max-pixels",
+           str(64 * 28 * 28), "--max-new-tokens", "2", "--json"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    data = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert (data["documents"], data["images"]) == (3, 6)
+    by = {s.stage: s for s in pipeline_status(settings)[0]}
+    assert (by["decode"].lag, by["decode"].images) == ({settings.topics.documents: 3}, 6)

@@ -204,7 +204,7 @@ def run_sample(docs: list[JobDocument], settings: Any, timeout_s: float) -> Samp
     the warm-up document is described, the rest; the steady window runs from there to the last description."""
     from producers.publisher import publish_documents
     from schemas import DeadLetter, Description, DocumentRef, SchemaError
-    from vlmstream.cli.run import _as_stage, _child, _manifest_roots, _settings_file, _stop_children
+    from vlmstream.cli.run import _as_stage, _child, _kill, _manifest_roots, _settings_file, _stop_children
     from vlmstream.kafka.clients import make_consumer
     from vlmstream.kafka.group import topic_partitions
     from vlmstream.kafka.records import poll_past_unreadable
@@ -243,10 +243,25 @@ def run_sample(docs: list[JobDocument], settings: Any, timeout_s: float) -> Samp
     children: dict[str, subprocess.Popen] = {}
     ready_at = measured_at = done_at = 0.0
     deadline = time.monotonic() + timeout_s
+    # The environment outranks a settings file: a VLMSTREAM_TOPICS__DOCUMENTS or group id set for the real job would
+    # send the sample's workers to the real topics and groups. The sample's own names go in the environment too.
+    own = {f"VLMSTREAM_TOPICS__{name.upper()}": topic for name, topic in names.items()}
+    own.update({"VLMSTREAM_DECODE__GROUP_ID": settings.decode.group_id,
+                "VLMSTREAM_INFER__GROUP_ID": settings.infer.group_id,
+                "VLMSTREAM_DECODE__ALLOWED_ROOTS": json.dumps(roots)})
+    saved = {key: os.environ.get(key) for key in own}
     try:
         workers_at = time.time()
-        children["decode"] = _child(["decode"], config_files["decode"], log_dir / "decode.log")
-        children["infer"] = _child(["infer"], config_files["infer"], log_dir / "infer.log")
+        os.environ.update(own)
+        try:
+            children["decode"] = _child(["decode"], config_files["decode"], log_dir / "decode.log")
+            children["infer"] = _child(["infer"], config_files["infer"], log_dir / "infer.log")
+        finally:
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
         publish_documents(_as_stage(settings, "producer"), [warmup, *(d.doc for d in first_part)], force=True)
         warm_done = False
         while (not warm_done or wanted - seen) and time.monotonic() < deadline:
@@ -273,7 +288,12 @@ def run_sample(docs: list[JobDocument], settings: Any, timeout_s: float) -> Samp
     finally:
         watcher.close()
         stopping = time.monotonic()
-        _stop_children(children)
+        try:
+            _stop_children(children)
+        except BaseException:  # a second Ctrl-C, or a closed terminal: the workers must not outlive the estimate
+            for proc in children.values():
+                _kill(proc)
+            raise
         stop_s = time.monotonic() - stopping
         for config_file in config_files.values():
             config_file.unlink(missing_ok=True)
