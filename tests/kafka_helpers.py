@@ -14,10 +14,10 @@ from vlmstream.kafka.topics import TopicSpec, create_topics, pipeline_topic_spec
 
 
 def create_uuid_topics(settings: Settings, partitions: int = 3) -> Settings:
-    """A copy of ``settings`` whose six topics are new, uuid-named and created with ``partitions``."""
+    """A copy of ``settings`` whose seven topics are new, uuid-named and created with ``partitions``."""
     suffix = uuid.uuid4().hex[:10]
     names = {name: f"test.{suffix}.{name}" for name in
-             ("documents", "images", "descriptions", "embeddings", "results", "deadletter")}
+             ("documents", "images", "descriptions", "embeddings", "results", "summaries", "deadletter")}
     topics = settings.topics.model_copy(update={**names, "partitions": partitions})
     scoped = settings.model_copy(update={"topics": topics})
     specs = [TopicSpec(s.name, partitions if s.name != topics.deadletter else 1, 1, s.configs)
@@ -30,7 +30,8 @@ def delete_topics(settings: Settings, scoped: Settings) -> None:
     admin = make_admin(settings)
     try:
         t = scoped.topics
-        admin.delete_topics([t.documents, t.images, t.descriptions, t.embeddings, t.results, t.deadletter])
+        admin.delete_topics([t.documents, t.images, t.descriptions, t.embeddings, t.results, t.summaries,
+                             t.deadletter])
     except Exception:  # noqa: BLE001 - cleanup is best effort; uuid names never collide
         pass
     finally:

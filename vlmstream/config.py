@@ -93,6 +93,7 @@ class TopicSettings(BaseModel):
     embeddings: str = "vlmstream.embeddings"
     results: str = "vlmstream.results"
     deadletter: str = "vlmstream.deadletter"
+    summaries: str = "vlmstream.summaries"
     partitions: int = Field(12, description="Partitions of each topic created by `topics create`.")
     replication_factor: int | None = Field(
         None, ge=1, description="Replicas of each topic created by `topics create` and `run`; None: min(3, the "
@@ -250,6 +251,62 @@ class InferSettings(BaseModel):
         return self.max_images_in_flight or max(256, 2 * engine_batch_size)
 
 
+DEFAULT_CONDENSE_PROMPT = (
+    "Below are descriptions of the {image_count} images of one document (id {doc_id}), in order.\n"
+    "{metadata}\n{descriptions}\n"
+    "Answer with one JSON object that follows this schema: {schema}")
+
+
+class CondenseSettings(BaseModel):
+    """`vlmstream condense`: one structured answer per complete document, from its image descriptions."""
+
+    group_id: str = "vlmstream-condense"
+    engine: Literal["auto", "vllm", "transformers"] = "auto"
+    model: str = Field(
+        "", description="HF id or local folder of the language model; empty: infer.model (one checkpoint serves both "
+        "steps, its language model text only), or the built-in tiny model when that is empty too.")
+    revision: str | None = None
+    answer_schema: str = Field(
+        "", description="JSON Schema file the answer must satisfy; empty: the built-in example (type, condition, "
+        "notable_characteristics). vLLM enforces any schema its guided decoding takes; the transformers engine "
+        "enforces a subset (an object of string, enum, number, integer, boolean and array-of-string properties) and "
+        "refuses others at start.")
+    prompt: str = Field(
+        DEFAULT_CONDENSE_PROMPT, description="The instruction, a Python format string over {doc_id}, {image_count}, "
+        "{metadata} (the document's metadata as JSON), {descriptions} (one line per described image: "
+        "'[index] text') and {schema} (the answer schema as JSON).")
+    prompt_file: str = Field("", description="A file holding the prompt template; wins over prompt when set.")
+    prompt_id: str = "condense-v1"
+    max_new_tokens: int = Field(128, ge=1, description="Most tokens of one answer.")
+    max_prompt_tokens: int = Field(
+        6144, ge=256, description="Context budget of the prompt. Descriptions over it are cut: each keeps its head, "
+        "all cut in proportion to their length (the summary's `cut` field records it).")
+    max_string_chars: int = Field(
+        200, ge=1, description="transformers engine: longest string value of a schema property without maxLength.")
+    max_array_items: int = Field(
+        8, ge=1, description="transformers engine: most items of an array property without maxItems.")
+    temperature: float = 0.0
+    batch_size: int = Field(8, ge=1, description="transformers engine: most documents decoded together.")
+    max_documents_in_flight: int | None = Field(
+        None, description="Documents handed to the engine and not yet back; None: twice the engine's batch (vLLM: "
+        "its max_num_seqs), at least 64.")
+    max_attempts: int = 3
+    exactly_once: bool = False
+    session_timeout_ms: int = 10_000
+    dtype: str = "auto"
+    gpu_memory_utilization: float = Field(
+        0.85, description="vLLM: the GPU memory share this engine takes; beside `vlmstream infer` on one GPU, the "
+        "two shares must add up to less than 1 (e.g. infer 0.6, condense 0.3).")
+    max_model_len: int = 8192
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    engine_cpu_threads: int = Field(1, ge=0, description="vLLM: torch CPU threads of its engine process.")
+    enable_prefix_caching: bool = Field(True, description="vLLM prefix caching: the prompt's head is shared.")
+
+    def documents_in_flight(self, engine_batch_size: int) -> int:
+        return self.max_documents_in_flight or max(64, 2 * engine_batch_size)
+
+
 class Settings(BaseSettings):
     """Everything a vlmstream process needs. Print it with secrets masked: ``settings.masked_json()``."""
 
@@ -263,6 +320,7 @@ class Settings(BaseSettings):
     producer: ProducerSettings = Field(default_factory=ProducerSettings)
     decode: DecodeSettings = Field(default_factory=DecodeSettings)
     infer: InferSettings = Field(default_factory=InferSettings)
+    condense: CondenseSettings = Field(default_factory=CondenseSettings)
     metrics_port: int = Field(0, description="Prometheus endpoint port; 0 disables it.")
     log_level: str = "INFO"
 
