@@ -252,9 +252,9 @@ class InferSettings(BaseModel):
 
 
 DEFAULT_CONDENSE_PROMPT = (
-    "Below are descriptions of the {image_count} images of one document (id {doc_id}), in order.\n"
-    "{metadata}\n{descriptions}\n"
-    "Answer with one JSON object that follows this schema: {schema}")
+    "Below are descriptions of the {image_count} images of one document (id {doc_id}), one per line, then its "
+    "metadata.\n{descriptions}\nMetadata: {metadata}\n"
+    "Answer with one JSON object that follows this JSON Schema: {schema}")
 
 
 class CondenseSettings(BaseModel):

@@ -21,11 +21,9 @@ install hint, and this module still imports.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
 import multiprocessing
-import os
 import threading
 import time
 from pathlib import Path
@@ -39,6 +37,7 @@ from consumers.infer.prompts import OutputSchema, PromptBuilder, with_schema
 from consumers.infer.vision import (VisionEncoder, groups_by_patches, load_vision_tower, mean_pool_each, patchify_batch,
                                     request_problem, to_host_each)
 from vlmstream.config import InferSettings
+from vlmstream.vllm_process import engine_process_threads
 from vlmstream.models.qwen2_vl import QWEN2_VL
 
 log = logging.getLogger(__name__)
@@ -72,26 +71,6 @@ def import_vllm() -> SimpleNamespace:
                            SamplingParams=SamplingParams, StructuredOutputsParams=StructuredOutputsParams,
                            RequestOutputKind=RequestOutputKind, DeadError=VllmEngineDeadError,
                            UsageContext=UsageContext)
-
-
-@contextlib.contextmanager
-def engine_process_threads(threads: int):
-    """Start vLLM's engine process (inside this block) with `threads` torch/OpenMP threads; this process keeps its
-    own. vLLM lowers OMP_NUM_THREADS to 1 only when it runs several GPU workers; its one-GPU engine keeps a thread
-    per core, and at 0.2 MP those threads spun on 15 of the H200 host's 32 cores (benchmarks/RESULTS.md). libgomp
-    reads the variable when it loads, so the engine must be spawned, not forked (vLLM forks unless CUDA is already
-    up here). Variables the user exported are kept as they are; 0 leaves vLLM to its own way."""
-    if threads <= 0:
-        yield
-        return
-    wanted = {"OMP_NUM_THREADS": str(threads), "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
-    added = [name for name in wanted if name not in os.environ]
-    os.environ.update({name: wanted[name] for name in added})
-    try:
-        yield
-    finally:
-        for name in added:
-            os.environ.pop(name, None)
 
 
 class VllmEngine(QueuedEngine):
