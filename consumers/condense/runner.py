@@ -15,8 +15,8 @@ stays. The runner keeps that the newest version's:
 
 * a result whose document has a newer result fetched already is never published (``stats.superseded``), even when
   its answer finishes later than the newer one's;
-* a result older than the one last summarised (its ``completed_at`` earlier: a late copy, a redriven record) is
-  dropped (``stats.stale``); one that says exactly what was last summarised (same fingerprint) is not summarised
+* a result older than the one last summarised or still open (its ``completed_at`` earlier: a late copy, a redriven
+  record) is dropped (``stats.stale``); one that says exactly what was last summarised (same fingerprint) is not summarised
   again (``stats.unchanged``). Both are remembered for ``recent_docs`` documents and not across a restart: a restart
   re-reads from the commit point in offset order, so the newest version is still summarised last.
 """
@@ -135,7 +135,8 @@ class CondenseRunner:
         stop_event = stop_event or threading.Event()
         if stop_event.is_set():
             return EXIT_OK
-        started = time.monotonic()
+        started = self._last_activity = time.monotonic()
+        self._assigned, self._rebalancing = False, True  # idle counts from this run's first assignment
         self.producer = make_producer(self.settings, transactional_id=self.transactional_id if self.exactly_once
                                       else None, **({"transaction_timeout_ms": 15_000} if self.exactly_once else {}),
                                       **bounded_producer_kwargs(self.settings))
@@ -253,7 +254,7 @@ class CondenseRunner:
         known = self._summarised.get(result.doc_id)
         if known is not None:
             completed_at, last_fingerprint = known
-            if completed_at is not None and result.completed_at is not None and result.completed_at < completed_at:
+            if None not in (completed_at, result.completed_at) and result.completed_at < completed_at:
                 self.stats.stale += 1
                 log.info("document %s: a result older than the one summarised (%s < %s); dropped", result.doc_id,
                          result.completed_at, completed_at)
@@ -268,6 +269,10 @@ class CondenseRunner:
             self._dead_letter(tp, record, result, prompt.error_kind, prompt.detail)
             return
         older = self._newest.get(result.doc_id)
+        if older is not None and _completed_before(result, older.result):
+            self.stats.stale += 1  # a late copy of an older version behind a newer one still open
+            self.commits.done(tp, record.offset, [])
+            return
         if older is not None:
             older.superseded = True  # its answer, whenever it comes, is not published
         doc = _Doc(tp, record, result, prompt, fingerprint)
@@ -424,6 +429,10 @@ class CondenseRunner:
         if not self._assigned:
             self._assigned = True
             self._last_activity = time.monotonic()
+
+
+def _completed_before(result: DocumentResult, other: DocumentResult) -> bool:
+    return None not in (result.completed_at, other.completed_at) and result.completed_at < other.completed_at
 
 
 class _Rebalance(AsyncConsumerRebalanceListener):
