@@ -105,6 +105,19 @@ def test_one_valid_summary_per_document_and_a_newer_version_replaces_it(topic_na
     assert committed_offsets(settings, settings.condense.group_id, settings.topics.results) == {
         p: e for p, e in end_offsets(settings, settings.topics.results).items() if e}
 
+    # The operator's tools know the stage: status (its lag, its dead letters), replay (its group, one message per
+    # document), redrive (its dead letters' records go back to the results topic).
+    from vlmstream.cli.redrive import redrive
+    from vlmstream.cli.replay import plan_replay
+    from vlmstream.cli.status import pipeline_status
+
+    stages, letter_counts = pipeline_status(settings)
+    assert next(s for s in stages if s.stage == "condense").lag == {settings.topics.results: 0}
+    assert letter_counts[("condense", "nothing_to_condense")] == 1
+    plan = plan_replay(settings, "condense", "earliest")
+    assert plan.group_id == settings.condense.group_id and plan.messages == len(docs) + 2
+    assert dict(redrive(settings, stage="condense", dry_run=True).republished) == {settings.topics.results: 2}
+
     # doc 0 republished with other images (a newer result); an older copy of doc 1 arriving late; doc 2 again as it
     # was. Then doc 3 twice in one batch: an older version behind a newer one is never published over it.
     changed = result(docs[0].doc_id, ["a red armchair", "its torn back", "a label: 1932"], 3000.0, tag="b")
@@ -164,3 +177,37 @@ def test_kill_9_mid_run_loses_nothing(topic_names, unique, tmp_path, condense_en
     assert set(counts) == {d.doc_id for d in docs}  # nothing lost
     if exactly_once:
         assert counts == Counter({d.doc_id: 1 for d in docs})  # nothing twice
+
+
+@pytest.mark.slow
+def test_run_with_condense_answers_every_document_of_a_folder(topic_names, corpus_dir, tmp_path, unique):
+    """`vlmstream run --condense`: the whole pipeline, then one answer per document, printed as it arrives."""
+    import os
+    import shutil
+
+    images = sorted(p for p in corpus_dir.rglob("*") if p.suffix.lower() in (".jpg", ".jpeg", ".png"))[:3]
+    folder = tmp_path / "docs"
+    for doc, files in {"doc-a": images[:2], "doc-b": images[2:3]}.items():
+        (folder / doc).mkdir(parents=True)
+        for index, path in enumerate(files):
+            shutil.copy(path, folder / doc / f"{index:02d}{path.suffix.lower()}")
+    t = topic_names.topics
+    env = dict(os.environ, **{f"VLMSTREAM_TOPICS__{name.upper()}": getattr(t, name) for name in
+                              ("documents", "images", "descriptions", "embeddings", "results", "summaries",
+                               "deadletter")},
+               VLMSTREAM_TOPICS__PARTITIONS="3", VLMSTREAM_PRODUCER__STATE_DIR=str(tmp_path / "ledger"),
+               VLMSTREAM_DECODE__GROUP_ID=f"run-decode-{unique}", VLMSTREAM_INFER__GROUP_ID=f"run-infer-{unique}",
+               VLMSTREAM_CONDENSE__GROUP_ID=f"run-condense-{unique}", VLMSTREAM_CONDENSE__ENGINE="transformers",
+               VLMSTREAM_INFER__BATCH_SIZE="4", OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "vlmstream.cli", "run", str(folder), "--condense",
+                           "--decode-workers", "1", "--max-pixels", str(128 * 28 * 28), "--max-new-tokens", "8",
+                           "--timeout-s", "400"], env=env, capture_output=True, text=True, timeout=480, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    said = " ".join(proc.stderr.split())  # rich wraps long lines at its width
+    assert "doc-a answer: {" in said and "2 of 2 documents" in said, proc.stderr[-4000:]
+    schema = AnswerSchema.load(None)
+    answers = {s.doc_id: s for s in summaries(topic_names, expected=2)}
+    assert set(answers) == {"doc-a", "doc-b"}
+    for s in answers.values():
+        schema._validate(s.answer)
+    assert answers["doc-a"].images_used == (0, 1)

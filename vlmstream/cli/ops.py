@@ -9,7 +9,7 @@ import typer
 
 def replay(
     ctx: typer.Context,
-    stage: str = typer.Option(..., "--stage", help="decode, infer or results."),
+    stage: str = typer.Option(..., "--stage", help="decode, infer, results or condense."),
     to: str = typer.Option(..., "--to", help="earliest | offset:N | timestamp:ISO-8601-or-epoch-ms"),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print what would be redone; change nothing."),
 ) -> None:

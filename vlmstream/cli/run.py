@@ -136,6 +136,9 @@ def run(
                                "its own (the configured names + '.run-<id>'), so records earlier runs left queued on "
                                "the shared topics are neither waited for nor touched (they stay for `vlmstream "
                                "decode`/`infer`). The run's topics stay on the cluster; their names are printed."),
+    condense: bool = typer.Option(False, "--condense", help="Also run the condense stage (`vlmstream condense`, "
+                                  "condense.* settings): one structured answer per document, from its descriptions; "
+                                  "the run then waits for every document's answer too."),
 ) -> None:
     """Run the whole pipeline on this machine: broker, topics, producer, decode workers, inference, results.
 
@@ -150,10 +153,11 @@ def run(
     A second SIGTERM or Ctrl-C stops them at once.
     """
     from kafka.errors import KafkaError
+    from rich.markup import escape
 
     from producers.folder import IMAGE_EXTENSIONS, scan_folder
     from producers.publisher import publish_documents
-    from schemas import DeadLetter, Description, DocumentRef, DocumentResult, SchemaError
+    from schemas import DeadLetter, Description, DocumentRef, DocumentResult, DocumentSummary, SchemaError
     from vlmstream.cli.backlog import RateMemory, RememberedRate, StageProbe, measure_backlog
     from vlmstream.cli.support import bootstrap, settings_from
     from vlmstream.kafka.clients import make_consumer
@@ -219,12 +223,14 @@ def run(
         console.print("nothing from earlier runs is queued ahead of yours")
 
     # Each stage's process gets a settings file with its own login only (kafka.principals; none: run's own login).
-    config_files = {stage: _settings_file(_as_stage(settings, stage)) for stage in ("decode", "infer")}
+    stages = ("decode", "infer") + (("condense",) if condense else ())
+    config_files = {stage: _settings_file(_as_stage(settings, stage)) for stage in stages}
     log_dir = Path(settings.broker.home).expanduser() / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     children: dict[str, subprocess.Popen] = {}
     results: dict[str, DocumentResult] = {}
+    condensed: set[str] = set()  # documents with an answer (a summary) or a condense dead letter
     started = time.monotonic()
     probe = None
     previous_handler = signal.signal(signal.SIGTERM, _raise_stopped)
@@ -234,11 +240,11 @@ def run(
         watcher = make_consumer(_as_stage(settings, "tap"), None)  # reads the outputs only
         # The topics were created a moment ago: a watcher assigned before they list partitions would see nothing.
         tps = topic_partitions(watcher, [settings.topics.descriptions, settings.topics.results,
-                                         settings.topics.deadletter])
+                                         settings.topics.deadletter] + ([settings.topics.summaries] if condense else []))
         watcher.assign(tps)
         # Results from the beginning: documents that already have one are done (a rerun resumes). With --force
         # every document is described again, so only results published from now on count.
-        from_now = [tp for tp in tps if tp.topic != settings.topics.results or force]
+        from_now = [tp for tp in tps if tp.topic not in (settings.topics.results, settings.topics.summaries) or force]
         for tp, end in watcher.end_offsets(from_now).items():
             watcher.seek(tp, end)
         if earlier := [tp for tp in tps if tp not in from_now]:  # (no argument would mean every partition)
@@ -248,7 +254,9 @@ def run(
         probe.snapshot()  # where the topics and groups stand before anything of this run is published
         children["decode"] = _child(["decode"], config_files["decode"], log_dir / f"decode-{stamp}.log")
         children["infer"] = _child(["infer"], config_files["infer"], log_dir / f"infer-{stamp}.log")
-        console.print(f"decode and inference workers started (logs in {log_dir})")
+        if condense:
+            children["condense"] = _child(["condense"], config_files["condense"], log_dir / f"condense-{stamp}.log")
+        console.print(f"{', '.join(stages)} workers started (logs in {log_dir})")
 
         summary = publish_documents(_as_stage(settings, "producer"), items, force=force)
         failed_ids = {failure.doc_id for failure in summary.failed}
@@ -265,7 +273,10 @@ def run(
         dead_letters = 0
         earlier_dead_letters = 0  # of documents this run did not publish: earlier work its workers took first
         next_progress = time.monotonic() + PROGRESS_EVERY_S
-        while expected - results.keys():
+        def condensing() -> set[str]:  # documents whose answer is still to come (none without a description)
+            return {d for d, r in results.items() if r.succeeded} - condensed if condense else set()
+
+        while expected - results.keys() or condensing():
             if time.monotonic() >= next_progress:
                 next_progress = time.monotonic() + PROGRESS_EVERY_S
                 console.print(_progress_line(probe, started, len(expected & results.keys()), len(expected),
@@ -287,8 +298,17 @@ def run(
                             if result.doc_id in expected:
                                 results[result.doc_id] = result
                             continue
+                        if tp.topic == settings.topics.summaries:
+                            summary = DocumentSummary.decode(record.value)
+                            if summary.doc_id in expected:
+                                condensed.add(summary.doc_id)
+                                console.print(f"[bold]{escape(summary.doc_id)}[/] answer: "
+                                              f"{escape(json.dumps(summary.answer)[:200])}", highlight=False)
+                            continue
                         if tp.topic == settings.topics.deadletter:
                             letter = DeadLetter.decode(record.value)
+                            if letter.stage == "condense" and letter.doc_id is not None:
+                                condensed.add(letter.doc_id)
                             dead_letters += letter.doc_id in expected
                             earlier_dead_letters += letter.doc_id not in expected
                             continue
@@ -331,6 +351,9 @@ def run(
         raise typer.Exit(130 if stopped_by == "Ctrl-C" else 143)
     elapsed = time.monotonic() - started
     _print_summary(results, elapsed, codes, images_described)
+    if condense:
+        console.print(f"answers (topic {settings.topics.summaries}) or condense dead letters: "
+                      f"{len(condensed & expected)} of {len(expected)} documents")
     # A worker stopped by our SIGTERM before it had set up its handlers ends with -SIGTERM: still clean.
     clean = all(code in (0, -signal.SIGTERM) for code in codes.values())
     raise typer.Exit(0 if clean else 1)
@@ -356,11 +379,12 @@ def _fresh_settings(settings: Any) -> Any:
     suffix = f"run-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:4]}"
     t = settings.topics
     names = {name: f"{getattr(t, name)}.{suffix}"
-             for name in ("documents", "images", "descriptions", "embeddings", "results", "deadletter")}
+             for name in ("documents", "images", "descriptions", "embeddings", "results", "summaries", "deadletter")}
     return settings.model_copy(update={
         "topics": t.model_copy(update=names),
         "decode": settings.decode.model_copy(update={"group_id": f"{settings.decode.group_id}.{suffix}"}),
         "infer": settings.infer.model_copy(update={"group_id": f"{settings.infer.group_id}.{suffix}"}),
+        "condense": settings.condense.model_copy(update={"group_id": f"{settings.condense.group_id}.{suffix}"}),
     })
 
 

@@ -85,7 +85,7 @@ def pipeline_status(settings: Settings, sample_s: float = 0.0) -> tuple[list[Sta
 # What each topic's new records mean, for `vlmstream status`'s throughput table.
 THROUGHPUT_TOPICS = (("documents", "documents published"), ("images", "images decoded"),
                      ("descriptions", "images described"), ("results", "documents completed"),
-                     ("deadletter", "dead letters"))
+                     ("summaries", "documents condensed"), ("deadletter", "dead letters"))
 
 
 @dataclass
