@@ -211,3 +211,29 @@ def test_run_with_condense_answers_every_document_of_a_folder(topic_names, corpu
     for s in answers.values():
         schema._validate(s.answer)
     assert answers["doc-a"].images_used == (0, 1)
+
+
+def test_the_results_aggregator_never_reopens_a_document_for_a_condense_dead_letter(topic_names, unique):
+    """A condense dead letter names its document but no image: read as a document-level failure it would send the
+    document's result again with an error, which condense would fail on again, and so on."""
+    from consumers.results import ResultsAggregator
+    from schemas import Description, now
+
+    doc_id = f"loop-{unique}"
+    described = Description(doc_id=doc_id, image_index=0, image_count=1, text="a chair", model="tiny",
+                            prompt_id="describe-v1", engine="transformers", created_at=now())
+    letter = DeadLetter(stage="condense", error_kind="answer_schema_violation", detail="cut", doc_id=doc_id,
+                        image_count=1, created_at=now())
+    producer = make_producer(topic_names)
+    try:
+        producer.send(topic_names.topics.descriptions, key=described.key(), value=described.encode())
+        producer.flush()
+        producer.send(topic_names.topics.deadletter, key=letter.key(), value=letter.encode())
+        producer.flush()
+    finally:
+        producer.close()
+    aggregator = ResultsAggregator(topic_names, group_id=f"test-results-{unique}", commit_interval_s=0.3)
+    assert aggregator.run(threading.Event(), max_seconds=60, until_idle_s=2.5) == 0
+    results = [DocumentResult.decode(r.value) for r in read_topic(topic_names, topic_names.topics.results, idle_s=1.0)]
+    assert len(results) == 1 and results[0].succeeded == 1 and "document_error" not in results[0].metadata
+    assert aggregator.stats.skipped == 1

@@ -264,17 +264,18 @@ class CondenseRunner:
                 self.stats.unchanged += 1
                 self.commits.done(tp, record.offset, [])
                 return
-        prompt = self.condenser.prompt(result)
-        if isinstance(prompt, CondenseProblem):
-            self._dead_letter(tp, record, result, prompt.error_kind, prompt.detail)
-            return
         older = self._newest.get(result.doc_id)
         if older is not None and _completed_before(result, older.result):
             self.stats.stale += 1  # a late copy of an older version behind a newer one still open
             self.commits.done(tp, record.offset, [])
             return
         if older is not None:
-            older.superseded = True  # its answer, whenever it comes, is not published
+            older.superseded = True  # its answer, whenever it comes, is not published (even if this one fails)
+            del self._newest[result.doc_id]
+        prompt = self.condenser.prompt(result)
+        if isinstance(prompt, CondenseProblem):
+            self._dead_letter(tp, record, result, prompt.error_kind, prompt.detail)
+            return
         doc = _Doc(tp, record, result, prompt, fingerprint)
         self._newest[result.doc_id] = doc
         self._backlog.append(doc)
