@@ -8,7 +8,6 @@
 #              A1 this code, 0.2 MP and 1 MP / 64, embeds;  B1 the code of /root/ab-tree (a whole tree of an older
 #              commit, from `git archive`; without it the job is skipped), 0.2 MP / 64, embeds
 #              M1 this code under CUDA MPS (gpu_bench.py --mps), 0.2 MP and 1 MP / 64, embeds
-#              A1, B1 and M1 in that order, then A1 again (A2), so drift over the lease shows.
 #   qwen3      the Qwen3-VL-8B config (dummy weights): Q0 the tower against transformers' (bf16), Q1 the tower alone
 #              with TFLOPS, Q2 naive vLLM and the pipeline in both modes at 0.2 MP and 1 MP / 64
 #
@@ -63,7 +62,6 @@ if [ "$LIST" = tower-mps ]; then
     printf 'b1_before\tskipped\t%s\t0\tno /root/ab-tree\n' "$(date +%T)" >> "$RES/jobs.tsv"
   fi
   job m1_mps 300 420 $BENCH --model /root/model --budgets 256,1280 $PIPE --mps --out "$RES/m1_mps"
-  job a2_this 300 420 $BENCH --model /root/model --budgets 256,1280 $PIPE --out "$RES/a2_this"
 fi
 
 if [ "$LIST" = qwen3 ]; then
