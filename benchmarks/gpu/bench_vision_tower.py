@@ -3,7 +3,9 @@
 Variants, side by side in one process on the same images (random weights: same compute as real ones), named
 <blocks>+<attention>:
   transformers+...  transformers' blocks as they ship (patch embedding as a matrix product)
-  fast+...          FastVisionBlocks, compiled (what VisionEncoder runs on CUDA)
+  fast+...          FastVisionBlocks, compiled, q/k/v split and rotated by the Triton kernel (what VisionEncoder
+                    runs on CUDA; consumers/infer/qkv_rotary.py)
+  fast-torchqkv+... the same with the compiled torch code for that step instead of the kernel
   fast-eager+...    FastVisionBlocks without torch.compile
 with attention vllm_fa3 (vLLM's FlashAttention 3), torch_varlen (torch's varlen flash) or sdpa. Each timing covers
 GPU patchify + tower forward + merger for a batch of images, synchronised, after warm-up; it prints ms per image
@@ -130,7 +132,9 @@ def main() -> None:
                 key = f"{variant} x{batch}" if args.batches else variant
                 try:
                     encoder = VisionEncoder(tower, device, dtype, attention=attention,
-                                            fast_blocks=blocks != "transformers", compile_blocks=blocks == "fast")
+                                            fast_blocks=blocks != "transformers",
+                                            compile_blocks=blocks in ("fast", "fast-torchqkv"),
+                                            qkv_kernel="torch" if blocks == "fast-torchqkv" else "auto")
                     if device.type == "cuda":
                         torch.cuda.reset_peak_memory_stats()
                     rows[key] = achieved(time_encoder(encoder, images, batch, args.seconds), flops_per_image)
@@ -142,8 +146,9 @@ def main() -> None:
     if not budget:
         return
     report["profile"] = {"budget": budget}
-    for blocks in ("transformers", "fast"):
-        encoder = VisionEncoder(tower, device, dtype, attention="auto", fast_blocks=blocks == "fast")
+    for blocks in ("transformers", "fast-torchqkv", "fast"):
+        encoder = VisionEncoder(tower, device, dtype, attention="auto", fast_blocks=blocks != "transformers",
+                                qkv_kernel="torch" if blocks == "fast-torchqkv" else "auto")
         table = profile_table(encoder, exact_size_images(args.imgs, BATCH[budget], BUDGETS[budget]))
         report["profile"][blocks] = {"attention": encoder.attention, "compiled": encoder.compiled, "table": table}
         print(f"PROFILE {blocks} blocks, budget {budget}, attention {encoder.attention}\n{table}", flush=True)
