@@ -310,7 +310,8 @@ def test_parquet_export_killed_mid_run_loses_no_row_and_writes_none_twice(topic_
 
     def produce():
         for start in range(0, total, 100):
-            publish(topic_names, [(t.descriptions, description(f"k{i}", 0).encode()) for i in range(start, start + 100)])
+            publish(topic_names, [(t.descriptions, description(f"k{i}", 0).encode())
+                                  for i in range(start, start + 100)])
             time.sleep(0.05)
 
     producer = threading.Thread(target=produce)
