@@ -17,7 +17,6 @@ from schemas import DeadLetter, Description, DocumentResult, Embedding
 from tests.helpers import wait_for
 from tests.kafka_helpers import read_topic
 
-pytestmark = [pytest.mark.kafka, pytest.mark.model, pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[1]
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 
@@ -105,6 +104,80 @@ def live(kafka_settings, corpus_dir, tmp_path_factory):
         delete_topics(kafka_settings, settings)
 
 
+# --- the page's parts, without a broker ---------------------------------------------------------------------
+
+
+def _letter(doc: str, index: int | None, kind: str = "decode_corrupt") -> bytes:
+    return DeadLetter(stage="decode", error_kind=kind, detail=f"why {doc}", doc_id=doc, image_index=index,
+                      source_uri=f"/img/{doc}/{index}.jpg").encode()
+
+
+def _description(doc: str, index: int, text: str, count: int = 2) -> bytes:
+    return Description(doc_id=doc, image_index=index, image_count=count, text=text, model="tiny", prompt_id="p",
+                       engine="transformers", source_uri=f"file:///img/{doc}/{index}.jpg").encode()
+
+
+def test_the_state_filters_by_document_dead_letter_kind_and_text_and_stays_bounded():
+    from vlmstream.cli.view import ViewState
+
+    state = ViewState(max_images=3)
+    state.add("documents", b'{"schema_version": 1, "doc_id": "a", "image_uris": ["x", "y"]}')
+    state.add("deadletter", _letter("a", 0))
+    state.add("descriptions", _description("a", 0, "A red Barn"))  # redone: the description replaces the failure
+    state.add("deadletter", _letter("a", 0))  # an old failure read after it does not come back
+    state.add("deadletter", _letter("b", 1, "fetch_not_found"))
+    state.add("deadletter", _letter("b", None, "metadata_too_large"))  # the document's own letter
+    state.add("descriptions", b"not json")
+    snap = state.snapshot()
+    assert [(i["doc_id"], i["image_index"]) for i in snap["items"]] == [("b", 1), ("a", 0)]
+    assert snap["items"][1]["dead_letter"] is None and snap["items"][1]["text"] == "A red Barn"
+    assert snap["items"][1]["thumbnail"] == "/thumbnail?uri=file%3A%2F%2F%2Fimg%2Fa%2F0.jpg"
+    assert snap["error_kinds"] == ["fetch_not_found", "metadata_too_large"]
+    assert snap["progress"]["images_done"] == 2 and snap["progress"]["images_total"] == 2  # b: no count known
+    assert [i["doc_id"] for i in state.snapshot(doc="a")["items"]] == ["a"]
+    assert [i["image_index"] for i in state.snapshot(kind="metadata_too_large")["items"]] == [1]
+    assert [i["doc_id"] for i in state.snapshot(text="red barn")["items"]] == ["a"]
+    assert [i["doc_id"] for i in state.snapshot(text="why b")["items"]] == ["b"]
+    for index in range(5):
+        state.add("descriptions", _description("c", index, "more", count=5))
+    assert len(state.snapshot()["items"]) == 3  # view.max_images: the latest kept
+
+
+def test_thumbnails_come_only_from_inside_the_roots(tmp_path, corpus_dir):
+    from starlette.testclient import TestClient
+
+    from vlmstream.cli.view import ViewState, make_app
+    from vlmstream.config import load_settings
+
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    root.mkdir(), outside.mkdir()
+    image = next(p for p in sorted(corpus_dir.rglob("*")) if p.suffix.lower() in (".jpg", ".jpeg", ".png"))
+    shutil.copy(image, root / "in.jpg")
+    shutil.copy(image, outside / "secret.jpg")
+    (root / "link.jpg").symlink_to(outside / "secret.jpg")
+    (root / "fifo.jpg").write_bytes(b"not an image")
+    settings = load_settings()
+    settings = settings.model_copy(update={"decode": settings.decode.model_copy(
+        update={"allowed_roots": [str(root)]})})
+    client = TestClient(make_app(settings, ViewState(10)), base_url="http://127.0.0.1")
+    assert client.get("/thumbnail", params={"uri": str(root / "in.jpg")}).status_code == 200
+    assert client.get("/thumbnail", params={"uri": f"file://{root}/in.jpg"}).status_code == 200
+    for uri in (str(outside / "secret.jpg"), f"{root}/../outside/secret.jpg", str(root / "link.jpg"),
+                f"{root}%2F..%2Foutside%2Fsecret.jpg", f"file://{root}/%2e%2e/outside/secret.jpg", "/etc/passwd"):
+        answer = client.get("/thumbnail?uri=" + uri.replace("%", "%25") if "%" in uri else "/thumbnail",
+                            params=None if "%" in uri else {"uri": uri})
+        assert answer.status_code == 403, (uri, answer.status_code, answer.text)
+    assert client.get("/thumbnail", params={"uri": str(root / "fifo.jpg")}).status_code == 415
+    assert client.get("/thumbnail", params={"uri": "https://example.com/a.jpg"}).status_code == 404
+    rebound = TestClient(make_app(settings, ViewState(10)), base_url="http://attacker.example")
+    assert rebound.get("/api/state").status_code == 400  # a name other than this machine's
+
+
+# --- a live run ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.model
+@pytest.mark.slow
 def test_images_outside_the_roots_are_refused_however_the_path_is_written(live):
     inside = next((live.folder / "doc-a").iterdir())
     ok = httpx.get(live.url + "/thumbnail", params={"uri": str(inside)}, timeout=30)
@@ -152,6 +225,8 @@ def _browser():
     return webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
 
 
+@pytest.mark.model
+@pytest.mark.slow
 def test_the_page_shows_the_runs_descriptions_beside_their_thumbnails(live):
     driver = _browser()
     try:
@@ -197,6 +272,8 @@ def test_the_page_shows_the_runs_descriptions_beside_their_thumbnails(live):
         driver.quit()
 
 
+@pytest.mark.model
+@pytest.mark.slow
 def test_the_run_exported_to_parquet_matches_its_topics_exactly(live, tmp_path):
     import duckdb
 

@@ -20,11 +20,13 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, List, Optional
-from urllib.parse import unquote, urlsplit
+from urllib.parse import quote, unquote, urlsplit
 
 import orjson
 import typer
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.middleware.trustedhost import TrustedHostMiddleware
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
@@ -114,10 +116,12 @@ class ViewState:
                 letter = item["dead_letter"]
                 if doc and item["doc_id"] != doc:
                     continue
-                if kind and (letter is None or letter["error_kind"] != kind):
+                letters = [letter] if letter else []
+                letters += self.document_letters.get(item["doc_id"], [])
+                if kind and kind not in {x["error_kind"] for x in letters}:
                     continue
                 if text and text not in (item["text"] or "").lower() and \
-                        text not in (letter["detail"].lower() if letter else ""):
+                        not any(text in x["detail"].lower() for x in letters):
                     continue
                 items.append({**item, "thumbnail": thumbnail_url(item["source_uri"]),
                               "result": self.results.get(item["doc_id"]),
@@ -138,8 +142,6 @@ def thumbnail_url(source_uri: str | None) -> str | None:
     """The page's link to an image's thumbnail: local files only (the page never fetches remote URLs)."""
     if not source_uri or local_path(source_uri) is None:
         return None
-    from urllib.parse import quote
-
     return "/thumbnail?uri=" + quote(source_uri, safe="")
 
 
@@ -276,8 +278,13 @@ def make_app(settings: Settings, state: ViewState) -> Starlette:
             return Response(f"cannot make a thumbnail: {exc}", status_code=415)
         return Response(body, media_type="image/jpeg", headers={"Cache-Control": "max-age=3600"})
 
+    # Host names the page answers to: a web page elsewhere that rebinds its own name to 127.0.0.1 (DNS rebinding)
+    # would otherwise read the descriptions through the visitor's browser.
+    host = settings.view.host
+    hosts = ["*"] if host in ("0.0.0.0", "::", "") else sorted({host, "127.0.0.1", "localhost", "[::1]"})
     return Starlette(routes=[Route("/", page), Route("/api/state", api_state),
-                             Route("/thumbnail", thumbnail_response)])
+                             Route("/thumbnail", thumbnail_response)],
+                     middleware=[Middleware(TrustedHostMiddleware, allowed_hosts=hosts)])
 
 
 def view(
