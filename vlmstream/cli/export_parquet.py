@@ -144,7 +144,8 @@ class ParquetSink:
         self._buffers = {kind: _Buffer() for kind in kinds.values()}
         self._seen: dict[TopicPartition, int] = {}  # the offset after the last record handled
         self._durable: dict[TopicPartition, int] = {}  # every record below it is in a file or needs none
-        self._on_disk: dict[TopicPartition, list[tuple[int, int]]] = {}  # [first, end) ranges files cover
+        # [first, end) ranges that files already in the folder cover, ahead of where this run reads
+        self._on_disk: dict[TopicPartition, list[tuple[int, int]]] = {}
         self._next_number: dict[str, int] = {kind: 1 for kind in kinds.values()}
         for stale in folder.glob(".*.parquet.tmp"):  # a killed run's unfinished file: its offsets were never
             stale.unlink()                           # committed, and this run writes its records again
@@ -173,11 +174,15 @@ class ParquetSink:
         for first, end in sorted(self._on_disk.get(tp, ())):
             if first <= position < end:
                 position = end
+        # Reading only goes forward from here: the ranges behind it can never match again, and neither can the
+        # files this run writes, so each record is checked against few ranges, however many files there are.
+        self._on_disk[tp] = [(first, end) for first, end in self._on_disk.get(tp, ()) if end > position]
         self._seen[tp] = self._durable[tp] = position
         return position
 
     def _covered(self, tp: TopicPartition, offset: int) -> bool:
-        return any(first <= offset < end for first, end in self._on_disk.get(tp, ()))
+        ranges = self._on_disk.get(tp)
+        return bool(ranges) and any(first <= offset < end for first, end in ranges)
 
     def add(self, kind: str, tp: TopicPartition, offset: int, value: bytes | None) -> bool | None:
         """True: buffered; False: not this topic's message (counted, left out); None: already in a file."""
@@ -246,10 +251,8 @@ class ParquetSink:
         name = f"{kind}-{self._next_number[kind]:06d}.parquet"
         self._next_number[kind] += 1
         self._write_durably(table, name)
-        for partition, (first, end) in ranges.items():
-            tp = TopicPartition(topic, partition)
-            self._on_disk.setdefault(tp, []).append((first, end))
-            self._durable[tp] = end
+        for partition, (_first, end) in ranges.items():
+            self._durable[TopicPartition(topic, partition)] = end
         self.files.append(str(self.folder / name))
         self._buffers[kind] = _Buffer()
 
