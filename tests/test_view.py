@@ -118,7 +118,7 @@ def _description(doc: str, index: int, text: str, count: int = 2) -> bytes:
 
 
 def test_the_state_filters_by_document_dead_letter_kind_and_text_and_stays_bounded():
-    from vlmstream.cli.view import ViewState
+    from vlmstream.cli.view_page import ViewState
 
     state = ViewState(max_images=3)
     state.add("documents", b'{"schema_version": 1, "doc_id": "a", "image_uris": ["x", "y"]}')
@@ -146,7 +146,7 @@ def test_the_state_filters_by_document_dead_letter_kind_and_text_and_stays_bound
 def test_thumbnails_come_only_from_inside_the_roots(tmp_path, corpus_dir):
     from starlette.testclient import TestClient
 
-    from vlmstream.cli.view import ViewState, make_app
+    from vlmstream.cli.view_page import ViewState, make_app
     from vlmstream.config import load_settings
 
     root, outside = tmp_path / "root", tmp_path / "outside"

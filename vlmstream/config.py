@@ -266,7 +266,7 @@ class ViewSettings(BaseModel):
     """`vlmstream view`: the local page that follows the output topics."""
 
     host: str = Field("127.0.0.1", description="Address the page listens on; 127.0.0.1 keeps it on this machine.")
-    port: int = Field(8765, ge=0, le=65535)
+    port: int = Field(8765, ge=1, le=65535)
     max_images: int = Field(5000, ge=1, description="Images the page keeps (the latest), so memory stays bounded.")
     thumbnail_px: int = Field(256, ge=16, le=2048, description="Longest side of a thumbnail.")
 
