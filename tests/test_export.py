@@ -339,3 +339,25 @@ def test_parquet_export_killed_mid_run_loses_no_row_and_writes_none_twice(topic_
     assert len(coords) == len(set(coords)) == total, (len(coords), len(set(coords)))
     assert set(coords) == topic_offsets(topic_names, t.descriptions)
     assert sorted(r[columns.index("doc_id")] for r in rows) == sorted(f"k{i}" for i in range(total))
+
+
+def test_summaries_are_exported_when_the_cluster_has_their_topic(topic_names, unique, tmp_path):
+    from vlmstream.kafka.clients import make_admin
+    from vlmstream.kafka.topics import TopicSpec, create_topics
+
+    t = topic_names.topics
+    first = export(topic_names, tmp_path / "before", format="parquet", group_id=f"export-{unique}-before")
+    assert "summaries" not in first.written  # no topic yet: nothing to export, and no error
+    create_topics(topic_names, [TopicSpec(t.summaries, 1, 1, {})])
+    try:
+        summary = {"schema_version": 1, "doc_id": "s1", "answer": {"type": "invoice", "condition": "good"}}
+        publish(topic_names, [(t.summaries, orjson.dumps(summary)), (t.summaries, b"[1, 2]")])
+        report = export(topic_names, tmp_path, format="parquet", group_id=f"export-{unique}")
+        assert report.written["summaries"] == 1 and report.unreadable == 1
+        rows, columns = parquet_rows(tmp_path, "summaries")
+        assert [(r[columns.index("doc_id")], orjson.loads(r[columns.index("summary")])) for r in rows] == \
+            [("s1", summary)]
+    finally:
+        admin = make_admin(topic_names)
+        admin.delete_topics([t.summaries])
+        admin.close()

@@ -128,9 +128,12 @@ def test_the_state_filters_by_document_dead_letter_kind_and_text_and_stays_bound
     state.add("deadletter", _letter("b", 1, "fetch_not_found"))
     state.add("deadletter", _letter("b", None, "metadata_too_large"))  # the document's own letter
     state.add("descriptions", b"not json")
+    state.add("summaries", b'{"schema_version": 1, "doc_id": "a", "answer": {"type": "barn"}}')
     snap = state.snapshot()
     assert [(i["doc_id"], i["image_index"]) for i in snap["items"]] == [("b", 1), ("a", 0)]
     assert snap["items"][1]["dead_letter"] is None and snap["items"][1]["text"] == "A red Barn"
+    assert snap["items"][1]["summary"] == '{"answer":{"type":"barn"}}'
+    assert snap["items"][0]["document_letters"][0]["error_kind"] == "metadata_too_large"
     assert snap["items"][1]["thumbnail"] == "/thumbnail?uri=file%3A%2F%2F%2Fimg%2Fa%2F0.jpg"
     assert snap["error_kinds"] == ["fetch_not_found", "metadata_too_large"]
     assert snap["progress"]["images_done"] == 2 and snap["progress"]["images_total"] == 2  # b: no count known
