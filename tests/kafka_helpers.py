@@ -18,6 +18,7 @@ def create_uuid_topics(settings: Settings, partitions: int = 3) -> Settings:
     suffix = uuid.uuid4().hex[:10]
     names = {name: f"test.{suffix}.{name}" for name in
              ("documents", "images", "descriptions", "embeddings", "results", "deadletter")}
+    names["summaries"] = f"test.{suffix}.summaries"  # not created: readers skip this optional topic while absent
     topics = settings.topics.model_copy(update={**names, "partitions": partitions})
     scoped = settings.model_copy(update={"topics": topics})
     specs = [TopicSpec(s.name, partitions if s.name != topics.deadletter else 1, 1, s.configs)
