@@ -18,7 +18,7 @@ from consumers.condense.runner import CondenseRunner
 from consumers.condense.stage import AnswerSchema, Condenser, result_fingerprint
 from schemas import DeadLetter, DocumentResult, DocumentSummary
 from tests.helpers import subprocess_env, tiny_model_dir, wait_for
-from tests.kafka_helpers import committed_offsets, end_offsets, read_topic
+from tests.kafka_helpers import committed_offsets, create_summaries_topic, end_offsets, read_topic
 from vlmstream.config import Settings
 from vlmstream.kafka.clients import make_producer
 
@@ -37,6 +37,7 @@ def condense_engine():
 
 
 def condense_settings(topics: Settings, unique: str, **condense) -> Settings:
+    create_summaries_topic(topics)
     cfg = topics.condense.model_copy(update={"group_id": f"test-condense-{unique}", "engine": "transformers",
                                              "batch_size": 4, **condense})
     return topics.model_copy(update={"condense": cfg})
@@ -191,7 +192,7 @@ def test_run_with_condense_answers_every_document_of_a_folder(topic_names, corpu
         (folder / doc).mkdir(parents=True)
         for index, path in enumerate(files):
             shutil.copy(path, folder / doc / f"{index:02d}{path.suffix.lower()}")
-    t = topic_names.topics
+    t = create_summaries_topic(topic_names).topics
     env = dict(os.environ, **{f"VLMSTREAM_TOPICS__{name.upper()}": getattr(t, name) for name in
                               ("documents", "images", "descriptions", "embeddings", "results", "summaries",
                                "deadletter")},

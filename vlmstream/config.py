@@ -93,7 +93,9 @@ class TopicSettings(BaseModel):
     embeddings: str = "vlmstream.embeddings"
     results: str = "vlmstream.results"
     deadletter: str = "vlmstream.deadletter"
-    summaries: str = "vlmstream.summaries"
+    summaries: str = Field("vlmstream.summaries", description="One summary per document (the condense stage; "
+                           "compacted, key = doc id): `topics create` and `run` create it; export and view skip it "
+                           "while the cluster does not have it.")
     partitions: int = Field(12, description="Partitions of each topic created by `topics create`.")
     replication_factor: int | None = Field(
         None, ge=1, description="Replicas of each topic created by `topics create` and `run`; None: min(3, the "
@@ -307,6 +309,25 @@ class CondenseSettings(BaseModel):
         return self.max_documents_in_flight or max(64, 2 * engine_batch_size)
 
 
+class ExportSettings(BaseModel):
+    """`vlmstream export --format parquet`."""
+
+    max_file_bytes: int = Field(
+        128 * 1024 * 1024, ge=1024, description="A Parquet file is closed once the records it holds reach this "
+        "many bytes as published (JSON); compressed columns make the file itself smaller.")
+    flush_interval_s: float = Field(
+        60.0, gt=0, description="With --follow, files are also closed this often, so what arrived shows up.")
+
+
+class ViewSettings(BaseModel):
+    """`vlmstream view`: the local page that follows the output topics."""
+
+    host: str = Field("127.0.0.1", description="Address the page listens on; 127.0.0.1 keeps it on this machine.")
+    port: int = Field(8765, ge=1, le=65535)
+    max_images: int = Field(5000, ge=1, description="Images the page keeps (the latest), so memory stays bounded.")
+    thumbnail_px: int = Field(256, ge=16, le=2048, description="Longest side of a thumbnail.")
+
+
 class Settings(BaseSettings):
     """Everything a vlmstream process needs. Print it with secrets masked: ``settings.masked_json()``."""
 
@@ -321,6 +342,10 @@ class Settings(BaseSettings):
     decode: DecodeSettings = Field(default_factory=DecodeSettings)
     infer: InferSettings = Field(default_factory=InferSettings)
     condense: CondenseSettings = Field(default_factory=CondenseSettings)
+
+
+    export: ExportSettings = Field(default_factory=ExportSettings)
+    view: ViewSettings = Field(default_factory=ViewSettings)
     metrics_port: int = Field(0, description="Prometheus endpoint port; 0 disables it.")
     log_level: str = "INFO"
 

@@ -19,6 +19,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from consumers.infer.qkv_rotary import rotate, triton_rotate_qkv
 from vlmstream.models.qwen2_vl import QWEN2_VL
 
 try:  # transformers 5: the vision forward takes its index tensors precomputed (VisionEncoder._index_inputs)
@@ -254,17 +255,14 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return weight * xf.to(x.dtype)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    xf = x.float()
-    half = xf.shape[-1] // 2
-    rotated = torch.cat((-xf[..., half:], xf[..., :half]), -1)
-    return (xf * cos + rotated * sin).to(x.dtype)
-
-
 def _before_attention(x, norm_weight, qkv_weight, qkv_bias, cos, sin, eps: float, heads: int):
     h = _rms_norm(x, norm_weight, eps)
     q, k, v = torch.nn.functional.linear(h, qkv_weight, qkv_bias).view(x.shape[0], 3, heads, -1).unbind(1)
-    return _rotate(q, cos, sin), _rotate(k, cos, sin), v.contiguous()
+    return rotate(q, cos, sin), rotate(k, cos, sin), v.contiguous()
+
+
+def _project(x, norm_weight, qkv_weight, qkv_bias, eps: float):
+    return torch.nn.functional.linear(_rms_norm(x, norm_weight, eps), qkv_weight, qkv_bias)
 
 
 def _after_attention(x, attended, proj_weight, proj_bias, norm_weight, gate_up_weight, gate_up_bias,
@@ -308,16 +306,26 @@ class FastVisionBlocks:
 
     ``attention`` is a varlen kernel ``(q, k, v, cu_q, cu_k, max_q, max_k, scale) -> out`` on (tokens, heads,
     dim) tensors, or None for the per-window sdpa loop. ``compile_blocks`` compiles the code around the
-    attention (CUDA only; a failed compile falls back to eager with a warning).
+    attention (CUDA only; a failed compile falls back to eager with a warning). ``qkv_kernel``: how q, k, v are
+    split out of the projection and rotated: "triton" (one pass, ``qkv_rotary.py``), "torch" (the compiled
+    elementwise code), "auto" (Triton when the blocks are compiled and Triton imports).
     """
 
     def __init__(self, visual: torch.nn.Module, attention=None, compile_blocks: bool = False,
-                 alignment: int = GEMM_ALIGNMENT):
+                 alignment: int = GEMM_ALIGNMENT, qkv_kernel: str = "auto"):
+        if qkv_kernel not in ("auto", "triton", "torch"):
+            raise ValueError(f"qkv_kernel must be auto, triton or torch, not {qkv_kernel!r}")
         self.attention = attention
-        self.before, self.after = _before_attention, _after_attention
+        self.before, self.after, self.project = _before_attention, _after_attention, _project
         if compile_blocks:
             self.before = torch.compile(_before_attention, dynamic=True, fullgraph=True)
             self.after = torch.compile(_after_attention, dynamic=True, fullgraph=True)
+            self.project = torch.compile(_project, dynamic=True, fullgraph=True)
+        self.rotate_qkv = None
+        if qkv_kernel == "triton" or (qkv_kernel == "auto" and compile_blocks):
+            self.rotate_qkv = triton_rotate_qkv()
+            if self.rotate_qkv is None and qkv_kernel == "triton":
+                raise RuntimeError("qkv_kernel='triton' needs Triton, which cannot be imported here")
         for block in visual.blocks:
             merged = getattr(block, "_vlmstream_merged_mlp", None)
             if merged is None or merged[0].shape[0] % (2 * alignment):
@@ -331,7 +339,8 @@ class FastVisionBlocks:
             block.__dict__.pop("forward", None)
 
     def use_eager(self) -> None:
-        self.before, self.after = _before_attention, _after_attention
+        self.before, self.after, self.project = _before_attention, _after_attention, _project
+        self.rotate_qkv = None
 
     def _block_forward(self, block: torch.nn.Module, merged):
         attn, mlp = block.attn, block.mlp
@@ -339,9 +348,14 @@ class FastVisionBlocks:
         heads, scale, eps = attn.num_heads, attn.scaling, block.norm1.variance_epsilon
 
         def forward(hidden_states, cu_seqlens, max_seqlen=None, position_embeddings=None, **_):
-            cos, sin = (t.float().unsqueeze(-2) for t in position_embeddings)
-            q, k, v = self.before(hidden_states, block.norm1.weight, attn.qkv.weight, attn.qkv.bias, cos, sin,
-                                  eps, heads)
+            if self.rotate_qkv is not None:
+                qkv = self.project(hidden_states, block.norm1.weight, attn.qkv.weight, attn.qkv.bias, eps)
+                q, k, v = self.rotate_qkv(qkv.view(hidden_states.shape[0], 3, heads, -1),
+                                          *(t.float() for t in position_embeddings))
+            else:
+                cos, sin = (t.float().unsqueeze(-2) for t in position_embeddings)
+                q, k, v = self.before(hidden_states, block.norm1.weight, attn.qkv.weight, attn.qkv.bias, cos, sin,
+                                      eps, heads)
             if self.attention is None:
                 attended = _windowed_sdpa(q, k, v, cu_seqlens, scale)
             else:
@@ -416,7 +430,7 @@ class VisionEncoder:
     def __init__(self, visual: torch.nn.Module, device: torch.device | str = "cpu",
                  dtype: torch.dtype | None = None, attention: str = "auto",
                  max_patches_per_call: int = 65536, linear_patch_embedding: bool = True,
-                 fast_blocks: bool = True, compile_blocks: bool = True):
+                 fast_blocks: bool = True, compile_blocks: bool = True, qkv_kernel: str = "auto"):
         self.device = torch.device(device)
         self.dtype = dtype or next(visual.parameters()).dtype
         self.visual = visual.to(self.device, self.dtype).eval()
@@ -432,7 +446,8 @@ class VisionEncoder:
         FastVisionBlocks.remove(self.visual)
         if fast_blocks:  # False only to measure what they are worth
             compile_blocks = compile_blocks and self.device.type == "cuda"
-            self.fast = FastVisionBlocks(self.visual, VARLEN_KERNELS.get(self.attention), compile_blocks)
+            self.fast = FastVisionBlocks(self.visual, VARLEN_KERNELS.get(self.attention), compile_blocks,
+                                         qkv_kernel=qkv_kernel)
             if compile_blocks:
                 self.compiled = self._warm_up_compiled()
 
