@@ -368,7 +368,7 @@ def test_vllm_engine_process_starts_with_few_cpu_threads_and_this_one_keeps_its_
 
     import torch
 
-    from consumers.infer.vllm_engine import engine_process_threads
+    from vlmstream.vllm_process import engine_process_threads
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.delenv("VLLM_WORKER_MULTIPROC_METHOD", raising=False)
