@@ -121,11 +121,20 @@ class VllmCondenseEngine(QueuedEngine):
         log.info("condense: vLLM %s up in %.1fs (text only=%s, scheduler limits %s)", self._v.version, self.start_s,
                  "limit_mm_per_prompt" in args, {"max_num_seqs": self.batch_size,
                                                  "max_num_batched_tokens": scheduler.max_num_batched_tokens})
+        try:
+            self._call(self._probe(), timeout=300)
+        except ValueError as exc:
+            self._close_engine()
+            raise ValueError(f"condense.answer_schema ({answer_schema.schema_id}): vLLM's guided decoding refuses "
+                             f"it: {exc}") from exc
         self._start_worker(self._feed, "condense-vllm-feed")
 
     def close(self) -> None:
         if not self._stop_worker():
             return
+        self._close_engine()
+
+    def _close_engine(self) -> None:
         try:
             self._call(self._shutdown(), timeout=120)
         except Exception as exc:  # noqa: BLE001
@@ -154,6 +163,13 @@ class VllmCondenseEngine(QueuedEngine):
             if task is not asyncio.current_task():
                 task.cancel()
         self.llm.shutdown()
+
+    async def _probe(self) -> None:
+        """One token under the answer schema's grammar: a schema the guided-decoding backend cannot compile is
+        refused here, at start, rather than dead-lettering every document."""
+        prompt = {"prompt_token_ids": self.tokenizer.encode("{", add_special_tokens=False) or [0]}
+        async for _ in self.llm.generate(prompt, self.sampling_params(1), "condense-schema-probe"):
+            pass
 
     def sampling_params(self, max_tokens: int):
         v = self._v
