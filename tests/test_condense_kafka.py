@@ -83,8 +83,8 @@ def dead_letters(settings: Settings) -> list[DeadLetter]:
 def test_one_valid_summary_per_document_and_a_newer_version_replaces_it(topic_names, unique, condense_engine):
     settings = condense_settings(topic_names, unique)
     schema = AnswerSchema.load(None)
-    docs = [result(f"doc-{unique}-{i}", [f"a wooden chair, view {j}, scratches on the left leg" for j in range(i % 3 + 1)],
-                   1000.0 + i) for i in range(6)]
+    docs = [result(f"doc-{unique}-{i}", [f"a wooden chair, view {j}, scratches on the left leg"
+                                         for j in range(i % 3 + 1)], 1000.0 + i) for i in range(6)]
     empty = result(f"empty-{unique}", [None, None], 2000.0)
     publish(settings, [*docs, empty, b"not a result"])
     runner = CondenseRunner(settings, condense_engine, Condenser(settings.condense, condense_engine.tokenizer, schema))

@@ -47,8 +47,8 @@ class KafkaSettings(BaseModel):
     ssl_password: SecretStr | None = None
     principals: dict[str, KafkaPrincipal] = Field(
         default_factory=dict,
-        description="Per-stage SASL logins (producer, decode, infer, tap, ops) that `vlmstream run` hands to the "
-        "stage it starts, each only its own; the login above stays run's own. `vlmstream security clients` writes "
+        description="Per-stage SASL logins (producer, decode, infer, condense, tap, ops) that `vlmstream run` hands to "
+        "the stage it starts, each only its own; the login above stays run's own. `vlmstream security clients` writes "
         "them for the local secured broker.")
     request_timeout_ms: int = 30_000
     max_message_bytes: int = Field(

@@ -16,8 +16,8 @@ stays. The runner keeps that the newest version's:
 * a result whose document has a newer result fetched already is never published (``stats.superseded``), even when
   its answer finishes later than the newer one's;
 * a result older than the one last summarised or still open (its ``completed_at`` earlier: a late copy, a redriven
-  record) is dropped (``stats.stale``); one that says exactly what was last summarised (same fingerprint) is not summarised
-  again (``stats.unchanged``). Both are remembered for ``recent_docs`` documents and not across a restart: a restart
+  record) is dropped (``stats.stale``); one that says exactly what was last summarised (same fingerprint) is not
+  summarised again (``stats.unchanged``). Both are remembered for ``recent_docs`` documents and not across a restart: a restart
   re-reads from the commit point in offset order, so the newest version is still summarised last.
 """
 

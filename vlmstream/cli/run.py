@@ -239,8 +239,8 @@ def run(
         # Position the live view before anything is published, so no description is missed.
         watcher = make_consumer(_as_stage(settings, "tap"), None)  # reads the outputs only
         # The topics were created a moment ago: a watcher assigned before they list partitions would see nothing.
-        tps = topic_partitions(watcher, [settings.topics.descriptions, settings.topics.results,
-                                         settings.topics.deadletter] + ([settings.topics.summaries] if condense else []))
+        watched = [settings.topics.descriptions, settings.topics.results, settings.topics.deadletter]
+        tps = topic_partitions(watcher, watched + ([settings.topics.summaries] if condense else []))
         watcher.assign(tps)
         # Results from the beginning: documents that already have one are done (a rerun resumes). With --force
         # every document is described again, so only results published from now on count.
