@@ -8,8 +8,10 @@
 #              A1 this code, 0.2 MP and 1 MP / 64, embeds;  B1 the code of /root/ab-tree (a whole tree of an older
 #              commit, from `git archive`; without it the job is skipped), 0.2 MP / 64, embeds
 #              M1 this code under CUDA MPS (gpu_bench.py --mps), 0.2 MP and 1 MP / 64, embeds
-#   qwen3      the Qwen3-VL-8B config (dummy weights): Q0 the tower against transformers' (bf16), Q1 the tower alone
-#              with TFLOPS, Q2 naive vLLM and the pipeline in both modes at 0.2 MP and 1 MP / 64
+#   qwen3      T2 the Qwen2.5-VL-7B tower alone, the Triton q/k/v kernel against the compiled torch code, side by
+#              side at 0.2 / 1 / 12.8 MP; the Qwen3-VL-8B config (dummy weights): Q0 gpu_engine_smoke.py (the
+#              engine's image_embeds against transformers' tower, DeepStack included, bf16; text in both modes),
+#              Q1 the tower alone with TFLOPS, Q2 the pipeline in both modes at 0.2 MP / 64, Q3 naive vLLM at 0.2 MP
 #
 # On the device, after unpack_device.sh:
 #   setsid nohup bash benchmarks/gpu/plan_x1.sh /root/res 1500 tower-mps > /root/plan.log 2>&1 < /dev/null &
@@ -65,16 +67,18 @@ if [ "$LIST" = tower-mps ]; then
 fi
 
 if [ "$LIST" = qwen3 ]; then
-  [ -e /root/model-qwen3/config.json ] || python3 benchmarks/gpu/mk_model.py /root/model-qwen3 --family qwen3-vl \
+  [ -e /root/model/config.json ] || python3 benchmarks/gpu/mk_model.py /root/model > "$RES/mk_model.log" 2>&1
+  job t2_tower_qkv 150 240 python3 benchmarks/gpu/bench_vision_tower.py --model /root/model --imgs /root/imgs \
+    --variants fast-torchqkv+vllm_fa3,fast+vllm_fa3 --seconds 3 --profile-budget default --out "$RES/t2_tower_qkv.json"
+  [ -e /root/model-qwen3/config.json ] || python3 benchmarks/gpu/mk_model.py /root/model-qwen3 qwen3-vl-8b \
     > "$RES/mk_model_qwen3.log" 2>&1
-  job q0_equivalence 150 240 python3 benchmarks/gpu/check_tower_equivalence.py --model /root/model-qwen3 \
-    --imgs /root/imgs --out "$RES/q0_equivalence.json"
-  job q1_tower 150 240 python3 benchmarks/gpu/bench_vision_tower.py --model /root/model-qwen3 --imgs /root/imgs \
+  job q0_engine_smoke 200 300 python3 benchmarks/gpu_engine_smoke.py --model qwen3-vl-8b --model-dir /root/model-qwen3 \
+    --images /root/imgs --n 64 --modes embeds,pixels --out "$RES/q0_engine_smoke.json"
+  job q1_tower 120 200 python3 benchmarks/gpu/bench_vision_tower.py --model /root/model-qwen3 --imgs /root/imgs \
     --variants fast+vllm_fa3 --seconds 3 --profile-budget '' --out "$RES/q1_tower.json"
-  job q2_naive 240 360 $BENCH --model /root/model-qwen3 --budgets 256,1280 --seconds 30 --arms naive \
-    --out "$RES/q2_naive"
-  job q3_pipeline 480 560 $BENCH --model /root/model-qwen3 --budgets 256,1280 --seconds 30 --stop-after 1.5 \
-    --arms pipeline-embeds,pipeline-pixels --out "$RES/q3_pipeline"
+  job q2_pipeline 300 420 $BENCH --model /root/model-qwen3 --budgets 256 --seconds 40 --stop-after 1.5 \
+    --arms pipeline-embeds,pipeline-pixels --out "$RES/q2_pipeline"
+  job q3_naive 200 300 $BENCH --model /root/model-qwen3 --budgets 256 --seconds 30 --arms naive --out "$RES/q3_naive"
 fi
 
 vlmstream broker stop > "$RES/broker_stop.log" 2>&1
