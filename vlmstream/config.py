@@ -162,6 +162,10 @@ class DecodeSettings(BaseModel):
     model_family: str = Field(
         DEFAULT_FAMILY, description="Model family (vlmstream/models/) whose input size rule the images are resized "
         "by; its released checkpoints' pixel limits are the defaults below.")
+    model: str = Field(
+        "", description="Checkpoint folder whose config.json names the model family (model_family is then ignored) and "
+        "whose preprocessor_config.json bounds the pixels: min_pixels and max_pixels apply within its limits. "
+        "`vlmstream run` sets it to infer.model.")
     min_pixels: int = family_named(DEFAULT_FAMILY).min_pixels
     max_pixels: int = Field(family_named(DEFAULT_FAMILY).max_pixels,
                             description="Largest model input in pixels (the checkpoints' 12,845,056 by default).")

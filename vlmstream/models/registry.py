@@ -58,6 +58,9 @@ def family_of(checkpoint: str | Path) -> ModelFamily:
     ``preprocessor_config.json`` (``min_pixels``/``max_pixels``, or transformers 5's ``size`` with
     ``shortest_edge``/``longest_edge``); without that file or those keys, the image processor's own defaults."""
     folder = Path(checkpoint)
+    if not (folder / "config.json").is_file():
+        raise UnknownModelFamily(f"{folder} has no config.json: infer.model must be a local checkpoint folder for its "
+                                 "family to be known (download it first, e.g. huggingface-cli download)")
     family = family_for_config(json.loads((folder / "config.json").read_text()))
     min_pixels, max_pixels = family.min_pixels, family.processor_max_pixels
     processor_file = folder / "preprocessor_config.json"
