@@ -500,7 +500,11 @@ class VisionEncoder:
         small kernels and waits for the GPU several times per forward (.tolist(), .item(), unique_consecutive):
         each wait a stall behind the language model's turn when both share the GPU. Empty (transformers derives
         them itself) where its vision_utils cannot take them (before transformers 5)."""
-        if _vision_utils is None or not self.windowed:
+        if _vision_utils is None:
+            return {}
+        if hasattr(self.visual, "num_grid_per_side"):
+            return self._learned_grid_index_inputs(grid_cpu)
+        if not self.windowed:
             return {}
         visual = self.visual
         cu_seqlens = _vision_utils.get_vision_cu_seqlens(grid_cpu)
@@ -518,6 +522,24 @@ class VisionEncoder:
         return {"position_ids": there(position_ids), "cu_seqlens": there(cu_seqlens), "max_seqlen": longest(cu_seqlens),
                 "window_index": there(window_index), "cu_window_seqlens": there(cu_window_seqlens),
                 "max_window_seqlen": longest(cu_window_seqlens)}
+
+    def _learned_grid_index_inputs(self, grid_cpu: torch.Tensor) -> dict:
+        """``_index_inputs`` of a Qwen3-VL / Qwen3.5 tower: the taps and weights that resample its learned position
+        grid to each image, the rotary positions and the sequence bounds, derived on the CPU as that tower's
+        forward would on its device."""
+        visual = self.visual
+        indices, weights = _vision_utils.get_vision_interpolation_indices_and_weights(
+            grid_cpu, num_grid_per_side=visual.num_grid_per_side, mode=visual.interpolation_mode,
+            align_corners=visual.interpolation_align_corners, spatial_merge_size=visual.config.spatial_merge_size)
+        position_ids = _vision_utils.get_vision_position_ids(grid_cpu, visual.spatial_merge_size)
+        cu_seqlens = _vision_utils.get_vision_cu_seqlens(grid_cpu)
+        longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if len(cu_seqlens) > 1 else 0
+
+        def there(tensor: torch.Tensor) -> torch.Tensor:
+            return tensor.to(self.device, non_blocking=True)
+
+        return {"interp_indices": there(indices), "interp_weights": there(weights),
+                "position_ids": there(position_ids), "cu_seqlens": there(cu_seqlens), "max_seqlen": longest}
 
     def encode(self, images: Sequence[np.ndarray]) -> list[EncodedImage]:
         results: list[EncodedImage] = []
