@@ -1,7 +1,8 @@
 """Each model family beyond Qwen2.5-VL (Qwen3-VL dense and MoE, Qwen3.5) on its tiny random-weight model: the
 registry reads the checkpoint, our tower equals transformers' full model's image features (DeepStack included),
 the engine's text equals the model's own ``generate`` on the processor's pixels, and `vlmstream run --model` works
-end to end on the real broker. Qwen2.5-VL's own versions of these are in test_engines.py and test_cli_run.py."""
+end to end on the real broker; and the generic path (a tiny Gemma 3, which no family module describes) end to end.
+Qwen2.5-VL's own versions of these are in test_engines.py and test_cli_run.py."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from consumers.infer.tiny_model import TINY_FAMILIES, write_tiny_family_model
+from consumers.infer.tiny_model import GENERIC_TINY, TINY_FAMILIES, write_tiny_family_model
 from vlmstream.models.registry import family_of
 
 pytestmark = pytest.mark.model
@@ -39,7 +40,7 @@ def one_thread():
 @pytest.fixture(scope="module")
 def tiny_dirs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tiny-families")
-    return {name: write_tiny_family_model(root / name, name) for name in FAMILIES}
+    return {name: write_tiny_family_model(root / name, name) for name in [*FAMILIES, GENERIC_TINY]}
 
 
 def _images(factor: int) -> list[np.ndarray]:
@@ -157,13 +158,52 @@ def test_tiny_model_cli_writes_each_family(tmp_path):
     assert refused.exit_code != 0 and "qwen3-vl" in refused.output
 
 
+def test_the_generic_path_caps_at_what_the_processor_keeps(tiny_dirs):
+    """A model no family describes (Gemma 3) gets the generic path: decode never ships more than its processor's
+    own resize keeps (224 x 224 here, each axis capped on its own since that resize ignores the aspect ratio),
+    never enlarges, and the user's budget still bounds the area."""
+    from vlmstream.models.generic import processor_cap
+
+    family = family_of(tiny_dirs[GENERIC_TINY])
+    assert family.name == "generic" and not family.exact_size
+    assert family.target_size(3000, 1000, max_pixels=10**9) == (224, 224)
+    assert family.target_size(100, 3000, max_pixels=10**9) == (100, 224)
+    assert family.target_size(90, 60, max_pixels=10**9) == (90, 60)
+    assert family.target_size(3000, 1000, max_pixels=100 * 100) == (100, 100)
+    # Aspect-keeping processors: Idefics3/SmolVLM's longest edge, LLaVA-OneVision's largest grid pinpoint.
+    assert processor_cap({"size": {"longest_edge": 1456}})(3000, 1500, 1, 1, 10**9) == (1456, 728)
+    assert processor_cap({"image_grid_pinpoints": [[384, 768], [768, 384]]})(1000, 1000, 1, 1, 10**9) == (768, 768)
+
+
+
+def test_a_text_only_model_is_no_family_and_no_generic_model(tmp_path):
+    from vlmstream.models.registry import UnknownModelFamily
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}))
+    with pytest.raises(UnknownModelFamily, match="'llama'"):
+        family_of(tmp_path)
+
+
+def test_a_model_the_engine_cannot_load_fails_at_start_naming_the_setting(tmp_path):
+    from consumers.infer.engine import EngineCannotLoadModel
+    from consumers.infer.factory import make_engine
+    from consumers.infer.model7b import write_qwen3vl_8b_config
+    from vlmstream.config import InferSettings
+
+    folder = write_qwen3vl_8b_config(tmp_path / "weightless")  # a config, no weights
+    with pytest.raises(EngineCannotLoadModel, match="infer.model"):
+        make_engine(InferSettings(model=str(folder), engine="transformers"))
+
+
 @pytest.mark.kafka
 @pytest.mark.slow
-@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("name", [*FAMILIES, GENERIC_TINY])
 def test_run_with_each_tiny_model_end_to_end(tiny_dirs, name, topic_names, corpus_dir, tmp_path, unique):
-    """`vlmstream run --model PATH` on the real broker: decode resizes for the checkpoint's family (32 px blocks),
-    one description per image, one result per document, embeddings of the family's width."""
+    """`vlmstream run --model PATH` on the real broker: decode resizes for the checkpoint's family (32 px blocks;
+    for the generic path, no larger than the processor keeps), one description per image, one result per document,
+    embeddings of the family's width (none on the generic path)."""
     from schemas import Description, DocumentResult, Embedding
+    from schemas.messages import decode_image_payload
     from tests.kafka_helpers import read_topic
 
     images = sorted(p for p in corpus_dir.rglob("*") if p.suffix.lower() in (".jpg", ".jpeg", ".png"))[:3]
@@ -198,8 +238,15 @@ def test_run_with_each_tiny_model_end_to_end(tiny_dirs, name, topic_names, corpu
     descriptions = [Description.decode(r.value) for r in read_topic(topic_names, t.descriptions, timeout_s=30)]
     assert Counter((d.doc_id, d.image_index) for d in descriptions) == Counter(
         {(doc, i): 1 for doc, count in expected.items() for i in range(count)})
+    family = family_of(path)
+    if not family.exact_size:
+        for record in read_topic(topic_names, t.images, expected=sum(expected.values()), timeout_s=30):
+            meta = decode_image_payload(record.headers)
+            assert meta.width <= 224 and meta.height <= 224, meta  # the processor's 224 x 224
+        assert not read_topic(topic_names, t.embeddings, timeout_s=5, idle_s=1)
+        return
     embeddings = [Embedding.decode(r.value) for r in read_topic(topic_names, t.embeddings, timeout_s=30)]
-    width = family_of(path).embedding_width(json.loads((path / "config.json").read_text())["vision_config"])
+    width = family.embedding_width(json.loads((path / "config.json").read_text())["vision_config"])
     assert len(embeddings) == sum(expected.values())
     for embedding in embeddings:
         assert embedding.dim == width and len(base64.b64decode(embedding.vector_b64)) == width * 2  # float16

@@ -244,7 +244,67 @@ TINY_FAMILIES = {
                           chat_template=QWEN3_5_CHAT_TEMPLATE, processor_class="Qwen3VLProcessor"),
 }
 DEFAULT_TINY_FAMILY = "qwen2.5-vl"
-TINY_FAMILY_NAMES = (DEFAULT_TINY_FAMILY, *TINY_FAMILIES)
+# The generic path's tiny model: no family module describes Gemma 3; its own processor does the model's rest.
+GENERIC_TINY = "gemma3"
+TINY_FAMILY_NAMES = (DEFAULT_TINY_FAMILY, *TINY_FAMILIES, GENERIC_TINY)
+
+GEMMA3_SPECIALS = ["<start_of_turn>", "<end_of_turn>", "<start_of_image>", "<end_of_image>", "<image_soft_token>"]
+# Gemma 3's chat template reduced to single-image user turns.
+GEMMA3_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}<start_of_turn>"
+    "{{ 'model' if message['role'] == 'assistant' else message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}{% for c in message['content'] %}"
+    "{% if c['type'] == 'image' %}<start_of_image>{% elif c['type'] == 'text' %}{{ c['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+
+
+def write_tiny_gemma3(path: str | Path, seed: int = 0) -> Path:
+    """A tiny random-weight Gemma 3 (SigLIP tower at 224 px, 16 image tokens, two text layers) with a byte-level
+    tokenizer carrying Gemma 3's image tokens, and its processor (fixed 224 x 224 resize, no pan and scan)."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    base = ["<pad>", "<eos>", "<bos>"]
+    vocab = {symbol: i for i, symbol in enumerate(base + sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens(base + GEMMA3_SPECIALS)
+    ids = {token: tokenizer.token_to_id(token) for token in base + GEMMA3_SPECIALS}
+    tokenizer.save(str(path / "tokenizer.json"))
+    _dump(path / "tokenizer_config.json", {
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<bos>", "eos_token": "<eos>",
+        "pad_token": "<pad>", "unk_token": None, "chat_template": GEMMA3_CHAT_TEMPLATE, "padding_side": "left",
+        "extra_special_tokens": {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>",
+                                 "image_token": "<image_soft_token>"}})
+    _dump(path / "chat_template.json", {"chat_template": GEMMA3_CHAT_TEMPLATE})
+    _dump(path / "preprocessor_config.json", {
+        "image_processor_type": "Gemma3ImageProcessor", "processor_class": "Gemma3Processor",
+        "size": {"height": 224, "width": 224}, "do_resize": True, "resample": 2, "do_rescale": True,
+        "rescale_factor": 1 / 255, "do_normalize": True, "image_mean": [0.5] * 3, "image_std": [0.5] * 3,
+        "do_convert_rgb": True, "do_pan_and_scan": None})
+    _dump(path / "processor_config.json", {"processor_class": "Gemma3Processor", "image_seq_length": 16})
+    config = Gemma3Config(
+        text_config={"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+                     "num_key_value_heads": 2, "head_dim": 16, "vocab_size": len(vocab) + len(GEMMA3_SPECIALS),
+                     "sliding_window": 64, "max_position_embeddings": 4096, "initializer_range": 0.2,
+                     "layer_types": ["sliding_attention", "full_attention"]},
+        vision_config={"model_type": "siglip_vision_model", "hidden_size": 64, "intermediate_size": 128,
+                       "num_hidden_layers": 2, "num_attention_heads": 4, "image_size": 224, "patch_size": 14},
+        mm_tokens_per_image=16, boi_token_index=ids["<start_of_image>"], eoi_token_index=ids["<end_of_image>"],
+        image_token_index=ids["<image_soft_token>"], bos_token_id=ids["<bos>"],
+        eos_token_id=[ids["<eos>"], ids["<end_of_turn>"]], pad_token_id=ids["<pad>"])
+    config.architectures = ["Gemma3ForConditionalGeneration"]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Gemma3ForConditionalGeneration(config).eval()
+    model.save_pretrained(path)
+    _dump(path / _MARKER, {"version": TINY_MODEL_VERSION, "seed": seed, "family": GENERIC_TINY})
+    return path
 
 
 def write_tiny_family_model(path: str | Path, name: str, seed: int = 0) -> Path:
@@ -252,6 +312,8 @@ def write_tiny_family_model(path: str | Path, name: str, seed: int = 0) -> Path:
     ``seed``."""
     if name == DEFAULT_TINY_FAMILY:
         return write_tiny_model(path, seed)
+    if name == GENERIC_TINY:
+        return write_tiny_gemma3(path, seed)
     try:
         tiny = TINY_FAMILIES[name]
     except KeyError:

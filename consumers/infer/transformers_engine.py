@@ -21,7 +21,7 @@ from types import SimpleNamespace
 from typing import Sequence
 
 from consumers.infer.engine import ENGINE_DEAD as _DEAD
-from consumers.infer.engine import (InferenceFailure, InferenceOutput, InferenceRequest,
+from consumers.infer.engine import (EngineCannotLoadModel, InferenceFailure, InferenceOutput, InferenceRequest,
                                     QueuedEngine)
 from consumers.infer.prompts import OutputSchema, PromptBuilder, with_schema
 from consumers.infer.vision import VisionEncoder, mean_pool_each, patchify_batch, request_problem
@@ -76,10 +76,14 @@ class TransformersEngine(QueuedEngine):
         # The family (patch size, normalisation, tower) from the checkpoint's config.json: raises naming infer.model
         # before anything loads when no family describes it.
         self.family = family_of(model_path)
-        self.tokenizer = AutoTokenizer.from_pretrained(str(model_path), revision=settings.revision)
-        self.model = AutoModelForImageTextToText.from_pretrained(
-            str(model_path), revision=settings.revision, dtype=self.dtype, attn_implementation="sdpa",
-        ).to(self.device).eval()
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(str(model_path), revision=settings.revision)
+            self.model = AutoModelForImageTextToText.from_pretrained(
+                str(model_path), revision=settings.revision, dtype=self.dtype, attn_implementation="sdpa",
+            ).to(self.device).eval()
+        except Exception as exc:
+            raise EngineCannotLoadModel(
+                f"infer.model {self.model_id!r} cannot be loaded by transformers: {type(exc).__name__}: {exc}") from exc
         self.encoder = VisionEncoder(self.model.model.visual, self.device, self.dtype, attention=vision_attention,
                                      family=self.family)
         self.image_token_id = int(self.model.config.image_token_id)

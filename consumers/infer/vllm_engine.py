@@ -11,7 +11,10 @@ Two modes:
   touches pixels, which is its wall (see shared/gpu/README.md). The embedding for the embeddings topic
   is the mean of the main merger's part of the same tower output the language model reads.
 - ``pixels``: vLLM gets the uint8 array and does its own normalise/patchify/tower; processor kwargs make
-  its resize a no-op. Embeddings, if asked for, cost a separate pass of our tower.
+  its resize a no-op. Embeddings, if asked for, cost a separate pass of our tower. The generic path
+  (vlmstream/models/generic.py: a model no family module describes) runs only in this mode: the image, decoded,
+  oriented and no larger than the model's processor keeps, goes to vLLM's processor as it is, and no embedding
+  is published.
 
 Threads: vLLM's ``AsyncLLM`` lives in its own asyncio loop thread (its EngineCore is a child process);
 the encoder thread feeds it, so encoding of new images overlaps generation of earlier ones. Requests
@@ -145,6 +148,9 @@ class VllmEngine(QueuedEngine):
         # The family (patch size, normalisation, tower, limits) from the checkpoint's config.json: an unknown model
         # fails here, naming infer.model, before vLLM starts.
         self.family = family_of(self.model_path)
+        if not self.family.exact_size and self.mode == "embeds":
+            raise ValueError(f"infer.model {self.model_path} has no model family in vlmstream/models (the generic path): "
+                             "its tower is vLLM's, so set infer.mode=pixels")
 
         from transformers import AutoTokenizer
 
@@ -187,6 +193,11 @@ class VllmEngine(QueuedEngine):
         try:
             with engine_process_threads(settings.engine_cpu_threads):
                 self.llm = self._call(self._start(self._v.AsyncEngineArgs(**args)), timeout=900)
+        except Exception as exc:
+            self._stop_loop()
+            self._reap_children()
+            raise RuntimeError(f"vLLM {self._v.version} cannot serve infer.model {self.model_path!r} "
+                               f"(mode {self.mode}): {type(exc).__name__}: {exc}") from exc
         except BaseException:
             self._stop_loop()
             raise
@@ -202,7 +213,7 @@ class VllmEngine(QueuedEngine):
         self.encoder: VisionEncoder | None = None
         self.tower_has_real_weights = False
         self.image_embeds_width = expected_image_embeds_width(self.llm.vllm_config.model_config.hf_config)
-        if self.mode == "embeds" or settings.publish_embeddings:
+        if self.family.exact_size and (self.mode == "embeds" or settings.publish_embeddings):
             dtype = torch.bfloat16
             tower, self.tower_has_real_weights = load_vision_tower(self.model_path, "cuda", dtype)
             if not self.tower_has_real_weights and load_format != "dummy":
@@ -344,7 +355,7 @@ class VllmEngine(QueuedEngine):
         prompt = {"prompt": self.prompts.prompt(request.prompt), "multi_modal_data": {"image": mm_item},
                   # A caller-supplied uuid spares vLLM hashing the pixels or the embeddings of every image.
                   "multi_modal_uuids": {"image": [engine_request_id]}}
-        if self.mode == "pixels":
+        if self.mode == "pixels" and self.family.exact_size:
             height, width = request.image.shape[:2]
             # The family's processor bounds; an exact-size image inside them is not resized by vLLM.
             prompt["mm_processor_kwargs"] = {"min_pixels": min(self.family.min_pixels, height * width),
@@ -402,11 +413,19 @@ class VllmEngine(QueuedEngine):
             text=completion.text,
             prompt_tokens=len(final.prompt_token_ids or []),
             output_tokens=len(completion.token_ids),
-            visual_tokens=self.family.visual_tokens(request.grid_thw),
+            visual_tokens=self._visual_tokens(request, final),
             embedding=embedding,
             timings_ms=timings,
         )
         return with_schema(self.schema, output)
+
+    def _visual_tokens(self, request: InferenceRequest, final) -> int:
+        if self.family.exact_size:
+            return self.family.visual_tokens(request.grid_thw)
+        # The generic path: the image tokens vLLM's processor put in the prompt.
+        config = self.llm.vllm_config.model_config.hf_config
+        token = getattr(config, "image_token_id", None) or getattr(config, "image_token_index", None)
+        return sum(1 for t in (final.prompt_token_ids or []) if t == token) if token is not None else 0
 
     # ----------------------------------------------------------------------------- plumbing
 

@@ -349,6 +349,13 @@ def with_model_family(settings: Any) -> tuple[Any, str]:
         settings = settings.model_copy(update={"decode": settings.decode.model_copy(update={"model": model})})
     family = decode_family(settings.decode)
     source = f"from {settings.decode.model}" if settings.decode.model else "decode.model_family"
+    if not family.exact_size:
+        # The generic path has no tower of ours to make image_embeds: vLLM runs the model's own (pixels mode).
+        if settings.infer.mode == "embeds" and "mode" not in settings.infer.model_fields_set:
+            settings = settings.model_copy(update={"infer": settings.infer.model_copy(update={"mode": "pixels"})})
+        return settings, (f"model family: generic ({source}): the model's own processor; images decoded, oriented "
+                          f"and capped at what it keeps (at most {family.max_pixels:,} px); infer.mode=pixels, "
+                          "no embeddings")
     return settings, (f"model family: {family.name} ({source}): {family.factor} px blocks, "
                       f"{family.min_pixels:,} to {family.max_pixels:,} px per image")
 

@@ -56,6 +56,9 @@ class ModelFamily:
     prompt_template: str = ("<|im_start|>user\n{image}{prompt}<|im_end|>\n<|im_start|>assistant\n")
     image_placeholder: str = QWEN_IMAGE_PLACEHOLDER
     image_pad: str = QWEN_IMAGE_PAD
+    # False for the generic path (generic.py): images reach the engine at any size the model's processor then
+    # resizes, and grid_thw is an estimate for flow control, not the model's patch grid.
+    exact_size: bool = True
 
     @property
     def factor(self) -> int:
@@ -111,13 +114,18 @@ class ModelFamily:
 
     def size_problem(self, height: int, width: int) -> str | None:
         """Why ``height`` x ``width`` is not a model input size, or None."""
+        if not self.exact_size:
+            return None if height >= 1 and width >= 1 else f"image {width}x{height} has no pixels"
         factor = self.factor
         if height < factor or width < factor or height % factor or width % factor:
             return f"image {width}x{height} is not a positive multiple of {factor} px (smart_resize it first)"
         return None
 
     def grid_thw(self, height: int, width: int) -> tuple[int, int, int]:
-        """(frames, patch rows, patch columns) of an image already at a model input size."""
+        """(frames, patch rows, patch columns) of an image already at a model input size (for the generic path, the
+        estimate in its patches, a partial patch counted whole)."""
+        if not self.exact_size:
+            return 1, -(-height // self.patch_size), -(-width // self.patch_size)
         return 1, height // self.patch_size, width // self.patch_size
 
     def patches(self, height: int, width: int) -> int:
