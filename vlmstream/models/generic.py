@@ -15,16 +15,11 @@ import math
 from dataclasses import replace
 from typing import Any
 
-from vlmstream.images.errors import ImageError
 from vlmstream.models.family import ModelFamily
 
 ESTIMATE_PATCH = 14
 # A processor that names no budget: the decode budget alone bounds the image.
 UNBOUNDED = 1 << 40
-
-
-class BadImageSize(ImageError):
-    error_kind = "decode_bad_size"
 
 
 def processor_extent(processor: dict[str, Any]) -> tuple[int | None, int | None, int | None]:
@@ -58,9 +53,8 @@ def processor_cap(processor: dict[str, Any]):
     max_h, max_w, longest = processor_extent(processor)
 
     def rule(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
-        if height < 1 or width < 1:
-            raise BadImageSize(f"image {width}x{height} has no pixels")
         # A fixed-size resize distorts anyway: each axis is capped on its own, a first step of that same resize.
+        # (An empty image never gets here: the decoder refuses its header.)
         h = min(height, max_h) if max_h else height
         w = min(width, max_w) if max_w else width
         if longest and max(h, w) > longest:
