@@ -1,4 +1,4 @@
-"""Each model family beyond Qwen2.5-VL (Qwen3-VL dense and MoE, Qwen3.5) on its tiny random-weight model: the
+"""Each model family beyond Qwen2.5-VL (Qwen2-VL, Qwen3-VL dense and MoE, Qwen3.5) on its tiny random-weight model: the
 registry reads the checkpoint, our tower equals transformers' full model's image features (DeepStack included),
 the engine's text equals the model's own ``generate`` on the processor's pixels, and `vlmstream run --model` works
 end to end on the real broker; and the generic path (a tiny Gemma 3, which no family module describes) end to end.
@@ -24,7 +24,9 @@ from vlmstream.models.registry import family_of
 
 pytestmark = pytest.mark.model
 
-FAMILIES = list(TINY_FAMILIES)  # qwen3-vl, qwen3-vl-moe, qwen3.5
+FAMILIES = list(TINY_FAMILIES)  # qwen2-vl, qwen3-vl, qwen3-vl-moe, qwen3.5
+# End to end: the families whose decode differs from Qwen2.5-VL's (test_cli_run.py runs that one), and the generic path.
+END_TO_END = ["qwen3-vl", "qwen3-vl-moe", "qwen3.5", GENERIC_TINY]
 PROMPT = "Describe this image."
 
 
@@ -197,7 +199,7 @@ def test_a_model_the_engine_cannot_load_fails_at_start_naming_the_setting(tmp_pa
 
 @pytest.mark.kafka
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [*FAMILIES, GENERIC_TINY])
+@pytest.mark.parametrize("name", END_TO_END)
 def test_run_with_each_tiny_model_end_to_end(tiny_dirs, name, topic_names, corpus_dir, tmp_path, unique):
     """`vlmstream run --model PATH` on the real broker: decode resizes for the checkpoint's family (32 px blocks;
     for the generic path, no larger than the processor keeps), one description per image, one result per document,

@@ -4,7 +4,7 @@ The default (``qwen2.5-vl``) is a Qwen2.5-VL with the real architecture (window-
 merger, M-RoPE language model) and a tokenizer whose special tokens sit at the real Qwen2.5 ids (151643-151656), so
 every code path that runs the 7B model (prompt building, placeholder expansion, grids, generate, vLLM's processor)
 runs on it too, only ~10 M parameters big. Its text is noise; its shapes and token accounting are exact.
-``TINY_FAMILIES`` adds the same for Qwen3-VL (dense and MoE; a DeepStack tower with two levels) and Qwen3.5 (its
+``TINY_FAMILIES`` adds the same for Qwen2-VL (its LayerNorm tower), Qwen3-VL (dense and MoE; a DeepStack tower with two levels) and Qwen3.5 (its
 gated-delta/attention hybrid language model, the real 248k vocabulary and ids), each with the family's
 preprocessor config (vlmstream/models/).
 """
@@ -15,9 +15,8 @@ import json
 import os
 import shutil
 import tempfile
-from pathlib import Path
-
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from vlmstream.models.family import ModelFamily
 from vlmstream.models.qwen2_vl import QWEN2_VL
@@ -233,7 +232,21 @@ class TinyFamily:
         return config
 
 
+QWEN2_VL_TEXT_CONFIG = {**TEXT_CONFIG, "model_type": "qwen2_vl_text"}
+for _key in ("image_token_id", "video_token_id", "vision_start_token_id"):
+    QWEN2_VL_TEXT_CONFIG.pop(_key)
+# Qwen2-VL's tower: LayerNorm blocks, a quick-GELU MLP (embed_dim x mlp_ratio), no windows; "hidden_size" is the
+# merger's output width, the language model's.
+QWEN2_VL_VISION_CONFIG = {
+    "model_type": "qwen2_vl", "depth": 2, "embed_dim": 64, "hidden_size": 64, "mlp_ratio": 2, "num_heads": 4,
+    "hidden_act": "quick_gelu", "patch_size": QWEN2_VL.patch_size, "spatial_merge_size": QWEN2_VL.merge_size,
+    "temporal_patch_size": QWEN2_VL.temporal_patch_size, "in_channels": 3, "initializer_range": 0.02,
+}
+
 TINY_FAMILIES = {
+    "qwen2-vl": TinyFamily("qwen2-vl", QWEN2_VL, "qwen2_vl", "Qwen2VLForConditionalGeneration", "Qwen2VLConfig",
+                           QWEN2_VL_TEXT_CONFIG, QWEN2_VL_VISION_CONFIG, chat_template=CHAT_TEMPLATE,
+                           processor_class="Qwen2VLProcessor"),
     "qwen3-vl": TinyFamily("qwen3-vl", QWEN3_VL, "qwen3_vl", "Qwen3VLForConditionalGeneration", "Qwen3VLConfig",
                            QWEN3_VL_TEXT_CONFIG, QWEN3_VL_VISION_CONFIG),
     "qwen3-vl-moe": TinyFamily("qwen3-vl-moe", QWEN3_VL, "qwen3_vl_moe", "Qwen3VLMoeForConditionalGeneration",

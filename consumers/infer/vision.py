@@ -439,7 +439,7 @@ class VisionEncoder:
         # Qwen2.5-VL's windowed tower: window indices precomputed, and FastVisionBlocks fit its blocks.
         self.windowed = hasattr(visual, "window_size") and hasattr(visual, "fullatt_block_indexes")
         self.deepstack_levels = len(getattr(visual, "deepstack_visual_indexes", None) or ())
-        self.embedding_width = int(visual.config.out_hidden_size)
+        self.embedding_width = ModelFamily.embedding_width(visual.config.to_dict())
         self.image_embeds_width = self.embedding_width * (1 + self.deepstack_levels)
         self.device = torch.device(device)
         self.dtype = dtype or next(visual.parameters()).dtype

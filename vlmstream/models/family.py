@@ -91,14 +91,15 @@ class ModelFamily:
         the number of DeepStack levels (Qwen3-VL: the features of ``deepstack_visual_indexes`` layers, concatenated
         after the main merger's output, as vLLM's Qwen3-VL takes them)."""
         levels = len(vision_config.get("deepstack_visual_indexes") or ())
-        return int(vision_config["out_hidden_size"]) * (1 + levels)
+        return ModelFamily.embedding_width(vision_config) * (1 + levels)
 
     @staticmethod
     def embedding_width(vision_config: dict) -> int:
         """Width of the vector on the embeddings topic: the mean over an image's visual tokens of the main
         merger's output (the tokens the language model reads in place of the image pads; DeepStack features
-        left out), so ``out_hidden_size``, the language model's hidden size."""
-        return int(vision_config["out_hidden_size"])
+        left out), so ``out_hidden_size``, the language model's hidden size (Qwen2-VL's vision config calls it
+        ``hidden_size``; its tower's own width is ``embed_dim``)."""
+        return int(vision_config.get("out_hidden_size") or vision_config["hidden_size"])
 
     def prompt(self, instruction: str) -> str:
         """The family's single-image prompt around ``instruction`` (used when the tokenizer has no chat template)."""
