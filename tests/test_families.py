@@ -178,6 +178,15 @@ def test_the_generic_path_caps_at_what_the_processor_keeps(tiny_dirs):
 
 
 
+def test_a_decode_model_that_is_no_checkpoint_is_refused_with_the_settings_name(tmp_path):
+    import pydantic
+
+    from vlmstream.config import DecodeSettings
+
+    with pytest.raises(pydantic.ValidationError, match="(?s)model.*has no config.json.*decode.model"):
+        DecodeSettings(model=str(tmp_path / "missing"))
+
+
 def test_a_text_only_model_is_no_family_and_no_generic_model(tmp_path):
     from vlmstream.models.registry import UnknownModelFamily
 

@@ -16,7 +16,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from vlmstream.models.registry import DEFAULT_FAMILY, family_named
+from vlmstream.models.registry import DEFAULT_FAMILY, family_named, family_of
 
 DEFAULT_BOOTSTRAP = "127.0.0.1:9092"
 
@@ -205,6 +205,13 @@ class DecodeSettings(BaseModel):
     def _known_family(cls, name: str) -> str:
         family_named(name)  # raises, naming the known families
         return name
+
+    @field_validator("model")
+    @classmethod
+    def _known_checkpoint(cls, model: str) -> str:
+        if model:
+            family_of(model)  # raises, naming the folder or its model_type, before any worker starts
+        return model
 
 
 class InferSettings(BaseModel):

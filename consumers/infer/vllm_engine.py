@@ -212,7 +212,8 @@ class VllmEngine(QueuedEngine):
         # 2. Our vision tower: always in embeds mode; in pixels mode only when embeddings are published.
         self.encoder: VisionEncoder | None = None
         self.tower_has_real_weights = False
-        self.image_embeds_width = expected_image_embeds_width(self.llm.vllm_config.model_config.hf_config)
+        self.image_embeds_width = (expected_image_embeds_width(self.llm.vllm_config.model_config.hf_config)
+                                   if self.family.exact_size else None)
         if self.family.exact_size and (self.mode == "embeds" or settings.publish_embeddings):
             dtype = torch.bfloat16
             tower, self.tower_has_real_weights = load_vision_tower(self.model_path, "cuda", dtype)

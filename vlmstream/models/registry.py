@@ -61,8 +61,9 @@ def family_of(checkpoint: str | Path) -> ModelFamily:
     (``generic.generic_family``); anything else raises ``UnknownModelFamily``."""
     folder = Path(checkpoint)
     if not (folder / "config.json").is_file():
-        raise UnknownModelFamily(f"{folder} has no config.json: infer.model must be a local checkpoint folder for its "
-                                 "family to be known (download it first, e.g. huggingface-cli download)")
+        raise UnknownModelFamily(f"{folder} has no config.json: the model (infer.model, decode.model) must be a local "
+                                 "checkpoint folder for its family to be known (download it first, e.g. "
+                                 "huggingface-cli download)")
     config = json.loads((folder / "config.json").read_text())
     processor_file = folder / "preprocessor_config.json"
     processor = json.loads(processor_file.read_text()) if processor_file.exists() else None
