@@ -270,7 +270,7 @@ class ImagePayload(Message):
     @property
     def visual_tokens(self) -> int:
         t, h, w = self.grid_thw
-        return t * h * w // 4  # merge 2x2 patches into one LLM token
+        return t * h * w // 4  # every family merges 2x2 patches into one LLM token
 
 
 def image_key(doc_id: str, image_index: int) -> bytes:

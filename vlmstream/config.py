@@ -16,7 +16,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from vlmstream.models.registry import DEFAULT_FAMILY, family_named
+from vlmstream.models.registry import DEFAULT_FAMILY, family_named, family_of
 
 DEFAULT_BOOTSTRAP = "127.0.0.1:9092"
 
@@ -165,6 +165,10 @@ class DecodeSettings(BaseModel):
     model_family: str = Field(
         DEFAULT_FAMILY, description="Model family (vlmstream/models/) whose input size rule the images are resized "
         "by; its released checkpoints' pixel limits are the defaults below.")
+    model: str = Field(
+        "", description="Checkpoint folder whose config.json names the model family (model_family is then ignored) and "
+        "whose preprocessor_config.json bounds the pixels: min_pixels and max_pixels apply within its limits. "
+        "`vlmstream run` sets it to infer.model.")
     min_pixels: int = family_named(DEFAULT_FAMILY).min_pixels
     max_pixels: int = Field(family_named(DEFAULT_FAMILY).max_pixels,
                             description="Largest model input in pixels (the checkpoints' 12,845,056 by default).")
@@ -204,6 +208,13 @@ class DecodeSettings(BaseModel):
     def _known_family(cls, name: str) -> str:
         family_named(name)  # raises, naming the known families
         return name
+
+    @field_validator("model")
+    @classmethod
+    def _known_checkpoint(cls, model: str) -> str:
+        if model:
+            family_of(model)  # raises, naming the folder or its model_type, before any worker starts
+        return model
 
 
 class InferSettings(BaseModel):

@@ -15,11 +15,16 @@ from vlmstream.queued_engine import (ENGINE_DEAD, ENGINE_STOP, EngineDeadError, 
                                      drop_queued)
 
 
+class EngineCannotLoadModel(RuntimeError):
+    """The engine cannot load the configured model: raised at start, naming infer.model, before any record is read
+    (never a dead letter per image)."""
+
+
 @dataclass(frozen=True)
 class InferenceRequest:
     request_id: str
-    image: np.ndarray  # H x W x 3 uint8 RGB, already at the exact model input size (multiples of 28)
-    grid_thw: tuple[int, int, int]  # (1, H/14, W/14)
+    image: np.ndarray  # H x W x 3 uint8 RGB, at the exact model input size (multiples of the family's factor)
+    grid_thw: tuple[int, int, int]  # (1, H/patch, W/patch); for the generic path an estimate (generic.py)
     prompt: str
     max_new_tokens: int
     want_embedding: bool = False
@@ -32,7 +37,7 @@ class InferenceOutput:
     prompt_tokens: int
     output_tokens: int
     visual_tokens: int
-    embedding: np.ndarray | None = None  # (hidden,) float16: vision tower output tokens, mean-pooled
+    embedding: np.ndarray | None = None  # (out_hidden_size,) float16: the main merger's tokens, mean-pooled
     parsed_json: object | None = None
     timings_ms: dict[str, float] = field(default_factory=dict)
 

@@ -2,13 +2,19 @@
 
 Two modes:
 - ``embeds`` (default): our thread patchifies the exact-size uint8 images on the GPU and runs the
-  Qwen2.5-VL vision tower (transformers module with vision.FastVisionBlocks: varlen FlashAttention 3 from
-  vLLM, aligned GEMMs, compiled elementwise) on several images per forward, then hands vLLM
-  ``image_embeds`` + ``image_grid_thw``. vLLM's single front-end process never
+  family's vision tower (vlmstream/models/; for Qwen2.5-VL the transformers module with vision.FastVisionBlocks:
+  varlen FlashAttention 3 from vLLM, aligned GEMMs, compiled elementwise) on several images per forward, then
+  hands vLLM ``image_embeds`` + ``image_grid_thw``. For Qwen3-VL ``image_embeds`` carries the DeepStack levels
+  after the merged tokens (``out_hidden_size * (1 + levels)`` wide), which vLLM's Qwen3-VL splits off again;
+  the width is checked against vLLM's model config at start and per image before anything is handed over, because
+  a wrong width fails inside vLLM's engine process, not on this request. vLLM's single front-end process never
   touches pixels, which is its wall (see shared/gpu/README.md). The embedding for the embeddings topic
-  is the mean of the same tower output the language model reads.
+  is the mean of the main merger's part of the same tower output the language model reads.
 - ``pixels``: vLLM gets the uint8 array and does its own normalise/patchify/tower; processor kwargs make
-  its resize a no-op. Embeddings, if asked for, cost a separate pass of our tower.
+  its resize a no-op. Embeddings, if asked for, cost a separate pass of our tower. The generic path
+  (vlmstream/models/generic.py: a model no family module describes) runs only in this mode: the image, decoded,
+  oriented and no larger than the model's processor keeps, goes to vLLM's processor as it is, and no embedding
+  is published.
 
 Threads: vLLM's ``AsyncLLM`` lives in its own asyncio loop thread (its EngineCore is a child process);
 the encoder thread feeds it, so encoding of new images overlaps generation of earlier ones. Requests
@@ -37,8 +43,9 @@ from consumers.infer.prompts import OutputSchema, PromptBuilder, with_schema
 from consumers.infer.vision import (VisionEncoder, groups_by_patches, load_vision_tower, mean_pool_each, patchify_batch,
                                     request_problem, to_host_each)
 from vlmstream.config import InferSettings
+from vlmstream.models.family import ModelFamily
+from vlmstream.models.registry import family_of
 from vlmstream.vllm_process import engine_process_threads
-from vlmstream.models.qwen2_vl import QWEN2_VL
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +55,23 @@ INSTALL_HINT = "pip install 'vlmstream[gpu]'"
 def _patches(item: tuple[InferenceRequest, float]) -> int:
     _, grid_h, grid_w = item[0].grid_thw
     return grid_h * grid_w
+
+
+def expected_image_embeds_width(hf_config) -> int:
+    """The ``image_embeds`` width vLLM's model takes, from the config it loaded: the vision merger's
+    ``out_hidden_size``, times one plus its DeepStack levels (Qwen3-VL's ``deepstack_visual_indexes``)."""
+    vision = hf_config.vision_config
+    vision = vision.to_dict() if hasattr(vision, "to_dict") else dict(vision)
+    return ModelFamily.image_embeds_width(vision)
+
+
+def image_embeds_problem(tokens, grid_thw: tuple[int, int, int], family: ModelFamily, width: int) -> str | None:
+    """Why ``tokens`` are not the image_embeds vLLM expects for an image of this grid, or None."""
+    rows = family.visual_tokens(grid_thw)
+    if tuple(tokens.shape) != (rows, width):
+        return (f"vision tower output {tuple(tokens.shape)} is not the ({rows}, {width}) image_embeds the model takes "
+                f"for grid {tuple(grid_thw)}")
+    return None
 
 
 class EngineUnavailable(RuntimeError):
@@ -100,10 +124,17 @@ class VllmEngine(QueuedEngine):
         self.revision = settings.revision
         self.schema = OutputSchema.load(settings.output_schema)
         self._ids = itertools.count()
+        # The family (patch size, normalisation, tower, limits) from the checkpoint's config.json: an unknown model
+        # fails here, naming infer.model, before vLLM starts.
+        self.family = family_of(self.model_path)
+        if not self.family.exact_size and self.mode == "embeds":
+            raise ValueError(f"infer.model {self.model_path} has no model family in vlmstream/models (the generic path): "
+                             "its tower is vLLM's, so set infer.mode=pixels")
 
         from transformers import AutoTokenizer
 
-        self.prompts = PromptBuilder(AutoTokenizer.from_pretrained(self.model_path, revision=settings.revision))
+        self.prompts = PromptBuilder(AutoTokenizer.from_pretrained(self.model_path, revision=settings.revision),
+                                     self.family)
 
         self._init_queues()
         self._tasks: set[asyncio.Future] = set()
@@ -141,6 +172,11 @@ class VllmEngine(QueuedEngine):
         try:
             with engine_process_threads(settings.engine_cpu_threads):
                 self.llm = self._call(self._start(self._v.AsyncEngineArgs(**args)), timeout=900)
+        except Exception as exc:
+            self._stop_loop()
+            self._reap_children()
+            raise RuntimeError(f"vLLM {self._v.version} cannot serve infer.model {self.model_path!r} "
+                               f"(mode {self.mode}): {type(exc).__name__}: {exc}") from exc
         except BaseException:
             self._stop_loop()
             raise
@@ -155,14 +191,25 @@ class VllmEngine(QueuedEngine):
         # 2. Our vision tower: always in embeds mode; in pixels mode only when embeddings are published.
         self.encoder: VisionEncoder | None = None
         self.tower_has_real_weights = False
-        if self.mode == "embeds" or settings.publish_embeddings:
+        self.image_embeds_width = (expected_image_embeds_width(self.llm.vllm_config.model_config.hf_config)
+                                   if self.family.exact_size else None)
+        if self.family.exact_size and (self.mode == "embeds" or settings.publish_embeddings):
             dtype = torch.bfloat16
             tower, self.tower_has_real_weights = load_vision_tower(self.model_path, "cuda", dtype)
             if not self.tower_has_real_weights and load_format != "dummy":
                 log.warning("no vision weights in %s: the tower is random, embeddings are meaningless", model_path)
             self.encoder = VisionEncoder(tower, "cuda", dtype, attention=vision_attention,
-                                         compile_blocks=settings.vision_compile)
-            log.info("vision tower on cuda, attention=%s, compiled=%s", self.encoder.attention, self.encoder.compiled)
+                                         compile_blocks=settings.vision_compile, family=self.family)
+            if self.mode == "embeds" and self.encoder.image_embeds_width != self.image_embeds_width:
+                self._call(self._shutdown(), timeout=120)
+                self._stop_loop()
+                self._reap_children()
+                raise RuntimeError(
+                    f"the vision tower of {self.model_path} makes image_embeds {self.encoder.image_embeds_width} wide "
+                    f"({self.encoder.deepstack_levels} DeepStack levels), vLLM's {self.family.name} model takes "
+                    f"{self.image_embeds_width}: set infer.mode=pixels to let vLLM run its own tower")
+            log.info("vision tower on cuda, attention=%s, compiled=%s, image_embeds %d wide", self.encoder.attention,
+                     self.encoder.compiled, self.encoder.image_embeds_width)
         # High priority: the tower feeds the language model. When both have kernels queued, the tower's go
         # first, so the engine's queue of ready requests does not run dry while it decodes.
         self._stream = torch.cuda.Stream(priority=-1)
@@ -202,7 +249,7 @@ class VllmEngine(QueuedEngine):
     def _encode_and_dispatch(self, batch: list[tuple[InferenceRequest, float]]) -> None:
         valid = []
         for request, submitted in batch:
-            problem = request_problem(request.image, request.grid_thw)
+            problem = request_problem(request.image, request.grid_thw, self.family)
             if problem:
                 self._outbox.put(InferenceFailure(request.request_id, "invalid_request", problem, retriable=False))
             else:
@@ -249,16 +296,24 @@ class VllmEngine(QueuedEngine):
         torch = self._torch
         started = time.perf_counter()
         with torch.cuda.stream(self._stream):
-            pixel_values, grid_thw = patchify_batch([r.image for r, _ in items], "cuda", self.encoder.dtype)
+            pixel_values, grid_thw = patchify_batch([r.image for r, _ in items], "cuda", self.encoder.dtype,
+                                                    self.family)
             tokens = self.encoder.encode_patches(pixel_values, grid_thw)
             wanted = [i for i, (r, _) in enumerate(items) if r.want_embedding]
-            pooled = dict(zip(wanted, mean_pool_each([tokens[i] for i in wanted])))
+            pooled = dict(zip(wanted, mean_pool_each([tokens[i] for i in wanted], self.encoder.embedding_width)))
             embeddings = [pooled.get(i) for i in range(len(items))]
             tokens_cpu = to_host_each(tokens) if self.mode == "embeds" else [None] * len(tokens)
             self._stream.synchronize()
         encode_ms = (time.perf_counter() - started) * 1e3
         timings = {"encode_ms": encode_ms, "encode_batch_images": float(len(items))}
-        return {r.request_id: (t, e, dict(timings)) for (r, _), t, e in zip(items, tokens_cpu, embeddings)}
+        encoded = {}
+        for (request, _), t, e in zip(items, tokens_cpu, embeddings):
+            # Checked here, not left to vLLM: a wrong shape fails inside its engine process, taking every request.
+            problem = t is not None and image_embeds_problem(t, request.grid_thw, self.family, self.image_embeds_width)
+            encoded[request.request_id] = (InferenceFailure(request.request_id, "invalid_request", problem,
+                                                            retriable=False)
+                                           if problem else (t, e, dict(timings)))
+        return encoded
 
     # ----------------------------------------------------------------------------- asyncio side
 
@@ -280,11 +335,11 @@ class VllmEngine(QueuedEngine):
         prompt = {"prompt": self.prompts.prompt(request.prompt), "multi_modal_data": {"image": mm_item},
                   # A caller-supplied uuid spares vLLM hashing the pixels or the embeddings of every image.
                   "multi_modal_uuids": {"image": [engine_request_id]}}
-        if self.mode == "pixels":
+        if self.mode == "pixels" and self.family.exact_size:
             height, width = request.image.shape[:2]
             # The family's processor bounds; an exact-size image inside them is not resized by vLLM.
-            prompt["mm_processor_kwargs"] = {"min_pixels": QWEN2_VL.min_pixels,
-                                             "max_pixels": max(QWEN2_VL.max_pixels, height * width),
+            prompt["mm_processor_kwargs"] = {"min_pixels": min(self.family.min_pixels, height * width),
+                                             "max_pixels": max(self.family.max_pixels, height * width),
                                              "do_resize": False}
         started = time.perf_counter()
         try:
@@ -338,11 +393,19 @@ class VllmEngine(QueuedEngine):
             text=completion.text,
             prompt_tokens=len(final.prompt_token_ids or []),
             output_tokens=len(completion.token_ids),
-            visual_tokens=QWEN2_VL.visual_tokens(request.grid_thw),
+            visual_tokens=self._visual_tokens(request, final),
             embedding=embedding,
             timings_ms=timings,
         )
         return with_schema(self.schema, output)
+
+    def _visual_tokens(self, request: InferenceRequest, final) -> int:
+        if self.family.exact_size:
+            return self.family.visual_tokens(request.grid_thw)
+        # The generic path: the image tokens vLLM's processor put in the prompt.
+        config = self.llm.vllm_config.model_config.hf_config
+        token = getattr(config, "image_token_id", None) or getattr(config, "image_token_index", None)
+        return sum(1 for t in (final.prompt_token_ids or []) if t == token) if token is not None else 0
 
     # ----------------------------------------------------------------------------- plumbing
 

@@ -201,6 +201,8 @@ def run(
         settings = settings.model_copy(update={"infer": settings.infer.model_copy(update={"model": str(tiny)})})
         console.print(f"[yellow]no --model: using the built-in tiny random-weight Qwen2.5-VL ({tiny}); "
                       "its descriptions are meaningless text. Pass --model for real ones.[/]")
+    settings, said = with_model_family(settings)
+    console.print(said)
     bootstrap(settings)
     create_topics(settings)
     console.print(f"Kafka: {settings.kafka.bootstrap_servers}; topics: {settings.topics.documents} → "
@@ -357,6 +359,28 @@ def run(
     # A worker stopped by our SIGTERM before it had set up its handlers ends with -SIGTERM: still clean.
     clean = all(code in (0, -signal.SIGTERM) for code in codes.values())
     raise typer.Exit(0 if clean else 1)
+
+
+def with_model_family(settings: Any) -> tuple[Any, str]:
+    """Decode resizes for the model that infers: a local checkpoint folder (infer.model) becomes decode.model unless
+    that is set, so its config.json picks the family and its preprocessor config bounds the pixels. Fails here,
+    before anything starts, when no family describes the checkpoint. Returns the settings and the line saying which."""
+    from consumers.decode.stage import decode_family
+
+    model = settings.infer.model
+    if not settings.decode.model and model and (Path(model) / "config.json").is_file():
+        settings = settings.model_copy(update={"decode": settings.decode.model_copy(update={"model": model})})
+    family = decode_family(settings.decode)
+    source = f"from {settings.decode.model}" if settings.decode.model else "decode.model_family"
+    if not family.exact_size:
+        # The generic path has no tower of ours to make image_embeds: vLLM runs the model's own (pixels mode).
+        if settings.infer.mode == "embeds" and "mode" not in settings.infer.model_fields_set:
+            settings = settings.model_copy(update={"infer": settings.infer.model_copy(update={"mode": "pixels"})})
+        return settings, (f"model family: generic ({source}): the model's own processor; images decoded, oriented "
+                          f"and capped at what it keeps (at most {family.max_pixels:,} px); infer.mode=pixels, "
+                          "no embeddings")
+    return settings, (f"model family: {family.name} ({source}): {family.factor} px blocks, "
+                      f"{family.min_pixels:,} to {family.max_pixels:,} px per image")
 
 
 def with_pixel_budget(settings: Any) -> tuple[Any, str]:
