@@ -76,6 +76,9 @@ class TransformersEngine(QueuedEngine):
         # The family (patch size, normalisation, tower) from the checkpoint's config.json: raises naming infer.model
         # before anything loads when no family describes it.
         self.family = family_of(model_path)
+        if not self.family.exact_size:
+            raise ValueError(f"infer.model {self.model_id!r} has no model family (the generic path): its own processor "
+                             "runs it, in consumers.infer.processor_engine (make_engine picks it)")
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(str(model_path), revision=settings.revision)
             self.model = AutoModelForImageTextToText.from_pretrained(
