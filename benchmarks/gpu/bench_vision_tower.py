@@ -33,6 +33,7 @@ sys.path.insert(0, str(REPO / "benchmarks" / "gpu"))
 
 from benchmarks.images import exact_size_images  # noqa: E402 - after the path insert
 from consumers.infer.vision import VisionEncoder, load_vision_tower, patchify_batch  # noqa: E402
+from vlmstream.models.registry import family_of  # noqa: E402
 from tower_flops import H200_DENSE_BF16_TFLOPS, tower_flops  # noqa: E402 - benchmarks/gpu is on sys.path
 
 BUDGETS = {"256": 256 * 28 * 28, "1280": 1280 * 28 * 28, "default": 16384 * 28 * 28}
@@ -60,7 +61,7 @@ def time_encoder(encoder: VisionEncoder, images: list[np.ndarray], batch: int, m
 
     def one_pass():
         for g in groups:
-            pixel_values, grid_thw = patchify_batch(g, encoder.device, encoder.dtype)
+            pixel_values, grid_thw = patchify_batch(g, encoder.device, encoder.dtype, encoder.family)
             encoder.encode_patches(pixel_values, grid_thw)
 
     one_pass()  # warm-up: kernels chosen, allocator grown
@@ -82,13 +83,13 @@ def time_encoder(encoder: VisionEncoder, images: list[np.ndarray], batch: int, m
 def profile_table(encoder: VisionEncoder, images: list[np.ndarray], rows: int = 15) -> str:
     from torch.profiler import ProfilerActivity, profile
 
-    pixel_values, grid_thw = patchify_batch(images, encoder.device, encoder.dtype)
+    pixel_values, grid_thw = patchify_batch(images, encoder.device, encoder.dtype, encoder.family)
     encoder.encode_patches(pixel_values, grid_thw)
     synchronize(encoder.device)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if encoder.device.type == "cuda" else [])
     sort_by = "self_cuda_time_total" if encoder.device.type == "cuda" else "self_cpu_time_total"
     with profile(activities=activities) as prof:
-        pixel_values, grid_thw = patchify_batch(images, encoder.device, encoder.dtype)
+        pixel_values, grid_thw = patchify_batch(images, encoder.device, encoder.dtype, encoder.family)
         encoder.encode_patches(pixel_values, grid_thw)
         synchronize(encoder.device)
     return prof.key_averages().table(sort_by=sort_by, row_limit=rows, max_name_column_width=60)
@@ -113,14 +114,15 @@ def main() -> None:
     tower, _ = load_vision_tower(args.model, device, dtype)
     config = json.loads((Path(args.model) / "config.json").read_text())
     patch = config["vision_config"]["patch_size"]
+    family = family_of(args.model)
     variants = args.variants.split(",")
     report: dict = {"gpu": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                     "torch": torch.__version__, "budgets": {}}
     for budget in args.budgets.split(","):
         batches = [int(b) for b in args.batches.split(",")] if args.batches else [BATCH[budget]]
-        images = exact_size_images(args.imgs, max(batches) * 2, BUDGETS[budget])
-        rows = report["budgets"][budget] = {
-            "mean_visual_tokens": round(float(np.mean([im.shape[0] * im.shape[1] / 28 / 28 for im in images])), 1)}
+        images = exact_size_images(args.imgs, max(batches) * 2, BUDGETS[budget], factor=family.factor)
+        rows = report["budgets"][budget] = {"mean_visual_tokens": round(float(np.mean(
+            [im.shape[0] * im.shape[1] / family.factor ** 2 for im in images])), 1)}
         flops_per_image = tower_flops(config, [(1, im.shape[0] // patch, im.shape[1] // patch) for im in images]) \
             / len(images)
         for variant in variants:
@@ -149,7 +151,7 @@ def main() -> None:
     for blocks in ("transformers", "fast-torchqkv", "fast"):
         encoder = VisionEncoder(tower, device, dtype, attention="auto", fast_blocks=blocks != "transformers",
                                 qkv_kernel="torch" if blocks == "fast-torchqkv" else "auto")
-        table = profile_table(encoder, exact_size_images(args.imgs, BATCH[budget], BUDGETS[budget]))
+        table = profile_table(encoder, exact_size_images(args.imgs, BATCH[budget], BUDGETS[budget], factor=family.factor))
         report["profile"][blocks] = {"attention": encoder.attention, "compiled": encoder.compiled, "table": table}
         print(f"PROFILE {blocks} blocks, budget {budget}, attention {encoder.attention}\n{table}", flush=True)
     Path(args.out).write_text(json.dumps(report, indent=1))

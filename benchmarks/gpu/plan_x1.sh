@@ -68,17 +68,14 @@ fi
 
 if [ "$LIST" = qwen3 ]; then
   [ -e /root/model/config.json ] || python3 benchmarks/gpu/mk_model.py /root/model > "$RES/mk_model.log" 2>&1
-  job t2_tower_qkv 150 240 python3 benchmarks/gpu/bench_vision_tower.py --model /root/model --imgs /root/imgs \
-    --variants fast-torchqkv+vllm_fa3,fast+vllm_fa3 --seconds 3 --profile-budget default --out "$RES/t2_tower_qkv.json"
-  [ -e /root/model-qwen3/config.json ] || python3 benchmarks/gpu/mk_model.py /root/model-qwen3 qwen3-vl-8b \
-    > "$RES/mk_model_qwen3.log" 2>&1
-  job q0_engine_smoke 200 300 python3 benchmarks/gpu_engine_smoke.py --model qwen3-vl-8b --model-dir /root/model-qwen3 \
-    --images /root/imgs --n 64 --modes embeds,pixels --out "$RES/q0_engine_smoke.json"
-  job q1_tower 120 200 python3 benchmarks/gpu/bench_vision_tower.py --model /root/model-qwen3 --imgs /root/imgs \
-    --variants fast+vllm_fa3 --seconds 3 --profile-budget '' --out "$RES/q1_tower.json"
-  job q2_pipeline 300 420 $BENCH --model /root/model-qwen3 --budgets 256 --seconds 40 --stop-after 1.5 \
-    --arms pipeline-embeds,pipeline-pixels --out "$RES/q2_pipeline"
-  job q3_naive 200 300 $BENCH --model /root/model-qwen3 --budgets 256 --seconds 30 --arms naive --out "$RES/q3_naive"
+  job t2_tower_qkv 100 200 python3 benchmarks/gpu/bench_vision_tower.py --model /root/model --imgs /root/imgs \
+    --variants fast-torchqkv+vllm_fa3,fast+vllm_fa3 --seconds 3 --profile-budget '' --out "$RES/t2_tower_qkv.json"
+  job q0_check_tower 120 200 python3 benchmarks/gpu/check_tower.py --model qwen3-vl-8b --images /root/imgs --n 8 \
+    --max-pixels 1003520 --out "$RES/q0_check_tower.json"
+  job q1_engine_smoke 240 330 python3 benchmarks/gpu_engine_smoke.py --model qwen3-vl-8b --images /root/imgs --n 64 \
+    --max-pixels 1003520 --tokens 64 --modes embeds,pixels --out "$RES/q1_engine_smoke.json"
+  job c1_condense_shared 330 420 python3 benchmarks/gpu/bench_condense.py --imgs /root/imgs --seconds 30 --warmup 10 \
+    --out "$RES/c1_condense_shared.json"
 fi
 
 vlmstream broker stop > "$RES/broker_stop.log" 2>&1
