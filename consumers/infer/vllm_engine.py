@@ -170,8 +170,24 @@ class VllmEngine(QueuedEngine):
         args.update(engine_kwargs or {})
         started = time.perf_counter()
         try:
-            with engine_process_threads(settings.engine_cpu_threads):
-                self.llm = self._call(self._start(self._v.AsyncEngineArgs(**args)), timeout=900)
+            try:
+                with engine_process_threads(settings.engine_cpu_threads):
+                    self.llm = self._call(self._start(self._v.AsyncEngineArgs(**args)), timeout=900)
+            except Exception as exc:
+                if not embeds_only:
+                    raise
+                # vLLM 0.26 cannot build Qwen3-VL's language model without its tower: the DeepStack buffers stay
+                # on the meta device and the compile fails (seen on the H200, RESULTS.md 2026-12-01). The engine
+                # with its tower kept takes the same image_embeds and gives the same outputs; it only holds the
+                # tower's weights and profiles it at start.
+                log.warning("vLLM %s would not start %s with images as embeddings only (%s: %s); starting it "
+                            "again with its own vision tower kept", self._v.version, self.model_path,
+                            type(exc).__name__, str(exc)[:300])
+                self._reap_children()
+                embeds_only = False
+                args["limit_mm_per_prompt"] = {"image": 1, "video": 0}
+                with engine_process_threads(settings.engine_cpu_threads):
+                    self.llm = self._call(self._start(self._v.AsyncEngineArgs(**args)), timeout=900)
         except Exception as exc:
             self._stop_loop()
             self._reap_children()
