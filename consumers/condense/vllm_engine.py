@@ -16,8 +16,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import multiprocessing
-import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -26,34 +24,10 @@ from consumers.condense.engine import CondenseFailure, CondenseOutput, CondenseR
 from consumers.condense.stage import AnswerSchema
 from vlmstream.config import CondenseSettings
 from vlmstream.queued_engine import ENGINE_DEAD, QueuedEngine
-from vlmstream.vllm_process import engine_process_threads
+from vlmstream.vllm_process import EngineLoop, EngineUnavailable, engine_process_threads, import_vllm
 
 log = logging.getLogger(__name__)
 
-INSTALL_HINT = "pip install 'vlmstream[gpu]'"
-
-
-class EngineUnavailable(RuntimeError):
-    """vLLM cannot run here (not installed, or no CUDA device). Not retriable."""
-
-
-def import_vllm() -> SimpleNamespace:
-    try:
-        import vllm
-        from vllm.config import StructuredOutputsConfig
-        from vllm.engine.arg_utils import AsyncEngineArgs
-        from vllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
-        from vllm.usage.usage_lib import UsageContext
-        from vllm.v1.engine.async_llm import AsyncLLM
-        from vllm.v1.engine.exceptions import EngineDeadError as VllmEngineDeadError
-    except ImportError as exc:
-        raise EngineUnavailable(
-            f"the vllm condense engine needs the vllm package, which cannot be imported here ({exc}). Install the "
-            f"GPU extra on a CUDA machine: {INSTALL_HINT} — or set condense.engine=transformers.") from exc
-    return SimpleNamespace(version=vllm.__version__, AsyncEngineArgs=AsyncEngineArgs, AsyncLLM=AsyncLLM,
-                           SamplingParams=SamplingParams, StructuredOutputsParams=StructuredOutputsParams,
-                           StructuredOutputsConfig=StructuredOutputsConfig, RequestOutputKind=RequestOutputKind,
-                           DeadError=VllmEngineDeadError, UsageContext=UsageContext)
 
 
 def engine_args(settings: CondenseSettings, model_path: str, v: SimpleNamespace, *, load_format: str,
@@ -82,7 +56,7 @@ class VllmCondenseEngine(QueuedEngine):
 
     def __init__(self, model_path: str | Path, settings: CondenseSettings, answer_schema: AnswerSchema, *,
                  load_format: str = "auto", engine_kwargs: dict | None = None):
-        self._v = import_vllm()
+        self._v = import_vllm("condense.engine")
         import torch
 
         if not torch.cuda.is_available():
@@ -101,19 +75,16 @@ class VllmCondenseEngine(QueuedEngine):
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path, revision=settings.revision)
         self._ids = itertools.count()
         self._init_queues()
-        self._children_before = {p.pid for p in multiprocessing.active_children()}
-        self._loop = asyncio.new_event_loop()
-        self._loop_thread = threading.Thread(target=self._loop.run_forever, name="condense-vllm-loop", daemon=True)
-        self._loop_thread.start()
+        self._engine_loop = EngineLoop("condense-vllm-loop")
         args = engine_args(settings, self.model_path, self._v, load_format=load_format,
                            multimodal=is_multimodal(self.model_path))
         args.update(engine_kwargs or {})
         started = time.perf_counter()
         try:
             with engine_process_threads(settings.engine_cpu_threads):
-                self.llm = self._call(self._start(self._v.AsyncEngineArgs(**args)), timeout=900)
+                self.llm = self._engine_loop.call(self._start(self._v.AsyncEngineArgs(**args)), timeout=900)
         except BaseException:
-            self._stop_loop()
+            self._engine_loop.stop()
             raise
         self.start_s = time.perf_counter() - started
         scheduler = self.llm.vllm_config.scheduler_config
@@ -122,7 +93,7 @@ class VllmCondenseEngine(QueuedEngine):
                  "limit_mm_per_prompt" in args, {"max_num_seqs": self.batch_size,
                                                  "max_num_batched_tokens": scheduler.max_num_batched_tokens})
         try:
-            self._call(self._probe(), timeout=300)
+            self._engine_loop.call(self._probe(), timeout=300)
         except ValueError as exc:
             self._close_engine()
             raise ValueError(f"condense.answer_schema ({answer_schema.schema_id}): vLLM's guided decoding refuses "
@@ -136,11 +107,11 @@ class VllmCondenseEngine(QueuedEngine):
 
     def _close_engine(self) -> None:
         try:
-            self._call(self._shutdown(), timeout=120)
+            self._engine_loop.call(self._shutdown(), timeout=120)
         except Exception as exc:  # noqa: BLE001
             log.warning("vLLM shutdown: %r", exc)
-        self._stop_loop()
-        self._reap_children()
+        self._engine_loop.stop()
+        self._engine_loop.reap_children()
 
     def _feed(self) -> None:
         try:
@@ -148,7 +119,7 @@ class VllmCondenseEngine(QueuedEngine):
             while not stopping:
                 batch, stopping = self._next_batch(1024)
                 for request, submitted in batch:
-                    asyncio.run_coroutine_threadsafe(self._generate(request, submitted), self._loop)
+                    self._engine_loop.submit(self._generate(request, submitted))
         except BaseException as exc:
             log.exception("vLLM condense feed thread died")
             self._dead = exc
@@ -211,25 +182,3 @@ class VllmCondenseEngine(QueuedEngine):
             cause = exc.__cause__ or exc
             result = CondenseFailure(request.request_id, "condense_error", f"{type(cause).__name__}: {cause}"[:2000])
         self._outbox.put(result)
-
-    def _call(self, coroutine, timeout: float):
-        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout=timeout)
-
-    def _stop_loop(self) -> None:
-        if self._loop.is_running():
-            self._loop.call_soon_threadsafe(self._loop.stop)
-        self._loop_thread.join(timeout=30)
-
-    def _reap_children(self) -> None:
-        """An orphaned EngineCore would hold the GPU: end any child this engine started that is still alive."""
-        for child in multiprocessing.active_children():
-            if child.pid in self._children_before:
-                continue
-            child.join(timeout=10)
-            if child.is_alive():
-                log.warning("terminating leftover vLLM process %s (pid %s)", child.name, child.pid)
-                child.terminate()
-                child.join(timeout=10)
-            if child.is_alive():
-                child.kill()
-                child.join(timeout=5)

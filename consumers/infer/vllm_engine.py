@@ -29,11 +29,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import multiprocessing
-import threading
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 
 from consumers.infer.engine import ENGINE_DEAD as _DEAD
@@ -45,11 +42,10 @@ from consumers.infer.vision import (VisionEncoder, groups_by_patches, load_visio
 from vlmstream.config import InferSettings
 from vlmstream.models.family import ModelFamily
 from vlmstream.models.registry import family_of
-from vlmstream.vllm_process import engine_process_threads
+from vlmstream.vllm_process import EngineLoop, EngineUnavailable, engine_process_threads, import_vllm
 
 log = logging.getLogger(__name__)
 
-INSTALL_HINT = "pip install 'vlmstream[gpu]'"
 
 
 def _patches(item: tuple[InferenceRequest, float]) -> int:
@@ -74,29 +70,6 @@ def image_embeds_problem(tokens, grid_thw: tuple[int, int, int], family: ModelFa
     return None
 
 
-class EngineUnavailable(RuntimeError):
-    """vLLM cannot run in this environment (not installed, or no CUDA device). Not retriable."""
-
-
-def import_vllm() -> SimpleNamespace:
-    try:
-        import vllm
-        from vllm.engine.arg_utils import AsyncEngineArgs
-        from vllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
-        from vllm.usage.usage_lib import UsageContext
-        from vllm.v1.engine.async_llm import AsyncLLM
-        from vllm.v1.engine.exceptions import EngineDeadError as VllmEngineDeadError
-    except ImportError as exc:
-        raise EngineUnavailable(
-            f"the vllm engine needs the vllm package, which cannot be imported here ({exc}). "
-            f"Install the GPU extra on a CUDA machine: {INSTALL_HINT} — or set infer.engine=transformers."
-        ) from exc
-    return SimpleNamespace(version=vllm.__version__, AsyncEngineArgs=AsyncEngineArgs, AsyncLLM=AsyncLLM,
-                           SamplingParams=SamplingParams, StructuredOutputsParams=StructuredOutputsParams,
-                           RequestOutputKind=RequestOutputKind, DeadError=VllmEngineDeadError,
-                           UsageContext=UsageContext)
-
-
 class VllmEngine(QueuedEngine):
     engine_label = "vLLM engine"
     name = "vllm"
@@ -111,7 +84,7 @@ class VllmEngine(QueuedEngine):
         self.mode = mode or settings.mode
         if self.mode not in ("embeds", "pixels"):
             raise ValueError(f"vllm mode must be 'embeds' or 'pixels', got {self.mode!r}")
-        self._v = import_vllm()
+        self._v = import_vllm("infer.engine")
         import torch
 
         if not torch.cuda.is_available():
@@ -141,10 +114,7 @@ class VllmEngine(QueuedEngine):
 
         # 1. vLLM first: it sizes its KV cache from the free memory it sees, so our tower loads afterwards
         #    into the (1 - gpu_memory_utilization) share it leaves.
-        self._children_before = {p.pid for p in multiprocessing.active_children()}
-        self._loop = asyncio.new_event_loop()
-        self._loop_thread = threading.Thread(target=self._loop.run_forever, name="vllm-loop", daemon=True)
-        self._loop_thread.start()
+        self._engine_loop = EngineLoop("vllm-loop")
         embeds_only = self.mode == "embeds" and embeds_only_engine
         args = dict(
             model=self.model_path, revision=settings.revision, dtype=settings.dtype,
@@ -172,7 +142,7 @@ class VllmEngine(QueuedEngine):
         try:
             try:
                 with engine_process_threads(settings.engine_cpu_threads):
-                    self.llm = self._call(self._start(self._v.AsyncEngineArgs(**args)), timeout=900)
+                    self.llm = self._engine_loop.call(self._start(self._v.AsyncEngineArgs(**args)), timeout=900)
             except Exception as exc:
                 if not embeds_only:
                     raise
@@ -183,18 +153,18 @@ class VllmEngine(QueuedEngine):
                 log.warning("vLLM %s would not start %s with images as embeddings only (%s: %s); starting it "
                             "again with its own vision tower kept", self._v.version, self.model_path,
                             type(exc).__name__, str(exc)[:300])
-                self._reap_children()
+                self._engine_loop.reap_children()
                 embeds_only = False
                 args["limit_mm_per_prompt"] = {"image": 1, "video": 0}
                 with engine_process_threads(settings.engine_cpu_threads):
-                    self.llm = self._call(self._start(self._v.AsyncEngineArgs(**args)), timeout=900)
+                    self.llm = self._engine_loop.call(self._start(self._v.AsyncEngineArgs(**args)), timeout=900)
         except Exception as exc:
-            self._stop_loop()
-            self._reap_children()
+            self._engine_loop.stop()
+            self._engine_loop.reap_children()
             raise RuntimeError(f"vLLM {self._v.version} cannot serve infer.model {self.model_path!r} "
                                f"(mode {self.mode}): {type(exc).__name__}: {exc}") from exc
         except BaseException:
-            self._stop_loop()
+            self._engine_loop.stop()
             raise
         self.start_s = time.perf_counter() - started
         scheduler = self.llm.vllm_config.scheduler_config
@@ -217,9 +187,9 @@ class VllmEngine(QueuedEngine):
             self.encoder = VisionEncoder(tower, "cuda", dtype, attention=vision_attention,
                                          compile_blocks=settings.vision_compile, family=self.family)
             if self.mode == "embeds" and self.encoder.image_embeds_width != self.image_embeds_width:
-                self._call(self._shutdown(), timeout=120)
-                self._stop_loop()
-                self._reap_children()
+                self._engine_loop.call(self._shutdown(), timeout=120)
+                self._engine_loop.stop()
+                self._engine_loop.reap_children()
                 raise RuntimeError(
                     f"the vision tower of {self.model_path} makes image_embeds {self.encoder.image_embeds_width} wide "
                     f"({self.encoder.deepstack_levels} DeepStack levels), vLLM's {self.family.name} model takes "
@@ -240,11 +210,11 @@ class VllmEngine(QueuedEngine):
         if not self._stop_worker():
             return
         try:
-            self._call(self._shutdown(), timeout=120)
+            self._engine_loop.call(self._shutdown(), timeout=120)
         except Exception as exc:
             log.warning("vLLM shutdown: %r", exc)
-        self._stop_loop()
-        self._reap_children()
+        self._engine_loop.stop()
+        self._engine_loop.reap_children()
         self.encoder = None
         self._torch.cuda.empty_cache()
 
@@ -288,8 +258,8 @@ class VllmEngine(QueuedEngine):
             timings = {"queue_ms": (time.perf_counter() - submitted) * 1e3 - timings.get("encode_ms", 0.0), **timings}
             mm_item = ({"image_embeds": tokens_cpu, "image_grid_thw": self._torch.tensor([list(request.grid_thw)])}
                        if self.mode == "embeds" else request.image)
-            future = asyncio.run_coroutine_threadsafe(
-                self._generate(request, mm_item, embedding if request.want_embedding else None, timings), self._loop)
+            future = self._engine_loop.submit(
+                self._generate(request, mm_item, embedding if request.want_embedding else None, timings))
             self._tasks.add(future)
             future.add_done_callback(self._tasks.discard)
 
@@ -422,28 +392,3 @@ class VllmEngine(QueuedEngine):
         config = self.llm.vllm_config.model_config.hf_config
         token = getattr(config, "image_token_id", None) or getattr(config, "image_token_index", None)
         return sum(1 for t in (final.prompt_token_ids or []) if t == token) if token is not None else 0
-
-    # ----------------------------------------------------------------------------- plumbing
-
-    def _call(self, coroutine, timeout: float):
-        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout=timeout)
-
-    def _stop_loop(self) -> None:
-        if self._loop.is_running():
-            self._loop.call_soon_threadsafe(self._loop.stop)
-        self._loop_thread.join(timeout=30)
-
-    def _reap_children(self) -> None:
-        """vLLM's shutdown normally ends its EngineCore; an orphan would hold the GPU (and a device run)
-        until killed, so any child process this engine started and that is still alive is ended here."""
-        for child in multiprocessing.active_children():
-            if child.pid in self._children_before:
-                continue
-            child.join(timeout=10)
-            if child.is_alive():
-                log.warning("terminating leftover vLLM process %s (pid %s)", child.name, child.pid)
-                child.terminate()
-                child.join(timeout=10)
-            if child.is_alive():
-                child.kill()
-                child.join(timeout=5)
