@@ -5,6 +5,7 @@ engine with continuous batching (vLLM) stays saturated. Engines never see Kafka.
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -16,6 +17,8 @@ class EngineDeadError(RuntimeError):
 
 
 ENGINE_STOP = object()  # put on an engine's inbox to stop its worker thread
+log = logging.getLogger(__name__)
+
 ENGINE_DEAD = object()  # put on its outbox when the worker thread dies, to wake a waiting poll
 
 
@@ -86,6 +89,21 @@ class QueuedEngine:
                 return batch, True
             batch.append(item)
         return batch, False
+
+    def _serve_batches(self, process, limit: int) -> None:
+        """The worker thread's loop for an engine that runs whole batches: take up to ``limit`` queued requests,
+        ``process`` them into results, hand those to ``poll``, until stopped. A failure of ``process`` itself is
+        the engine's death: recorded for ``poll`` to raise, with the poller woken."""
+        try:
+            stopping = False
+            while not stopping:
+                batch, stopping = self._next_batch(limit)
+                for result in (process(batch) if batch else ()):
+                    self._outbox.put(result)
+        except BaseException as exc:
+            log.exception("%s: engine thread died", type(self).__name__)
+            self._dead = exc
+            self._outbox.put(ENGINE_DEAD)
 
     def _start_worker(self, target, name: str) -> None:
         """The thread that consumes ``_inbox`` (one per engine)."""

@@ -19,7 +19,7 @@ from consumers.condense.constrained import (Allowed, ConstrainedDecoder, Forced,
 from consumers.condense.engine import CondenseFailure, CondenseOutput, CondenseRequest, is_multimodal
 from consumers.condense.stage import AnswerSchema
 from vlmstream.config import CondenseSettings
-from vlmstream.queued_engine import ENGINE_DEAD, QueuedEngine
+from vlmstream.queued_engine import QueuedEngine
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +104,7 @@ class TransformersCondenseEngine(QueuedEngine):
         log.info("condense: transformers on %s, answers bounded to %d tokens by the answer schema", self.device,
                  self.decoder.max_tokens)
         self._init_queues()
-        self._start_worker(self._serve, "condense-transformers")
+        self._start_worker(lambda: self._serve_batches(self._run_splitting, self.batch_size), "condense-transformers")
 
     def close(self) -> None:
         if not self._stop_worker():
@@ -113,18 +113,6 @@ class TransformersCondenseEngine(QueuedEngine):
         gc.collect()
         if self.device.startswith("cuda"):
             self._torch.cuda.empty_cache()
-
-    def _serve(self) -> None:
-        try:
-            stopping = False
-            while not stopping:
-                batch, stopping = self._next_batch(self.batch_size)
-                for result in (self._run_splitting(batch) if batch else ()):
-                    self._outbox.put(result)
-        except BaseException as exc:  # the thread is the engine: record why it died and wake any poller
-            log.exception("transformers condense engine thread died")
-            self._dead = exc
-            self._outbox.put(ENGINE_DEAD)
 
     def _run_splitting(self, items: list[tuple[CondenseRequest, float]]) -> list:
         torch = self._torch

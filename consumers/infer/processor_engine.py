@@ -60,7 +60,7 @@ class ProcessorEngine(TransformersEngine):
         self.eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         self._prompts: dict[str, str] = {}
         self._init_queues()
-        self._start_worker(self._serve, "processor-engine")
+        self._start_worker(lambda: self._serve_batches(self._process, self.batch_size), "processor-engine")
 
     def _image_token_id(self) -> int | None:
         """The id the processor expands into the model's image tokens (counted as the output's visual tokens)."""

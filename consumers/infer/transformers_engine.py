@@ -20,7 +20,6 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Sequence
 
-from consumers.infer.engine import ENGINE_DEAD as _DEAD
 from consumers.infer.engine import (EngineCannotLoadModel, InferenceFailure, InferenceOutput, InferenceRequest,
                                     QueuedEngine)
 from consumers.infer.prompts import OutputSchema, PromptBuilder, with_schema
@@ -100,7 +99,7 @@ class TransformersEngine(QueuedEngine):
         self._prompt_ids: dict[str, tuple[list[int], list[int]]] = {}
 
         self._init_queues()
-        self._start_worker(self._serve, "transformers-engine")
+        self._start_worker(lambda: self._serve_batches(self._process, self.batch_size), "transformers-engine")
 
     # ----------------------------------------------------------------------------- Engine protocol
 
@@ -114,18 +113,6 @@ class TransformersEngine(QueuedEngine):
             self._torch.cuda.empty_cache()
 
     # ----------------------------------------------------------------------------- worker thread
-
-    def _serve(self) -> None:
-        try:
-            stopping = False
-            while not stopping:
-                batch, stopping = self._next_batch(self.batch_size)
-                for result in (self._process(batch) if batch else ()):
-                    self._outbox.put(result)
-        except BaseException as exc:  # the thread is the engine: record why it died and wake any poller
-            log.exception("transformers engine thread died")
-            self._dead = exc
-            self._outbox.put(_DEAD)
 
     def _process(self, batch: list[tuple[InferenceRequest, float]]) -> list:
         results: list = []
