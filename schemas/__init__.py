@@ -13,6 +13,7 @@ from schemas.messages import (  # noqa: F401
     Description,
     DocumentRef,
     DocumentResult,
+    DocumentSummary,
     Embedding,
     ImagePayload,
     SchemaError,

@@ -276,7 +276,7 @@ class ImagePayload(Message):
     @property
     def visual_tokens(self) -> int:
         t, h, w = self.grid_thw
-        return t * h * w // 4  # merge 2x2 patches into one LLM token
+        return t * h * w // 4  # every family merges 2x2 patches into one LLM token
 
 
 def image_key(doc_id: str, image_index: int) -> bytes:
@@ -397,8 +397,41 @@ class DocumentResult(Message):
         return data
 
 
+@dataclass(frozen=True)
+class DocumentSummary(Message):
+    """One document's structured answer (topic ``summaries``, compacted by doc_id). ``result`` says which version of
+    the document's result it answers: where that result was read (topic, partition, offset), when it completed and a
+    fingerprint of what it said."""
+
+    schema_name: ClassVar[str] = "document_summary"
+    doc_id: str
+    answer: dict[str, Any]
+    answer_schema_id: str
+    result: dict[str, Any]
+    model: str
+    engine: str
+    prompt_id: str
+    revision: str | None = None
+    images_used: tuple[int, ...] = ()
+    cut: dict[str, Any] | None = None
+    prompt_tokens: int | None = None
+    output_tokens: int | None = None
+    timings_ms: dict[str, float] | None = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+    created_at: float | None = None
+
+    def key(self) -> bytes:
+        return self.doc_id.encode()
+
+    def to_dict(self) -> dict[str, Any]:
+        data = super().to_dict()
+        data["images_used"] = list(self.images_used)
+        return data
+
+
 MESSAGE_TYPES: dict[str, type[Message]] = {
-    cls.schema_name: cls for cls in (DocumentRef, ImagePayload, Description, Embedding, DeadLetter, DocumentResult)
+    cls.schema_name: cls for cls in (DocumentRef, ImagePayload, Description, Embedding, DeadLetter, DocumentResult,
+                                     DocumentSummary)
 }
 
 

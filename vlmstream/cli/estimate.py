@@ -410,9 +410,9 @@ def estimate(
     """Predict how long `vlmstream run SOURCE [same options]` takes on this machine (or, with --gpus/--decode-cores,
     on more), from a stratified sample run through the real pipeline; prints the job's shape, the sample, the
     measured costs per size class, the projection with its range, and its assumptions."""
-    from vlmstream.cli.run import with_pixel_budget
+    from consumers.decode.stage import decode_family
+    from vlmstream.cli.run import with_model_family, with_pixel_budget
     from vlmstream.cli.support import bootstrap, settings_from
-    from vlmstream.models.registry import family_named, family_of
     from vlmstream.projection import calibrate, contended_warmup, project, rate_spread, sample_windows
 
     overrides: dict[str, Any] = {
@@ -426,11 +426,17 @@ def estimate(
     if not documents:
         console.print(f"[red]{what} holds no documents to estimate[/]")
         raise typer.Exit(2)
-    try:
-        family = family_of(settings.infer.model) if settings.infer.model else family_named("qwen2_vl")
-    except (ValueError, OSError):
-        family = family_named("qwen2_vl")
-    shape = read_shape(documents, family, settings.decode.min_pixels, settings.decode.max_pixels)
+    tiny = not settings.infer.model
+    if tiny:
+        from consumers.infer.tiny_model import default_tiny_model_dir
+
+        settings = settings.model_copy(update={"infer": settings.infer.model_copy(
+            update={"model": str(default_tiny_model_dir())})})
+    # The family and pixel limits decode resizes for, as `vlmstream run` settles them.
+    settings, said = with_model_family(settings)
+    console.print(said)
+    family = decode_family(settings.decode)
+    shape = read_shape(documents, family, family.min_pixels, family.max_pixels)
     target = sample_images or max(16, min(300, shape.images // 20))
     sample = draw_sample(shape, target, seed)
     sample_count = sum(len(d.images) for d in sample)
@@ -443,14 +449,6 @@ def estimate(
                   f"{len({d.stratum for d in sample})} strata (images per document x size class)")
 
     bootstrap(settings)
-    if not settings.infer.model:
-        from consumers.infer.tiny_model import default_tiny_model_dir
-
-        settings = settings.model_copy(update={"infer": settings.infer.model_copy(
-            update={"model": str(default_tiny_model_dir())})})
-        tiny = True
-    else:
-        tiny = False
     load_before = os.getloadavg()[0]
     result = run_sample(sample, settings, timeout_s)
     load_after = os.getloadavg()[0]

@@ -9,7 +9,7 @@ import typer
 
 def replay(
     ctx: typer.Context,
-    stage: str = typer.Option(..., "--stage", help="decode, infer or results."),
+    stage: str = typer.Option(..., "--stage", help="decode, infer, results or condense."),
     to: str = typer.Option(..., "--to", help="earliest | offset:N | timestamp:ISO-8601-or-epoch-ms"),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print what would be redone; change nothing."),
 ) -> None:
@@ -201,14 +201,18 @@ def _duration(seconds: float | None) -> str:
 
 def export(
     ctx: typer.Context,
-    out: Path = typer.Argument(..., help="Folder for the files (created; new records are appended)."),
-    what: str = typer.Option("descriptions,embeddings,results,deadletter", "--what",
-                             help="Comma-separated: descriptions, embeddings, results, deadletter."),
-    follow: bool = typer.Option(False, "--follow", help="Keep appending as records arrive, until Ctrl-C/SIGTERM."),
+    out: Path = typer.Argument(..., help="Folder for the files (created; new records are added)."),
+    what: str = typer.Option("descriptions,embeddings,results,deadletter,summaries", "--what",
+                             help="Comma-separated: descriptions, embeddings, results, deadletter, summaries (the "
+                             "last only when the cluster has the condense stage's topic)."),
+    format: str = typer.Option("jsonl", "--format", help="jsonl: JSON lines, vectors in one binary file; parquet: "
+                               "rolling Parquet files per kind (export.max_file_bytes), for DuckDB, pandas, polars."),
+    follow: bool = typer.Option(False, "--follow", help="Keep adding records as they arrive, until Ctrl-C/SIGTERM."),
     group_id: str = typer.Option("vlmstream-export", "--group-id", help="Remembers how far the files go; another "
                                  "group id exports everything again into another folder."),
 ) -> None:
-    """Append the output topics' records since the last export to JSON-lines files (vectors to one binary file)."""
+    """Add the output topics' records since the last export to files: JSON lines (vectors in one binary file) or
+    Parquet (a file is complete on disk before its offsets are committed; no record twice, even after a kill)."""
     import signal
     import threading
 
@@ -220,12 +224,15 @@ def export(
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stop.set())
     try:
-        report = run_export(settings, out, tuple(k.strip() for k in what.split(",") if k.strip()), follow=follow,
-                            group_id=group_id, should_stop=stop.is_set)
+        report = run_export(settings, out, tuple(k.strip() for k in what.split(",") if k.strip()), format=format,
+                            follow=follow, group_id=group_id, should_stop=stop.is_set)
     except (ValueError, RuntimeError) as exc:
         print(f"export: {exc}", file=sys.stderr)
         raise typer.Exit(2)
     written = ", ".join(f"{n} {kind}" for kind, n in report.written.items())
-    print(f"appended {written}" + (f"; {report.unreadable} unreadable record(s) left out" if report.unreadable else ""))
+    notes = [f"{report.unreadable} unreadable record(s) left out"] if report.unreadable else []
+    if report.already_on_disk:
+        notes.append(f"{report.already_on_disk} already in files from a stopped run")
+    print(f"appended {written}" + (f"; {'; '.join(notes)}" if notes else ""))
     for name in report.files:
         print(f"  {name}")

@@ -133,7 +133,7 @@ def stage_bottleneck(settings: Settings, stages: list[StageStatus]):
 # What each topic's new records mean, for `vlmstream status`'s throughput table.
 THROUGHPUT_TOPICS = (("documents", "documents published"), ("images", "images decoded"),
                      ("descriptions", "images described"), ("results", "documents completed"),
-                     ("deadletter", "dead letters"))
+                     ("summaries", "documents condensed"), ("deadletter", "dead letters"))
 
 
 @dataclass
