@@ -55,11 +55,20 @@ def _as_stage(settings: Any, stage: str) -> Any:
     return settings.model_copy(update={"kafka": settings.kafka.as_principal(stage)})
 
 
-def _child(args: list[str], config: Path, log_path: Path) -> subprocess.Popen:
+# With metrics_port set, each worker process of a run serves its own endpoint: decode on the port, inference on the
+# next one, condense on the one after (all on one machine, so one port each).
+METRICS_PORT_OFFSET = {"decode": 0, "infer": 1, "condense": 2}
+
+
+def _child(args: list[str], config: Path, log_path: Path, metrics_port: int = 0) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "vlmstream.cli", "--config", str(config), *args]
+    env = None
+    if metrics_port > 0:
+        # The environment outranks the settings file, and an exported VLMSTREAM_METRICS_PORT reaches every child.
+        env = dict(os.environ, VLMSTREAM_METRICS_PORT=str(metrics_port + METRICS_PORT_OFFSET[args[0]]))
     log = open(log_path, "ab")
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                            start_new_session=True)
+                            start_new_session=True, env=env)
 
 
 # How long `vlmstream run` waits for its workers to drain once stopped, whether or not the cluster answers: the
@@ -266,11 +275,13 @@ def run(
         probe = StageProbe(settings, backlog)
         view = LiveView(probe)
         view.update()  # where the topics and groups stand before anything of this run is published
-        children["decode"] = _child(["decode"], config_files["decode"], log_dir / f"decode-{stamp}.log")
-        children["infer"] = _child(["infer"], config_files["infer"], log_dir / f"infer-{stamp}.log")
-        if condense:
-            children["condense"] = _child(["condense"], config_files["condense"], log_dir / f"condense-{stamp}.log")
+        port = settings.metrics_port
+        for stage in stages:
+            children[stage] = _child([stage], config_files[stage], log_dir / f"{stage}-{stamp}.log", port)
         console.print(f"{', '.join(stages)} workers started (logs in {log_dir})")
+        if port > 0:
+            console.print("Prometheus metrics: " + ", ".join(
+                f"{stage} on :{port + METRICS_PORT_OFFSET[stage]}" for stage in stages))
 
         summary = publish_documents(_as_stage(settings, "producer"), items, force=force)
         failed_ids = {failure.doc_id for failure in summary.failed}
