@@ -27,3 +27,15 @@ def test_a_compression_codec_kafka_does_not_have_is_refused_by_name(monkeypatch)
     monkeypatch.setenv("VLMSTREAM_PRODUCER__COMPRESSION_TYPE", "zstandard")
     with pytest.raises(pydantic.ValidationError, match="compression_type"):
         load_settings()
+
+
+def test_settings_variables_are_told_from_process_variables():
+    """`vlmstream run` hands its children the effective settings in a file and strips the settings variables from
+    their environment (they would outrank the file); process variables stay."""
+    from vlmstream.config import is_settings_variable
+
+    for key in ("VLMSTREAM_TOPICS__DOCUMENTS", "VLMSTREAM_DECODE__GROUP_ID", "VLMSTREAM_METRICS_PORT",
+                "VLMSTREAM_BOOTSTRAP_SERVERS", "VLMSTREAM_CONFIG", "VLMSTREAM_KAFKA__SECURITY_PROTOCOL"):
+        assert is_settings_variable(key), key
+    for key in ("VLMSTREAM_HOME", "VLMSTREAM_PROFILE_OUT", "VLMSTREAM_KAFKA_LOG_LEVEL", "PATH", "OMP_NUM_THREADS"):
+        assert not is_settings_variable(key), key

@@ -422,6 +422,15 @@ def _drop_none(values: dict[str, Any]) -> dict[str, Any]:
     return cleaned
 
 
+def is_settings_variable(key: str) -> bool:
+    """Whether environment variable ``key`` sets a setting (``VLMSTREAM_<SECTION>__<NAME>``, ``VLMSTREAM_CONFIG``,
+    ``VLMSTREAM_BOOTSTRAP_SERVERS``), as opposed to a process variable (``VLMSTREAM_HOME``, ``VLMSTREAM_PROFILE_*``)."""
+    if not key.startswith("VLMSTREAM_") or key == "VLMSTREAM_HOME":
+        return False
+    first = key[len("VLMSTREAM_"):].lower().split("__")[0]
+    return first in Settings.model_fields or first in ("config", "bootstrap_servers")
+
+
 def _explicit_env_values() -> dict[str, Any]:
     values: dict[str, Any] = {}
     for key, raw in os.environ.items():

@@ -243,25 +243,12 @@ def run_sample(docs: list[JobDocument], settings: Any, timeout_s: float) -> Samp
     children: dict[str, subprocess.Popen] = {}
     ready_at = measured_at = done_at = 0.0
     deadline = time.monotonic() + timeout_s
-    # The environment outranks a settings file: a VLMSTREAM_TOPICS__DOCUMENTS or group id set for the real job would
-    # send the sample's workers to the real topics and groups. The sample's own names go in the environment too.
-    own = {f"VLMSTREAM_TOPICS__{name.upper()}": topic for name, topic in names.items()}
-    own.update({"VLMSTREAM_DECODE__GROUP_ID": settings.decode.group_id,
-                "VLMSTREAM_INFER__GROUP_ID": settings.infer.group_id,
-                "VLMSTREAM_DECODE__ALLOWED_ROOTS": json.dumps(roots)})
-    saved = {key: os.environ.get(key) for key in own}
     try:
         workers_at = time.time()
-        os.environ.update(own)
-        try:
-            children["decode"] = _child(["decode"], config_files["decode"], log_dir / "decode.log")
-            children["infer"] = _child(["infer"], config_files["infer"], log_dir / "infer.log")
-        finally:
-            for key, value in saved.items():
-                if value is None:
-                    os.environ.pop(key, None)
-                else:
-                    os.environ[key] = value
+        # _child gives the workers the sample's settings file and none of the settings variables of this
+        # environment, which would send them to the real job's topics and groups.
+        children["decode"] = _child(["decode"], config_files["decode"], log_dir / "decode.log")
+        children["infer"] = _child(["infer"], config_files["infer"], log_dir / "infer.log")
         publish_documents(_as_stage(settings, "producer"), [warmup, *(d.doc for d in first_part)], force=True)
         warm_done = False
         while (not warm_done or wanted - seen) and time.monotonic() < deadline:

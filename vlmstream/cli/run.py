@@ -16,6 +16,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from vlmstream.config import is_settings_variable
 from vlmstream.models import qwen2_vl
 
 console = Console(stderr=True)
@@ -62,10 +63,12 @@ METRICS_PORT_OFFSET = {"decode": 0, "infer": 1, "condense": 2}
 
 def _child(args: list[str], config: Path, log_path: Path, metrics_port: int = 0) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "vlmstream.cli", "--config", str(config), *args]
-    env = None
+    # The settings file holds the run's effective settings (the environment's included); an exported settings
+    # variable would outrank it in the child and send it elsewhere (--fresh's own topics and groups to the shared
+    # ones), so the child gets none of them.
+    env = {key: value for key, value in os.environ.items() if not is_settings_variable(key)}
     if metrics_port > 0:
-        # The environment outranks the settings file, and an exported VLMSTREAM_METRICS_PORT reaches every child.
-        env = dict(os.environ, VLMSTREAM_METRICS_PORT=str(metrics_port + METRICS_PORT_OFFSET[args[0]]))
+        env["VLMSTREAM_METRICS_PORT"] = str(metrics_port + METRICS_PORT_OFFSET[args[0]])
     log = open(log_path, "ab")
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                             start_new_session=True, env=env)
