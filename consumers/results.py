@@ -41,8 +41,9 @@ URI, the set of indexes that succeeded) in a second LRU of ``emitted_docs`` entr
   success of a document forgotten this way is kept out too (the old result stays);
 * another image count or another source URI at an index is a newer version: it is emitted, and replaces the record.
 
-The record does not survive a restart (nor, exactly-once, the end of an ownership term): after one, a late record of a document emitted before it can still produce
-a partial result ``open_timeout_s`` later (reading the compacted results topic back would close that window).
+The record does not survive a restart (nor, exactly-once, the end of an ownership term): after one, a late record
+of a document emitted before it can still produce a partial result ``open_timeout_s`` later (reading the compacted
+results topic back would close that window).
 
 Descriptions and dead letters are keyed by doc_id, but the dead-letter topic usually has fewer
 partitions, so one document's records are spread over two partitions that no assignor can co-locate.
@@ -299,12 +300,11 @@ class ResultsAggregator:
             if code and self.checkpoint is not None:
                 self.checkpoint.stop()  # closing revokes the partitions: the listener must not commit either
             self.open_at_stop = self.open_documents()  # closing revokes the partitions and clears the state
-            sender = self.sender
             try:
                 self.consumer.close(autocommit=False)
             finally:
-                if sender is not None:  # exactly-once, the revoke at close has already ended the term and closed it
-                    sender.close(flushed=not code)
+                if self.sender is not None:  # exactly-once, the revoke at close ends the term and closes it first
+                    self.sender.close(flushed=not code)
             self.exit_code = code
         return code
 
