@@ -1,13 +1,15 @@
-"""GPU smoke test and measurement of the vLLM engine, both modes, on the Qwen2.5-VL-7B config (dummy weights).
+"""GPU smoke test and measurement of the vLLM engine, both modes, on the Qwen2.5-VL-7B or Qwen3-VL-8B config (dummy
+weights).
 
 Run on the device (vLLM unpacked per shared/gpu/README.md, PYTHONPATH set):
-    python benchmarks/gpu_engine_smoke.py [--images DIR] [--n 64] [--max-pixels 1003520] [--tokens 64]
-        [--modes embeds,pixels] [--out $OUT/engine_smoke.json]
+    python benchmarks/gpu_engine_smoke.py [--model qwen2.5-vl-7b|qwen3-vl-8b] [--images DIR] [--n 64]
+        [--max-pixels 1003520] [--tokens 64] [--modes embeds,pixels] [--out $OUT/engine_smoke.json]
 
 What it checks and prints:
-1. embeds mode: images/s through VllmEngine (our GPU patchify + batched tower + vLLM LM), and that the
-   published embeddings equal, to bf16 tolerance, transformers' full Qwen2_5_VLForConditionalGeneration
-   vision path (processor pixels, sdpa attention) with the same tower weights.
+1. embeds mode: images/s through VllmEngine (our GPU patchify + batched tower + vLLM LM), and that, to bf16
+   tolerance, both the published embeddings and the whole ``image_embeds`` our tower hands vLLM (for Qwen3-VL the
+   DeepStack levels included) equal transformers' full model's vision path (processor pixels, sdpa attention)
+   with the same tower weights.
 2. guided decoding: with a JSON Schema set, outputs parse and validate (parsed_json is not None).
 3. pixels mode: images/s with vLLM doing its own normalise/patchify/tower on the exact-size arrays.
 Every engine is closed before the next starts; the script exits with os._exit so no thread or EngineCore
@@ -34,17 +36,19 @@ from benchmarks.images import exact_size_images  # noqa: E402 - after the path i
 
 
 
-def load_images(folder: str | None, n: int, max_pixels: int) -> list[np.ndarray]:
-    images = exact_size_images(folder, n, max_pixels)
+def load_images(folder: str | None, n: int, max_pixels: int, factor: int = 28) -> list[np.ndarray]:
+    images = exact_size_images(folder, n, max_pixels, factor)
     for i, arr in enumerate(images):
         arr[0, 0] = (i % 251, (i // 251) % 251, 7)  # unique pixels per request
     return images
 
 
-def requests_for(images, tokens, prefix, want_embedding=True):
+def requests_for(images, tokens, prefix, want_embedding=True, family=None):
     from consumers.infer.engine import InferenceRequest
+    from vlmstream.models.qwen2_vl import QWEN2_VL
 
-    return [InferenceRequest(f"{prefix}{i}/0", im, (1, im.shape[0] // 14, im.shape[1] // 14),
+    family = family or QWEN2_VL
+    return [InferenceRequest(f"{prefix}{i}/0", im, family.grid_thw(*im.shape[:2]),
                              "Describe this image in detail.", tokens, want_embedding=want_embedding)
             for i, im in enumerate(images)]
 
@@ -70,33 +74,41 @@ def run_all(engine, requests, timeout_s=400.0):
 
 
 def reference_embeddings(model_dir, tower_state, images):
-    """transformers' own path: Qwen2VLImageProcessor (do_resize=False) -> full model's get_image_features
-    (sdpa), with our tower's weights. The language model is cut to one layer: the vision path never reads it."""
+    """transformers' own path: the checkpoint's image processor (do_resize=False) -> full model's
+    get_image_features (sdpa), with our tower's weights. The language model is cut to one layer: the vision path
+    never reads it. Returns per image (mean of the main merger's tokens, the whole image_embeds: merged tokens then
+    any DeepStack levels, as our tower hands them to vLLM)."""
     import torch
-    from transformers import AutoImageProcessor, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+    from transformers import AutoConfig, AutoImageProcessor, AutoModelForImageTextToText
 
-    config = Qwen2_5_VLConfig.from_pretrained(model_dir)
+    config = AutoConfig.from_pretrained(model_dir)
     config.text_config.num_hidden_layers = 1
+    if getattr(config.text_config, "layer_types", None):
+        config.text_config.layer_types = ["full_attention"]
     config._attn_implementation = "sdpa"
     with torch.device("cuda"):
-        model = Qwen2_5_VLForConditionalGeneration._from_config(config, dtype=torch.bfloat16).eval()
+        model = AutoModelForImageTextToText.from_config(config, dtype=torch.bfloat16).eval()
     model.model.visual.load_state_dict(tower_state)
     processor = AutoImageProcessor.from_pretrained(model_dir)
-    means = []
+    out = []
     with torch.inference_mode():
         for im in images:
             inputs = processor(images=[im], do_resize=False, return_tensors="pt")
             feats = model.model.get_image_features(inputs["pixel_values"].cuda(), inputs["image_grid_thw"].cuda())
-            means.append(feats.pooler_output[0].float().mean(0).cpu().numpy())
+            merged = feats.pooler_output[0]
+            levels = list(getattr(feats, "deepstack_features", None) or [])
+            out.append((merged.float().mean(0).cpu().numpy(),
+                        torch.cat([merged, *levels], -1).float().cpu().numpy()))
     del model
     torch.cuda.empty_cache()
-    return means
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--images", default=os.environ.get("IMAGES"))
-    ap.add_argument("--model-dir", default="/tmp/vlmstream-qwen25vl-7b")
+    ap.add_argument("--model", default="qwen2.5-vl-7b", help="qwen2.5-vl-7b or qwen3-vl-8b (consumers/infer/model7b.py)")
+    ap.add_argument("--model-dir", default=None, help="default: /tmp/vlmstream-MODEL")
     ap.add_argument("--n", type=int, default=64)
     ap.add_argument("--max-pixels", type=int, default=1280 * 28 * 28)
     ap.add_argument("--tokens", type=int, default=64)
@@ -105,15 +117,17 @@ def main() -> None:
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "engine_smoke.json"))
     args = ap.parse_args()
 
-    from consumers.infer.model7b import write_qwen25vl_7b_config
+    from consumers.infer.model7b import GPU_MODELS
     from consumers.infer.prompts import OutputSchema
     from consumers.infer.vllm_engine import VllmEngine
     from vlmstream.config import InferSettings
+    from vlmstream.models.registry import family_of
 
-    model_dir = write_qwen25vl_7b_config(args.model_dir)
-    images = load_images(args.images, args.n + 4, args.max_pixels)
+    model_dir = GPU_MODELS[args.model](args.model_dir or f"/tmp/vlmstream-{args.model}")
+    family = family_of(model_dir)
+    images = load_images(args.images, args.n + 4, args.max_pixels, family.factor)
     warm, images = images[:4], images[4:]
-    report: dict = {"n": args.n, "max_pixels": args.max_pixels, "tokens": args.tokens,
+    report: dict = {"model": args.model, "n": args.n, "max_pixels": args.max_pixels, "tokens": args.tokens,
                     "mean_mp": round(float(np.mean([im.shape[0] * im.shape[1] for im in images])) / 1e6, 3)}
     print("SETUP", json.dumps(report), flush=True)
     settings = InferSettings(max_new_tokens=args.tokens, ignore_eos=True, batch_size=args.batch_size,
@@ -135,7 +149,7 @@ def main() -> None:
                                     embeds_only_engine=False)
             entry: dict = {"start_s": round(time.perf_counter() - t, 1),
                            "vision_attention": engine.encoder.attention if engine.encoder else None}
-            _, warm_run = run_all(engine, requests_for(warm, args.tokens, f"warm-{mode}-"))
+            _, warm_run = run_all(engine, requests_for(warm, args.tokens, f"warm-{mode}-", family=family))
             if warm_run["failed"] and mode == "embeds":
                 # Embedding-only vLLM (no tower of its own) rejected the inputs: measure the bench.py setup.
                 print("EMBEDS_ONLY_REQUESTS_FAILED", warm_run["first_failure"], flush=True)
@@ -143,10 +157,10 @@ def main() -> None:
                 engine.close()
                 engine = VllmEngine(model_dir, settings.model_copy(update={"mode": mode}), load_format="dummy",
                                     embeds_only_engine=False)
-                run_all(engine, requests_for(warm, args.tokens, f"warm2-{mode}-"))
+                run_all(engine, requests_for(warm, args.tokens, f"warm2-{mode}-", family=family))
             entry["embeds_only_engine"] = "embeds_only_error" not in report if mode == "embeds" else None
             want = mode == "embeds"  # pixels mode: pure vLLM path, no extra tower pass
-            results, entry["run"] = run_all(engine, requests_for(images, args.tokens, f"{mode}-", want))
+            results, entry["run"] = run_all(engine, requests_for(images, args.tokens, f"{mode}-", want, family))
             first = next(iter(results.values()))
             entry["timings_ms_first"] = {k: round(v, 1) for k, v in getattr(first, "timings_ms", {}).items()}
             print("RESULT", mode, json.dumps(entry), flush=True)
@@ -155,6 +169,8 @@ def main() -> None:
                 check = images[:4]
                 tower_state = {k: v.detach().cpu() for k, v in engine.encoder.visual.state_dict().items()}
                 got = [results[f"embeds-{i}/0"].embedding.astype(np.float32) for i in range(len(check))]
+                # The whole image_embeds our tower hands vLLM (DeepStack levels included), one image at a time.
+                got_embeds = [engine.encoder.encode([im])[0].tokens.float().cpu().numpy() for im in check]
                 # Guided decoding on the same engine (schema swapped in after the throughput run).
                 # Bounded fields only: with random weights an unbounded integer or string never ends, and a
                 # document cut at the token limit is (rightly) a schema violation, not a guided-decoding failure.
@@ -163,17 +179,27 @@ def main() -> None:
                     "properties": {"kind": {"enum": ["photo", "drawing", "screenshot", "text"]},
                                    "people": {"type": "boolean"},
                                    "caption": {"type": "string", "maxLength": 12}}})
-                structured, entry["structured"] = run_all(engine, requests_for(check, 96, "json-", False))
+                structured, entry["structured"] = run_all(engine, requests_for(check, 96, "json-", False, family))
                 entry["structured_sample"] = [getattr(r, "parsed_json", None) or repr(r)[:200]
                                               for r in list(structured.values())[:2]]
                 engine.close()
                 engine = None
                 ref = reference_embeddings(model_dir, tower_state, check)
-                diffs = [float(np.max(np.abs(g - r)) / (np.max(np.abs(r)) + 1e-6)) for g, r in zip(got, ref)]
-                cos = [float(np.dot(g, r) / (np.linalg.norm(g) * np.linalg.norm(r) + 1e-12)) for g, r in zip(got, ref)]
-                entry["embedding_vs_transformers"] = {"max_rel_diff": round(max(diffs), 5),
-                                                      "min_cosine": round(min(cos), 6),
-                                                      "pass": bool(min(cos) > 0.999 and max(diffs) < 0.05)}
+                ref_means, ref_embeds = [r[0] for r in ref], [r[1] for r in ref]
+                diffs = [float(np.max(np.abs(g - r)) / (np.max(np.abs(r)) + 1e-6)) for g, r in zip(got, ref_means)]
+                cos = [float(np.dot(g, r) / (np.linalg.norm(g) * np.linalg.norm(r) + 1e-12))
+                       for g, r in zip(got, ref_means)]
+                # Per visual token of image_embeds: cosine of ours against transformers' (every DeepStack column).
+                token_cos = [float(np.min(np.sum(g * r, -1) / (np.linalg.norm(g, axis=-1) * np.linalg.norm(r, axis=-1)
+                                                              + 1e-12)))
+                             for g, r in zip(got_embeds, ref_embeds) if g.shape == r.shape]
+                shapes_equal = all(g.shape == r.shape for g, r in zip(got_embeds, ref_embeds))
+                entry["embedding_vs_transformers"] = {
+                    "max_rel_diff": round(max(diffs), 5), "min_cosine": round(min(cos), 6),
+                    "image_embeds_shape": list(got_embeds[0].shape), "image_embeds_shapes_equal": shapes_equal,
+                    "image_embeds_min_token_cosine": round(min(token_cos), 6) if token_cos else None,
+                    "pass": bool(min(cos) > 0.999 and max(diffs) < 0.05 and shapes_equal
+                                 and token_cos and min(token_cos) > 0.99)}
                 print("RESULT embeds-check", json.dumps(entry["embedding_vs_transformers"]),
                       json.dumps(entry["structured"]), entry["structured_sample"], flush=True)
             report[mode] = entry

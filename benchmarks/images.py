@@ -49,12 +49,13 @@ def source_images(folder: str | Path | None):
     return bases
 
 
-def exact_size_images(folder: str | Path | None, n: int, max_pixels: int) -> list[np.ndarray]:
+def exact_size_images(folder: str | Path | None, n: int, max_pixels: int, factor: int = 28) -> list[np.ndarray]:
+    """``factor``: the model family's (28 for Qwen2/2.5-VL, 32 for Qwen3-VL and Qwen3.5)."""
     from PIL import Image
 
     bases = source_images(folder)
     sized = []
     for base in bases[:n]:
-        h, w = smart_resize(base.size[1], base.size[0], max_pixels=max_pixels)
+        h, w = smart_resize(base.size[1], base.size[0], factor=factor, max_pixels=max_pixels)
         sized.append(np.asarray(base.resize((w, h), Image.BICUBIC)))
     return [sized[i % len(sized)].copy() for i in range(n)]

@@ -81,6 +81,8 @@ log = logging.getLogger(__name__)
 
 # Dead letters that note something about an image that was still decoded and described: not a failure of it.
 NOTES = ("pages_not_described",)
+# Dead letters of this aggregator and of the stages that read its results: not about an image of the document.
+DOWNSTREAM_STAGES = ("results", "condense")
 
 
 def results_group_id(settings: Settings) -> str:
@@ -431,8 +433,10 @@ class ResultsAggregator:
                          or before.get("source_uri") != d.source_uri)
 
     def _on_dead_letter(self, tp: TopicPartition, offset: int, letter: DeadLetter) -> None:
-        if letter.doc_id is None or letter.stage == "results":
-            self.stats.skipped += 1  # nothing to attribute it to; it still counts as read
+        if letter.doc_id is None or letter.stage in DOWNSTREAM_STAGES:
+            # Nothing to attribute it to, or a failure after the result (reopening the document would loop through
+            # the stage that failed); it still counts as read.
+            self.stats.skipped += 1
             return
         if self._late(letter.doc_id, letter.image_count, letter.image_index, letter.source_uri, success=False):
             return

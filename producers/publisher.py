@@ -52,6 +52,7 @@ class PublishSummary:
     (``dead_lettered`` counts those sent this run; a re-run does not send the same one again)."""
 
     sent: int = 0
+    images_sent: int = 0  # images named by the documents sent
     skipped: int = 0
     rejected: list[Rejection] = field(default_factory=list)
     failed: list[Failure] = field(default_factory=list)
@@ -101,6 +102,7 @@ class _InFlight(NamedTuple):
     content_hash: str
     where: str | None
     is_document: bool
+    images: int = 0
 
 
 class DocumentPublisher:
@@ -218,7 +220,8 @@ class DocumentPublisher:
             return
         except KafkaError as exc:
             raise FatalPipelineError(f"cannot send to {self.documents_topic}: {exc!r}") from exc
-        self._track(_InFlight(future, self.documents_topic, doc.doc_id, content_hash, doc.source, True))
+        self._track(_InFlight(future, self.documents_topic, doc.doc_id, content_hash, doc.source, True,
+                              len(doc.image_uris)))
 
     def _dead_letter(self, rejection: Rejection, summary: PublishSummary) -> None:
         summary.rejected.append(rejection)
@@ -289,6 +292,7 @@ class DocumentPublisher:
             return
         if entry.is_document:
             self._summary.sent += 1
+            self._summary.images_sent += entry.images
         self._acked.append((entry.topic, self.bootstrap, entry.record_id, entry.content_hash))
 
     def _write_ledger(self) -> None:

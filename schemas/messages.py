@@ -30,6 +30,9 @@ HEADER_DOC_ID = "vlmstream-doc-id"
 HEADER_IMAGE_INDEX = "vlmstream-image-index"
 HEADER_META = "vlmstream-meta"  # image payloads only: the ImagePayload JSON; the value holds the pixels
 HEADER_ATTEMPT = "vlmstream-attempt"
+# Documents only: how many images the document names, so a backlog is counted in images (the unit of work) from the
+# headers, without parsing the value.
+HEADER_IMAGE_COUNT = "vlmstream-images"
 
 
 class SchemaError(ValueError):
@@ -221,6 +224,9 @@ class DocumentRef(Message):
         data["image_uris"] = list(self.image_uris)
         return data
 
+    def headers(self) -> list[tuple[str, bytes]]:
+        return super().headers() + [(HEADER_IMAGE_COUNT, str(len(self.image_uris)).encode())]
+
 
 def _deeper_than(value: Any, limit: int) -> bool:
     if not isinstance(value, (dict, list, tuple)):
@@ -270,7 +276,7 @@ class ImagePayload(Message):
     @property
     def visual_tokens(self) -> int:
         t, h, w = self.grid_thw
-        return t * h * w // 4  # merge 2x2 patches into one LLM token
+        return t * h * w // 4  # every family merges 2x2 patches into one LLM token
 
 
 def image_key(doc_id: str, image_index: int) -> bytes:
@@ -391,8 +397,41 @@ class DocumentResult(Message):
         return data
 
 
+@dataclass(frozen=True)
+class DocumentSummary(Message):
+    """One document's structured answer (topic ``summaries``, compacted by doc_id). ``result`` says which version of
+    the document's result it answers: where that result was read (topic, partition, offset), when it completed and a
+    fingerprint of what it said."""
+
+    schema_name: ClassVar[str] = "document_summary"
+    doc_id: str
+    answer: dict[str, Any]
+    answer_schema_id: str
+    result: dict[str, Any]
+    model: str
+    engine: str
+    prompt_id: str
+    revision: str | None = None
+    images_used: tuple[int, ...] = ()
+    cut: dict[str, Any] | None = None
+    prompt_tokens: int | None = None
+    output_tokens: int | None = None
+    timings_ms: dict[str, float] | None = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+    created_at: float | None = None
+
+    def key(self) -> bytes:
+        return self.doc_id.encode()
+
+    def to_dict(self) -> dict[str, Any]:
+        data = super().to_dict()
+        data["images_used"] = list(self.images_used)
+        return data
+
+
 MESSAGE_TYPES: dict[str, type[Message]] = {
-    cls.schema_name: cls for cls in (DocumentRef, ImagePayload, Description, Embedding, DeadLetter, DocumentResult)
+    cls.schema_name: cls for cls in (DocumentRef, ImagePayload, Description, Embedding, DeadLetter, DocumentResult,
+                                     DocumentSummary)
 }
 
 
@@ -401,6 +440,26 @@ def header_value(headers: list[tuple[str, bytes]] | None, name: str) -> bytes | 
         if key == name:
             return value
     return None
+
+
+def document_image_count(headers: list[tuple[str, bytes]] | None, value: bytes | None) -> int | None:
+    """Images a documents-topic record names: its ``vlmstream-images`` header, or (a writer that does not set it)
+    the length of ``image_uris`` in its value; None for a record that is no document (decode dead-letters it: no
+    image)."""
+    raw = header_value(headers, HEADER_IMAGE_COUNT)
+    if raw is not None:
+        try:
+            count = int(raw)
+        except ValueError:
+            count = -1
+        if count >= 0:
+            return count
+    try:
+        data = orjson.loads(value) if value is not None else None
+    except ValueError:
+        return None
+    uris = data.get("image_uris") if isinstance(data, dict) else None
+    return len(uris) if isinstance(uris, list) else None
 
 
 def decode_image_payload(headers: list[tuple[str, bytes]] | None) -> ImagePayload:

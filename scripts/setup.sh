@@ -14,6 +14,17 @@ if ! ldconfig -p 2>/dev/null | grep -q libturbojpeg.so; then
   fi
 fi
 
+# Headless Chromium and its driver for tests/test_view.py (selenium drives /usr/bin/chromedriver); without them that
+# test skips and says why.
+if [ ! -x /usr/bin/chromium ] || [ ! -x /usr/bin/chromedriver ]; then
+  if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+    apt-get install -y -q chromium chromium-driver >/dev/null 2>&1 || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q chromium chromium-driver >/dev/null 2>&1; } \
+      || echo "setup: could not install chromium and chromium-driver; the browser test of vlmstream view will skip" >&2
+  else
+    echo "setup: chromium/chromedriver not found; the browser test of vlmstream view will skip (Debian: chromium chromium-driver)" >&2
+  fi
+fi
+
 PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv

@@ -14,15 +14,24 @@ from vlmstream.kafka.topics import TopicSpec, create_topics, pipeline_topic_spec
 
 
 def create_uuid_topics(settings: Settings, partitions: int = 3) -> Settings:
-    """A copy of ``settings`` whose six topics are new, uuid-named and created with ``partitions``."""
+    """A copy of ``settings`` whose topics are new, uuid-named and created with ``partitions``: all but the
+    summaries topic, which only the tests that need it create (``create_summaries_topic``), since export and view
+    must work without it."""
     suffix = uuid.uuid4().hex[:10]
     names = {name: f"test.{suffix}.{name}" for name in
-             ("documents", "images", "descriptions", "embeddings", "results", "deadletter")}
+             ("documents", "images", "descriptions", "embeddings", "results", "deadletter", "summaries")}
     topics = settings.topics.model_copy(update={**names, "partitions": partitions})
     scoped = settings.model_copy(update={"topics": topics})
     specs = [TopicSpec(s.name, partitions if s.name != topics.deadletter else 1, 1, s.configs)
-             for s in pipeline_topic_specs(scoped)]
+             for s in pipeline_topic_specs(scoped) if s.name != topics.summaries]
     create_topics(scoped, specs)
+    return scoped
+
+
+def create_summaries_topic(scoped: Settings) -> Settings:
+    """The summaries topic of ``create_uuid_topics``'s settings, as the pipeline creates it (compacted)."""
+    spec = next(s for s in pipeline_topic_specs(scoped) if s.name == scoped.topics.summaries)
+    create_topics(scoped, [TopicSpec(spec.name, scoped.topics.partitions, 1, spec.configs)])
     return scoped
 
 
@@ -30,9 +39,11 @@ def delete_topics(settings: Settings, scoped: Settings) -> None:
     admin = make_admin(settings)
     try:
         t = scoped.topics
-        admin.delete_topics([t.documents, t.images, t.descriptions, t.embeddings, t.results, t.deadletter])
-    except Exception:  # noqa: BLE001 - cleanup is best effort; uuid names never collide
-        pass
+        for names in ([t.documents, t.images, t.descriptions, t.embeddings, t.results, t.deadletter], [t.summaries]):
+            try:
+                admin.delete_topics(names)
+            except Exception:  # noqa: BLE001 - cleanup is best effort (the summaries topic may not exist)
+                pass
     finally:
         admin.close()
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -60,6 +61,11 @@ def test_run_describes_every_image_of_a_folder_and_reports_each_document(topic_n
     proc = subprocess.run(run_cmd, env=env, capture_output=True, text=True, timeout=480)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "vlmstream run" in proc.stderr  # the summary table
+    # The live view while it waited: a line per stage in images, and the stage that limits the run.
+    assert "  decode " in proc.stderr and "  inference " in proc.stderr and "bottleneck: " in proc.stderr
+    # (decode counts the images it published: the broken one is a dead letter, not an image record)
+    assert re.search(rf"decode +{sum(expected.values()) - 1}/{sum(expected.values()) - 1} images", proc.stderr), \
+        proc.stderr[-3000:]
 
     results = {}
     for record in read_topic(topic_names, t.results, expected=len(expected), timeout_s=60):

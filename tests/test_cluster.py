@@ -89,7 +89,8 @@ def _read_values(settings: Settings, topic: str, expected: int) -> list[int]:
 def test_topics_and_internal_topics_are_replicated(cluster: Settings) -> None:
     scoped = cluster.model_copy(update={"topics": cluster.topics.model_copy(update={
         name: f"test.cluster.{uuid.uuid4().hex[:8]}.{name}" for name in
-        ("documents", "images", "descriptions", "embeddings", "results", "deadletter")} | {"partitions": 3})})
+        ("documents", "images", "descriptions", "embeddings", "results", "summaries", "deadletter")}
+        | {"partitions": 3})})
     create_topics(scoped)
     # A group's offset commit creates __consumer_offsets.
     consumer = make_consumer(scoped, f"test-cluster-{uuid.uuid4().hex[:6]}", [scoped.topics.documents])

@@ -1,6 +1,7 @@
 """Our decode path against what the model's own preprocessing would produce (transformers' Qwen2VLImageProcessor,
-the torchvision processor that vLLM runs): identical grid (h, w) always, and normalised pixels within a stated
-tolerance.
+the torchvision processor that vLLM runs), for each family's checkpoint preprocessor config (Qwen2.5-VL: 14 px
+patches, CLIP normalisation; Qwen3-VL and Qwen3.5: 16 px patches, mean/std 0.5, ``size`` limits): identical grid
+(h, w) always, and normalised pixels within a stated tolerance, the same for every family.
 
 Tolerance, measured on all 72 corpus images x 3 budgets (12.8 MP, 1280*28*28, 256*28*28) before it was set:
 mean |diff| of normalised values 0.0007-0.039 (median ~0.004; one uint8 level is ~0.015), 99th percentile
@@ -24,10 +25,36 @@ from PIL import Image, ImageOps
 from vlmstream.images.payload import decode as decode_payload
 from vlmstream.models.qwen2_vl import BadAspectRatio, smart_resize
 from consumers.decode.stage import DecodeStage
+from consumers.infer.tiny_model import TINY_FAMILIES, write_size_processor_files
 from tests.images import generated_corpus, supported_formats
 from vlmstream.config import DecodeSettings
+from vlmstream.models.registry import family_of
 
 BUDGETS = {"default": 28 * 28 * 16384, "1280": 1280 * 28 * 28, "256": 256 * 28 * 28}
+# Each family's checkpoint (config.json and preprocessor_config.json, as the releases have them), by tiny-model name;
+# None: no checkpoint, the default family (Qwen2/2.5-VL) with the budgets above.
+FAMILIES = [None, "qwen3-vl", "qwen3.5"]
+
+
+@lru_cache(maxsize=None)
+def checkpoint(name: str) -> Path:
+    """A weightless checkpoint folder of tiny family ``name``: what the decode stage and the processor read."""
+    import json
+    import tempfile
+
+    tiny = TINY_FAMILIES[name]
+    folder = Path(tempfile.mkdtemp(prefix=f"vlmstream-{name}-"))
+    (folder / "config.json").write_text(json.dumps(tiny.config_dict()))
+    write_size_processor_files(folder, tiny.family, tiny.processor_class, tiny.first_special_id)
+    return folder
+
+
+def family_budgets(name: str | None) -> dict[str, int]:
+    """The checkpoint's own budget and two smaller ones, in its visual tokens."""
+    if name is None:
+        return BUDGETS
+    factor = family_of(checkpoint(name)).factor
+    return {"default": family_of(checkpoint(name)).max_pixels, "1280": 1280 * factor ** 2, "256": 256 * factor ** 2}
 # Varied on purpose: big/small, landscape/portrait, baseline/progressive/grey JPEG, PNG, WebP pixel art.
 # (The 16 MP WebPs were in the measurement, e.g. pixels-l.webp at mean 0.036, but cost seconds each to decode.)
 PREFERRED = [
@@ -51,28 +78,40 @@ def pick_images(folder: Path, count: int = 8) -> list[Path]:
     return chosen[:count]
 
 
-@lru_cache(maxsize=3)
-def processor(max_pixels: int):
-    from transformers import Qwen2VLImageProcessor
+@lru_cache(maxsize=9)
+def processor(max_pixels: int, name: str | None = None):
+    from transformers import AutoImageProcessor, Qwen2VLImageProcessor
 
-    # A fresh size dict: the class attribute is shared and its __init__ would mutate it.
-    return Qwen2VLImageProcessor(size={"shortest_edge": 56 * 56, "longest_edge": max_pixels})
+    if name is None:
+        # A fresh size dict: the class attribute is shared and its __init__ would mutate it.
+        return Qwen2VLImageProcessor(size={"shortest_edge": 56 * 56, "longest_edge": max_pixels})
+    # The checkpoint's own processor (what transformers and vLLM load for it), with the budget as a caller passes it.
+    proc = AutoImageProcessor.from_pretrained(checkpoint(name))
+    proc.size = {"shortest_edge": proc.size["shortest_edge"], "longest_edge": max_pixels}
+    return proc
 
 
-def compare(path_or_bytes, tmp_root: Path, max_pixels: int, reference: Image.Image | None = None):
+@lru_cache(maxsize=9)
+def stage_for(tmp_root: Path, max_pixels: int, name: str | None = None) -> DecodeStage:
+    model = str(checkpoint(name)) if name else ""
+    return DecodeStage(DecodeSettings(allowed_roots=[str(tmp_root)], codec="raw", max_pixels=max_pixels,
+                                      model=model), "")
+
+
+def compare(path_or_bytes, tmp_root: Path, max_pixels: int, reference: Image.Image | None = None,
+            name: str | None = None):
     """(mean, p99) of |processor(PIL decode) - processor(our pixels, no resize)| over normalised values."""
     import io
 
     data = path_or_bytes.read_bytes() if isinstance(path_or_bytes, Path) else path_or_bytes
-    stage = DecodeStage(DecodeSettings(allowed_roots=[str(tmp_root)], codec="raw", max_pixels=max_pixels), "")
-    result = stage.prepare(data)
+    result = stage_for(tmp_root, max_pixels, name).prepare(data)
     ours = decode_payload(result.data, "raw", result.height, result.width)
     if reference is None:
         reference = ImageOps.exif_transpose(Image.open(io.BytesIO(data))).convert("RGB")
-    proc = processor(max_pixels)
+    proc = processor(max_pixels, name)
     theirs = proc(images=reference, return_tensors="pt")
     assert theirs["image_grid_thw"].tolist() == [[1, *result.grid_thw[1:]]]
-    theirs_chw = unpatchify(theirs["pixel_values"].numpy(), result.height, result.width)
+    theirs_chw = unpatchify(theirs["pixel_values"].numpy(), result.height, result.width, proc.patch_size)
     mean = np.asarray(proc.image_mean, np.float32)[:, None, None]
     std = np.asarray(proc.image_std, np.float32)[:, None, None]
     ours_chw = (ours.transpose(2, 0, 1).astype(np.float32) / 255.0 - mean) / std
@@ -89,24 +128,49 @@ def unpatchify(pixel_values: np.ndarray, height: int, width: int, patch: int = 1
 
 
 @pytest.mark.slow
-def test_corpus_images_match_the_processor(corpus_dir):
+@pytest.mark.parametrize("family", FAMILIES)
+def test_corpus_images_match_the_processor(corpus_dir, family):
     means = []
     for path in pick_images(corpus_dir):
         reference = ImageOps.exif_transpose(Image.open(path)).convert("RGB")
-        for budget, max_pixels in BUDGETS.items():
-            mean, p99 = compare(path, corpus_dir, max_pixels, reference)
+        for budget, max_pixels in family_budgets(family).items():
+            mean, p99 = compare(path, corpus_dir, max_pixels, reference, family)
             assert mean < MEAN_LIMIT and p99 < P99_LIMIT, (path.name, budget, mean, p99)
             means.append(mean)
     assert means and sum(means) / len(means) < AVERAGE_MEAN_LIMIT, means
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_corpus_image_gets_the_processors_grid(corpus_dir, family):
+    """The grid on every corpus image at three budgets: the processor's resize rule, with the checkpoint's limits,
+    on the upright size, against what the decode stage made."""
+    from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize as reference
+
+    paths = sorted(p for p in corpus_dir.rglob("*") if p.suffix.lower() in (".jpg", ".jpeg", ".png", ".webp"))
+    assert paths
+    for budget, max_pixels in family_budgets(family).items():
+        proc = processor(max_pixels, family)
+        patch = proc.patch_size
+        for path in paths:
+            with Image.open(path) as image:
+                width, height = image.size
+                if image.getexif().get(0x0112, 1) in (5, 6, 7, 8):  # stored on its side
+                    width, height = height, width
+            expected = reference(height, width, patch * proc.merge_size, proc.size["shortest_edge"],
+                                 proc.size["longest_edge"])
+            result = stage_for(corpus_dir, max_pixels, family).prepare(path.read_bytes())
+            assert (result.height, result.width) == expected, (path.name, budget)
+            assert result.grid_thw == (1, expected[0] // patch, expected[1] // patch), (path.name, budget)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("budget", ["1280", "256"])
-def test_generated_images_match_the_processor(tmp_path, budget):
+def test_generated_images_match_the_processor(tmp_path, budget, family):
     for path in sorted(generated_corpus().iterdir()):
-        mean, p99 = compare(path, generated_corpus(), BUDGETS[budget])
+        mean, p99 = compare(path, generated_corpus(), family_budgets(family)[budget], name=family)
         assert mean < MEAN_LIMIT and p99 < P99_LIMIT, (path.name, mean, p99)
     for name in ("jpeg_progressive", "jpeg_gray", "png_rgb", "webp", "tiff", "bmp"):
-        mean, p99 = compare(supported_formats()[name], tmp_path, BUDGETS[budget])
+        mean, p99 = compare(supported_formats()[name], tmp_path, family_budgets(family)[budget], name=family)
         assert mean < MEAN_LIMIT and p99 < P99_LIMIT, (name, mean, p99)
 
 

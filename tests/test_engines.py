@@ -136,6 +136,52 @@ def test_fast_vision_blocks_compute_what_transformers_blocks_compute(images, mod
         torch.testing.assert_close(g, e, atol=1e-5, rtol=1e-4)
 
 
+@pytest.fixture
+def interpreted_triton(monkeypatch):
+    """The Triton q/k/v kernel built for Triton's CPU interpreter (the same kernel source the GPU compiles)."""
+    pytest.importorskip("triton")
+    from consumers.infer import qkv_rotary
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    qkv_rotary.triton_rotate_qkv.cache_clear()
+    yield qkv_rotary
+    qkv_rotary.triton_rotate_qkv.cache_clear()
+
+
+def test_triton_qkv_kernel_splits_and_rotates_as_the_torch_code_does(interpreted_triton):
+    rotate_qkv = interpreted_triton.triton_rotate_qkv()
+    torch.manual_seed(0)
+    for tokens, heads, dim in ((100, 4, 80), (37, 3, 72), (5, 2, 16)):  # Qwen2.5-VL's and Qwen3-VL's head widths
+        angles = torch.randn(tokens, dim // 2)
+        cos, sin = torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin()
+        qkv = torch.randn(tokens, 3, heads, dim)
+        got, expected = rotate_qkv(qkv, cos, sin, block_tokens=16), interpreted_triton.rotate_qkv_torch(qkv, cos, sin)
+        for g, e in zip(got, expected, strict=True):
+            assert g.is_contiguous() and g.shape == (tokens, heads, dim)
+            torch.testing.assert_close(g, e, atol=1e-6, rtol=1e-6)
+        # bf16: the interpreter rounds to bf16 its own way; one unit in the last place apart at most.
+        got = rotate_qkv(qkv.bfloat16(), cos, sin)
+        for g, e in zip(got, interpreted_triton.rotate_qkv_torch(qkv.bfloat16(), cos, sin), strict=True):
+            torch.testing.assert_close(g.float(), e.float(), atol=0.04, rtol=0.01)
+    with pytest.raises(ValueError, match="contiguous"):
+        rotate_qkv(torch.zeros(4, 2, 2, 8), torch.zeros(4, 8), torch.zeros(4, 8))
+
+
+def test_fast_vision_blocks_with_the_triton_qkv_kernel_compute_transformers_output(interpreted_triton, images,
+                                                                                    model_dir):
+    from consumers.infer.vision import FastVisionBlocks, load_vision_tower, patchify_batch
+
+    tower, _ = load_vision_tower(model_dir, "cpu", torch.float32)
+    pixel_values, grid_thw = patchify_batch(images[:2])
+    with torch.inference_mode():
+        expected = tower(pixel_values, grid_thw=grid_thw).pooler_output
+        blocks = FastVisionBlocks(tower, attention=None, qkv_kernel="triton")
+        assert blocks.rotate_qkv is not None
+        got = tower(pixel_values, grid_thw=grid_thw).pooler_output
+        FastVisionBlocks.remove(tower)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
+
+
 def test_one_encoder_forward_over_mixed_sizes_equals_one_image_at_a_time(engine, images):
     together = engine.encoder.encode(images)
     for image, batched in zip(images, together):
@@ -322,7 +368,7 @@ def test_vllm_engine_process_starts_with_few_cpu_threads_and_this_one_keeps_its_
 
     import torch
 
-    from consumers.infer.vllm_engine import engine_process_threads
+    from vlmstream.vllm_process import engine_process_threads
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.delenv("VLLM_WORKER_MULTIPROC_METHOD", raising=False)

@@ -183,3 +183,181 @@ def test_records_that_are_not_their_topics_schema_are_counted_not_written(topic_
     [line] = (tmp_path / "descriptions.jsonl").read_bytes().splitlines()
     assert Description.decode(line) == good
     assert [orjson.loads(x)["row"] for x in (tmp_path / "embeddings.jsonl").read_bytes().splitlines()] == [0]
+
+
+# --- Parquet ------------------------------------------------------------------------------------------------
+
+
+def parquet_rows(folder, kind: str):
+    """Every row of a kind's files through DuckDB, as the data tools read them (no extra arguments)."""
+    import duckdb
+
+    return duckdb.sql(f"SELECT * FROM '{folder}/{kind}-*.parquet'").fetchall(), \
+        duckdb.sql(f"SELECT * FROM '{folder}/{kind}-*.parquet' LIMIT 0").columns
+
+
+def topic_offsets(settings, topic: str) -> set[tuple[int, int]]:
+    from tests.kafka_helpers import read_topic
+
+    return {(r.partition, r.offset) for r in read_topic(settings, topic, timeout_s=30, idle_s=1.0)}
+
+
+def test_parquet_files_roll_at_the_size_limit_and_read_back_in_duckdb_and_pandas(topic_names, unique, tmp_path):
+    import duckdb
+    import pandas as pd
+
+    t = topic_names.topics
+    embeddings = [embedding(f"e{i}", 0, i) for i in range(6)]
+    wide = Embedding.from_vector(np.arange(8, dtype=np.float32), doc_id="w", image_index=0, image_count=1,
+                                 model="other")
+    letter = DeadLetter(stage="decode", error_kind="decode_truncated", detail="cut", doc_id="d2", image_index=1,
+                        source={"topic": t.documents, "partition": 0, "offset": 7}, original_value_b64="AAE=")
+    publish(topic_names, [*((t.descriptions, description(f"d{i}", 0).encode()) for i in range(40)),
+                          (t.descriptions, b"not json"),
+                          *((t.embeddings, e.encode()) for e in embeddings), (t.embeddings, wide.encode()),
+                          (t.results, DocumentResult(doc_id="d1", image_count=1, succeeded=1, failed=0,
+                                                     images=({"image_index": 0, "status": "ok"},)).encode()),
+                          (t.deadletter, letter.encode())])
+    settings = topic_names.model_copy(update={"export": topic_names.export.model_copy(
+        update={"max_file_bytes": 4096})})
+    report = export(settings, tmp_path, format="parquet", group_id=f"export-{unique}")
+    assert report.written == {"descriptions": 40, "embeddings": 7, "results": 1, "deadletter": 1}
+    assert report.unreadable == 1
+    assert not list(tmp_path.glob(".*")), "no temporary file is left"
+
+    descriptions = sorted(tmp_path.glob("descriptions-*.parquet"))
+    assert len(descriptions) > 1, "the size limit rolls the files"
+    for path in descriptions:
+        assert path.stat().st_size <= 4096 + 4096, path  # one record past the limit at most, then compressed
+    rows, columns = parquet_rows(tmp_path, "descriptions")
+    assert sorted(r[columns.index("doc_id")] for r in rows) == sorted(f"d{i}" for i in range(40))
+    offsets = {(r[columns.index("kafka_partition")], r[columns.index("kafka_offset")]) for r in rows}
+    on_topic = topic_offsets(topic_names, t.descriptions)
+    assert len(offsets) == 40 and offsets < on_topic and len(on_topic - offsets) == 1  # all but "not json"
+
+    # Vectors come back exactly, a fixed-size float16 column beside doc_id and image_index; another model's
+    # float32 vectors are a file of their own.
+    frame = pd.concat(pd.read_parquet(p) for p in sorted(tmp_path.glob("embeddings-*.parquet"))
+                      if pd.read_parquet(p).model.iloc[0] == "tiny")
+    assert list(frame.columns[:2]) == ["doc_id", "image_index"]
+    for e in embeddings:
+        [vector] = frame[frame.doc_id == e.doc_id].vector.tolist()
+        assert vector.dtype == np.float16
+        np.testing.assert_array_equal(vector, e.vector())
+    assert duckdb.sql(f"SELECT vector FROM '{tmp_path}/embeddings-*.parquet' WHERE doc_id = 'w'").fetchall() == \
+        [(list(range(8)),)]
+
+    [letter_row] = pd.read_parquet(next(tmp_path.glob("deadletter-*.parquet"))).to_dict("records")
+    assert (letter_row["error_kind"], letter_row["source_topic"], letter_row["source_offset"],
+            letter_row["original_value"]) == ("decode_truncated", t.documents, 7, b"\x00\x01")
+    [result] = duckdb.sql(f"SELECT doc_id, succeeded, images->>'$[0].status' FROM '{tmp_path}/results-*.parquet'"
+                          ).fetchall()
+    assert result == ("d1", 1, "ok")
+
+    # A second run with nothing new writes nothing; a new record goes into a new file.
+    assert export(settings, tmp_path, format="parquet", group_id=f"export-{unique}").written["descriptions"] == 0
+    publish(topic_names, [(t.descriptions, description("late", 0).encode())])
+    again = export(settings, tmp_path, format="parquet", group_id=f"export-{unique}")
+    assert again.written["descriptions"] == 1 and len(again.files) == 1
+    assert len(parquet_rows(tmp_path, "descriptions")[0]) == 41
+
+
+def test_parquet_files_written_but_not_committed_are_not_written_again(topic_names, unique, tmp_path):
+    """A run stopped after renaming its files but before committing their offsets: the next run finds the files'
+    offsets in their footers and skips those records."""
+    from kafka import TopicPartition
+    from kafka.structs import OffsetAndMetadata
+
+    from vlmstream.kafka.clients import make_consumer
+
+    t = topic_names.topics
+    publish(topic_names, [(t.descriptions, description(f"c{i}", 0).encode()) for i in range(30)])
+    group = f"export-{unique}"
+    first = export(topic_names, tmp_path, ("descriptions",), format="parquet", group_id=group)
+    assert first.written == {"descriptions": 30}
+    consumer = make_consumer(topic_names, group)  # the group forgets: as if the commit had never happened
+    try:
+        consumer.commit({TopicPartition(t.descriptions, p): OffsetAndMetadata(0, "", -1) for p in range(3)})
+    finally:
+        consumer.close()
+    (tmp_path / ".descriptions-000099.parquet.tmp").write_bytes(b"PAR1 half a file")  # a kill mid-write
+    publish(topic_names, [(t.descriptions, description("new", 0).encode())])
+    second = export(topic_names, tmp_path, ("descriptions",), format="parquet", group_id=group)
+    assert second.written == {"descriptions": 1}
+    assert not (tmp_path / ".descriptions-000099.parquet.tmp").exists()
+    rows, columns = parquet_rows(tmp_path, "descriptions")
+    ids = [r[columns.index("doc_id")] for r in rows]
+    assert sorted(ids) == sorted([f"c{i}" for i in range(30)] + ["new"])
+
+
+@pytest.mark.slow
+def test_parquet_export_killed_mid_run_loses_no_row_and_writes_none_twice(topic_names, unique, tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    t = topic_names.topics
+    out = tmp_path / "out"
+    env = {**os.environ, "VLMSTREAM_BOOTSTRAP_SERVERS": topic_names.kafka.bootstrap_servers,
+           "VLMSTREAM_TOPICS__DESCRIPTIONS": t.descriptions, "VLMSTREAM_EXPORT__MAX_FILE_BYTES": "8192",
+           "VLMSTREAM_EXPORT__FLUSH_INTERVAL_S": "0.2"}
+    command = [sys.executable, "-m", "vlmstream.cli", "export", str(out), "--format", "parquet", "--what",
+               "descriptions", "--group-id", f"export-{unique}"]
+    total = 3000
+
+    def produce():
+        for start in range(0, total, 100):
+            publish(topic_names, [(t.descriptions, description(f"k{i}", 0).encode())
+                                  for i in range(start, start + 100)])
+            time.sleep(0.05)
+
+    producer = threading.Thread(target=produce)
+    producer.start()
+    follower = subprocess.Popen(command + ["--follow"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and len(list(out.glob("descriptions-*.parquet"))) < 5:
+            time.sleep(0.05)
+        follower.send_signal(signal.SIGKILL)  # mid-run: files being written, offsets not all committed
+        follower.wait(30)
+    finally:
+        if follower.poll() is None:
+            follower.kill()
+        producer.join(120)
+    killed_at = len(list(out.glob("descriptions-*.parquet")))
+    assert 5 <= killed_at, follower.stdout.read().decode()[-3000:]
+    # What the kill left is readable as it is: every visible file complete (DuckDB refuses a cut one).
+    assert 0 < len(parquet_rows(out, "descriptions")[0]) < total
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert not list(out.glob(".*")), "no partial file is left"
+    rows, columns = parquet_rows(out, "descriptions")
+    coords = [(r[columns.index("kafka_partition")], r[columns.index("kafka_offset")]) for r in rows]
+    assert len(coords) == len(set(coords)) == total, (len(coords), len(set(coords)))
+    assert set(coords) == topic_offsets(topic_names, t.descriptions)
+    assert sorted(r[columns.index("doc_id")] for r in rows) == sorted(f"k{i}" for i in range(total))
+
+
+def test_summaries_are_exported_when_the_cluster_has_their_topic(topic_names, unique, tmp_path):
+    from vlmstream.kafka.clients import make_admin
+    from vlmstream.kafka.topics import TopicSpec, create_topics
+
+    t = topic_names.topics
+    first = export(topic_names, tmp_path / "before", format="parquet", group_id=f"export-{unique}-before")
+    assert "summaries" not in first.written  # no topic yet: nothing to export, and no error
+    create_topics(topic_names, [TopicSpec(t.summaries, 1, 1, {})])
+    try:
+        summary = {"schema_version": 1, "doc_id": "s1", "answer": {"type": "invoice", "condition": "good"}}
+        publish(topic_names, [(t.summaries, orjson.dumps(summary)), (t.summaries, b"[1, 2]")])
+        report = export(topic_names, tmp_path, format="parquet", group_id=f"export-{unique}")
+        assert report.written["summaries"] == 1 and report.unreadable == 1
+        rows, columns = parquet_rows(tmp_path, "summaries")
+        assert [(r[columns.index("doc_id")], orjson.loads(r[columns.index("summary")])) for r in rows] == \
+            [("s1", summary)]
+    finally:
+        admin = make_admin(topic_names)
+        admin.delete_topics([t.summaries])
+        admin.close()

@@ -4,6 +4,8 @@ parsing, per-GPU busy figures, ratios and tables, and the readers of the engines
 from __future__ import annotations
 
 import json
+
+import pytest
 import sys
 from pathlib import Path
 
@@ -107,3 +109,48 @@ def test_scaling_matches_progress_lines_by_time_after_the_first_document(tmp_pat
     assert [(r["s_two"], r["s_one"], r["overall_ratio"], r["last30_ratio"]) for r in rows] == [
         (26.6, 24.1, 2.0, 2.25), (56.6, 54.1, 2.0, 2.0)]  # 300 s has no one-GPU line within 10 s
     assert scaling.progress_lines(two, "pixels", "256") == []
+
+
+def _tiny_tower(model_type: str):
+    """A random-weight vision tower of ``model_type`` with a handful of small layers, and its config.json dict."""
+    import importlib
+
+    if model_type == "qwen2_vl":
+        vision = {"depth": 2, "embed_dim": 32, "mlp_ratio": 2, "num_heads": 2, "hidden_size": 24, "patch_size": 14,
+                  "spatial_merge_size": 2, "temporal_patch_size": 2, "in_channels": 3}
+        config_cls, tower_cls = "Qwen2VLVisionConfig", "Qwen2VisionTransformerPretrainedModel"
+    elif model_type == "qwen2_5_vl":
+        vision = {"depth": 3, "hidden_size": 32, "intermediate_size": 48, "num_heads": 2, "out_hidden_size": 24,
+                  "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2, "in_channels": 3,
+                  "window_size": 112, "fullatt_block_indexes": [2]}
+        config_cls, tower_cls = "Qwen2_5_VLVisionConfig", "Qwen2_5_VisionTransformerPretrainedModel"
+    else:
+        vision = {"depth": 3, "hidden_size": 32, "intermediate_size": 48, "num_heads": 2, "out_hidden_size": 24,
+                  "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2, "in_channels": 3,
+                  "num_position_embeddings": 64, "deepstack_visual_indexes": [0, 1]}
+        config_cls, tower_cls = "Qwen3VLVisionConfig", "Qwen3VLVisionModel"
+    module = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+    config_module = importlib.import_module(f"transformers.models.{model_type}.configuration_{model_type}")
+    vision_config = getattr(config_module, config_cls)(**vision)
+    vision_config._attn_implementation = "sdpa"
+    return getattr(module, tower_cls)(vision_config).eval(), {"model_type": model_type, "vision_config": vision}
+
+
+@pytest.mark.parametrize("model_type", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+def test_tower_flops_match_torchs_count_of_a_real_forward(model_type):
+    """The achieved-TFLOPS figures of bench_vision_tower.py rest on this count; torch counts the matrix products of
+    an actual forward (SDPA's math kernel, so attention is counted too) over two images, one with partial windows."""
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from tower_flops import tower_flops
+
+    tower, config = _tiny_tower(model_type)
+    grids = [(1, 12, 20), (1, 10, 6)]
+    patch = config["vision_config"]["patch_size"]
+    pixels = torch.randn(sum(t * h * w for t, h, w in grids), 3 * 2 * patch * patch)
+    counter = FlopCounterMode(display=False)
+    with torch.no_grad(), sdpa_kernel(SDPBackend.MATH), counter:
+        tower(pixels, grid_thw=torch.tensor(grids))
+    assert tower_flops(config, grids) == counter.get_total_flops()

@@ -2,7 +2,7 @@
 down a layer, and no two packages of one floor import each other. ARCHITECTURE.md draws the same picture.
 
     roof     vlmstream.cli                                   the command and the tools (run, replay, export, ...)
-    stages   producers | consumers.decode | consumers.infer | consumers.results   (none imports another)
+    stages   producers | consumers.decode | consumers.infer | consumers.results | consumers.condense (none imports another)
     ground   vlmstream.* (config, kafka, images, models, broker, profiling)        (no loops between them)
     bottom   schemas
 """

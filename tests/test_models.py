@@ -56,8 +56,12 @@ def test_qwen2_vl_and_qwen25_vl_are_one_family(tmp_path, model_type, architectur
     assert family_of(path) == QWEN2_VL
 
 
-def test_an_unknown_model_type_fails_naming_it(tmp_path):
+def test_an_unknown_image_text_model_takes_the_generic_path_and_an_unknown_text_model_fails_naming_it(tmp_path):
     path = tiny_checkpoint(tmp_path / "other", model_type="llava_next", architectures=["LlavaNextForConditionalGeneration"])
+    assert family_of(path).name == "generic"
+    config = json.loads((path / "config.json").read_text())
+    del config["vision_config"]
+    (path / "config.json").write_text(json.dumps(config))
     with pytest.raises(UnknownModelFamily, match="'llava_next'"):
         family_of(path)
 

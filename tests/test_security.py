@@ -188,6 +188,22 @@ def test_decode_principal_cannot_write_documents(secured: Secured):
 
 
 @on_the_secured_broker
+def test_condense_principal_writes_summaries_and_dead_letters_only(secured: Secured):
+    condense = secured.as_("condense")
+    t = condense.topics
+    producer = make_producer(condense)
+    try:
+        for topic in (t.summaries, t.deadletter):
+            producer.send(topic, key=b"doc", value=b"{}").get(timeout=15)
+        for topic in (t.results, t.descriptions):
+            with pytest.raises(TopicAuthorizationFailedError):
+                producer.send(topic, b"x").get(timeout=15)
+    finally:
+        producer.close(timeout=2)
+    assert_group_refused(condense, condense.infer.group_id, t.results)
+
+
+@on_the_secured_broker
 def test_tap_principal_writes_nothing(secured: Secured):
     tap = secured.as_("tap")
     t = tap.topics
@@ -394,7 +410,7 @@ def test_grants_are_least_privilege():
     assert "WRITE" in allowed[("decode", "topic", t.images)]
     assert all("WRITE" not in ops for (who, _, _), ops in allowed.items() if who == "tap")
     assert {name for (who, kind, name) in allowed if who == "tap" and kind == "topic"} == {
-        t.descriptions, t.embeddings, t.results, t.deadletter}
+        t.descriptions, t.embeddings, t.results, t.summaries, t.deadletter}
     assert not any(g.kind == "cluster" for g in security.grants(settings) if g.principal == "tap")
 
 

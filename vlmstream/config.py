@@ -16,7 +16,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from vlmstream.models.registry import DEFAULT_FAMILY, family_named
+from vlmstream.models.registry import DEFAULT_FAMILY, family_named, family_of
 
 DEFAULT_BOOTSTRAP = "127.0.0.1:9092"
 
@@ -47,8 +47,8 @@ class KafkaSettings(BaseModel):
     ssl_password: SecretStr | None = None
     principals: dict[str, KafkaPrincipal] = Field(
         default_factory=dict,
-        description="Per-stage SASL logins (producer, decode, infer, tap, ops) that `vlmstream run` hands to the "
-        "stage it starts, each only its own; the login above stays run's own. `vlmstream security clients` writes "
+        description="Per-stage SASL logins (producer, decode, infer, condense, tap, ops) that `vlmstream run` hands to "
+        "the stage it starts, each only its own; the login above stays run's own. `vlmstream security clients` writes "
         "them for the local secured broker.")
     request_timeout_ms: int = 30_000
     max_message_bytes: int = Field(
@@ -93,6 +93,9 @@ class TopicSettings(BaseModel):
     embeddings: str = "vlmstream.embeddings"
     results: str = "vlmstream.results"
     deadletter: str = "vlmstream.deadletter"
+    summaries: str = Field("vlmstream.summaries", description="One summary per document (the condense stage; "
+                           "compacted, key = doc id): `topics create` and `run` create it; export and view skip it "
+                           "while the cluster does not have it.")
     partitions: int = Field(12, description="Partitions of each topic created by `topics create`.")
     replication_factor: int | None = Field(
         None, ge=1, description="Replicas of each topic created by `topics create` and `run`; None: min(3, the "
@@ -162,6 +165,10 @@ class DecodeSettings(BaseModel):
     model_family: str = Field(
         DEFAULT_FAMILY, description="Model family (vlmstream/models/) whose input size rule the images are resized "
         "by; its released checkpoints' pixel limits are the defaults below.")
+    model: str = Field(
+        "", description="Checkpoint folder whose config.json names the model family (model_family is then ignored) and "
+        "whose preprocessor_config.json bounds the pixels: min_pixels and max_pixels apply within its limits. "
+        "`vlmstream run` sets it to infer.model.")
     min_pixels: int = family_named(DEFAULT_FAMILY).min_pixels
     max_pixels: int = Field(family_named(DEFAULT_FAMILY).max_pixels,
                             description="Largest model input in pixels (the checkpoints' 12,845,056 by default).")
@@ -201,6 +208,13 @@ class DecodeSettings(BaseModel):
     def _known_family(cls, name: str) -> str:
         family_named(name)  # raises, naming the known families
         return name
+
+    @field_validator("model")
+    @classmethod
+    def _known_checkpoint(cls, model: str) -> str:
+        if model:
+            family_of(model)  # raises, naming the folder or its model_type, before any worker starts
+        return model
 
 
 class InferSettings(BaseModel):
@@ -250,6 +264,81 @@ class InferSettings(BaseModel):
         return self.max_images_in_flight or max(256, 2 * engine_batch_size)
 
 
+DEFAULT_CONDENSE_PROMPT = (
+    "Below are descriptions of the {image_count} images of one document (id {doc_id}), one per line, then its "
+    "metadata.\n{descriptions}\nMetadata: {metadata}\n"
+    "Answer with one JSON object that follows this JSON Schema: {schema}")
+
+
+class CondenseSettings(BaseModel):
+    """`vlmstream condense`: one structured answer per complete document, from its image descriptions."""
+
+    group_id: str = "vlmstream-condense"
+    engine: Literal["auto", "vllm", "transformers"] = "auto"
+    model: str = Field(
+        "", description="HF id or local folder of the language model; empty: infer.model (one checkpoint serves both "
+        "steps, its language model text only), or the built-in tiny model when that is empty too.")
+    revision: str | None = None
+    answer_schema: str = Field(
+        "", description="JSON Schema file the answer must satisfy; empty: the built-in example (type, condition, "
+        "notable_characteristics). vLLM enforces any schema its guided decoding takes; the transformers engine "
+        "enforces a subset (an object of string, enum, number, integer, boolean and array-of-string properties) and "
+        "refuses others at start.")
+    prompt: str = Field(
+        DEFAULT_CONDENSE_PROMPT, description="The instruction, a Python format string over {doc_id}, {image_count}, "
+        "{metadata} (the document's metadata as JSON), {descriptions} (one line per described image: "
+        "'[index] text') and {schema} (the answer schema as JSON).")
+    prompt_file: str = Field("", description="A file holding the prompt template; wins over prompt when set.")
+    prompt_id: str = "condense-v1"
+    max_new_tokens: int = Field(128, ge=1, description="Most tokens of one answer.")
+    max_prompt_tokens: int = Field(
+        6144, ge=256, description="Context budget of the prompt. Descriptions over it are cut: each keeps its head, "
+        "all cut in proportion to their length (the summary's `cut` field records it).")
+    max_string_chars: int = Field(
+        200, ge=1, description="transformers engine: longest string value of a schema property without maxLength.")
+    max_array_items: int = Field(
+        8, ge=1, description="transformers engine: most items of an array property without maxItems.")
+    temperature: float = 0.0
+    batch_size: int = Field(8, ge=1, description="transformers engine: most documents decoded together.")
+    max_documents_in_flight: int | None = Field(
+        None, description="Documents handed to the engine and not yet back; None: twice the engine's batch (vLLM: "
+        "its max_num_seqs), at least 64.")
+    max_attempts: int = 3
+    exactly_once: bool = False
+    session_timeout_ms: int = 10_000
+    dtype: str = "auto"
+    gpu_memory_utilization: float = Field(
+        0.85, description="vLLM: the GPU memory share this engine takes; beside `vlmstream infer` on one GPU, the "
+        "two shares must add up to less than 1 (e.g. infer 0.6, condense 0.3).")
+    max_model_len: int = 8192
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    engine_cpu_threads: int = Field(1, ge=0, description="vLLM: torch CPU threads of its engine process.")
+    enable_prefix_caching: bool = Field(True, description="vLLM prefix caching: the prompt's head is shared.")
+
+    def documents_in_flight(self, engine_batch_size: int) -> int:
+        return self.max_documents_in_flight or max(64, 2 * engine_batch_size)
+
+
+class ExportSettings(BaseModel):
+    """`vlmstream export --format parquet`."""
+
+    max_file_bytes: int = Field(
+        128 * 1024 * 1024, ge=1024, description="A Parquet file is closed once the records it holds reach this "
+        "many bytes as published (JSON); compressed columns make the file itself smaller.")
+    flush_interval_s: float = Field(
+        60.0, gt=0, description="With --follow, files are also closed this often, so what arrived shows up.")
+
+
+class ViewSettings(BaseModel):
+    """`vlmstream view`: the local page that follows the output topics."""
+
+    host: str = Field("127.0.0.1", description="Address the page listens on; 127.0.0.1 keeps it on this machine.")
+    port: int = Field(8765, ge=1, le=65535)
+    max_images: int = Field(5000, ge=1, description="Images the page keeps (the latest), so memory stays bounded.")
+    thumbnail_px: int = Field(256, ge=16, le=2048, description="Longest side of a thumbnail.")
+
+
 class Settings(BaseSettings):
     """Everything a vlmstream process needs. Print it with secrets masked: ``settings.masked_json()``."""
 
@@ -263,6 +352,11 @@ class Settings(BaseSettings):
     producer: ProducerSettings = Field(default_factory=ProducerSettings)
     decode: DecodeSettings = Field(default_factory=DecodeSettings)
     infer: InferSettings = Field(default_factory=InferSettings)
+    condense: CondenseSettings = Field(default_factory=CondenseSettings)
+
+
+    export: ExportSettings = Field(default_factory=ExportSettings)
+    view: ViewSettings = Field(default_factory=ViewSettings)
     metrics_port: int = Field(0, description="Prometheus endpoint port; 0 disables it.")
     log_level: str = "INFO"
 

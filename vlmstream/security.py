@@ -18,9 +18,12 @@ groups are covered too):
     decode    READ documents (group decode); WRITE images, deadletter; transactional ids ``<decode group>*``
     infer     READ images (group infer), descriptions + deadletter (group infer-results: the aggregator);
               WRITE descriptions, embeddings, results, deadletter; transactional ids ``<infer group>*``
-    tap       READ descriptions, embeddings, results, deadletter (groups ``vlmstream-export*``, ``vlmstream-tap*``)
-    ops       status / replay / redrive: DESCRIBE + READ every pipeline topic, WRITE documents and images (redrive's
-              republishing), DESCRIBE + READ the stage groups (status lists offsets; replay's offset commit needs READ)
+    condense  READ results (group condense); WRITE summaries, deadletter; transactional ids ``<condense group>*``
+    tap       READ descriptions, embeddings, results, summaries, deadletter (groups ``vlmstream-export*``,
+              ``vlmstream-tap*``)
+    ops       status / replay / redrive: DESCRIBE + READ every pipeline topic, WRITE documents, images and results
+              (redrive's republishing), DESCRIBE + READ the stage groups (status lists offsets; replay's offset commit
+              needs READ)
 
 Every writer also gets cluster IDEMPOTENT_WRITE (kafka-python's producers are idempotent; Kafka 3+ would accept
 WRITE on a topic instead, this says so explicitly), every READ/WRITE a DESCRIBE (metadata and offsets).
@@ -50,7 +53,7 @@ log = logging.getLogger(__name__)
 
 MECHANISM = "SCRAM-SHA-512"
 SUPER_USERS = ("admin", "broker")
-STAGE_PRINCIPALS = ("producer", "decode", "infer", "tap", "ops")
+STAGE_PRINCIPALS = ("producer", "decode", "infer", "condense", "tap", "ops")
 PRINCIPALS = SUPER_USERS + STAGE_PRINCIPALS
 BROKER_CERT_CN = "vlmstream-broker"
 TAP_GROUP_PREFIXES = ("vlmstream-export", "vlmstream-tap")
@@ -365,7 +368,7 @@ def grants(settings: Settings) -> list[Grant]:
     decode_group, infer_group = settings.decode.group_id, settings.infer.group_id
     read, write = ("READ", "DESCRIBE"), ("WRITE", "DESCRIBE")
     out: list[Grant] = []
-    for principal in ("producer", "decode", "infer", "ops"):
+    for principal in ("producer", "decode", "infer", "condense", "ops"):
         out.append(Grant(principal, "cluster", "kafka-cluster", ("IDEMPOTENT_WRITE",)))
     # producer: documents in, bad input lines to the dead letters.
     out += _topic_and_runs("producer", t.documents, write) + _topic_and_runs("producer", t.deadletter, write)
@@ -384,18 +387,24 @@ def grants(settings: Settings) -> list[Grant]:
     out += _topic_and_runs("infer", infer_group, ("READ",), "group")
     out += _topic_and_runs("infer", _results_group(settings), ("READ",), "group")
     out.append(Grant("infer", "transactional_id", infer_group, write, prefixed=True))
+    # condense: results -> summaries, failures to the dead letters; its group; its transactional ids.
+    condense_group = settings.condense.group_id
+    out += _topic_and_runs("condense", t.results, read)
+    out += _topic_and_runs("condense", t.summaries, write) + _topic_and_runs("condense", t.deadletter, write)
+    out += _topic_and_runs("condense", condense_group, ("READ",), "group")
+    out.append(Grant("condense", "transactional_id", condense_group, write, prefixed=True))
     # tap: the outputs only, read; its groups (export's and any tapping reader's) by prefix.
-    for topic in (t.descriptions, t.embeddings, t.results, t.deadletter):
+    for topic in (t.descriptions, t.embeddings, t.results, t.summaries, t.deadletter):
         out += _topic_and_runs("tap", topic, read)
     for prefix in TAP_GROUP_PREFIXES:
         out.append(Grant("tap", "group", prefix, ("READ",), prefixed=True))
     # ops: status (offsets, group states, dead-letter counts), replay (rewinds a stopped group: OffsetCommit needs
     # group READ and topic READ), redrive (reads dead letters, republishes to documents and images).
-    for topic in (t.documents, t.images, t.descriptions, t.embeddings, t.results, t.deadletter):
+    for topic in (t.documents, t.images, t.descriptions, t.embeddings, t.results, t.summaries, t.deadletter):
         out += _topic_and_runs("ops", topic, read)
-    for topic in (t.documents, t.images):
+    for topic in (t.documents, t.images, t.results):  # results: redrive sends condense's dead letters back there
         out += _topic_and_runs("ops", topic, ("WRITE",))
-    for group in (decode_group, infer_group, _results_group(settings)):
+    for group in (decode_group, infer_group, _results_group(settings), condense_group):
         out += _topic_and_runs("ops", group, ("READ", "DESCRIBE"), "group")
     return out
 

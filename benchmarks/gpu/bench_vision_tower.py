@@ -3,7 +3,9 @@
 Variants, side by side in one process on the same images (random weights: same compute as real ones), named
 <blocks>+<attention>:
   transformers+...  transformers' blocks as they ship (patch embedding as a matrix product)
-  fast+...          FastVisionBlocks, compiled (what VisionEncoder runs on CUDA)
+  fast+...          FastVisionBlocks, compiled, q/k/v split and rotated by the Triton kernel (what VisionEncoder
+                    runs on CUDA; consumers/infer/qkv_rotary.py)
+  fast-torchqkv+... the same with the compiled torch code for that step instead of the kernel
   fast-eager+...    FastVisionBlocks without torch.compile
 with attention vllm_fa3 (vLLM's FlashAttention 3), torch_varlen (torch's varlen flash) or sdpa. Each timing covers
 GPU patchify + tower forward + merger for a batch of images, synchronised, after warm-up; it prints ms per image
@@ -27,9 +29,12 @@ import torch
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks" / "gpu"))
 
 from benchmarks.images import exact_size_images  # noqa: E402 - after the path insert
 from consumers.infer.vision import VisionEncoder, load_vision_tower, patchify_batch  # noqa: E402
+from vlmstream.models.registry import family_of  # noqa: E402
+from tower_flops import H200_DENSE_BF16_TFLOPS, tower_flops  # noqa: E402 - benchmarks/gpu is on sys.path
 
 BUDGETS = {"256": 256 * 28 * 28, "1280": 1280 * 28 * 28, "default": 16384 * 28 * 28}
 # Images per forward: what the engine's encoder thread batches at each budget (bounded by patches per call).
@@ -41,12 +46,22 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def achieved(row: dict, flops_per_image: float) -> dict:
+    """``row`` with the tower's achieved TFLOPS (matrix products only, tower_flops.py) and its share of the H200's
+    dense bf16 peak."""
+    if "ms_per_image" not in row:
+        return row
+    rate = flops_per_image / (row["ms_per_image"] / 1e3) / 1e12
+    return {**row, "gflop_per_image": round(flops_per_image / 1e9, 1), "tflops": round(rate, 1),
+            "share_of_h200_bf16_peak": round(rate / H200_DENSE_BF16_TFLOPS, 3)}
+
+
 def time_encoder(encoder: VisionEncoder, images: list[np.ndarray], batch: int, min_seconds: float) -> dict:
     groups = [images[i:i + batch] for i in range(0, len(images), batch)]
 
     def one_pass():
         for g in groups:
-            pixel_values, grid_thw = patchify_batch(g, encoder.device, encoder.dtype)
+            pixel_values, grid_thw = patchify_batch(g, encoder.device, encoder.dtype, encoder.family)
             encoder.encode_patches(pixel_values, grid_thw)
 
     one_pass()  # warm-up: kernels chosen, allocator grown
@@ -68,13 +83,13 @@ def time_encoder(encoder: VisionEncoder, images: list[np.ndarray], batch: int, m
 def profile_table(encoder: VisionEncoder, images: list[np.ndarray], rows: int = 15) -> str:
     from torch.profiler import ProfilerActivity, profile
 
-    pixel_values, grid_thw = patchify_batch(images, encoder.device, encoder.dtype)
+    pixel_values, grid_thw = patchify_batch(images, encoder.device, encoder.dtype, encoder.family)
     encoder.encode_patches(pixel_values, grid_thw)
     synchronize(encoder.device)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if encoder.device.type == "cuda" else [])
     sort_by = "self_cuda_time_total" if encoder.device.type == "cuda" else "self_cpu_time_total"
     with profile(activities=activities) as prof:
-        pixel_values, grid_thw = patchify_batch(images, encoder.device, encoder.dtype)
+        pixel_values, grid_thw = patchify_batch(images, encoder.device, encoder.dtype, encoder.family)
         encoder.encode_patches(pixel_values, grid_thw)
         synchronize(encoder.device)
     return prof.key_averages().table(sort_by=sort_by, row_limit=rows, max_name_column_width=60)
@@ -97,14 +112,19 @@ def main() -> None:
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     tower, _ = load_vision_tower(args.model, device, dtype)
+    config = json.loads((Path(args.model) / "config.json").read_text())
+    patch = config["vision_config"]["patch_size"]
+    family = family_of(args.model)
     variants = args.variants.split(",")
     report: dict = {"gpu": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                     "torch": torch.__version__, "budgets": {}}
     for budget in args.budgets.split(","):
         batches = [int(b) for b in args.batches.split(",")] if args.batches else [BATCH[budget]]
-        images = exact_size_images(args.imgs, max(batches) * 2, BUDGETS[budget])
-        rows = report["budgets"][budget] = {
-            "mean_visual_tokens": round(float(np.mean([im.shape[0] * im.shape[1] / 28 / 28 for im in images])), 1)}
+        images = exact_size_images(args.imgs, max(batches) * 2, BUDGETS[budget], factor=family.factor)
+        rows = report["budgets"][budget] = {"mean_visual_tokens": round(float(np.mean(
+            [im.shape[0] * im.shape[1] / family.factor ** 2 for im in images])), 1)}
+        flops_per_image = tower_flops(config, [(1, im.shape[0] // patch, im.shape[1] // patch) for im in images]) \
+            / len(images)
         for variant in variants:
             blocks, attention = variant.split("+")
             if budget == "default" and attention == "sdpa":
@@ -114,10 +134,12 @@ def main() -> None:
                 key = f"{variant} x{batch}" if args.batches else variant
                 try:
                     encoder = VisionEncoder(tower, device, dtype, attention=attention,
-                                            fast_blocks=blocks != "transformers", compile_blocks=blocks == "fast")
+                                            fast_blocks=blocks != "transformers",
+                                            compile_blocks=blocks in ("fast", "fast-torchqkv"),
+                                            qkv_kernel="torch" if blocks == "fast-torchqkv" else "auto")
                     if device.type == "cuda":
                         torch.cuda.reset_peak_memory_stats()
-                    rows[key] = time_encoder(encoder, images, batch, args.seconds)
+                    rows[key] = achieved(time_encoder(encoder, images, batch, args.seconds), flops_per_image)
                 except Exception as exc:  # noqa: BLE001 - one variant failing must not hide the others
                     rows[key] = {"error": repr(exc)[:400]}
                 print("RESULT", budget, key, json.dumps(rows[key]), flush=True)
@@ -126,9 +148,10 @@ def main() -> None:
     if not budget:
         return
     report["profile"] = {"budget": budget}
-    for blocks in ("transformers", "fast"):
-        encoder = VisionEncoder(tower, device, dtype, attention="auto", fast_blocks=blocks == "fast")
-        table = profile_table(encoder, exact_size_images(args.imgs, BATCH[budget], BUDGETS[budget]))
+    for blocks in ("transformers", "fast-torchqkv", "fast"):
+        encoder = VisionEncoder(tower, device, dtype, attention="auto", fast_blocks=blocks != "transformers",
+                                qkv_kernel="torch" if blocks == "fast-torchqkv" else "auto")
+        table = profile_table(encoder, exact_size_images(args.imgs, BATCH[budget], BUDGETS[budget], factor=family.factor))
         report["profile"][blocks] = {"attention": encoder.attention, "compiled": encoder.compiled, "table": table}
         print(f"PROFILE {blocks} blocks, budget {budget}, attention {encoder.attention}\n{table}", flush=True)
     Path(args.out).write_text(json.dumps(report, indent=1))

@@ -40,6 +40,7 @@ import subprocess
 import sys
 import time
 import traceback
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Callable
 
@@ -48,6 +49,7 @@ from bench_report import arms_at, markdown, record_failure, save
 from arm_offline import offline_worker, run_offline
 from arm_pipeline import run_pipeline, start_broker, stop_broker
 from arm_serve import run_serve
+from mps import mps_daemon
 
 
 def ensure_model(path: str) -> None:
@@ -90,6 +92,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                     help="Pipeline engines' vLLM max_num_batched_tokens (0: vLLM's choice; 2026-11-30: 16384).")
     ap.add_argument("--progress-every", type=float, default=30.0,
                     help="Pipeline phases append their figures so far to progress.jsonl this often (s).")
+    ap.add_argument("--mps", action="store_true", help="Run the pipeline arms under a CUDA MPS daemon of their own "
+                    "(mps.py: the tower and vLLM's engine then share the GPU instead of time-slicing).")
     ap.add_argument("--serve-k", type=int, default=8, help="vllm serve --api-server-count.")
     ap.add_argument("--serve-procs", type=int, default=6)
     ap.add_argument("--serve-conc", type=int, default=192)
@@ -140,7 +144,7 @@ def main() -> None:
                                 "max_tokens": args.max_tokens, "seconds": args.seconds, "arms": arms,
                                 "model": args.model, "prompt": PROMPT_TEXT, "images": len(image_files(args.imgs)),
                                 "workers": args.workers, "gpus": args.gpus, "gpu_ids": args.gpu_ids,
-                                "prefix_caching": args.prefix_caching,
+                                "prefix_caching": args.prefix_caching, "mps": args.mps,
                                 "gpu_name": subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
                                                            capture_output=True, text=True).stdout.strip()
                                 if _has("nvidia-smi") else None},
@@ -166,7 +170,10 @@ def main() -> None:
     pipeline = [a for a in arms if a.startswith("pipeline")]
     if pipeline:
         started = False
+        stack = ExitStack()
         try:
+            if args.mps:
+                results["config"]["mps_env"] = stack.enter_context(mps_daemon())
             bootstrap, started = start_broker(out)
             for arm in pipeline:
                 try:
@@ -182,6 +189,7 @@ def main() -> None:
         finally:
             if started:
                 stop_broker()
+            stack.close()
             save(results, out)
     if "serve" in arms:
         try:

@@ -1,8 +1,9 @@
-"""Builds a Qwen2.5-VL-7B-Instruct model folder (the released config, the tiny model's synthetic tokenizer with the
-real special-token ids 151643-151656, no weights) for vLLM ``load_format="dummy"`` (random weights, same compute):
-``consumers/infer/model7b.py``, whose numbers come from the model family (vlmstream/models/qwen2_vl.py).
+"""Builds a Qwen2.5-VL-7B-Instruct or Qwen3-VL-8B-Instruct model folder (the released config, the tiny model's
+synthetic tokenizer with the real special-token ids 151643-151656, no weights) for vLLM ``load_format="dummy"``
+(random weights, same compute): ``consumers/infer/model7b.py``, whose numbers come from the model families
+(vlmstream/models/).
 
-Usage: python3 mk_model.py OUTDIR
+Usage: python3 mk_model.py OUTDIR [qwen2.5-vl-7b | qwen3-vl-8b]   (default qwen2.5-vl-7b)
 """
 
 import sys
@@ -10,8 +11,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository's packages
 
-from consumers.infer.model7b import write_qwen25vl_7b_config
+from consumers.infer.model7b import GPU_MODELS
 
 if __name__ == "__main__":
-    out = write_qwen25vl_7b_config(sys.argv[1] if len(sys.argv) > 1 else "qwen25vl7b")
+    name = sys.argv[2] if len(sys.argv) > 2 else "qwen2.5-vl-7b"
+    if name not in GPU_MODELS:
+        sys.exit(f"unknown model {name!r}; one of {', '.join(GPU_MODELS)}")
+    out = GPU_MODELS[name](sys.argv[1] if len(sys.argv) > 1 else name.replace(".", "").replace("-", ""))
     print("ok", out)

@@ -20,41 +20,25 @@ when producers are untrusted.
 
 from __future__ import annotations
 
-import errno
 import ipaddress
-import os
 import random
 import socket
-import stat
 import time
 import zlib
-from pathlib import Path
 from urllib.parse import unquote, urljoin, urlsplit
 
-from vlmstream.images.errors import ImageError
-
-
-class FetchError(ImageError):
-    error_kind = "fetch_error"
+from vlmstream.images.localfiles import (  # noqa: F401 - the fetch errors' home; callers import them from here
+    FetchError,
+    ForbiddenPath,
+    IoError,
+    LocalFiles,
+    NotFound,
+    TooLarge,
+)
 
 
 class BadUri(FetchError):
     error_kind = "fetch_bad_uri"
-
-
-class IoError(FetchError):
-    """A read failed below us (NFS, a disk): the same file may read fine later."""
-
-    error_kind = "fetch_io_error"
-    retriable = True
-
-
-class NotFound(FetchError):
-    error_kind = "fetch_not_found"
-
-
-class ForbiddenPath(FetchError):
-    error_kind = "fetch_forbidden_path"
 
 
 class ForbiddenScheme(FetchError):
@@ -63,10 +47,6 @@ class ForbiddenScheme(FetchError):
 
 class ForbiddenHost(FetchError):
     error_kind = "fetch_forbidden_host"
-
-
-class TooLarge(FetchError):
-    error_kind = "fetch_too_large"
 
 
 class FetchTimeout(FetchError):
@@ -98,8 +78,8 @@ class Fetcher:
         deadline_s: float | None = None,
         backoff_s: float = 0.25,
     ):
-        roots = allowed_roots or [os.getcwd()]
-        self.roots = tuple(Path(root).expanduser().resolve() for root in roots)
+        self.local = LocalFiles(allowed_roots, max_bytes)
+        self.roots = self.local.roots
         self.allow_private_hosts = allow_private_hosts
         self.connect_timeout_s = connect_timeout_s
         self.read_timeout_s = read_timeout_s
@@ -148,50 +128,10 @@ class Fetcher:
             self._client.close()
             self._client = None
 
-    # -- local files --------------------------------------------------------------------------------------
+    # -- local files ---------------------------------------------------------------------------------------
 
     def _read_local(self, raw_path: str) -> bytes:
-        if "\x00" in raw_path:
-            raise ForbiddenPath("path contains a NUL byte")
-        # Resolve symlinks and '..' first: the check must see where the bytes really are.
-        try:
-            path = Path(raw_path).expanduser()
-            if not path.is_absolute():
-                path = self.roots[0] / path
-            resolved = path.resolve()
-        except (OSError, RuntimeError) as exc:  # symlink loop, name too long, ~user with no such user
-            raise NotFound(f"{raw_path}: cannot resolve: {exc}") from exc
-        if not any(resolved.is_relative_to(root) for root in self.roots):
-            roots = ", ".join(str(root) for root in self.roots)
-            raise ForbiddenPath(
-                f"{raw_path} resolves to {resolved}, outside the allowed roots ({roots}); the setting is "
-                f"decode.allowed_roots (empty: the decode worker's current directory), e.g. in the config file "
-                f"[decode] allowed_roots = [\"/data/images\"] or the environment "
-                f"VLMSTREAM_DECODE__ALLOWED_ROOTS='[\"/data/images\"]', on every decode machine")
-        try:
-            # O_NONBLOCK: opening a FIFO would otherwise wait forever for a writer. The type is checked on the open
-            # handle, not before opening, so the path cannot be swapped for a FIFO or a device in between.
-            with open(resolved, "rb", opener=_open_nonblocking) as handle:
-                info = os.fstat(handle.fileno())
-                if not stat.S_ISREG(info.st_mode):  # a FIFO or device has no end, or blocks on read
-                    raise NotFound(f"{raw_path} is not a regular file")
-                size = info.st_size
-                if size > self.max_bytes:
-                    raise TooLarge(f"{raw_path} has {size} bytes, limit {self.max_bytes}")
-                data = handle.read(self.max_bytes + 1)
-        except FileNotFoundError as exc:
-            raise NotFound(f"{raw_path}: no such file") from exc
-        except IsADirectoryError as exc:
-            raise NotFound(f"{raw_path} is a directory") from exc
-        except PermissionError as exc:
-            raise ForbiddenPath(f"{raw_path}: permission denied") from exc
-        except OSError as exc:
-            if exc.errno in (errno.ENAMETOOLONG, errno.ENOTDIR, errno.ELOOP, errno.ENXIO):
-                raise NotFound(f"{raw_path}: {exc.strerror}") from exc
-            raise IoError(f"{raw_path}: {exc}") from exc
-        if len(data) > self.max_bytes:  # the file grew while we read it
-            raise TooLarge(f"{raw_path} has more than {self.max_bytes} bytes")
-        return data
+        return self.local.read(raw_path)
 
     # -- object stores -----------------------------------------------------------------------------------
 
@@ -363,10 +303,6 @@ def _resolve(host: str, port: int) -> list[ipaddress._BaseAddress]:
     except UnicodeError as exc:  # IDNA refuses the name before any lookup: an empty label or one over 63 chars
         raise BadUri(f"bad host name {host[:100]!r}: {exc}") from exc
     return [ipaddress.ip_address(info[4][0].split("%")[0]) for info in infos]
-
-
-def _open_nonblocking(path, flags):
-    return os.open(path, flags | os.O_NONBLOCK)
 
 
 class _Inflater:

@@ -21,7 +21,8 @@ from consumers.decode.fetch import Fetcher
 from consumers.decode.resize import apply_orientation, resize_exact
 from vlmstream.images.errors import ImageError
 from consumers.decode.types import ImageFailure, PreparedImage
-from vlmstream.models.registry import family_named
+from vlmstream.models.family import ModelFamily
+from vlmstream.models.registry import family_named, family_of
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +38,20 @@ def size_class(width: int, height: int) -> str:
     return "ge24mp"
 
 
+def decode_family(settings) -> ModelFamily:
+    """The family the images are resized for, with the pixel limits they are resized within: the checkpoint's
+    (``decode.model``: its config.json's family, the user's min_pixels/max_pixels within its preprocessor config's
+    limits, since its processor would resize anything outside them), else ``decode.model_family`` with the user's
+    limits as they are."""
+    model = getattr(settings, "model", "")
+    if not model:
+        return family_named(settings.model_family).with_pixel_limits(settings.min_pixels, settings.max_pixels)
+    checkpoint = family_of(model)
+    low = max(settings.min_pixels, checkpoint.min_pixels)
+    high = min(settings.max_pixels, checkpoint.max_pixels)
+    return checkpoint.with_pixel_limits(min(low, high), high)
+
+
 class DecodeStage:
     """``stage(uri) -> PreparedImage | ImageFailure``; never raises. Known bad input gets a stable error_kind
     (see fetch.py, errors.py, vlmstream/models/qwen2_vl.py); anything a library throws unexpectedly becomes ``decode_unexpected``
@@ -47,12 +62,10 @@ class DecodeStage:
     def __init__(self, settings, claim_check_url: str = "", *, fetcher: Fetcher | None = None,
                  use_turbojpeg: bool = True):
         self.settings = settings
-        self.family = family_named(settings.model_family)
+        self.family = decode_family(settings)
         self.fetcher = fetcher or Fetcher.from_settings(settings)
         self.decoder = Decoder(
             family=self.family,
-            min_pixels=settings.min_pixels,
-            max_pixels=settings.max_pixels,
             max_source_pixels=settings.max_source_pixels,
             use_turbojpeg=use_turbojpeg,
         )

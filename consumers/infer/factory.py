@@ -41,6 +41,13 @@ def make_engine(settings: InferSettings, model_path: str | Path | None = None) -
         folder = Path(model_path)
         weightless = folder.is_dir() and not any(folder.glob("*.safetensors")) and not any(folder.glob("*.bin"))
         return VllmEngine(model_path, settings, mode=settings.mode, load_format="dummy" if weightless else "auto")
+    from vlmstream.models.registry import family_of
+
+    family = family_of(model_path)
+    if not family.exact_size:  # the generic path: the model's own processor
+        from consumers.infer.processor_engine import ProcessorEngine
+
+        return ProcessorEngine(model_path, settings, family)
     from consumers.infer.transformers_engine import TransformersEngine
 
     return TransformersEngine(model_path, settings)

@@ -1,7 +1,8 @@
-"""A Qwen2.5-VL-7B-Instruct folder without weights, for GPU measurements with vLLM ``load_format="dummy"``.
+"""Qwen2.5-VL-7B-Instruct and Qwen3-VL-8B-Instruct folders without weights, for GPU measurements with vLLM
+``load_format="dummy"``.
 
-The config holds the released model's real values, so vLLM allocates, compiles and computes exactly as for
-the real checkpoint; the tokenizer is the tiny model's synthetic one (real special-token ids). Random
+The configs hold the released models' real values, so vLLM allocates, compiles and computes exactly as for
+the real checkpoints; the tokenizer is the tiny model's synthetic one (real special-token ids). Random
 weights: throughput figures hold, the text is noise.
 """
 
@@ -9,8 +10,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from consumers.infer.tiny_model import _dump, model_config_dict, write_processor_files, write_tokenizer_files
+from consumers.infer.tiny_model import (QWEN3_CHAT_TEMPLATE, _dump, model_config_dict, write_processor_files,
+                                        write_size_processor_files, write_tokenizer_files)
 from vlmstream.models.qwen2_vl import QWEN2_VL
+from vlmstream.models.qwen3_vl import QWEN3_VL
 
 TEXT_CONFIG_7B = {
     "model_type": "qwen2_5_vl_text", "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
@@ -37,3 +40,40 @@ def write_qwen25vl_7b_config(path: str | Path) -> Path:
     write_tokenizer_files(path)
     write_processor_files(path)
     return path
+
+
+# Qwen/Qwen3-VL-8B-Instruct's config.json: a 36-layer Qwen3 language model (GQA 32/8, head_dim 128, interleaved
+# M-RoPE) and a 27-block tower whose blocks 8, 16 and 24 feed DeepStack, so image_embeds are 4 x 4096 wide.
+CONFIG_QWEN3_VL_8B = {
+    "architectures": ["Qwen3VLForConditionalGeneration"], "model_type": "qwen3_vl", "image_token_id": 151655,
+    "video_token_id": 151656, "vision_start_token_id": 151652, "vision_end_token_id": 151653,
+    "tie_word_embeddings": False, "transformers_version": "4.57.0.dev0",
+    "text_config": {
+        "model_type": "qwen3_vl_text", "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 151643,
+        "eos_token_id": 151645, "dtype": "bfloat16", "head_dim": 128, "hidden_act": "silu", "hidden_size": 4096,
+        "initializer_range": 0.02, "intermediate_size": 12288, "max_position_embeddings": 262144,
+        "num_attention_heads": 32, "num_hidden_layers": 36, "num_key_value_heads": 8, "rms_norm_eps": 1e-6,
+        "rope_scaling": {"mrope_interleaved": True, "mrope_section": [24, 20, 20], "rope_type": "default"},
+        "rope_theta": 5000000, "tie_word_embeddings": False, "use_cache": True, "vocab_size": 151936,
+    },
+    "vision_config": {
+        "model_type": "qwen3_vl", "deepstack_visual_indexes": [8, 16, 24], "depth": 27,
+        "hidden_act": "gelu_pytorch_tanh", "hidden_size": 1152, "in_channels": 3, "initializer_range": 0.02,
+        "intermediate_size": 4304, "num_heads": 16, "num_position_embeddings": 2304, "out_hidden_size": 4096,
+        "patch_size": QWEN3_VL.patch_size, "spatial_merge_size": QWEN3_VL.merge_size,
+        "temporal_patch_size": QWEN3_VL.temporal_patch_size,
+    },
+}
+
+
+def write_qwen3vl_8b_config(path: str | Path) -> Path:
+    """Qwen3-VL-8B-Instruct's config and processor settings (size 65,536 to 16,777,216 px), no weights."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    _dump(path / "config.json", CONFIG_QWEN3_VL_8B)
+    write_tokenizer_files(path, chat_template=QWEN3_CHAT_TEMPLATE)
+    write_size_processor_files(path, QWEN3_VL, "Qwen3VLProcessor", 151643)
+    return path
+
+
+GPU_MODELS = {"qwen2.5-vl-7b": write_qwen25vl_7b_config, "qwen3-vl-8b": write_qwen3vl_8b_config}

@@ -15,20 +15,17 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Callable
 
-IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
-IMAGE_PAD = "<|image_pad|>"
-
-# Qwen2.5-VL's template for a single user turn with one image first, then the instruction.
-_DEFAULT_TEMPLATE = ("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n"
-                     "{image}{prompt}<|im_end|>\n<|im_start|>assistant\n")
+from vlmstream.models.family import ModelFamily
+from vlmstream.models.qwen2_vl import QWEN2_VL
 
 
 class PromptBuilder:
     """Renders the chat prompt for one image. Uses the tokenizer's chat template when it has one (once per
-    distinct instruction, cached), so a real checkpoint's template wins over the built-in one."""
+    distinct instruction, cached), so a real checkpoint's template wins over the family's built-in one."""
 
-    def __init__(self, tokenizer: Any | None = None):
+    def __init__(self, tokenizer: Any | None = None, family: ModelFamily = QWEN2_VL):
         self._tokenizer = tokenizer
+        self._family = family
         self._render = lru_cache(maxsize=64)(self._render_uncached)
 
     def prompt(self, instruction: str) -> str:
@@ -37,16 +34,17 @@ class PromptBuilder:
 
     def expanded(self, instruction: str, visual_tokens: int) -> str:
         """The prompt with the placeholder already expanded to ``visual_tokens`` pad tokens (transformers)."""
-        return self._render(instruction).replace(IMAGE_PAD, IMAGE_PAD * visual_tokens, 1)
+        pad = self._family.image_pad
+        return self._render(instruction).replace(pad, pad * visual_tokens, 1)
 
     def _render_uncached(self, instruction: str) -> str:
         template = getattr(self._tokenizer, "chat_template", None)
         if template:
             messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": instruction}]}]
             text = self._tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-            if text.count(IMAGE_PAD) == 1:
+            if text.count(self._family.image_pad) == 1:
                 return text
-        return _DEFAULT_TEMPLATE.format(image=IMAGE_PLACEHOLDER, prompt=instruction)
+        return self._family.prompt(instruction)
 
 
 class OutputSchemaViolation(ValueError):

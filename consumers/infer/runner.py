@@ -6,7 +6,7 @@ The engine never sees Kafka; this module never runs a model.
 
 The parts: this module (the loop and the lifecycle), ``work`` (a record on its way and the in-flight window that
 bounds admission to the engine, retries included), ``outputs`` (descriptions, embeddings, dead letters),
-``commits`` (the done prefix of each partition, committed through ``vlmstream.kafka.checkpoint``: at-least-once,
+``vlmstream.kafka.done_prefix`` (the done prefix of each partition, committed through the checkpoint: at-least-once,
 or with ``exactly_once`` outputs and offsets in one transaction), ``rebalance`` (the listener) and ``stats``.
 """
 
@@ -27,7 +27,6 @@ import numpy as np
 from kafka import TopicPartition
 
 from consumers.infer import outputs
-from consumers.infer.commits import DonePrefix
 from consumers.infer.engine import Engine, EngineDeadError, InferenceFailure, InferenceOutput, InferenceRequest
 from consumers.infer.rebalance import RunnerRebalance
 from consumers.infer.stats import RunnerStats, Saturation
@@ -38,6 +37,7 @@ from vlmstream.config import Settings
 from vlmstream.kafka.checkpoint import (CheckedProducer, Checkpoint, Output, bounded_client_kwargs,
                                         bounded_producer_kwargs)
 from vlmstream.kafka.clients import make_consumer, make_producer, unique_client_id
+from vlmstream.kafka.done_prefix import DonePrefix
 from vlmstream.kafka.errors import FatalPipelineError
 from vlmstream.kafka.group import GroupMembershipWatchdog, rewind, subscribe_when_known
 from vlmstream.kafka.records import Record, UnreadableRecord, poll_past_unreadable
@@ -323,6 +323,7 @@ class InferenceRunner:
 
     def _dead_letter(self, work: Work, error_kind: str, detail: str, *, retriable: bool) -> None:
         self.stats.dead_lettered += 1
+        self.stats.dead_letters_by_kind[error_kind] = self.stats.dead_letters_by_kind.get(error_kind, 0) + 1
         log.warning("dead letter %s/%d@%d: %s after %d attempt(s): %s", work.tp.topic, work.tp.partition,
                     work.offset, error_kind, max(1, work.attempts), detail[:200])
         self._finish(work, [outputs.dead_letter(self.settings, work, error_kind, detail, retriable=retriable)])

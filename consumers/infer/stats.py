@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from consumers.infer.work import InFlightWindow
@@ -17,6 +17,7 @@ class RunnerStats:
     records: int = 0
     described: int = 0
     dead_lettered: int = 0
+    dead_letters_by_kind: dict[str, int] = field(default_factory=dict)
     retries: int = 0
     visual_tokens: int = 0
     commits: int = 0

@@ -1,27 +1,31 @@
-"""The transformers engine: Qwen2.5-VL with plain ``generate``, on CPU (tests, CI, small deployments) or CUDA.
+"""The transformers engine: any Qwen family (vlmstream/models/) with plain ``generate``, on CPU (tests, CI, small
+deployments) or CUDA.
 
 One background thread owns the model. It takes whatever is queued (up to ``batch_size``, never waiting
-for a full batch), encodes the batch's images in one vision-tower forward, scatters the image tokens
-into the prompt embeddings, and runs one batched greedy ``generate`` from those embeddings. The
+for a full batch), encodes the batch's images in one vision-tower forward, and runs one batched greedy
+``generate`` in which the model takes that tower output as its image features (``_precomputed_image_features``):
+the model's own forward places the tokens and, for Qwen3-VL, adds the DeepStack levels to its first layers. The
 vision output is kept, so the embedding published on the embeddings topic is the mean of exactly the
 tokens the language model saw: no second vision run.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import logging
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Sequence
 
-from consumers.infer.engine import ENGINE_DEAD as _DEAD
-from consumers.infer.engine import (InferenceFailure, InferenceOutput, InferenceRequest,
+from consumers.infer.engine import (EngineCannotLoadModel, InferenceFailure, InferenceOutput, InferenceRequest,
                                     QueuedEngine)
-from consumers.infer.prompts import IMAGE_PAD, OutputSchema, PromptBuilder, with_schema
+from consumers.infer.prompts import OutputSchema, PromptBuilder, with_schema
 from consumers.infer.vision import VisionEncoder, mean_pool_each, patchify_batch, request_problem
 from vlmstream.config import InferSettings
+from vlmstream.models.registry import family_of
 
 log = logging.getLogger(__name__)
 
@@ -68,14 +72,26 @@ class TransformersEngine(QueuedEngine):
         self.step_tokens = None  # no per-step token budget: a batch is whatever is queued, up to batch_size
         self._torch = torch
 
-        self.tokenizer = AutoTokenizer.from_pretrained(str(model_path), revision=settings.revision)
-        self.model = AutoModelForImageTextToText.from_pretrained(
-            str(model_path), revision=settings.revision, dtype=self.dtype, attn_implementation="sdpa",
-        ).to(self.device).eval()
-        self.encoder = VisionEncoder(self.model.model.visual, self.device, self.dtype, attention=vision_attention)
+        # The family (patch size, normalisation, tower) from the checkpoint's config.json: raises naming infer.model
+        # before anything loads when no family describes it.
+        self.family = family_of(model_path)
+        if not self.family.exact_size:
+            raise ValueError(f"infer.model {self.model_id!r} has no model family (the generic path): its own processor "
+                             "runs it, in consumers.infer.processor_engine (make_engine picks it)")
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(str(model_path), revision=settings.revision)
+            self.model = AutoModelForImageTextToText.from_pretrained(
+                str(model_path), revision=settings.revision, dtype=self.dtype, attn_implementation="sdpa",
+            ).to(self.device).eval()
+        except Exception as exc:
+            raise EngineCannotLoadModel(
+                f"infer.model {self.model_id!r} cannot be loaded by transformers: {type(exc).__name__}: {exc}") from exc
+        self.encoder = VisionEncoder(self.model.model.visual, self.device, self.dtype, attention=vision_attention,
+                                     family=self.family)
         self.image_token_id = int(self.model.config.image_token_id)
-        self.pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 151643
-        self.prompts = PromptBuilder(self.tokenizer)
+        self.pad_token_id = (self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None
+                             else self.tokenizer.convert_tokens_to_ids("<|endoftext|>"))
+        self.prompts = PromptBuilder(self.tokenizer, self.family)
         self.schema = OutputSchema.load(settings.output_schema)
         self.generation_config = self._generation_config()
         eos = self.model.generation_config.eos_token_id
@@ -83,7 +99,7 @@ class TransformersEngine(QueuedEngine):
         self._prompt_ids: dict[str, tuple[list[int], list[int]]] = {}
 
         self._init_queues()
-        self._start_worker(self._serve, "transformers-engine")
+        self._start_worker(lambda: self._serve_batches(self._process, self.batch_size), "transformers-engine")
 
     # ----------------------------------------------------------------------------- Engine protocol
 
@@ -98,23 +114,11 @@ class TransformersEngine(QueuedEngine):
 
     # ----------------------------------------------------------------------------- worker thread
 
-    def _serve(self) -> None:
-        try:
-            stopping = False
-            while not stopping:
-                batch, stopping = self._next_batch(self.batch_size)
-                for result in (self._process(batch) if batch else ()):
-                    self._outbox.put(result)
-        except BaseException as exc:  # the thread is the engine: record why it died and wake any poller
-            log.exception("transformers engine thread died")
-            self._dead = exc
-            self._outbox.put(_DEAD)
-
     def _process(self, batch: list[tuple[InferenceRequest, float]]) -> list:
         results: list = []
         valid = []
         for request, submitted in batch:
-            problem = request_problem(request.image, request.grid_thw)
+            problem = request_problem(request.image, request.grid_thw, self.family)
             if problem:
                 results.append(InferenceFailure(request.request_id, "invalid_request", problem, retriable=False))
             else:
@@ -152,7 +156,7 @@ class TransformersEngine(QueuedEngine):
         requests = [request for request, _ in items]
         started = time.perf_counter()
         with torch.inference_mode():
-            pixel_values, grid_thw = patchify_batch([r.image for r in requests], self.device, self.dtype)
+            pixel_values, grid_thw = patchify_batch([r.image for r in requests], self.device, self.dtype, self.family)
             self._sync()
             patched = time.perf_counter()
             image_tokens = self.encoder.encode_patches(pixel_values, grid_thw)
@@ -161,16 +165,16 @@ class TransformersEngine(QueuedEngine):
 
             input_ids, attention_mask = self._prompt_batch(requests, [t.shape[0] for t in image_tokens])
             image_mask = input_ids == self.image_token_id
-            embeds = self.model.get_input_embeddings()(input_ids)
-            embeds = embeds.masked_scatter(image_mask.unsqueeze(-1), torch.cat(image_tokens).to(embeds.dtype))
             config = copy.copy(self.generation_config)
             config.max_new_tokens = max(r.max_new_tokens for r in requests)
-            # input_ids ride along only to place the M-RoPE positions (image rows/columns); the model reads
-            # the embeddings, so the vision tower does not run again inside generate.
-            sequences = self.model.generate(
-                input_ids=input_ids, inputs_embeds=embeds, attention_mask=attention_mask,
-                image_grid_thw=grid_thw.to(self.device), mm_token_type_ids=image_mask.int(), generation_config=config,
-            )
+            # pixel_values ride along only so the model's prefill asks for image features; it gets the tower
+            # output above, so the vision tower does not run again inside generate.
+            with self._precomputed_image_features(image_tokens):
+                sequences = self.model.generate(
+                    input_ids=input_ids, attention_mask=attention_mask, pixel_values=pixel_values,
+                    image_grid_thw=grid_thw.to(self.device), mm_token_type_ids=image_mask.int(),
+                    generation_config=config,
+                )
             self._sync()
         generated = time.perf_counter()
 
@@ -183,7 +187,7 @@ class TransformersEngine(QueuedEngine):
             "batch_ms": (generated - started) * 1e3,
         }
         wanted = [i for i, (request, _) in enumerate(items) if request.want_embedding]
-        embeddings = dict(zip(wanted, mean_pool_each([image_tokens[i] for i in wanted])))
+        embeddings = dict(zip(wanted, mean_pool_each([image_tokens[i] for i in wanted], self.encoder.embedding_width)))
         results = []
         for i, (request, submitted) in enumerate(items):
             tokens = self._trim(new_tokens[i], request.max_new_tokens)
@@ -200,6 +204,25 @@ class TransformersEngine(QueuedEngine):
         return results
 
     # ----------------------------------------------------------------------------- helpers
+
+    @contextlib.contextmanager
+    def _precomputed_image_features(self, image_embeds: Sequence):
+        """Inside the block the model's ``get_image_features`` returns the encoder's output for this batch instead of
+        running the tower: per image the main merger's tokens (``pooler_output``), and over the batch each DeepStack
+        level's tokens (``deepstack_features``, Qwen3-VL), split back out of the encoder's concatenated
+        ``image_embeds``. Only this engine's thread calls the model."""
+        width, levels = self.encoder.embedding_width, self.encoder.deepstack_levels
+        features = SimpleNamespace(
+            pooler_output=tuple(t[:, :width] for t in image_embeds),
+            deepstack_features=[self._torch.cat([t[:, width * (i + 1):width * (i + 2)] for t in image_embeds])
+                                for i in range(levels)],
+        )
+        inner = self.model.model
+        inner.get_image_features = lambda *args, **kwargs: features
+        try:
+            yield
+        finally:
+            del inner.get_image_features
 
     @property
     def _ignore_eos(self) -> bool:
@@ -236,7 +259,7 @@ class TransformersEngine(QueuedEngine):
 
     def _prompt_parts(self, instruction: str) -> tuple[list[int], list[int]]:
         if instruction not in self._prompt_ids:
-            before, after = self.prompts.prompt(instruction).split(IMAGE_PAD, 1)
+            before, after = self.prompts.prompt(instruction).split(self.family.image_pad, 1)
             # Special tokens delimit pre-tokenisation, so the two halves tokenise as they would joined.
             self._prompt_ids[instruction] = (self.tokenizer.encode(before, add_special_tokens=False),
                                              self.tokenizer.encode(after, add_special_tokens=False))

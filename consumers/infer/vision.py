@@ -1,10 +1,15 @@
-"""Qwen2-VL pixel preprocessing and the vision tower, run on the target device (the family's numbers:
-vlmstream/models/qwen2_vl.py).
+"""Pixel preprocessing and the vision tower of the Qwen families, run on the target device (each family's numbers:
+vlmstream/models/qwen2_vl.py, qwen3_vl.py, qwen3_5.py).
 
 vLLM's front end normalises and patchifies every image on one CPU core (209 ms for a 12.8 MP image);
 here the uint8 pixels travel to the GPU as they are (a quarter of the float bytes) and are rescaled,
 normalised and cut into patches there, in exactly the layout transformers' Qwen2VLImageProcessor
-produces with ``do_resize=False``. The encoder batches several images into one varlen forward.
+produces with ``do_resize=False`` (every Qwen family uses it, with its own patch size and normalisation).
+The encoder batches several images into one varlen forward.
+
+What the encoder returns per image is the family's ``image_embeds``: the main merger's tokens, and for Qwen3-VL
+the DeepStack levels' tokens concatenated after them on the feature axis (``ModelFamily.image_embeds_width``). The
+embedding for the embeddings topic is the mean of the main merger's part (``ModelFamily.embedding_width``).
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from consumers.infer.qkv_rotary import rotate, triton_rotate_qkv
+from vlmstream.models.family import ModelFamily
 from vlmstream.models.qwen2_vl import QWEN2_VL
 
 try:  # transformers 5: the vision forward takes its index tensors precomputed (VisionEncoder._index_inputs)
@@ -41,27 +48,29 @@ class PixelNormalizer:
         self.device = torch.device(device)
 
 
-_normalizers: dict[str, PixelNormalizer] = {}
+_normalizers: dict[tuple, PixelNormalizer] = {}
 
 
-def _normalizer(device: torch.device) -> PixelNormalizer:
-    key = str(device)
+def _normalizer(device: torch.device, family: ModelFamily) -> PixelNormalizer:
+    key = (str(device), family.image_mean, family.image_std)
     if key not in _normalizers:
-        _normalizers[key] = PixelNormalizer(device)
+        _normalizers[key] = PixelNormalizer(device, family.image_mean, family.image_std)
     return _normalizers[key]
 
 
-def grid_for(height: int, width: int) -> tuple[int, int, int]:
-    factor = QWEN2_VL.factor
+def grid_for(height: int, width: int, family: ModelFamily = QWEN2_VL) -> tuple[int, int, int]:
+    factor = family.factor
     if height % factor or width % factor:
         raise ValueError(f"image {width}x{height} is not a multiple of {factor} px: "
                          "resize it with smart_resize before inference")
-    return QWEN2_VL.grid_thw(height, width)
+    return family.grid_thw(height, width)
 
 
 def patchify(image: np.ndarray | torch.Tensor, device: torch.device | str = "cpu",
-             dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, tuple[int, int, int]]:
-    """One H x W x 3 uint8 RGB image -> (pixel_values (gh*gw, 3*2*14*14), grid (1, gh, gw)).
+             dtype: torch.dtype = torch.float32,
+             family: ModelFamily = QWEN2_VL) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    """One H x W x 3 uint8 RGB image -> (pixel_values (gh*gw, 3*T*p*p), grid (1, gh, gw)), p and T the family's
+    patch and temporal patch sizes (14 and 2 for Qwen2/2.5-VL, 16 and 2 for Qwen3-VL and Qwen3.5).
 
     Patch order and feature order match Qwen2VLImageProcessor: merge-window-major rows
     (gh/2, gw/2, 2, 2) and features (channel, temporal, patch_y, patch_x), the single frame duplicated
@@ -75,24 +84,25 @@ def patchify(image: np.ndarray | torch.Tensor, device: torch.device | str = "cpu
     else:
         pixels = image
     height, width = int(pixels.shape[0]), int(pixels.shape[1])
-    _, grid_h, grid_w = grid_for(height, width)
+    _, grid_h, grid_w = grid_for(height, width, family)
     # Move uint8, not float: 4x fewer bytes over PCIe, and the layout shuffle below copies bytes, not floats.
     pixels = pixels.to(device, non_blocking=True)
-    p, m, frames = QWEN2_VL.patch_size, QWEN2_VL.merge_size, QWEN2_VL.temporal_patch_size
+    p, m, frames = family.patch_size, family.merge_size, family.temporal_patch_size
     blocks = (pixels.view(grid_h // m, m, p, grid_w // m, m, p, 3)
               .permute(0, 3, 1, 4, 6, 2, 5)  # (gh/m, gw/m, m, m, channel, p, p)
               .reshape(grid_h * grid_w, 3, 1, p, p))
-    norm = _normalizer(device)
+    norm = _normalizer(device, family)
     values = blocks.to(torch.float32).mul_(norm.scale).add_(norm.bias)
     values = values.expand(-1, -1, frames, -1, -1).to(dtype)
     return values.reshape(grid_h * grid_w, 3 * frames * p * p), (1, grid_h, grid_w)
 
 
 def patchify_batch(images: Sequence[np.ndarray], device: torch.device | str = "cpu",
-                   dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+                   dtype: torch.dtype = torch.float32,
+                   family: ModelFamily = QWEN2_VL) -> tuple[torch.Tensor, torch.Tensor]:
     """Several images -> concatenated pixel_values (on device) and their (n, 3) grid_thw, as the processor returns
     them. The grid stays on the CPU: the encoder derives its index tensors from it there (encode_patches)."""
-    parts, grids = zip(*(patchify(image, device, dtype) for image in images))
+    parts, grids = zip(*(patchify(image, device, dtype, family) for image in images))
     return torch.cat(parts), torch.tensor(grids, dtype=torch.long)
 
 
@@ -214,15 +224,17 @@ class PatchProjection(torch.nn.Module):
 
     def __init__(self, conv: torch.nn.Conv3d):
         super().__init__()
-        if conv.bias is not None or tuple(conv.kernel_size) != tuple(conv.stride) or conv.padding != (0, 0, 0):
-            raise ValueError("only a bias-free Conv3d whose kernel equals its stride is a plain matrix product")
+        if tuple(conv.kernel_size) != tuple(conv.stride) or conv.padding != (0, 0, 0):
+            raise ValueError("only a Conv3d whose kernel equals its stride is a plain matrix product")
         self.weight = conv.weight
+        # Qwen3-VL's patch embedding has a bias, Qwen2.5-VL's has none.
+        self.bias = conv.bias
         self.out_channels = conv.out_channels
 
     def forward(self, patches: torch.Tensor) -> torch.Tensor:
         # (patches, C, T, P, P) -> (patches, out_channels); the caller's view(-1, embed_dim) accepts either shape.
         flat = patches.reshape(patches.shape[0], -1)
-        return torch.nn.functional.linear(flat, self.weight.view(self.out_channels, -1))
+        return torch.nn.functional.linear(flat, self.weight.view(self.out_channels, -1), self.bias)
 
 
 def use_linear_patch_embedding(visual: torch.nn.Module) -> torch.nn.Module:
@@ -254,17 +266,14 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return weight * xf.to(x.dtype)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    xf = x.float()
-    half = xf.shape[-1] // 2
-    rotated = torch.cat((-xf[..., half:], xf[..., :half]), -1)
-    return (xf * cos + rotated * sin).to(x.dtype)
-
-
 def _before_attention(x, norm_weight, qkv_weight, qkv_bias, cos, sin, eps: float, heads: int):
     h = _rms_norm(x, norm_weight, eps)
     q, k, v = torch.nn.functional.linear(h, qkv_weight, qkv_bias).view(x.shape[0], 3, heads, -1).unbind(1)
-    return _rotate(q, cos, sin), _rotate(k, cos, sin), v.contiguous()
+    return rotate(q, cos, sin), rotate(k, cos, sin), v.contiguous()
+
+
+def _project(x, norm_weight, qkv_weight, qkv_bias, eps: float):
+    return torch.nn.functional.linear(_rms_norm(x, norm_weight, eps), qkv_weight, qkv_bias)
 
 
 def _after_attention(x, attended, proj_weight, proj_bias, norm_weight, gate_up_weight, gate_up_bias,
@@ -304,20 +313,31 @@ def _merged_mlp(mlp: torch.nn.Module, alignment: int = GEMM_ALIGNMENT):
 
 
 class FastVisionBlocks:
-    """Replaces the ``forward`` of every block of a Qwen2.5-VL vision tower with the fused version above.
+    """Replaces the ``forward`` of every block of a Qwen2.5-VL vision tower with the fused version above (its
+    RMSNorm and gated MLP; the LayerNorm blocks of Qwen2-VL and Qwen3-VL keep transformers' forward).
 
     ``attention`` is a varlen kernel ``(q, k, v, cu_q, cu_k, max_q, max_k, scale) -> out`` on (tokens, heads,
     dim) tensors, or None for the per-window sdpa loop. ``compile_blocks`` compiles the code around the
-    attention (CUDA only; a failed compile falls back to eager with a warning).
+    attention (CUDA only; a failed compile falls back to eager with a warning). ``qkv_kernel``: how q, k, v are
+    split out of the projection and rotated: "triton" (one pass, ``qkv_rotary.py``), "torch" (the compiled
+    elementwise code), "auto" (Triton when the blocks are compiled and Triton imports).
     """
 
     def __init__(self, visual: torch.nn.Module, attention=None, compile_blocks: bool = False,
-                 alignment: int = GEMM_ALIGNMENT):
+                 alignment: int = GEMM_ALIGNMENT, qkv_kernel: str = "auto"):
+        if qkv_kernel not in ("auto", "triton", "torch"):
+            raise ValueError(f"qkv_kernel must be auto, triton or torch, not {qkv_kernel!r}")
         self.attention = attention
-        self.before, self.after = _before_attention, _after_attention
+        self.before, self.after, self.project = _before_attention, _after_attention, _project
         if compile_blocks:
             self.before = torch.compile(_before_attention, dynamic=True, fullgraph=True)
             self.after = torch.compile(_after_attention, dynamic=True, fullgraph=True)
+            self.project = torch.compile(_project, dynamic=True, fullgraph=True)
+        self.rotate_qkv = None
+        if qkv_kernel == "triton" or (qkv_kernel == "auto" and compile_blocks):
+            self.rotate_qkv = triton_rotate_qkv()
+            if self.rotate_qkv is None and qkv_kernel == "triton":
+                raise RuntimeError("qkv_kernel='triton' needs Triton, which cannot be imported here")
         for block in visual.blocks:
             merged = getattr(block, "_vlmstream_merged_mlp", None)
             if merged is None or merged[0].shape[0] % (2 * alignment):
@@ -331,7 +351,8 @@ class FastVisionBlocks:
             block.__dict__.pop("forward", None)
 
     def use_eager(self) -> None:
-        self.before, self.after = _before_attention, _after_attention
+        self.before, self.after, self.project = _before_attention, _after_attention, _project
+        self.rotate_qkv = None
 
     def _block_forward(self, block: torch.nn.Module, merged):
         attn, mlp = block.attn, block.mlp
@@ -339,9 +360,14 @@ class FastVisionBlocks:
         heads, scale, eps = attn.num_heads, attn.scaling, block.norm1.variance_epsilon
 
         def forward(hidden_states, cu_seqlens, max_seqlen=None, position_embeddings=None, **_):
-            cos, sin = (t.float().unsqueeze(-2) for t in position_embeddings)
-            q, k, v = self.before(hidden_states, block.norm1.weight, attn.qkv.weight, attn.qkv.bias, cos, sin,
-                                  eps, heads)
+            if self.rotate_qkv is not None:
+                qkv = self.project(hidden_states, block.norm1.weight, attn.qkv.weight, attn.qkv.bias, eps)
+                q, k, v = self.rotate_qkv(qkv.view(hidden_states.shape[0], 3, heads, -1),
+                                          *(t.float() for t in position_embeddings))
+            else:
+                cos, sin = (t.float().unsqueeze(-2) for t in position_embeddings)
+                q, k, v = self.before(hidden_states, block.norm1.weight, attn.qkv.weight, attn.qkv.bias, cos, sin,
+                                      eps, heads)
             if self.attention is None:
                 attended = _windowed_sdpa(q, k, v, cu_seqlens, scale)
             else:
@@ -373,26 +399,30 @@ def groups_by_patches(items: Sequence, patches_of, max_patches: int):
 
 @dataclass
 class EncodedImage:
-    tokens: torch.Tensor  # (visual tokens, out_hidden) on the encoder's device, after the patch merger
+    # (visual tokens, image_embeds width) on the encoder's device: the main merger's output, then any DeepStack levels
+    tokens: torch.Tensor
     grid_thw: tuple[int, int, int]
+    # Columns of ``tokens`` that are the main merger's output (out_hidden_size).
+    embedding_width: int | None = None
 
     def mean_pooled(self) -> np.ndarray:
-        return mean_pool(self.tokens)
+        return mean_pool(self.tokens, self.embedding_width)
 
 
-def mean_pool(tokens: torch.Tensor) -> np.ndarray:
-    """The embedding published on the embeddings topic: the mean of the merged vision tokens, accumulated
-    in float32, stored as float16."""
-    return tokens.float().mean(0).to(torch.float16).cpu().numpy()
+def mean_pool(tokens: torch.Tensor, width: int | None = None) -> np.ndarray:
+    """The embedding published on the embeddings topic: the mean over the image's visual tokens of the main merger's
+    output (the first ``width`` columns; DeepStack levels after them are left out), accumulated in float32, stored
+    as float16."""
+    return tokens[:, :width].float().mean(0).to(torch.float16).cpu().numpy()
 
 
-def mean_pool_each(tokens: Sequence[torch.Tensor]) -> list[np.ndarray]:
+def mean_pool_each(tokens: Sequence[torch.Tensor], width: int | None = None) -> list[np.ndarray]:
     """``mean_pool`` of each image's tokens, brought to the host in one copy. Each copy from the GPU waits for it,
     and on a GPU shared with the language model every wait can last the other context's turn: one per batch, not
     one per image."""
     if not tokens:
         return []
-    return list(torch.stack([t.float().mean(0) for t in tokens]).to(torch.float16).cpu().numpy())
+    return list(torch.stack([t[:, :width].float().mean(0) for t in tokens]).to(torch.float16).cpu().numpy())
 
 
 def to_host_each(tokens: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -406,17 +436,26 @@ def to_host_each(tokens: Sequence[torch.Tensor]) -> list[torch.Tensor]:
 
 
 class VisionEncoder:
-    """Qwen2.5-VL's vision tower (``model.visual`` or a tower loaded alone) behind ``encode(images)``.
+    """A Qwen family's vision tower (``model.visual`` or a tower loaded alone) behind ``encode(images)``.
 
-    Images of any (28-multiple) sizes share one forward: their patches are concatenated, their grids
-    stacked, and the varlen attention keeps them apart. ``max_patches_per_call`` bounds the activation
-    memory of one forward.
+    Images of any sizes (multiples of the family's factor) share one forward: their patches are concatenated, their
+    grids stacked, and the varlen attention keeps them apart. ``max_patches_per_call`` bounds the activation
+    memory of one forward. Each image's output is its ``image_embeds``: the merged tokens, then for a tower with
+    DeepStack levels (Qwen3-VL) each level's merged tokens, concatenated on the feature axis.
+    ``family`` defaults to the one whose patch size and merge size the tower's config has.
     """
 
     def __init__(self, visual: torch.nn.Module, device: torch.device | str = "cpu",
                  dtype: torch.dtype | None = None, attention: str = "auto",
                  max_patches_per_call: int = 65536, linear_patch_embedding: bool = True,
-                 fast_blocks: bool = True, compile_blocks: bool = True):
+                 fast_blocks: bool = True, compile_blocks: bool = True, family: ModelFamily | None = None,
+                 qkv_kernel: str = "auto"):
+        self.family = family or family_of_tower(visual)
+        # Qwen2.5-VL's windowed tower: window indices precomputed, and FastVisionBlocks fit its blocks.
+        self.windowed = hasattr(visual, "window_size") and hasattr(visual, "fullatt_block_indexes")
+        self.deepstack_levels = len(getattr(visual, "deepstack_visual_indexes", None) or ())
+        self.embedding_width = ModelFamily.embedding_width(visual.config.to_dict())
+        self.image_embeds_width = self.embedding_width * (1 + self.deepstack_levels)
         self.device = torch.device(device)
         self.dtype = dtype or next(visual.parameters()).dtype
         self.visual = visual.to(self.device, self.dtype).eval()
@@ -430,16 +469,17 @@ class VisionEncoder:
         self.compiled = False
         self.fast = None
         FastVisionBlocks.remove(self.visual)
-        if fast_blocks:  # False only to measure what they are worth
+        if fast_blocks and self.windowed:  # False only to measure what they are worth
             compile_blocks = compile_blocks and self.device.type == "cuda"
-            self.fast = FastVisionBlocks(self.visual, VARLEN_KERNELS.get(self.attention), compile_blocks)
+            self.fast = FastVisionBlocks(self.visual, VARLEN_KERNELS.get(self.attention), compile_blocks,
+                                         qkv_kernel=qkv_kernel)
             if compile_blocks:
                 self.compiled = self._warm_up_compiled()
 
     def _warm_up_compiled(self) -> bool:
         """Compile now (tens of seconds, once) rather than inside the first real batch; on any compiler
         failure run the same blocks eagerly."""
-        factor = QWEN2_VL.factor
+        factor = self.family.factor
         image = np.zeros((factor * 4, factor * 6, 3), np.uint8)
         started = time.perf_counter()
         try:
@@ -455,11 +495,18 @@ class VisionEncoder:
 
     @torch.inference_mode()
     def encode_patches(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> list[torch.Tensor]:
-        """Already patchified input (as the processor or ``patchify_batch`` returns it) -> per-image tokens."""
+        """Already patchified input (as the processor or ``patchify_batch`` returns it) -> per-image ``image_embeds``
+        (merged tokens, then any DeepStack levels' merged tokens, on the feature axis)."""
         grid_cpu = grid_thw.cpu()  # free when it is there already, as patchify_batch leaves it
         out = self.visual(pixel_values.to(self.device, self.dtype), grid_thw=grid_cpu.to(self.device),
                           **self._index_inputs(grid_cpu))
         merged = out.pooler_output if hasattr(out, "pooler_output") else out
+        deepstack = list(getattr(out, "deepstack_features", None) or ())
+        if len(deepstack) != self.deepstack_levels:
+            raise RuntimeError(f"the vision tower returned {len(deepstack)} DeepStack levels, its config names "
+                               f"{self.deepstack_levels}")
+        if deepstack:
+            merged = torch.cat([merged, *deepstack], dim=-1)
         sizes = (grid_cpu.prod(-1) // self.merge_unit).tolist()
         return list(merged.split(sizes))
 
@@ -470,6 +517,10 @@ class VisionEncoder:
         each wait a stall behind the language model's turn when both share the GPU. Empty (transformers derives
         them itself) where its vision_utils cannot take them (before transformers 5)."""
         if _vision_utils is None:
+            return {}
+        if hasattr(self.visual, "num_grid_per_side"):
+            return self._learned_grid_index_inputs(grid_cpu)
+        if not self.windowed:
             return {}
         visual = self.visual
         cu_seqlens = _vision_utils.get_vision_cu_seqlens(grid_cpu)
@@ -488,17 +539,50 @@ class VisionEncoder:
                 "window_index": there(window_index), "cu_window_seqlens": there(cu_window_seqlens),
                 "max_window_seqlen": longest(cu_window_seqlens)}
 
+    def _learned_grid_index_inputs(self, grid_cpu: torch.Tensor) -> dict:
+        """``_index_inputs`` of a Qwen3-VL / Qwen3.5 tower: the taps and weights that resample its learned position
+        grid to each image, the rotary positions and the sequence bounds, derived on the CPU as that tower's
+        forward would on its device."""
+        visual = self.visual
+        indices, weights = _vision_utils.get_vision_interpolation_indices_and_weights(
+            grid_cpu, num_grid_per_side=visual.num_grid_per_side, mode=visual.interpolation_mode,
+            align_corners=visual.interpolation_align_corners, spatial_merge_size=visual.config.spatial_merge_size)
+        position_ids = _vision_utils.get_vision_position_ids(grid_cpu, visual.spatial_merge_size)
+        cu_seqlens = _vision_utils.get_vision_cu_seqlens(grid_cpu)
+        longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if len(cu_seqlens) > 1 else 0
+
+        def there(tensor: torch.Tensor) -> torch.Tensor:
+            return tensor.to(self.device, non_blocking=True)
+
+        return {"interp_indices": there(indices), "interp_weights": there(weights),
+                "position_ids": there(position_ids), "cu_seqlens": there(cu_seqlens), "max_seqlen": longest}
+
     def encode(self, images: Sequence[np.ndarray]) -> list[EncodedImage]:
         results: list[EncodedImage] = []
         for group in self._groups(images):
-            pixel_values, grid_thw = patchify_batch(group, self.device, self.dtype)
+            pixel_values, grid_thw = patchify_batch(group, self.device, self.dtype, self.family)
             tokens = self.encode_patches(pixel_values, grid_thw)
-            results += [EncodedImage(t, tuple(g)) for t, g in zip(tokens, grid_thw.tolist())]
+            results += [EncodedImage(t, tuple(g), self.embedding_width) for t, g in zip(tokens, grid_thw.tolist())]
         return results
 
     def _groups(self, images: Sequence[np.ndarray]):
-        return groups_by_patches(images, lambda im: QWEN2_VL.patches(im.shape[0], im.shape[1]),
+        return groups_by_patches(images, lambda im: self.family.patches(im.shape[0], im.shape[1]),
                                  self.max_patches_per_call)
+
+
+def family_of_tower(visual: torch.nn.Module) -> ModelFamily:
+    """The family whose patch and merge sizes a tower's config has (for an encoder built without one)."""
+    from vlmstream.models.registry import families
+
+    for family in families().values():
+        if any(tower.model_class.endswith(f":{type(visual).__name__}") for tower in family.towers.values()):
+            return family
+    config = visual.config
+    patch, merge = int(config.patch_size), int(config.spatial_merge_size)
+    for family in families().values():
+        if (family.patch_size, family.merge_size) == (patch, merge) and family.towers:
+            return family
+    raise ValueError(f"no model family has {patch} px patches merged {merge} x {merge}")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -508,11 +592,25 @@ class VisionEncoder:
 VISION_PREFIXES = ("visual.", "model.visual.")
 
 
-def vision_config_from(model_path: str | Path):
-    from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig
+def _import(spec: str):
+    import importlib
 
-    raw = json.loads((Path(model_path) / "config.json").read_text())["vision_config"]
-    return Qwen2_5_VLVisionConfig(**{k: v for k, v in raw.items() if k != "model_type"})
+    module, name = spec.split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def checkpoint_tower(model_path: str | Path):
+    """(family, tower spec, raw vision_config) of a checkpoint folder, from its config.json."""
+    from vlmstream.models.registry import family_of
+
+    family = family_of(model_path)
+    config = json.loads((Path(model_path) / "config.json").read_text())
+    return family, family.tower_for(config.get("model_type")), config["vision_config"]
+
+
+def vision_config_from(model_path: str | Path):
+    _, tower, raw = checkpoint_tower(model_path)
+    return _import(tower.config_class)(**{k: v for k, v in raw.items() if k != "model_type"})
 
 
 def vision_state_dict(model_path: str | Path) -> dict[str, torch.Tensor]:
@@ -533,16 +631,17 @@ def vision_state_dict(model_path: str | Path) -> dict[str, torch.Tensor]:
 def load_vision_tower(model_path: str | Path, device: torch.device | str = "cpu",
                       dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> tuple[torch.nn.Module, bool]:
     """(tower, has_real_weights). A folder without weights (vLLM ``load_format="dummy"``) gets a seeded
-    random tower: same compute, so throughput figures hold; embeddings are then meaningless."""
-    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
-
+    random tower: same compute, so throughput figures hold; embeddings are then meaningless. The tower's class
+    is the family's for the checkpoint's model_type (vlmstream/models/)."""
+    _, spec, _ = checkpoint_tower(model_path)
+    tower_class = _import(spec.model_class)
     config = vision_config_from(model_path)
     config._attn_implementation = "sdpa"
     state = vision_state_dict(model_path)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         with torch.device(device):
-            tower = Qwen2_5_VisionTransformerPretrainedModel._from_config(config, dtype=dtype).eval()
+            tower = tower_class._from_config(config, dtype=dtype).eval()
     if state:
         missing, unexpected = tower.load_state_dict(state, strict=False)
         # The rotary inverse frequencies are computed, not stored; anything else missing is a wrong checkpoint.
@@ -553,16 +652,16 @@ def load_vision_tower(model_path: str | Path, device: torch.device | str = "cpu"
     return tower, bool(state)
 
 
-def request_problem(image: object, grid_thw: tuple[int, int, int]) -> str | None:
+def request_problem(image: object, grid_thw: tuple[int, int, int], family: ModelFamily = QWEN2_VL) -> str | None:
     """Why an inference request's image cannot be encoded, or None. Checked before batching so one bad
     request fails alone instead of failing its batch."""
     if not isinstance(image, np.ndarray) or image.dtype != np.uint8 or image.ndim != 3 or image.shape[2] != 3:
         shape = getattr(image, "shape", None)
         return f"image must be an H x W x 3 uint8 RGB array, got {type(image).__name__} {shape}"
     height, width = image.shape[:2]
-    problem = QWEN2_VL.size_problem(height, width)
+    problem = family.size_problem(height, width)
     if problem:
         return problem
-    if tuple(grid_thw) != QWEN2_VL.grid_thw(height, width):
+    if tuple(grid_thw) != family.grid_thw(height, width):
         return f"grid_thw {tuple(grid_thw)} does not match the {width}x{height} image"
     return None

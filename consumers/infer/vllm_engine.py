@@ -2,13 +2,19 @@
 
 Two modes:
 - ``embeds`` (default): our thread patchifies the exact-size uint8 images on the GPU and runs the
-  Qwen2.5-VL vision tower (transformers module with vision.FastVisionBlocks: varlen FlashAttention 3 from
-  vLLM, aligned GEMMs, compiled elementwise) on several images per forward, then hands vLLM
-  ``image_embeds`` + ``image_grid_thw``. vLLM's single front-end process never
+  family's vision tower (vlmstream/models/; for Qwen2.5-VL the transformers module with vision.FastVisionBlocks:
+  varlen FlashAttention 3 from vLLM, aligned GEMMs, compiled elementwise) on several images per forward, then
+  hands vLLM ``image_embeds`` + ``image_grid_thw``. For Qwen3-VL ``image_embeds`` carries the DeepStack levels
+  after the merged tokens (``out_hidden_size * (1 + levels)`` wide), which vLLM's Qwen3-VL splits off again;
+  the width is checked against vLLM's model config at start and per image before anything is handed over, because
+  a wrong width fails inside vLLM's engine process, not on this request. vLLM's single front-end process never
   touches pixels, which is its wall (see shared/gpu/README.md). The embedding for the embeddings topic
-  is the mean of the same tower output the language model reads.
+  is the mean of the main merger's part of the same tower output the language model reads.
 - ``pixels``: vLLM gets the uint8 array and does its own normalise/patchify/tower; processor kwargs make
-  its resize a no-op. Embeddings, if asked for, cost a separate pass of our tower.
+  its resize a no-op. Embeddings, if asked for, cost a separate pass of our tower. The generic path
+  (vlmstream/models/generic.py: a model no family module describes) runs only in this mode: the image, decoded,
+  oriented and no larger than the model's processor keeps, goes to vLLM's processor as it is, and no embedding
+  is published.
 
 Threads: vLLM's ``AsyncLLM`` lives in its own asyncio loop thread (its EngineCore is a child process);
 the encoder thread feeds it, so encoding of new images overlaps generation of earlier ones. Requests
@@ -21,15 +27,10 @@ install hint, and this module still imports.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
-import multiprocessing
-import os
-import threading
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 
 from consumers.infer.engine import ENGINE_DEAD as _DEAD
@@ -39,11 +40,12 @@ from consumers.infer.prompts import OutputSchema, PromptBuilder, with_schema
 from consumers.infer.vision import (VisionEncoder, groups_by_patches, load_vision_tower, mean_pool_each, patchify_batch,
                                     request_problem, to_host_each)
 from vlmstream.config import InferSettings
-from vlmstream.models.qwen2_vl import QWEN2_VL
+from vlmstream.models.family import ModelFamily
+from vlmstream.models.registry import family_of
+from vlmstream.vllm_process import EngineLoop, EngineUnavailable, engine_process_threads, import_vllm
 
 log = logging.getLogger(__name__)
 
-INSTALL_HINT = "pip install 'vlmstream[gpu]'"
 
 
 def _patches(item: tuple[InferenceRequest, float]) -> int:
@@ -51,47 +53,21 @@ def _patches(item: tuple[InferenceRequest, float]) -> int:
     return grid_h * grid_w
 
 
-class EngineUnavailable(RuntimeError):
-    """vLLM cannot run in this environment (not installed, or no CUDA device). Not retriable."""
+def expected_image_embeds_width(hf_config) -> int:
+    """The ``image_embeds`` width vLLM's model takes, from the config it loaded: the vision merger's
+    ``out_hidden_size``, times one plus its DeepStack levels (Qwen3-VL's ``deepstack_visual_indexes``)."""
+    vision = hf_config.vision_config
+    vision = vision.to_dict() if hasattr(vision, "to_dict") else dict(vision)
+    return ModelFamily.image_embeds_width(vision)
 
 
-def import_vllm() -> SimpleNamespace:
-    try:
-        import vllm
-        from vllm.engine.arg_utils import AsyncEngineArgs
-        from vllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
-        from vllm.usage.usage_lib import UsageContext
-        from vllm.v1.engine.async_llm import AsyncLLM
-        from vllm.v1.engine.exceptions import EngineDeadError as VllmEngineDeadError
-    except ImportError as exc:
-        raise EngineUnavailable(
-            f"the vllm engine needs the vllm package, which cannot be imported here ({exc}). "
-            f"Install the GPU extra on a CUDA machine: {INSTALL_HINT} — or set infer.engine=transformers."
-        ) from exc
-    return SimpleNamespace(version=vllm.__version__, AsyncEngineArgs=AsyncEngineArgs, AsyncLLM=AsyncLLM,
-                           SamplingParams=SamplingParams, StructuredOutputsParams=StructuredOutputsParams,
-                           RequestOutputKind=RequestOutputKind, DeadError=VllmEngineDeadError,
-                           UsageContext=UsageContext)
-
-
-@contextlib.contextmanager
-def engine_process_threads(threads: int):
-    """Start vLLM's engine process (inside this block) with `threads` torch/OpenMP threads; this process keeps its
-    own. vLLM lowers OMP_NUM_THREADS to 1 only when it runs several GPU workers; its one-GPU engine keeps a thread
-    per core, and at 0.2 MP those threads spun on 15 of the H200 host's 32 cores (benchmarks/RESULTS.md). libgomp
-    reads the variable when it loads, so the engine must be spawned, not forked (vLLM forks unless CUDA is already
-    up here). Variables the user exported are kept as they are; 0 leaves vLLM to its own way."""
-    if threads <= 0:
-        yield
-        return
-    wanted = {"OMP_NUM_THREADS": str(threads), "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
-    added = [name for name in wanted if name not in os.environ]
-    os.environ.update({name: wanted[name] for name in added})
-    try:
-        yield
-    finally:
-        for name in added:
-            os.environ.pop(name, None)
+def image_embeds_problem(tokens, grid_thw: tuple[int, int, int], family: ModelFamily, width: int) -> str | None:
+    """Why ``tokens`` are not the image_embeds vLLM expects for an image of this grid, or None."""
+    rows = family.visual_tokens(grid_thw)
+    if tuple(tokens.shape) != (rows, width):
+        return (f"vision tower output {tuple(tokens.shape)} is not the ({rows}, {width}) image_embeds the model takes "
+                f"for grid {tuple(grid_thw)}")
+    return None
 
 
 class VllmEngine(QueuedEngine):
@@ -108,7 +84,7 @@ class VllmEngine(QueuedEngine):
         self.mode = mode or settings.mode
         if self.mode not in ("embeds", "pixels"):
             raise ValueError(f"vllm mode must be 'embeds' or 'pixels', got {self.mode!r}")
-        self._v = import_vllm()
+        self._v = import_vllm("infer.engine")
         import torch
 
         if not torch.cuda.is_available():
@@ -121,20 +97,24 @@ class VllmEngine(QueuedEngine):
         self.revision = settings.revision
         self.schema = OutputSchema.load(settings.output_schema)
         self._ids = itertools.count()
+        # The family (patch size, normalisation, tower, limits) from the checkpoint's config.json: an unknown model
+        # fails here, naming infer.model, before vLLM starts.
+        self.family = family_of(self.model_path)
+        if not self.family.exact_size and self.mode == "embeds":
+            raise ValueError(f"infer.model {self.model_path} has no model family in vlmstream/models (the generic path): "
+                             "its tower is vLLM's, so set infer.mode=pixels")
 
         from transformers import AutoTokenizer
 
-        self.prompts = PromptBuilder(AutoTokenizer.from_pretrained(self.model_path, revision=settings.revision))
+        self.prompts = PromptBuilder(AutoTokenizer.from_pretrained(self.model_path, revision=settings.revision),
+                                     self.family)
 
         self._init_queues()
         self._tasks: set[asyncio.Future] = set()
 
         # 1. vLLM first: it sizes its KV cache from the free memory it sees, so our tower loads afterwards
         #    into the (1 - gpu_memory_utilization) share it leaves.
-        self._children_before = {p.pid for p in multiprocessing.active_children()}
-        self._loop = asyncio.new_event_loop()
-        self._loop_thread = threading.Thread(target=self._loop.run_forever, name="vllm-loop", daemon=True)
-        self._loop_thread.start()
+        self._engine_loop = EngineLoop("vllm-loop")
         embeds_only = self.mode == "embeds" and embeds_only_engine
         args = dict(
             model=self.model_path, revision=settings.revision, dtype=settings.dtype,
@@ -160,10 +140,31 @@ class VllmEngine(QueuedEngine):
         args.update(engine_kwargs or {})
         started = time.perf_counter()
         try:
-            with engine_process_threads(settings.engine_cpu_threads):
-                self.llm = self._call(self._start(self._v.AsyncEngineArgs(**args)), timeout=900)
+            try:
+                with engine_process_threads(settings.engine_cpu_threads):
+                    self.llm = self._engine_loop.call(self._start(self._v.AsyncEngineArgs(**args)), timeout=900)
+            except Exception as exc:
+                if not embeds_only:
+                    raise
+                # vLLM 0.26 cannot build Qwen3-VL's language model without its tower: the DeepStack buffers stay
+                # on the meta device and the compile fails (seen on the H200, RESULTS.md 2026-12-01). The engine
+                # with its tower kept takes the same image_embeds and gives the same outputs; it only holds the
+                # tower's weights and profiles it at start.
+                log.warning("vLLM %s would not start %s with images as embeddings only (%s: %s); starting it "
+                            "again with its own vision tower kept", self._v.version, self.model_path,
+                            type(exc).__name__, str(exc)[:300])
+                self._engine_loop.reap_children()
+                embeds_only = False
+                args["limit_mm_per_prompt"] = {"image": 1, "video": 0}
+                with engine_process_threads(settings.engine_cpu_threads):
+                    self.llm = self._engine_loop.call(self._start(self._v.AsyncEngineArgs(**args)), timeout=900)
+        except Exception as exc:
+            self._engine_loop.stop()
+            self._engine_loop.reap_children()
+            raise RuntimeError(f"vLLM {self._v.version} cannot serve infer.model {self.model_path!r} "
+                               f"(mode {self.mode}): {type(exc).__name__}: {exc}") from exc
         except BaseException:
-            self._stop_loop()
+            self._engine_loop.stop()
             raise
         self.start_s = time.perf_counter() - started
         scheduler = self.llm.vllm_config.scheduler_config
@@ -176,14 +177,25 @@ class VllmEngine(QueuedEngine):
         # 2. Our vision tower: always in embeds mode; in pixels mode only when embeddings are published.
         self.encoder: VisionEncoder | None = None
         self.tower_has_real_weights = False
-        if self.mode == "embeds" or settings.publish_embeddings:
+        self.image_embeds_width = (expected_image_embeds_width(self.llm.vllm_config.model_config.hf_config)
+                                   if self.family.exact_size else None)
+        if self.family.exact_size and (self.mode == "embeds" or settings.publish_embeddings):
             dtype = torch.bfloat16
             tower, self.tower_has_real_weights = load_vision_tower(self.model_path, "cuda", dtype)
             if not self.tower_has_real_weights and load_format != "dummy":
                 log.warning("no vision weights in %s: the tower is random, embeddings are meaningless", model_path)
             self.encoder = VisionEncoder(tower, "cuda", dtype, attention=vision_attention,
-                                         compile_blocks=settings.vision_compile)
-            log.info("vision tower on cuda, attention=%s, compiled=%s", self.encoder.attention, self.encoder.compiled)
+                                         compile_blocks=settings.vision_compile, family=self.family)
+            if self.mode == "embeds" and self.encoder.image_embeds_width != self.image_embeds_width:
+                self._engine_loop.call(self._shutdown(), timeout=120)
+                self._engine_loop.stop()
+                self._engine_loop.reap_children()
+                raise RuntimeError(
+                    f"the vision tower of {self.model_path} makes image_embeds {self.encoder.image_embeds_width} wide "
+                    f"({self.encoder.deepstack_levels} DeepStack levels), vLLM's {self.family.name} model takes "
+                    f"{self.image_embeds_width}: set infer.mode=pixels to let vLLM run its own tower")
+            log.info("vision tower on cuda, attention=%s, compiled=%s, image_embeds %d wide", self.encoder.attention,
+                     self.encoder.compiled, self.encoder.image_embeds_width)
         # High priority: the tower feeds the language model. When both have kernels queued, the tower's go
         # first, so the engine's queue of ready requests does not run dry while it decodes.
         self._stream = torch.cuda.Stream(priority=-1)
@@ -198,11 +210,11 @@ class VllmEngine(QueuedEngine):
         if not self._stop_worker():
             return
         try:
-            self._call(self._shutdown(), timeout=120)
+            self._engine_loop.call(self._shutdown(), timeout=120)
         except Exception as exc:
             log.warning("vLLM shutdown: %r", exc)
-        self._stop_loop()
-        self._reap_children()
+        self._engine_loop.stop()
+        self._engine_loop.reap_children()
         self.encoder = None
         self._torch.cuda.empty_cache()
 
@@ -223,7 +235,7 @@ class VllmEngine(QueuedEngine):
     def _encode_and_dispatch(self, batch: list[tuple[InferenceRequest, float]]) -> None:
         valid = []
         for request, submitted in batch:
-            problem = request_problem(request.image, request.grid_thw)
+            problem = request_problem(request.image, request.grid_thw, self.family)
             if problem:
                 self._outbox.put(InferenceFailure(request.request_id, "invalid_request", problem, retriable=False))
             else:
@@ -246,8 +258,8 @@ class VllmEngine(QueuedEngine):
             timings = {"queue_ms": (time.perf_counter() - submitted) * 1e3 - timings.get("encode_ms", 0.0), **timings}
             mm_item = ({"image_embeds": tokens_cpu, "image_grid_thw": self._torch.tensor([list(request.grid_thw)])}
                        if self.mode == "embeds" else request.image)
-            future = asyncio.run_coroutine_threadsafe(
-                self._generate(request, mm_item, embedding if request.want_embedding else None, timings), self._loop)
+            future = self._engine_loop.submit(
+                self._generate(request, mm_item, embedding if request.want_embedding else None, timings))
             self._tasks.add(future)
             future.add_done_callback(self._tasks.discard)
 
@@ -270,16 +282,24 @@ class VllmEngine(QueuedEngine):
         torch = self._torch
         started = time.perf_counter()
         with torch.cuda.stream(self._stream):
-            pixel_values, grid_thw = patchify_batch([r.image for r, _ in items], "cuda", self.encoder.dtype)
+            pixel_values, grid_thw = patchify_batch([r.image for r, _ in items], "cuda", self.encoder.dtype,
+                                                    self.family)
             tokens = self.encoder.encode_patches(pixel_values, grid_thw)
             wanted = [i for i, (r, _) in enumerate(items) if r.want_embedding]
-            pooled = dict(zip(wanted, mean_pool_each([tokens[i] for i in wanted])))
+            pooled = dict(zip(wanted, mean_pool_each([tokens[i] for i in wanted], self.encoder.embedding_width)))
             embeddings = [pooled.get(i) for i in range(len(items))]
             tokens_cpu = to_host_each(tokens) if self.mode == "embeds" else [None] * len(tokens)
             self._stream.synchronize()
         encode_ms = (time.perf_counter() - started) * 1e3
         timings = {"encode_ms": encode_ms, "encode_batch_images": float(len(items))}
-        return {r.request_id: (t, e, dict(timings)) for (r, _), t, e in zip(items, tokens_cpu, embeddings)}
+        encoded = {}
+        for (request, _), t, e in zip(items, tokens_cpu, embeddings):
+            # Checked here, not left to vLLM: a wrong shape fails inside its engine process, taking every request.
+            problem = t is not None and image_embeds_problem(t, request.grid_thw, self.family, self.image_embeds_width)
+            encoded[request.request_id] = (InferenceFailure(request.request_id, "invalid_request", problem,
+                                                            retriable=False)
+                                           if problem else (t, e, dict(timings)))
+        return encoded
 
     # ----------------------------------------------------------------------------- asyncio side
 
@@ -301,11 +321,11 @@ class VllmEngine(QueuedEngine):
         prompt = {"prompt": self.prompts.prompt(request.prompt), "multi_modal_data": {"image": mm_item},
                   # A caller-supplied uuid spares vLLM hashing the pixels or the embeddings of every image.
                   "multi_modal_uuids": {"image": [engine_request_id]}}
-        if self.mode == "pixels":
+        if self.mode == "pixels" and self.family.exact_size:
             height, width = request.image.shape[:2]
             # The family's processor bounds; an exact-size image inside them is not resized by vLLM.
-            prompt["mm_processor_kwargs"] = {"min_pixels": QWEN2_VL.min_pixels,
-                                             "max_pixels": max(QWEN2_VL.max_pixels, height * width),
+            prompt["mm_processor_kwargs"] = {"min_pixels": min(self.family.min_pixels, height * width),
+                                             "max_pixels": max(self.family.max_pixels, height * width),
                                              "do_resize": False}
         started = time.perf_counter()
         try:
@@ -359,33 +379,16 @@ class VllmEngine(QueuedEngine):
             text=completion.text,
             prompt_tokens=len(final.prompt_token_ids or []),
             output_tokens=len(completion.token_ids),
-            visual_tokens=QWEN2_VL.visual_tokens(request.grid_thw),
+            visual_tokens=self._visual_tokens(request, final),
             embedding=embedding,
             timings_ms=timings,
         )
         return with_schema(self.schema, output)
 
-    # ----------------------------------------------------------------------------- plumbing
-
-    def _call(self, coroutine, timeout: float):
-        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout=timeout)
-
-    def _stop_loop(self) -> None:
-        if self._loop.is_running():
-            self._loop.call_soon_threadsafe(self._loop.stop)
-        self._loop_thread.join(timeout=30)
-
-    def _reap_children(self) -> None:
-        """vLLM's shutdown normally ends its EngineCore; an orphan would hold the GPU (and a device run)
-        until killed, so any child process this engine started and that is still alive is ended here."""
-        for child in multiprocessing.active_children():
-            if child.pid in self._children_before:
-                continue
-            child.join(timeout=10)
-            if child.is_alive():
-                log.warning("terminating leftover vLLM process %s (pid %s)", child.name, child.pid)
-                child.terminate()
-                child.join(timeout=10)
-            if child.is_alive():
-                child.kill()
-                child.join(timeout=5)
+    def _visual_tokens(self, request: InferenceRequest, final) -> int:
+        if self.family.exact_size:
+            return self.family.visual_tokens(request.grid_thw)
+        # The generic path: the image tokens vLLM's processor put in the prompt.
+        config = self.llm.vllm_config.model_config.hf_config
+        token = getattr(config, "image_token_id", None) or getattr(config, "image_token_index", None)
+        return sum(1 for t in (final.prompt_token_ids or []) if t == token) if token is not None else 0

@@ -20,7 +20,7 @@ from typing import Any
 from kafka import TopicPartition
 from kafka.admin import OffsetSpec
 
-from schemas import DocumentRef, SchemaError
+from schemas import document_image_count
 from vlmstream.cli.groups import group_state, retry_until_coordinator, stage_partitions
 from vlmstream.config import Settings
 from vlmstream.kafka.clients import make_admin, make_consumer
@@ -36,9 +36,9 @@ class Backlog:
     documents_topic: str
     images_topic: str
     documents: int  # documents on the documents topic not yet decoded
-    document_images: int  # images those documents name (as far as they were read, see images_counted)
+    document_images: int  # images those documents name (estimated from those read in time unless images_counted)
     images: int  # decoded images on the images topic not yet described
-    images_counted: bool = True  # False: reading the queued documents ran out of time; document_images is a floor
+    images_counted: bool = True  # False: reading the queued documents ran out of time; document_images is scaled
     ends: dict[TopicPartition, int] = field(default_factory=dict)  # end offsets when measured
 
     @property
@@ -50,7 +50,7 @@ class Backlog:
         nothing is."""
         if not self.images and not self.documents:
             return None
-        floor = "" if self.images_counted else "at least "
+        floor = "" if self.images_counted else "about "
         if rate is not None and rate.images_per_s > 0:
             how_long = (f"about {self.images_ahead / rate.images_per_s:.0f} s at {rate.images_per_s:.2f} img/s, the "
                         f"last run's inference rate here at {rate.pixels_note()}; larger images take longer")
@@ -60,7 +60,7 @@ class Backlog:
         if self.images:
             parts.append(f"{self.images} decoded on {self.images_topic} not yet described by group {self.infer_group}")
         if self.documents:
-            named = f"{self.document_images}{'' if self.images_counted else '+'} images"
+            named = f"{self.document_images}{'' if self.images_counted else ', estimated from those read,'} images"
             parts.append(f"{self.documents} documents ({named}) on {self.documents_topic} not yet decoded by group "
                          f"{self.decode_group}")
         return (f"{floor}{self.images_ahead} images from earlier runs are queued ahead of yours ({how_long})\n"
@@ -79,10 +79,11 @@ def measure_backlog(settings: Settings, count_within_s: float = 3.0) -> Backlog:
     finally:
         admin.close()
     ends = {tp: end for tp, (_start, end) in {**docs, **images}.items()}
-    document_images, counted = _count_document_images(settings, docs, count_within_s)
+    counted = count_document_images(settings, docs, count_within_s)
     return Backlog(settings.decode.group_id, settings.infer.group_id, t.documents, t.images,
-                   documents=sum(end - start for start, end in docs.values()), document_images=document_images,
-                   images=sum(end - start for start, end in images.values()), images_counted=counted, ends=ends)
+                   documents=sum(end - start for start, end in docs.values()), document_images=counted.images,
+                   images=sum(end - start for start, end in images.values()), images_counted=counted.exact,
+                   ends=ends)
 
 
 def _lag(admin: Any, group_id: str, topic: str) -> dict[TopicPartition, tuple[int, int]]:
@@ -103,14 +104,38 @@ def _lag(admin: Any, group_id: str, topic: str) -> dict[TopicPartition, tuple[in
     return lag
 
 
-def _count_document_images(settings: Settings, spans: dict[TopicPartition, tuple[int, int]],
-                           within_s: float) -> tuple[int, bool]:
-    """Images named by the documents in spans, read without a group; (count, whether every document was read)."""
+@dataclass
+class ImageCount:
+    """Images named by a span of documents-topic records: counted exactly (``exact``) or, when reading them all ran
+    out of time, extrapolated from the documents read (``documents_read`` of ``documents``)."""
+
+    images: int
+    documents: int
+    documents_read: int
+    exact: bool
+    # Per partition, (offset, images) of each document read, and the offset it was read up to.
+    by_record: dict[TopicPartition, list[tuple[int, int]]] = field(default_factory=dict)
+    read_to: dict[TopicPartition, int] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        if self.exact:
+            return f"{self.images} images"
+        return (f"about {self.images} images (estimated from {self.documents_read} of {self.documents} documents "
+                "read)")
+
+
+def count_document_images(settings: Settings, spans: dict[TopicPartition, tuple[int, int]],
+                          within_s: float) -> ImageCount:
+    """Images named by the documents in spans (tp -> [start, end) offsets), read without a group: each record's
+    ``vlmstream-images`` header, or its value for a writer that does not set one. Past within_s, the count read so
+    far is scaled to the whole span and marked not exact."""
+    wanted = sum(end - start for start, end in spans.values())
     if not spans:
-        return 0, True
+        return ImageCount(0, 0, 0, True)
     consumer = make_consumer(settings, None)
     images, seen = 0, 0
-    wanted = sum(end - start for start, end in spans.values())
+    by_record: dict[TopicPartition, list[tuple[int, int]]] = {tp: [] for tp in spans}
+    read_to = {tp: start for tp, (start, _end) in spans.items()}
     try:
         consumer.assign(list(spans))
         for tp, (start, _end) in spans.items():
@@ -123,15 +148,18 @@ def _count_document_images(settings: Settings, spans: dict[TopicPartition, tuple
                     if record.offset >= spans[tp][1]:
                         continue
                     seen += 1
-                    try:
-                        images += len(DocumentRef.decode(record.value).image_uris)
-                    except SchemaError:
-                        pass  # dead-lettered by decode: no image
-            done = {tp for tp, (_start, end) in spans.items() if consumer.position(tp) >= end}
+                    count = document_image_count(record.headers, record.value) or 0  # None: decode dead-letters it
+                    images += count
+                    by_record[tp].append((record.offset, count))
+            for tp, (_start, end) in spans.items():
+                read_to[tp] = min(end, consumer.position(tp))
+            done = {tp for tp, (_start, end) in spans.items() if read_to[tp] >= end}
     finally:
         consumer.close()
     # Offsets count transaction markers too, so "every partition read to its end" is the test, not seen == wanted.
-    return images, len(done) == len(spans) or seen >= wanted
+    if len(done) == len(spans) or seen >= wanted:
+        return ImageCount(images, seen, seen, True, by_record, read_to)
+    return ImageCount(round(images * wanted / seen) if seen else 0, wanted, seen, False, by_record, read_to)
 
 
 # --- while the run waits ---------------------------------------------------------------------------------------
@@ -147,6 +175,7 @@ class StageSnapshot:
     earlier_ahead: int  # of the backlog measured at the start: images records not yet committed past
     earlier_documents: int  # and documents not yet committed past
     infer_members: int
+    document_images_waiting: int = 0  # images the documents waiting name (scaled from those read, past 1 s)
 
 
 class StageProbe:
@@ -159,6 +188,10 @@ class StageProbe:
         self.admin = make_admin(settings)
         self.history: deque[StageSnapshot] = deque(maxlen=64)
         self.first: StageSnapshot | None = None
+        # Each waiting document's image count, read once (up to a second per reading, continued at the next):
+        # the images still waiting are those of the documents at or past the decode group's committed offsets.
+        self._images_at: dict[TopicPartition, list[tuple[int, int]]] = {}
+        self._read_to: dict[TopicPartition, int] = {}
 
     def close(self) -> None:
         self.admin.close()
@@ -188,9 +221,30 @@ class StageProbe:
             earlier_documents=sum(max(0, ends[tp] - done(decode, tp)) for tp in doc_tps if tp in ends),
             infer_members=len(group_state(admin, self.settings.infer.group_id)[1]),
         )
+        snap.document_images_waiting = self._document_images_waiting(
+            {tp: (done(decode, tp), latest[tp].offset) for tp in doc_tps})
         self.first = self.first or snap
         self.history.append(snap)
         return snap
+
+    def _document_images_waiting(self, spans: dict[TopicPartition, tuple[int, int]]) -> int:
+        """Images named by the documents in spans (tp -> [committed, end)): read once per document; documents not
+        read yet (past the second a reading may take) at the mean of those read."""
+        unread = {tp: (max(start, self._read_to.get(tp, start)), end) for tp, (start, end) in spans.items()}
+        unread = {tp: span for tp, span in unread.items() if span[1] > span[0]}
+        if unread:
+            counted = count_document_images(self.settings, unread, within_s=1.0)
+            for tp, rows in counted.by_record.items():
+                self._images_at.setdefault(tp, []).extend(rows)
+                self._read_to[tp] = counted.read_to[tp]
+        documents, images = 0, 0
+        for tp, (start, _end) in spans.items():
+            rows = self._images_at.get(tp, [])
+            rows[:] = [(offset, n) for offset, n in rows if offset >= start]  # decoded: forget them
+            documents += len(rows)
+            images += sum(n for _offset, n in rows)
+        not_read = sum(max(0, end - max(start, self._read_to.get(tp, start))) for tp, (start, end) in spans.items())
+        return images + (round(not_read * images / documents) if documents else 0)
 
     def infer_rate(self, window_s: float = 60.0) -> float | None:
         """Images the inference group committed per second over the last window_s, counted from the last reading
@@ -207,6 +261,62 @@ class StageProbe:
             moved = any(s.described != self.history[0].described for s in self.history)
             return 0.0 if moved else None
         return (last.described - base.described) / (last.at - base.at)
+
+
+class LiveView:
+    """Per stage, a progress line from the probe's readings (images done since the view started / done + waiting,
+    the sustained rate over a sliding window, an ETA range, drift), and which stage limits the run. Decode's images
+    are those it published on the images topic; inference's those its group committed."""
+
+    def __init__(self, probe: StageProbe, window_s: float = 60.0):
+        from vlmstream.projection import StageMeter
+
+        self.probe = probe
+        self.decode = StageMeter("decode", window_s)
+        self.infer = StageMeter("inference", window_s)
+        self.waits: deque[tuple[float, int]] = deque(maxlen=64)  # (at, images waiting for inference)
+        self.base: StageSnapshot | None = None
+        self.last: StageSnapshot | None = None
+
+    def update(self) -> StageSnapshot:
+        snap = self.probe.snapshot()
+        self.base = self.base or snap
+        self.last = snap
+        self.decode.observe(snap.at, snap.images_published - self.base.images_published)
+        self.infer.observe(snap.at, snap.described - self.base.described)
+        self.waits.append((snap.at, snap.images_waiting))
+        return snap
+
+    def totals(self) -> tuple[int, int]:
+        """(decode's, inference's) images in all: done since the view started plus what waits for each."""
+        snap = self.last
+        if snap is None:
+            return 0, 0
+        decode = self.decode.done + snap.document_images_waiting
+        return decode, self.infer.done + snap.images_waiting + snap.document_images_waiting
+
+    def bottleneck(self):
+        from vlmstream.projection import StageView, bottleneck
+
+        snap = self.last
+        if snap is None:
+            return None
+        window = [w for at, w in self.waits if snap.at - at <= self.infer.window_s]
+        growing = len(window) >= 3 and window[-1] > window[0] and window[-1] >= max(window) * 0.9
+        held = snap.infer_members * self.probe.settings.infer.images_in_flight(self.probe.settings.infer.batch_size)
+        return bottleneck([
+            StageView("decode", self.decode.rate(), snap.document_images_waiting),
+            StageView("inference", self.infer.rate(), snap.images_waiting, allowance=held, growing=growing),
+        ])
+
+    def lines(self) -> list[str]:
+        from vlmstream.projection import progress_line
+
+        decode_total, infer_total = self.totals()
+        lines = [progress_line(self.decode, decode_total), progress_line(self.infer, infer_total)]
+        if (neck := self.bottleneck()) is not None:
+            lines.append(f"bottleneck: {neck.why}")
+        return lines
 
 
 # --- the last run's rate ---------------------------------------------------------------------------------------

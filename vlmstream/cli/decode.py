@@ -10,6 +10,9 @@ import typer
 def decode(
     ctx: typer.Context,
     workers: Optional[int] = typer.Option(None, "--workers", "-w", help="Worker processes; 0 = one per core."),
+    model: Optional[str] = typer.Option(
+        None, "--model", help="Checkpoint folder of the model that infers: its config.json picks the family the "
+        "images are resized for, its preprocessor config the pixel limits (decode.model)."),
     max_pixels: Optional[int] = typer.Option(None, help="Largest model input (pixels) after smart_resize."),
     min_pixels: Optional[int] = typer.Option(None, help="Smallest model input (pixels) after smart_resize."),
     codec: Optional[str] = typer.Option(None, help="Payload codec: jpeg, png (lossless) or raw RGB."),
@@ -36,7 +39,7 @@ def decode(
     from vlmstream.kafka.topics import create_topics
 
     overrides = {"decode": {
-        "workers": workers, "max_pixels": max_pixels, "min_pixels": min_pixels, "codec": codec,
+        "workers": workers, "model": model, "max_pixels": max_pixels, "min_pixels": min_pixels, "codec": codec,
         "allowed_roots": list(allowed_root) if allowed_root else None,
         "allow_private_hosts": allow_private_hosts, "exactly_once": exactly_once, "group_id": group_id,
     }}

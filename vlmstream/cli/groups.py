@@ -11,7 +11,7 @@ from kafka.errors import CoordinatorLoadInProgressError, CoordinatorNotAvailable
 
 from vlmstream.config import Settings
 
-STAGES = ("decode", "infer", "results")
+STAGES = ("decode", "infer", "results", "condense")
 IDLE_STATES = {"Empty", "Dead"}  # a group with no member: its offsets can be changed without being overwritten
 
 T = TypeVar("T")
@@ -28,6 +28,8 @@ def stage_group(settings: Settings, stage: str) -> tuple[str, list[str]]:
         return settings.infer.group_id, [t.images]
     if stage == "results":
         return results_group_id(settings), [t.descriptions, t.deadletter]
+    if stage == "condense":
+        return settings.condense.group_id, [t.results]
     raise ValueError(f"unknown stage {stage!r}; expected one of {STAGES}")
 
 

@@ -80,7 +80,12 @@ def infer(
     engine_impl = make_engine(settings.infer, model_path)
     code = 1  # an exception out of the runner
     try:
-        code = InferenceRunner(settings, engine_impl).run(stop, max_seconds=max_seconds, until_idle_s=until_idle_s)
+        runner = InferenceRunner(settings, engine_impl)
+        if settings.metrics_port > 0:
+            from consumers.infer.metrics import serve
+
+            serve(runner, settings.metrics_port)
+        code = runner.run(stop, max_seconds=max_seconds, until_idle_s=until_idle_s)
     finally:
         stop.set()
         engine_impl.close()
@@ -110,9 +115,14 @@ def infer(
     raise typer.Exit(code)
 
 
-def tiny_model(ctx: typer.Context, path: str = typer.Argument(..., help="Folder to write the model into.")) -> None:
-    """Write the tiny random-weight Qwen2.5-VL (real architecture and special-token ids; no download)."""
-    from consumers.infer.tiny_model import write_tiny_model
+def tiny_model(ctx: typer.Context, path: str = typer.Argument(..., help="Folder to write the model into."),
+               family: str = typer.Option("qwen2.5-vl", "--family",
+                                          help="qwen2.5-vl, qwen2-vl, qwen3-vl, qwen3-vl-moe, qwen3.5, or gemma3 (the generic path)")) -> None:
+    """Write a tiny random-weight model of a family (real architecture and special-token ids; no download);
+    `vlmstream run --model PATH` then runs it."""
+    from consumers.infer.tiny_model import TINY_FAMILY_NAMES, write_tiny_family_model
 
-    print(write_tiny_model(path))
+    if family not in TINY_FAMILY_NAMES:
+        raise typer.BadParameter(f"--family {family!r} is not one of {', '.join(TINY_FAMILY_NAMES)}")
+    print(write_tiny_family_model(path, family))
 

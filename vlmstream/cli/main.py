@@ -182,19 +182,23 @@ def security_provision(ctx: typer.Context) -> None:
 
 def _register_optional_commands() -> None:
     """Subcommands owned by other modules."""
+    from vlmstream.cli import condense as condense_cli
     from vlmstream.cli import decode as decode_cli, infer as infer_cli, ops as ops_cli, produce as producer_cli
-    from vlmstream.cli import run as pipeline_cli
+    from vlmstream.cli import estimate as estimate_cli, run as pipeline_cli, view as view_cli
 
     app.command("produce")(producer_cli.produce)
     app.command("decode")(decode_cli.decode)
     app.command("infer")(infer_cli.infer)
+    app.command("condense")(condense_cli.condense)
     app.command("tiny-model")(infer_cli.tiny_model)
     app.command("replay")(ops_cli.replay)
     app.command("redrive")(ops_cli.redrive)
     app.command("status")(ops_cli.status)
     app.command("export")(ops_cli.export)
+    app.command("view")(view_cli.view)
     app.command("run")(pipeline_cli.run)
     app.command("bench")(pipeline_cli.bench)
+    app.command("estimate")(estimate_cli.estimate)
 
 
 _register_optional_commands()

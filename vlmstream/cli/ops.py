@@ -9,7 +9,7 @@ import typer
 
 def replay(
     ctx: typer.Context,
-    stage: str = typer.Option(..., "--stage", help="decode, infer or results."),
+    stage: str = typer.Option(..., "--stage", help="decode, infer, results or condense."),
     to: str = typer.Option(..., "--to", help="earliest | offset:N | timestamp:ISO-8601-or-epoch-ms"),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print what would be redone; change nothing."),
 ) -> None:
@@ -80,16 +80,24 @@ def status(
                                 "windows (records each topic gained in the last N seconds)."),
     sample: float = typer.Option(0.0, "--sample", help="Seconds to watch the groups' commits, for each stage's "
                                  "consumption rate and the time its backlog takes at that rate (0: no sample)."),
+    follow: bool = typer.Option(False, "--follow", help="Keep watching: every --every seconds, per stage images "
+                                "done / total, the rate over a sliding window, an ETA range, drift, and the stage "
+                                "that limits the run; until Ctrl-C."),
+    every: float = typer.Option(5.0, "--every", help="Seconds between --follow's readings."),
+    window: float = typer.Option(60.0, "--window", help="Seconds of --follow's sliding rate window."),
 ) -> None:
-    """Consumer lag, group state and members per stage; each topic's throughput over recent windows; dead-letter
-    counts by stage and error kind."""
+    """Consumer lag, group state and members per stage, and each stage's backlog in images; each topic's throughput
+    over recent windows; dead-letter counts by stage and error kind. --follow: live progress per stage."""
     from rich.table import Table
 
-    from vlmstream.cli.status import pipeline_status, pipeline_throughput
+    from vlmstream.cli.status import pipeline_status, pipeline_throughput, stage_bottleneck
     from vlmstream.cli.support import bootstrap, settings_from
 
     console = _console()
     settings = bootstrap(settings_from(ctx))
+    if follow:
+        _follow(settings, every, window)
+        return
     try:
         window_s = tuple(int(w) for w in windows.split(",") if w.strip())
     except ValueError:
@@ -99,19 +107,25 @@ def status(
         raise typer.Exit(2)
     stages, letters = pipeline_status(settings, sample_s=sample)
     table = Table(title="stages" + (f" (rates over a {sample:g} s sample)" if sample > 0 else ""))
-    columns = ["stage", "group", "state", "members", "topic", "lag"] + (["consumed/s", "backlog clears in"]
-                                                                        if sample > 0 else [])
+    columns = ["stage", "group", "state", "members", "topic", "lag", "images"] + (
+        ["consumed/s", "images/s", "backlog clears in"] if sample > 0 else [])
     for column in columns:
         table.add_column(column)
     for s in stages:
         for i, (topic, lag) in enumerate(s.lag.items()):
             first = i == 0
             row = [s.stage if first else "", s.group_id if first else "", s.state if first else "",
-                   str(s.members) if first else "", topic, str(lag)]
+                   str(s.members) if first else "", topic, str(lag), _images(s) if first else ""]
             if sample > 0:
-                row += [f"{s.consumed_per_s:.2f}" if first else "", _duration(s.eta_s) if first else ""]
+                row += [f"{s.consumed_per_s:.2f}" if first else "",
+                        f"{s.images_per_s:.2f}" if first and s.images_per_s is not None else "",
+                        _duration(s.eta_s) if first else ""]
             table.add_row(*row)
     console.print(table)
+    if any(not s.images_exact for s in stages):
+        console.print("[yellow]images marked ~ are estimated: more documents wait than could be read in time; the "
+                      "count is scaled from those read[/]")
+    print(f"bottleneck: {stage_bottleneck(settings, stages).why}")
     throughput = Table(title="throughput (records per second, by record time)")
     throughput.add_column("topic")
     throughput.add_column("records are")
@@ -127,6 +141,44 @@ def status(
     for (stage, kind), count in sorted(letters.items()):
         dead.add_row(stage, kind, str(count))
     console.print(dead)
+
+
+def _images(s) -> str:
+    if s.images is None:
+        return "-"
+    return f"{'' if s.images_exact else '~'}{s.images}"
+
+
+def _follow(settings, every_s: float, window_s: float) -> None:
+    """Live progress lines until Ctrl-C: plain lines (a log or a pipe), redrawn in place on a terminal."""
+    import time
+
+    from rich.live import Live
+    from rich.text import Text
+
+    from vlmstream.cli.backlog import LiveView, StageProbe
+
+    probe = StageProbe(settings)
+    view = LiveView(probe, window_s=window_s)
+    started = time.monotonic()
+    live = Live(console=_console(), auto_refresh=False) if sys.stdout.isatty() else None
+    try:
+        if live is not None:
+            live.start()
+        while True:
+            view.update()
+            lines = [f"[{time.monotonic() - started:5.0f}s]", *view.lines()]
+            if live is not None:
+                live.update(Text("\n".join(lines)), refresh=True)
+            else:
+                print("\n".join(lines), flush=True)
+            time.sleep(every_s)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        if live is not None:
+            live.stop()
+        probe.close()
 
 
 def _console():
@@ -149,14 +201,18 @@ def _duration(seconds: float | None) -> str:
 
 def export(
     ctx: typer.Context,
-    out: Path = typer.Argument(..., help="Folder for the files (created; new records are appended)."),
-    what: str = typer.Option("descriptions,embeddings,results,deadletter", "--what",
-                             help="Comma-separated: descriptions, embeddings, results, deadletter."),
-    follow: bool = typer.Option(False, "--follow", help="Keep appending as records arrive, until Ctrl-C/SIGTERM."),
+    out: Path = typer.Argument(..., help="Folder for the files (created; new records are added)."),
+    what: str = typer.Option("descriptions,embeddings,results,deadletter,summaries", "--what",
+                             help="Comma-separated: descriptions, embeddings, results, deadletter, summaries (the "
+                             "last only when the cluster has the condense stage's topic)."),
+    format: str = typer.Option("jsonl", "--format", help="jsonl: JSON lines, vectors in one binary file; parquet: "
+                               "rolling Parquet files per kind (export.max_file_bytes), for DuckDB, pandas, polars."),
+    follow: bool = typer.Option(False, "--follow", help="Keep adding records as they arrive, until Ctrl-C/SIGTERM."),
     group_id: str = typer.Option("vlmstream-export", "--group-id", help="Remembers how far the files go; another "
                                  "group id exports everything again into another folder."),
 ) -> None:
-    """Append the output topics' records since the last export to JSON-lines files (vectors to one binary file)."""
+    """Add the output topics' records since the last export to files: JSON lines (vectors in one binary file) or
+    Parquet (a file is complete on disk before its offsets are committed; no record twice, even after a kill)."""
     import signal
     import threading
 
@@ -168,12 +224,15 @@ def export(
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stop.set())
     try:
-        report = run_export(settings, out, tuple(k.strip() for k in what.split(",") if k.strip()), follow=follow,
-                            group_id=group_id, should_stop=stop.is_set)
+        report = run_export(settings, out, tuple(k.strip() for k in what.split(",") if k.strip()), format=format,
+                            follow=follow, group_id=group_id, should_stop=stop.is_set)
     except (ValueError, RuntimeError) as exc:
         print(f"export: {exc}", file=sys.stderr)
         raise typer.Exit(2)
     written = ", ".join(f"{n} {kind}" for kind, n in report.written.items())
-    print(f"appended {written}" + (f"; {report.unreadable} unreadable record(s) left out" if report.unreadable else ""))
+    notes = [f"{report.unreadable} unreadable record(s) left out"] if report.unreadable else []
+    if report.already_on_disk:
+        notes.append(f"{report.already_on_disk} already in files from a stopped run")
+    print(f"appended {written}" + (f"; {'; '.join(notes)}" if notes else ""))
     for name in report.files:
         print(f"  {name}")

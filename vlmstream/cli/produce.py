@@ -85,6 +85,18 @@ def produce(
 
     try:
         with _progress(console, enabled=not quiet and console.is_terminal) as on_progress:
+            if settings.metrics_port > 0:
+                from producers.metrics import serve
+
+                latest: list[Any] = [None]
+                shown = on_progress
+
+                def on_progress(summary: Any) -> None:
+                    latest[0] = summary
+                    if shown is not None:
+                        shown(summary)
+
+                serve(lambda: latest[0], settings.metrics_port)
             summary = publish_documents(settings, items, force=force, stop=stop, on_progress=on_progress)
     except FatalPipelineError as exc:
         # The broker is unreachable: acknowledged documents are in the ledger, the rest go out next run.

@@ -115,7 +115,8 @@ def plan_replay(settings: Settings, stage: str, target: str) -> ReplayPlan:
 
 
 def _count_images(settings: Settings, plan: ReplayPlan) -> None:
-    """infer: one message is one image. decode: read the documents to redo and add up their image_uris."""
+    """infer: one message is one image. decode: read the documents to redo and add up their image_uris. results and
+    condense: unknown (None); condense redoes one document per message."""
     if plan.stage == "infer":
         for p in plan.partitions:
             p.images = p.redo

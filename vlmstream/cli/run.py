@@ -113,7 +113,9 @@ def _kill(proc: subprocess.Popen) -> None:
 def run(
     ctx: typer.Context,
     folder: Optional[Path] = typer.Argument(None, help="Folder of images (a subfolder per document, or one "
-                                            "document per file). Default: a small built-in sample folder."),
+                                            "document per file), or a manifest file (JSON lines, JSON, CSV; "
+                                            "local images in it may be read). Default: a small built-in sample "
+                                            "folder."),
     model: Optional[str] = typer.Option(None, "--model", help="HF id or local folder (default: the built-in "
                                         "tiny random-weight model, whose text is meaningless)."),
     engine: Optional[str] = typer.Option(None, "--engine", help="auto (vLLM on a GPU, else transformers), vllm, "
@@ -136,6 +138,9 @@ def run(
                                "its own (the configured names + '.run-<id>'), so records earlier runs left queued on "
                                "the shared topics are neither waited for nor touched (they stay for `vlmstream "
                                "decode`/`infer`). The run's topics stay on the cluster; their names are printed."),
+    condense: bool = typer.Option(False, "--condense", help="Also run the condense stage (`vlmstream condense`, "
+                                  "condense.* settings): one structured answer per document, from its descriptions; "
+                                  "the run then waits for every document's answer too."),
 ) -> None:
     """Run the whole pipeline on this machine: broker, topics, producer, decode workers, inference, results.
 
@@ -150,11 +155,12 @@ def run(
     A second SIGTERM or Ctrl-C stops them at once.
     """
     from kafka.errors import KafkaError
+    from rich.markup import escape
 
     from producers.folder import IMAGE_EXTENSIONS, scan_folder
     from producers.publisher import publish_documents
-    from schemas import DeadLetter, Description, DocumentRef, DocumentResult, SchemaError
-    from vlmstream.cli.backlog import RateMemory, RememberedRate, StageProbe, measure_backlog
+    from schemas import DeadLetter, Description, DocumentRef, DocumentResult, DocumentSummary, SchemaError
+    from vlmstream.cli.backlog import LiveView, RateMemory, RememberedRate, StageProbe, measure_backlog
     from vlmstream.cli.support import bootstrap, settings_from
     from vlmstream.kafka.clients import make_consumer
     from vlmstream.kafka.group import topic_partitions
@@ -167,10 +173,20 @@ def run(
         folder = sample_folder()
         console.print(f"[dim]no folder given: using the built-in sample images in {folder}[/]")
     folder = folder.resolve()
-    if not folder.is_dir():
-        raise typer.BadParameter(f"{folder} is not a folder")
-    # Read before anything starts: an empty or mistyped folder needs no broker, model or workers to say so.
-    items = list(scan_folder(folder, per_file=per_file))
+    if folder.is_file():  # a manifest: its documents as they are
+        from producers.manifest import read_manifest
+
+        items = list(read_manifest(folder))
+        image_roots = _manifest_roots(items)
+        if not any(isinstance(item, DocumentRef) for item in items):
+            raise typer.BadParameter(f"{folder} holds no valid document (see the rejections: vlmstream produce "
+                                     f"--manifest {folder} lists them)")
+    elif not folder.is_dir():
+        raise typer.BadParameter(f"{folder} is not a folder or a manifest file")
+    else:
+        # Read before anything starts: an empty or mistyped folder needs no broker, model or workers to say so.
+        items = list(scan_folder(folder, per_file=per_file))
+        image_roots = [str(folder)]
     if not items:
         extensions = " ".join(sorted(IMAGE_EXTENSIONS))
         raise typer.BadParameter(f"{folder} holds no image files (looked for {extensions}, in it and its "
@@ -187,8 +203,7 @@ def run(
     if fresh:
         settings = _fresh_settings(settings)
     roots = list(settings.decode.allowed_roots)
-    if str(folder) not in roots:
-        roots.append(str(folder))
+    roots += [root for root in image_roots if root not in roots]
     settings = settings.model_copy(update={"decode": settings.decode.model_copy(update={"allowed_roots": roots})})
     if not settings.infer.model:
         from consumers.infer.tiny_model import default_tiny_model_dir
@@ -197,6 +212,8 @@ def run(
         settings = settings.model_copy(update={"infer": settings.infer.model_copy(update={"model": str(tiny)})})
         console.print(f"[yellow]no --model: using the built-in tiny random-weight Qwen2.5-VL ({tiny}); "
                       "its descriptions are meaningless text. Pass --model for real ones.[/]")
+    settings, said = with_model_family(settings)
+    console.print(said)
     bootstrap(settings)
     create_topics(settings)
     console.print(f"Kafka: {settings.kafka.bootstrap_servers}; topics: {settings.topics.documents} → "
@@ -219,12 +236,14 @@ def run(
         console.print("nothing from earlier runs is queued ahead of yours")
 
     # Each stage's process gets a settings file with its own login only (kafka.principals; none: run's own login).
-    config_files = {stage: _settings_file(_as_stage(settings, stage)) for stage in ("decode", "infer")}
+    stages = ("decode", "infer") + (("condense",) if condense else ())
+    config_files = {stage: _settings_file(_as_stage(settings, stage)) for stage in stages}
     log_dir = Path(settings.broker.home).expanduser() / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     children: dict[str, subprocess.Popen] = {}
     results: dict[str, DocumentResult] = {}
+    condensed: set[str] = set()  # documents with an answer (a summary) or a condense dead letter
     started = time.monotonic()
     probe = None
     previous_handler = signal.signal(signal.SIGTERM, _raise_stopped)
@@ -233,22 +252,25 @@ def run(
         # Position the live view before anything is published, so no description is missed.
         watcher = make_consumer(_as_stage(settings, "tap"), None)  # reads the outputs only
         # The topics were created a moment ago: a watcher assigned before they list partitions would see nothing.
-        tps = topic_partitions(watcher, [settings.topics.descriptions, settings.topics.results,
-                                         settings.topics.deadletter])
+        watched = [settings.topics.descriptions, settings.topics.results, settings.topics.deadletter]
+        tps = topic_partitions(watcher, watched + ([settings.topics.summaries] if condense else []))
         watcher.assign(tps)
         # Results from the beginning: documents that already have one are done (a rerun resumes). With --force
         # every document is described again, so only results published from now on count.
-        from_now = [tp for tp in tps if tp.topic != settings.topics.results or force]
+        from_now = [tp for tp in tps if tp.topic not in (settings.topics.results, settings.topics.summaries) or force]
         for tp, end in watcher.end_offsets(from_now).items():
             watcher.seek(tp, end)
         if earlier := [tp for tp in tps if tp not in from_now]:  # (no argument would mean every partition)
             watcher.seek_to_beginning(*earlier)
 
         probe = StageProbe(settings, backlog)
-        probe.snapshot()  # where the topics and groups stand before anything of this run is published
+        view = LiveView(probe)
+        view.update()  # where the topics and groups stand before anything of this run is published
         children["decode"] = _child(["decode"], config_files["decode"], log_dir / f"decode-{stamp}.log")
         children["infer"] = _child(["infer"], config_files["infer"], log_dir / f"infer-{stamp}.log")
-        console.print(f"decode and inference workers started (logs in {log_dir})")
+        if condense:
+            children["condense"] = _child(["condense"], config_files["condense"], log_dir / f"condense-{stamp}.log")
+        console.print(f"{', '.join(stages)} workers started (logs in {log_dir})")
 
         summary = publish_documents(_as_stage(settings, "producer"), items, force=force)
         failed_ids = {failure.doc_id for failure in summary.failed}
@@ -265,10 +287,13 @@ def run(
         dead_letters = 0
         earlier_dead_letters = 0  # of documents this run did not publish: earlier work its workers took first
         next_progress = time.monotonic() + PROGRESS_EVERY_S
-        while expected - results.keys():
+        def condensing() -> set[str]:  # documents whose answer is still to come (none without a description)
+            return {d for d, r in results.items() if r.succeeded} - condensed if condense else set()
+
+        while expected - results.keys() or condensing():
             if time.monotonic() >= next_progress:
                 next_progress = time.monotonic() + PROGRESS_EVERY_S
-                console.print(_progress_line(probe, started, len(expected & results.keys()), len(expected),
+                console.print(_progress_line(view, started, len(expected & results.keys()), len(expected),
                                              images_described, images_expected, dead_letters,
                                              earlier_dead_letters),
                               markup=False, highlight=False)
@@ -287,8 +312,17 @@ def run(
                             if result.doc_id in expected:
                                 results[result.doc_id] = result
                             continue
+                        if tp.topic == settings.topics.summaries:
+                            summary = DocumentSummary.decode(record.value)
+                            if summary.doc_id in expected:
+                                condensed.add(summary.doc_id)
+                                console.print(f"[bold]{escape(summary.doc_id)}[/] answer: "
+                                              f"{escape(json.dumps(summary.answer)[:200])}", highlight=False)
+                            continue
                         if tp.topic == settings.topics.deadletter:
                             letter = DeadLetter.decode(record.value)
+                            if letter.stage == "condense" and letter.doc_id is not None:
+                                condensed.add(letter.doc_id)
                             dead_letters += letter.doc_id in expected
                             earlier_dead_letters += letter.doc_id not in expected
                             continue
@@ -331,9 +365,48 @@ def run(
         raise typer.Exit(130 if stopped_by == "Ctrl-C" else 143)
     elapsed = time.monotonic() - started
     _print_summary(results, elapsed, codes, images_described)
+    if condense:
+        console.print(f"answers (topic {settings.topics.summaries}) or condense dead letters: "
+                      f"{len(condensed & expected)} of {len(expected)} documents")
     # A worker stopped by our SIGTERM before it had set up its handlers ends with -SIGTERM: still clean.
     clean = all(code in (0, -signal.SIGTERM) for code in codes.values())
     raise typer.Exit(0 if clean else 1)
+
+
+def _manifest_roots(items: list[Any]) -> list[str]:
+    """The folders a manifest's local images lie in: `vlmstream run MANIFEST` lets its decode workers read there."""
+    from schemas import DocumentRef
+
+    roots: set[str] = set()
+    for item in items:
+        if isinstance(item, DocumentRef):
+            for uri in item.image_uris:
+                path = uri.removeprefix("file://").split("#", 1)[0]
+                if "://" not in path:
+                    roots.add(str(Path(path).resolve().parent))
+    return sorted(roots)
+
+
+def with_model_family(settings: Any) -> tuple[Any, str]:
+    """Decode resizes for the model that infers: a local checkpoint folder (infer.model) becomes decode.model unless
+    that is set, so its config.json picks the family and its preprocessor config bounds the pixels. Fails here,
+    before anything starts, when no family describes the checkpoint. Returns the settings and the line saying which."""
+    from consumers.decode.stage import decode_family
+
+    model = settings.infer.model
+    if not settings.decode.model and model and (Path(model) / "config.json").is_file():
+        settings = settings.model_copy(update={"decode": settings.decode.model_copy(update={"model": model})})
+    family = decode_family(settings.decode)
+    source = f"from {settings.decode.model}" if settings.decode.model else "decode.model_family"
+    if not family.exact_size:
+        # The generic path has no tower of ours to make image_embeds: vLLM runs the model's own (pixels mode).
+        if settings.infer.mode == "embeds" and "mode" not in settings.infer.model_fields_set:
+            settings = settings.model_copy(update={"infer": settings.infer.model_copy(update={"mode": "pixels"})})
+        return settings, (f"model family: generic ({source}): the model's own processor; images decoded, oriented "
+                          f"and capped at what it keeps (at most {family.max_pixels:,} px); infer.mode=pixels, "
+                          "no embeddings")
+    return settings, (f"model family: {family.name} ({source}): {family.factor} px blocks, "
+                      f"{family.min_pixels:,} to {family.max_pixels:,} px per image")
 
 
 def with_pixel_budget(settings: Any) -> tuple[Any, str]:
@@ -356,23 +429,26 @@ def _fresh_settings(settings: Any) -> Any:
     suffix = f"run-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:4]}"
     t = settings.topics
     names = {name: f"{getattr(t, name)}.{suffix}"
-             for name in ("documents", "images", "descriptions", "embeddings", "results", "deadletter")}
+             for name in ("documents", "images", "descriptions", "embeddings", "results", "summaries", "deadletter")}
     return settings.model_copy(update={
         "topics": t.model_copy(update=names),
         "decode": settings.decode.model_copy(update={"group_id": f"{settings.decode.group_id}.{suffix}"}),
         "infer": settings.infer.model_copy(update={"group_id": f"{settings.infer.group_id}.{suffix}"}),
+        "condense": settings.condense.model_copy(update={"group_id": f"{settings.condense.group_id}.{suffix}"}),
     })
 
 
-def _progress_line(probe: Any, started: float, docs_done: int, docs: int, described: int, images: int,
+def _progress_line(view: Any, started: float, docs_done: int, docs: int, described: int, images: int,
                    dead_letters: int, earlier_dead_letters: int = 0) -> str:
-    """One line of where the run stands: its own documents and images, and what each stage's group is doing."""
+    """Where the run stands: its own documents and images and what each stage's group is doing, then a line per
+    stage (images done / total, rate over a sliding window, ETA range, drift) and the stage that limits the run."""
     elapsed = time.monotonic() - started
     try:
-        snap = probe.snapshot()
+        snap = view.update()
     except Exception as exc:  # noqa: BLE001 - a progress line must never stop the run
         return f"[{elapsed:4.0f}s] documents {docs_done}/{docs}, images described {described}/{images}; " \
                f"stages not readable now ({type(exc).__name__})"
+    probe = view.probe
     rate = probe.infer_rate()
     first = probe.first
     decoded = snap.images_published - first.images_published
@@ -396,7 +472,7 @@ def _progress_line(probe: Any, started: float, docs_done: int, docs: int, descri
             line += f" | earlier runs' work still ahead: about {ahead} images{eta}"
     if earlier_dead_letters:
         line += f" | dead letters of earlier runs' documents: {earlier_dead_letters} (`vlmstream redrive` retries them)"
-    return line
+    return "\n".join([line, *(f"  {stage_line}" for stage_line in view.lines())])
 
 
 def _print_summary(results: dict[str, Any], elapsed: float, codes: dict[str, int | None],

@@ -42,7 +42,7 @@ def replication(settings: Settings, brokers: int) -> tuple[int, int | None]:
 
 
 def pipeline_topic_specs(settings: Settings, brokers: int = 1) -> list[TopicSpec]:
-    """The six topics, replicated as ``replication`` says for a cluster of ``brokers``."""
+    """The seven topics, replicated as ``replication`` says for a cluster of ``brokers``."""
     t = settings.topics
     factor, min_isr = replication(settings, brokers)
     max_bytes = str(settings.kafka.max_message_bytes + 1024 * 1024)
@@ -57,6 +57,9 @@ def pipeline_topic_specs(settings: Settings, brokers: int = 1) -> list[TopicSpec
         TopicSpec(t.embeddings, t.partitions, factor, dict(keyed_output)),
         # One result per document, keyed by doc_id: compaction keeps the latest without losing any document.
         TopicSpec(t.results, t.partitions, factor,
+                  {"cleanup.policy": "compact", "max.message.bytes": max_bytes, **durability}),
+        # One summary per document, keyed by doc_id: compaction keeps the latest (the newest version's answer).
+        TopicSpec(t.summaries, t.partitions, factor,
                   {"cleanup.policy": "compact", "max.message.bytes": max_bytes, **durability}),
         TopicSpec(t.deadletter, max(1, t.partitions // 4), factor,
                   {"retention.ms": str(t.deadletter_retention_ms), "max.message.bytes": max_bytes, **durability}),
@@ -77,7 +80,7 @@ class TopicReport:
 
 def create_topics(settings: Settings, specs: list[TopicSpec] | None = None) -> TopicReport:
     """Create missing topics; for existing ones compare partitions, replicas and configs and warn on differences.
-    Without ``specs``, the pipeline's six, replicated for the brokers the cluster lists now."""
+    Without ``specs``, the pipeline's seven, replicated for the brokers the cluster lists now."""
     admin = make_admin(settings)
     report = TopicReport([], [], [])
     try:

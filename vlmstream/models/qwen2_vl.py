@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 
 from vlmstream.images.errors import ImageError
-from vlmstream.models.family import ModelFamily
+from vlmstream.models.family import ModelFamily, Tower
 
 PATCH_SIZE = 14
 MERGE_SIZE = 2
@@ -75,5 +75,15 @@ QWEN2_VL = ModelFamily(
     max_pixels=MAX_PIXELS,
     processor_max_pixels=PROCESSOR_MAX_PIXELS,
     size_rule=smart_resize,
+    towers={
+        "qwen2_5_vl": Tower("transformers.models.qwen2_5_vl.modeling_qwen2_5_vl:Qwen2_5_VisionTransformerPretrainedModel",
+                            "transformers.models.qwen2_5_vl.configuration_qwen2_5_vl:Qwen2_5_VLVisionConfig",
+                            windowed=True),
+        "qwen2_vl": Tower("transformers.models.qwen2_vl.modeling_qwen2_vl:Qwen2VisionTransformerPretrainedModel",
+                          "transformers.models.qwen2_vl.configuration_qwen2_vl:Qwen2VLVisionConfig"),
+    },
+    # Qwen2.5-VL's template adds the default system turn.
+    prompt_template=("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n"
+                     "{image}{prompt}<|im_end|>\n<|im_start|>assistant\n"),
 )
 FAMILY = QWEN2_VL

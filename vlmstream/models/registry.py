@@ -56,13 +56,29 @@ def family_for_config(config: dict[str, Any]) -> ModelFamily:
 def family_of(checkpoint: str | Path) -> ModelFamily:
     """The family of the checkpoint folder ``checkpoint``, its pixel limits those of the folder's
     ``preprocessor_config.json`` (``min_pixels``/``max_pixels``, or transformers 5's ``size`` with
-    ``shortest_edge``/``longest_edge``); without that file or those keys, the image processor's own defaults."""
+    ``shortest_edge``/``longest_edge``); without that file or those keys, the image processor's own defaults.
+    A model no family describes but with a ``vision_config`` and a preprocessor config gets the generic path
+    (``generic.generic_family``); anything else raises ``UnknownModelFamily``."""
     folder = Path(checkpoint)
-    family = family_for_config(json.loads((folder / "config.json").read_text()))
-    min_pixels, max_pixels = family.min_pixels, family.processor_max_pixels
+    if not (folder / "config.json").is_file():
+        raise UnknownModelFamily(f"{folder} has no config.json: the model (infer.model, decode.model) must be a local "
+                                 "checkpoint folder for its family to be known (download it first, e.g. "
+                                 "huggingface-cli download)")
+    config = json.loads((folder / "config.json").read_text())
     processor_file = folder / "preprocessor_config.json"
-    if processor_file.exists():
-        processor = json.loads(processor_file.read_text())
+    processor = json.loads(processor_file.read_text()) if processor_file.exists() else None
+    try:
+        family = family_for_config(config)
+    except UnknownModelFamily:
+        # An image-text model of no family here: the generic path, when the checkpoint has a vision part and an
+        # image processor to do its model-specific rest.
+        if "vision_config" not in config or processor is None:
+            raise
+        from vlmstream.models.generic import generic_family
+
+        return generic_family(config, processor)
+    min_pixels, max_pixels = family.min_pixels, family.processor_max_pixels
+    if processor is not None:
         size = processor.get("size") or {}
         min_pixels = processor.get("min_pixels") or size.get("shortest_edge") or min_pixels
         max_pixels = processor.get("max_pixels") or size.get("longest_edge") or max_pixels

@@ -1,9 +1,10 @@
-"""The inference runner's commits: out-of-order completion, in-order offsets, through the checkpoint.
+"""A runner's commits when its records finish out of order (the inference runner's images, the condense runner's
+documents): in-order offsets, through the checkpoint.
 
 Completion is out of order, so an ``OffsetTracker`` per partition yields the commit point (the lowest offset still
-pending). At-least-once, an image's outputs are sent as it finishes and ``Checkpoint.commit`` flushes them before
+pending). At-least-once, a record's outputs are sent as it finishes and ``Checkpoint.commit`` flushes them before
 the offsets. Exactly-once, they are held until their record lies inside the committed prefix and then go out in
-the transaction that commits it (``Checkpoint.commit_transaction``), so a crash never publishes an image twice.
+the transaction that commits it (``Checkpoint.commit_transaction``), so a crash never publishes them twice.
 """
 
 from __future__ import annotations

@@ -1,0 +1,216 @@
+"""Does `vlmstream estimate` hold? For each job: `vlmstream estimate JOB --json` (a sample run), then the whole job
+with `vlmstream run JOB` (at least 10x the sample), timed from start to exit; predicted against actual, and the
+naive estimate for contrast: documents per second over the first N documents done (N = the sample's documents: what
+one would time by watching the run start), from the first result to the N-th, times the documents.
+
+Jobs (real images from the corpus, the built-in tiny model on this machine's CPU and broker):
+  a  a folder of uniform documents (3 images each) of real photos and screenshots
+  b  a manifest of 1-40 images per document (heavy-tailed), the heavy documents at the end
+  c  a mix of small (0.1 MP) images and large photos taken at up to 12.8 MP (--max-pixels 12845056)
+
+    python benchmarks/estimate_honesty.py [--cases abc] [--scale 1.0]
+
+Prints one table; each row also as a JSON line. The machine may be shared: say how busy it was with the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+CORPUS = Path(os.environ.get("VLMSTREAM_TEST_IMAGES", REPO.parent / "shared" / "corpus"))
+if not CORPUS.is_dir():
+    CORPUS = Path("/work/shared/corpus")
+COMMON = ["--max-new-tokens", "4"]
+# The jobs link to the corpus's files: decode may read there.
+ENV = {"OMP_NUM_THREADS": "1", "VLMSTREAM_INFER__BATCH_SIZE": "4",
+       "VLMSTREAM_DECODE__ALLOWED_ROOTS": json.dumps([str(CORPUS.resolve())])}
+
+
+def corpus(kind: str) -> list[Path]:
+    from PIL import Image
+
+    files = sorted(p for p in CORPUS.rglob("*") if p.suffix.lower() in (".jpg", ".jpeg", ".png", ".webp"))
+    sized = []
+    for p in files:
+        with Image.open(p) as im:
+            sized.append((p, im.size[0] * im.size[1]))
+    if kind == "small":
+        return [p for p, px in sized if px < 300_000]
+    if kind == "large":  # photos the tiny model takes in seconds at their own size (9 MP ones take ~40 s here)
+        return [p for p, px in sized if 900_000 <= px <= 2_500_000]
+    return [p for p, _ in sized]
+
+
+def job_a(root: Path, scale: float) -> tuple[Path, list[str]]:
+    """Uniform documents: a subfolder per document, 3 images each, photos and screenshots mixed."""
+    images = corpus("all")
+    rng = random.Random(1)
+    folder = root / "a"
+    for d in range(int(80 * scale)):
+        (folder / f"doc{d:04d}").mkdir(parents=True)
+        for i, src in enumerate(rng.sample(images, 3)):
+            (folder / f"doc{d:04d}" / f"{i:02d}{src.suffix}").symlink_to(src)
+    return folder, ["--max-pixels", str(256 * 28 * 28)]
+
+
+def job_b(root: Path, scale: float) -> tuple[Path, list[str]]:
+    """1-40 images per document, heavy-tailed (most documents have 1-3), the heavy ones clustered at the end."""
+    images = corpus("small") + corpus("large")[:6]
+    rng = random.Random(2)
+    sizes = sorted(min(40, max(1, int(rng.paretovariate(1.2)))) for _ in range(int(240 * scale)))
+    manifest = root / "b.jsonl"
+    with manifest.open("w") as handle:
+        for d, size in enumerate(sizes):  # sorted: the heavy documents come last
+            uris = [str(images[rng.randrange(len(images))]) for _ in range(size)]
+            handle.write(json.dumps({"doc_id": f"b{d:04d}", "image_uris": uris}) + "\n")
+    return manifest, ["--max-pixels", str(256 * 28 * 28)]
+
+
+def job_c(root: Path, scale: float) -> tuple[Path, list[str]]:
+    """Small screenshots (0.1 MP: the model takes them as they are) and large photos (1-2.1 MP, under the 12.8 MP
+    budget the model takes them at their own size: 10-20x the small ones' pixels), one image per document,
+    interleaved."""
+    small, large = corpus("small"), corpus("large")
+    rng = random.Random(3)
+    manifest = root / "c.jsonl"
+    with manifest.open("w") as handle:
+        for d in range(int(150 * scale)):
+            src = rng.choice(large) if d % 10 == 0 else rng.choice(small)
+            handle.write(json.dumps({"doc_id": f"c{d:04d}", "image_uris": [str(src)]}) + "\n")
+    return manifest, ["--max-pixels", "12845056"]
+
+
+JOBS = {"a": job_a, "b": job_b, "c": job_c}
+
+
+def documents_in(job: Path) -> list[tuple[str, int]]:
+    """(doc id, images) in the job's order, as `vlmstream run` publishes them."""
+    if job.is_dir():
+        from producers.folder import scan_folder
+
+        return [(d.doc_id, len(d.image_uris)) for d in scan_folder(job) if hasattr(d, "image_uris")]
+    return [(json.loads(line)["doc_id"], len(json.loads(line)["image_uris"])) for line in job.open()]
+
+
+def run_full(job: Path, options: list[str]) -> tuple[float, dict[str, float]]:
+    """`vlmstream run JOB` on topics and groups of its own: (wall s from start to exit, each document's result time in
+    seconds from the start)."""
+    from vlmstream.config import load_settings
+
+    settings = load_settings()
+    suffix = f"honesty-{uuid.uuid4().hex[:8]}"
+    names = {k: f"{getattr(settings.topics, k)}.{suffix}"
+             for k in ("documents", "images", "descriptions", "embeddings", "results", "deadletter")}
+    env = dict(os.environ, **ENV, **{f"VLMSTREAM_TOPICS__{k.upper()}": v for k, v in names.items()},
+               VLMSTREAM_DECODE__GROUP_ID=f"decode-{suffix}", VLMSTREAM_INFER__GROUP_ID=f"infer-{suffix}",
+               VLMSTREAM_PRODUCER__STATE_DIR=tempfile.mkdtemp(prefix="honesty-ledger-"))
+    started_wall, started = time.time(), time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "vlmstream.cli", "run", str(job), *options, *COMMON,
+                           "--show", "0", "--timeout-s", "1500"], env=env, capture_output=True, text=True)
+    sys.stderr.write(proc.stderr[-6000:])  # its progress lines: where the run spent its time
+    wall = time.monotonic() - started
+    if proc.returncode != 0:
+        raise SystemExit(f"run failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    results, failed = _result_times(settings, names["results"], started_wall)
+    if failed:
+        raise SystemExit(f"{failed} images failed in the full run: the job is not what was estimated")
+    return wall, results
+
+
+def _result_times(settings, topic: str, started_wall: float) -> tuple[dict[str, float], int]:
+    from schemas import DocumentResult
+    from vlmstream.kafka.clients import make_consumer
+    from vlmstream.kafka.group import topic_partitions
+
+    scoped = settings.model_copy(update={"topics": settings.topics.model_copy(update={"results": topic})})
+    consumer = make_consumer(scoped, None)
+    out: dict[str, float] = {}
+    failed = 0
+    try:
+        consumer.assign(topic_partitions(consumer, [topic]))
+        consumer.seek_to_beginning()
+        quiet = time.monotonic()
+        while time.monotonic() - quiet < 5:
+            for records in consumer.poll(timeout_ms=500).values():
+                quiet = time.monotonic()
+                for r in records:
+                    result = DocumentResult.decode(r.value)
+                    failed += result.failed
+                    out.setdefault(result.doc_id, r.timestamp / 1000 - started_wall)
+    finally:
+        consumer.close()
+    return out, failed
+
+
+def estimate(job: Path, options: list[str]) -> dict:
+    env = dict(os.environ, **ENV)
+    proc = subprocess.run([sys.executable, "-m", "vlmstream.cli", "estimate", str(job), *options, *COMMON, "--json"],
+                          env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"estimate failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    sys.stderr.write(proc.stderr)
+    data = json.loads(proc.stdout.strip().splitlines()[-1])
+    if data["sample_missing"]:
+        raise SystemExit(f"{data['sample_missing']} sample images were not described: see the estimate's output")
+    return data
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cases", default="abc")
+    parser.add_argument("--scale", type=float, default=1.0, help="Job sizes times this.")
+    args = parser.parse_args()
+    root = Path(tempfile.mkdtemp(prefix="vlmstream-honesty-"))
+    rows = []
+    try:
+        for case in args.cases:
+            job, options = JOBS[case](root, args.scale)
+            docs = documents_in(job)
+            t0 = time.monotonic()
+            images = sum(k for _, k in docs)
+            predicted = estimate(job, [*options, "--sample-images", str(max(16, images // 10))])
+            estimate_s = time.monotonic() - t0
+            wall, results = run_full(job, options)
+            # The naive estimate: documents per second over the first N documents done (from the first result to
+            # the N-th, start-up left out as a throughput benchmark does), times the documents.
+            n = max(2, predicted["sample_documents"])
+            first_n = sorted(results.values())[:n]
+            naive = (first_n[-1] - first_n[0]) / (len(first_n) - 1) * len(docs) if len(first_n) > 1 else None
+            row = {"case": case, "documents": len(docs), "images": images,
+                   "sample_documents": predicted["sample_documents"], "sample_images": predicted["sample_images"],
+                   "estimate_s": round(estimate_s, 1), "predicted_s": predicted["predicted_s"],
+                   "low_s": predicted["low_s"], "high_s": predicted["high_s"], "actual_s": round(wall, 1),
+                   "error": round(predicted["predicted_s"] / wall - 1, 3), "naive_s": round(naive, 1) if naive else None,
+                   "naive_error": round(naive / wall - 1, 3) if naive else None,
+                   "bottleneck": predicted["bottleneck"], "fixed_s": predicted["fixed_s"]}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    print()
+    print("| job | documents | images | sample (docs / images) | estimate took | predicted (range) | actual "
+          "| error | naive (first N docs' rate) | naive error | bottleneck |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        naive = f"{r['naive_s']:.0f} s" if r["naive_s"] else "-"
+        naive_error = f"{r['naive_error']:+.0%}" if r["naive_error"] is not None else "-"
+        print(f"| {r['case']} | {r['documents']} | {r['images']} | {r['sample_documents']} / {r['sample_images']} "
+              f"| {r['estimate_s']:.0f} s | {r['predicted_s']:.0f} s ({r['low_s']:.0f}-{r['high_s']:.0f}) "
+              f"| {r['actual_s']:.0f} s | **{r['error']:+.0%}** | {naive} | {naive_error} | {r['bottleneck']} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# One GPU lease's measurements on a one-GPU host (kind nvidia-h200), run in the background so that they outlast the
+# 10-minute limit of one device command; jobs run one after another (one GPU: no side-by-side pairs), and a job that
+# would end after the plan's end (second argument, seconds from now) is skipped and says so in jobs.tsv.
+#
+# Job lists (third argument):
+#   tower-mps  T1 the Qwen2.5-VL-7B tower alone at 0.2 / 1 / 12.8 MP with its achieved TFLOPS (tower_flops.py)
+#              A1 this code, 0.2 MP and 1 MP / 64, embeds;  B1 the code of /root/ab-tree (a whole tree of an older
+#              commit, from `git archive`; without it the job is skipped), 0.2 MP / 64, embeds
+#              M1 this code under CUDA MPS (gpu_bench.py --mps), 0.2 MP and 1 MP / 64, embeds
+#   qwen3      T2 the Qwen2.5-VL-7B tower alone, the Triton q/k/v kernel against the compiled torch code, side by
+#              side at 0.2 / 1 / 12.8 MP; the Qwen3-VL-8B config (dummy weights): Q0 gpu_engine_smoke.py (the
+#              engine's image_embeds against transformers' tower, DeepStack included, bf16; text in both modes),
+#              Q1 the tower alone with TFLOPS, Q2 the pipeline in both modes at 0.2 MP / 64, Q3 naive vLLM at 0.2 MP
+#
+# On the device, after unpack_device.sh:
+#   setsid nohup bash benchmarks/gpu/plan_x1.sh /root/res 1500 tower-mps > /root/plan.log 2>&1 < /dev/null &
+#   bash benchmarks/gpu/wait_plan.sh /root/res 540      # in each later call: waits, then copies /root/res to $OUT
+set -u
+RES=${1:-/root/res}
+PLAN_S=${2:-1380}
+LIST=${3:-tower-mps}
+SNAPSHOT=/root/vlmstream-plan
+if [ "$(cd "$(dirname "$0")/../.." && pwd)" != "$SNAPSHOT" ]; then
+  # Later device calls refresh the working tree in place: the plan runs from a copy of it, taken now.
+  rm -rf "$SNAPSHOT"; mkdir -p "$SNAPSHOT"
+  (cd "$(dirname "$0")/../.." && tar cf - --exclude=./.gpu --exclude=./.venv --exclude=./.git .) | tar xf - -C "$SNAPSHOT"
+  exec bash "$SNAPSHOT/benchmarks/gpu/plan_x1.sh" "$RES" "$PLAN_S" "$LIST"
+fi
+cd "$SNAPSHOT"
+source scripts/gpu/env.sh
+[ -e "$RES" ] && mv "$RES" "$RES.before-$(date +%s)"
+mkdir -p "$RES"
+END=$(( $(date +%s) + PLAN_S ))
+git_commit=$(cat COMMIT 2>/dev/null || echo unknown); echo "$git_commit" > "$RES/commit.txt"
+
+job() {  # job LABEL EXPECTED_S LIMIT_S CMD...: one line per job in jobs.tsv (label, rc, start, seconds)
+  local label=$1 expect=$2 limit=$3; shift 3
+  local start; start=$(date +%s)
+  if (( start + expect > END )); then
+    printf '%s\tskipped\t%s\t0\twould end %ss after the plan end\n' "$label" "$(date +%T)" $(( start + expect - END )) >> "$RES/jobs.tsv"
+    return
+  fi
+  printf '%s\tstarted\t%s\n' "$label" "$(date +%T)" >> "$RES/jobs.tsv"
+  timeout -k 30 "$limit" "$@" > "$RES/$label.log" 2>&1
+  printf '%s\trc=%s\t%s\t%s\n' "$label" "$?" "$(date -d @"$start" +%T)" $(( $(date +%s) - start )) >> "$RES/jobs.tsv"
+}
+
+vlmstream broker start > "$RES/broker_start.log" 2>&1
+nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader > "$RES/gpus.txt" 2>&1
+BENCH="python3 benchmarks/gpu/gpu_bench.py --imgs /root/imgs --max-tokens 64 --gpu-ids 0"
+PIPE="--seconds 40 --stop-after 1.5 --arms pipeline-embeds --profile"
+
+if [ "$LIST" = tower-mps ]; then
+  [ -e /root/model/config.json ] || python3 benchmarks/gpu/mk_model.py /root/model > "$RES/mk_model.log" 2>&1
+  job t1_tower 150 240 python3 benchmarks/gpu/bench_vision_tower.py --model /root/model --imgs /root/imgs \
+    --variants fast+vllm_fa3 --seconds 3 --profile-budget default --out "$RES/t1_tower.json"
+  job a1_this 300 420 $BENCH --model /root/model --budgets 256,1280 $PIPE --out "$RES/a1_this"
+  if [ -d /root/ab-tree ]; then
+    cp "$RES/commit.txt" "$RES/a_commit.txt"; cp /root/ab-tree/COMMIT "$RES/b_commit.txt" 2>/dev/null
+    job b1_before 240 360 env PYTHONPATH=/tmp/site:/root/ab-tree python3 /root/ab-tree/benchmarks/gpu/gpu_bench.py \
+      --imgs /root/imgs --max-tokens 64 --gpu-ids 0 --model /root/model --budgets 256 $PIPE --out "$RES/b1_before"
+  else
+    printf 'b1_before\tskipped\t%s\t0\tno /root/ab-tree\n' "$(date +%T)" >> "$RES/jobs.tsv"
+  fi
+  job m1_mps 300 420 $BENCH --model /root/model --budgets 256,1280 $PIPE --mps --out "$RES/m1_mps"
+fi
+
+if [ "$LIST" = qwen3 ]; then
+  [ -e /root/model/config.json ] || python3 benchmarks/gpu/mk_model.py /root/model > "$RES/mk_model.log" 2>&1
+  job t2_tower_qkv 100 200 python3 benchmarks/gpu/bench_vision_tower.py --model /root/model --imgs /root/imgs \
+    --variants fast-torchqkv+vllm_fa3,fast+vllm_fa3 --seconds 3 --profile-budget '' --out "$RES/t2_tower_qkv.json"
+  job q0_check_tower 120 200 python3 benchmarks/gpu/check_tower.py --model qwen3-vl-8b --images /root/imgs --n 8 \
+    --max-pixels 1003520 --out "$RES/q0_check_tower.json"
+  job q1_engine_smoke 240 330 python3 benchmarks/gpu_engine_smoke.py --model qwen3-vl-8b --images /root/imgs --n 64 \
+    --max-pixels 1003520 --tokens 64 --modes embeds,pixels --out "$RES/q1_engine_smoke.json"
+  job c1_condense_shared 330 420 python3 benchmarks/gpu/bench_condense.py --imgs /root/imgs --seconds 30 --warmup 10 \
+    --out "$RES/c1_condense_shared.json"
+fi
+
+vlmstream broker stop > "$RES/broker_stop.log" 2>&1
+date +%T > "$RES/DONE"

@@ -1,0 +1,267 @@
+"""Each model family beyond Qwen2.5-VL (Qwen2-VL, Qwen3-VL dense and MoE, Qwen3.5) on its tiny random-weight model: the
+registry reads the checkpoint, our tower equals transformers' full model's image features (DeepStack included),
+the engine's text equals the model's own ``generate`` on the processor's pixels, and `vlmstream run --model` works
+end to end on the real broker; and the generic path (a tiny Gemma 3, which no family module describes) end to end.
+Qwen2.5-VL's own versions of these are in test_engines.py and test_cli_run.py."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from consumers.infer.tiny_model import GENERIC_TINY, TINY_FAMILIES, write_tiny_family_model
+from vlmstream.models.registry import family_of
+
+pytestmark = pytest.mark.model
+
+FAMILIES = list(TINY_FAMILIES)  # qwen2-vl, qwen3-vl, qwen3-vl-moe, qwen3.5
+# End to end: the families whose decode differs from Qwen2.5-VL's (test_cli_run.py runs that one), and the generic path.
+END_TO_END = ["qwen3-vl", "qwen3-vl-moe", "qwen3.5", GENERIC_TINY]
+PROMPT = "Describe this image."
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # The test machine is shared: one OpenMP thread runs the tiny models' small matrices fastest.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def tiny_dirs(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tiny-families")
+    return {name: write_tiny_family_model(root / name, name) for name in [*FAMILIES, GENERIC_TINY]}
+
+
+def _images(factor: int) -> list[np.ndarray]:
+    """Two images of different shapes, noise so every patch differs."""
+    rng = np.random.default_rng(0)
+    return [rng.integers(0, 256, (factor * h, factor * w, 3), dtype=np.uint8) for h, w in ((8, 10), (9, 6))]
+
+
+def test_the_checkpoint_names_its_family_and_its_pixel_limits(tiny_dirs):
+    qwen3 = family_of(tiny_dirs["qwen3-vl"])
+    assert qwen3.name == "qwen3_vl" and family_of(tiny_dirs["qwen3-vl-moe"]).name == "qwen3_vl"
+    assert family_of(tiny_dirs["qwen3.5"]).name == "qwen3_5"
+    assert (qwen3.patch_size, qwen3.factor, qwen3.image_mean, qwen3.image_std) == (16, 32, (0.5,) * 3, (0.5,) * 3)
+    # The released preprocessor config's size: 64 to 16,384 visual tokens of 32 x 32 pixels.
+    assert (qwen3.min_pixels, qwen3.max_pixels, qwen3.max_visual_tokens) == (65_536, 16_777_216, 16_384)
+    processor = json.loads((tiny_dirs["qwen3-vl"] / "preprocessor_config.json").read_text())
+    processor["size"]["longest_edge"] = 1024 * 32 * 32
+    (tiny_dirs["qwen3-vl"] / "preprocessor_config.json").write_text(json.dumps(processor))
+    try:
+        assert family_of(tiny_dirs["qwen3-vl"]).max_pixels == 1024 * 32 * 32
+    finally:
+        processor["size"]["longest_edge"] = qwen3.max_pixels
+        (tiny_dirs["qwen3-vl"] / "preprocessor_config.json").write_text(json.dumps(processor))
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_our_tower_equals_the_full_models_image_features(tiny_dirs, name):
+    """Patchify + tower, both as the full model holds it and loaded alone from the safetensors, against
+    transformers' ``get_image_features`` on its own processor's pixels: the main merger's tokens and, for
+    Qwen3-VL, every DeepStack level, concatenated as vLLM takes ``image_embeds``."""
+    from transformers import AutoImageProcessor, AutoModelForImageTextToText
+
+    from consumers.infer.vision import VisionEncoder, load_vision_tower
+
+    path = tiny_dirs[name]
+    family = family_of(path)
+    config = json.loads((path / "config.json").read_text())
+    model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+    images = _images(family.factor)
+    reference = AutoImageProcessor.from_pretrained(path)(images=images, do_resize=False, return_tensors="pt")
+    with torch.inference_mode():
+        features = model.model.get_image_features(reference["pixel_values"], reference["image_grid_thw"])
+    expected = torch.cat(features.pooler_output)
+    levels = list(getattr(features, "deepstack_features", None) or [])
+    assert len(levels) == len(config["vision_config"].get("deepstack_visual_indexes") or [])
+    expected = torch.cat([expected, *levels], -1)
+    assert expected.shape[1] == family.image_embeds_width(config["vision_config"])
+
+    tower, real = load_vision_tower(path, "cpu", torch.float32)
+    assert real
+    for encoder in (VisionEncoder(model.model.visual, "cpu", torch.float32, family=family),
+                    VisionEncoder(tower, "cpu", torch.float32)):
+        encoded = encoder.encode(images)
+        assert [list(e.grid_thw) for e in encoded] == reference["image_grid_thw"].tolist()
+        torch.testing.assert_close(torch.cat([e.tokens for e in encoded]), expected, atol=1e-5, rtol=1e-5)
+        # The published embedding: the mean of the main merger's tokens, out_hidden_size wide.
+        first = encoded[0]
+        assert first.mean_pooled().shape == (family.embedding_width(config["vision_config"]),)
+        np.testing.assert_allclose(first.mean_pooled().astype(np.float32),
+                                   features.pooler_output[0].mean(0).numpy(), atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_the_engine_says_what_the_model_says_on_its_own_processors_pixels(tiny_dirs, name):
+    """The engine hands the model its tower output (DeepStack levels to the first layers); the text must be what
+    the model generates when it runs its own tower on its own processor's pixels."""
+    from transformers import AutoImageProcessor
+
+    from consumers.infer.engine import InferenceOutput, InferenceRequest
+    from consumers.infer.transformers_engine import TransformersEngine
+    from vlmstream.config import InferSettings
+
+    path = tiny_dirs[name]
+    family = family_of(path)
+    engine = TransformersEngine(path, InferSettings(model=str(path), max_new_tokens=6, batch_size=4))
+    try:
+        images = _images(family.factor)
+        requests = [InferenceRequest(f"r{i}", image, family.grid_thw(*image.shape[:2]), PROMPT, 6, True)
+                    for i, image in enumerate(images)]
+        engine.submit(requests)
+        results: dict = {}
+        deadline = time.monotonic() + 120
+        while len(results) < len(requests) and time.monotonic() < deadline:
+            results.update((r.request_id, r) for r in engine.poll(1.0))
+        processor = AutoImageProcessor.from_pretrained(path)
+        before, after = engine._prompt_parts(PROMPT)
+        for request in requests:
+            out = results[request.request_id]
+            assert isinstance(out, InferenceOutput), out
+            assert out.visual_tokens == family.visual_tokens(request.grid_thw)
+            assert out.embedding.shape == (engine.model.config.text_config.hidden_size,)
+            ids = torch.tensor([before + [engine.image_token_id] * out.visual_tokens + after])
+            pixels = processor(images=[request.image], do_resize=False, return_tensors="pt")
+            with torch.inference_mode():
+                sequence = engine.model.generate(
+                    input_ids=ids, attention_mask=torch.ones_like(ids), pixel_values=pixels["pixel_values"],
+                    image_grid_thw=pixels["image_grid_thw"], mm_token_type_ids=(ids == engine.image_token_id).int(),
+                    generation_config=engine.generation_config, max_new_tokens=6)
+            tokens = engine._trim(sequence[0, ids.shape[1]:].tolist(), 6)
+            assert out.text == engine.tokenizer.decode(tokens, skip_special_tokens=True)
+            assert out.output_tokens == len(tokens)
+    finally:
+        engine.close()
+
+
+def test_tiny_model_cli_writes_each_family(tmp_path):
+    from typer.testing import CliRunner
+
+    from vlmstream.cli.main import app
+
+    result = CliRunner().invoke(app, ["tiny-model", str(tmp_path / "q"), "--family", "qwen3-vl"])
+    assert result.exit_code == 0, result.output
+    assert family_of(tmp_path / "q").name == "qwen3_vl"
+    refused = CliRunner().invoke(app, ["tiny-model", str(tmp_path / "x"), "--family", "llava"])
+    assert refused.exit_code != 0 and "qwen3-vl" in refused.output
+
+
+def test_the_generic_path_caps_at_what_the_processor_keeps(tiny_dirs):
+    """A model no family describes (Gemma 3) gets the generic path: decode never ships more than its processor's
+    own resize keeps (224 x 224 here, each axis capped on its own since that resize ignores the aspect ratio),
+    never enlarges, and the user's budget still bounds the area."""
+    from vlmstream.models.generic import processor_cap
+
+    family = family_of(tiny_dirs[GENERIC_TINY])
+    assert family.name == "generic" and not family.exact_size
+    assert family.target_size(3000, 1000, max_pixels=10**9) == (224, 224)
+    assert family.target_size(100, 3000, max_pixels=10**9) == (100, 224)
+    assert family.target_size(90, 60, max_pixels=10**9) == (90, 60)
+    assert family.target_size(3000, 1000, max_pixels=100 * 100) == (100, 100)
+    # Aspect-keeping processors: Idefics3/SmolVLM's longest edge, LLaVA-OneVision's largest grid pinpoint.
+    assert processor_cap({"size": {"longest_edge": 1456}})(3000, 1500, 1, 1, 10**9) == (1456, 728)
+    assert processor_cap({"image_grid_pinpoints": [[384, 768], [768, 384]]})(1000, 1000, 1, 1, 10**9) == (768, 768)
+
+
+
+def test_a_decode_model_that_is_no_checkpoint_is_refused_with_the_settings_name(tmp_path):
+    import pydantic
+
+    from vlmstream.config import DecodeSettings
+
+    with pytest.raises(pydantic.ValidationError, match="(?s)model.*has no config.json.*decode.model"):
+        DecodeSettings(model=str(tmp_path / "missing"))
+
+
+def test_a_text_only_model_is_no_family_and_no_generic_model(tmp_path):
+    from vlmstream.models.registry import UnknownModelFamily
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}))
+    with pytest.raises(UnknownModelFamily, match="'llama'"):
+        family_of(tmp_path)
+
+
+def test_a_model_the_engine_cannot_load_fails_at_start_naming_the_setting(tmp_path):
+    from consumers.infer.engine import EngineCannotLoadModel
+    from consumers.infer.factory import make_engine
+    from consumers.infer.model7b import write_qwen3vl_8b_config
+    from vlmstream.config import InferSettings
+
+    folder = write_qwen3vl_8b_config(tmp_path / "weightless")  # a config, no weights
+    with pytest.raises(EngineCannotLoadModel, match="infer.model"):
+        make_engine(InferSettings(model=str(folder), engine="transformers"))
+
+
+@pytest.mark.kafka
+@pytest.mark.slow
+@pytest.mark.parametrize("name", END_TO_END)
+def test_run_with_each_tiny_model_end_to_end(tiny_dirs, name, topic_names, corpus_dir, tmp_path, unique):
+    """`vlmstream run --model PATH` on the real broker: decode resizes for the checkpoint's family (32 px blocks;
+    for the generic path, no larger than the processor keeps), one description per image, one result per document,
+    embeddings of the family's width (none on the generic path)."""
+    from schemas import Description, DocumentResult, Embedding
+    from schemas.messages import decode_image_payload
+    from tests.kafka_helpers import read_topic
+
+    images = sorted(p for p in corpus_dir.rglob("*") if p.suffix.lower() in (".jpg", ".jpeg", ".png"))[:3]
+    layout = {"doc-a": images[:2], "doc-b": images[2:3] or images[:1]}
+    folder = tmp_path / "docs"
+    for doc, files in layout.items():
+        (folder / doc).mkdir(parents=True)
+        for index, path in enumerate(files):
+            (folder / doc / f"{index:02d}{path.suffix.lower()}").write_bytes(path.read_bytes())
+    t = topic_names.topics
+    env = dict(os.environ,
+               VLMSTREAM_TOPICS__DOCUMENTS=t.documents, VLMSTREAM_TOPICS__IMAGES=t.images,
+               VLMSTREAM_TOPICS__DESCRIPTIONS=t.descriptions, VLMSTREAM_TOPICS__EMBEDDINGS=t.embeddings,
+               VLMSTREAM_TOPICS__RESULTS=t.results, VLMSTREAM_TOPICS__DEADLETTER=t.deadletter,
+               VLMSTREAM_TOPICS__PARTITIONS="2",
+               VLMSTREAM_DECODE__GROUP_ID=f"fam-decode-{unique}", VLMSTREAM_INFER__GROUP_ID=f"fam-infer-{unique}",
+               VLMSTREAM_PRODUCER__STATE_DIR=str(tmp_path / "ledger"),
+               VLMSTREAM_INFER__BATCH_SIZE="4", OMP_NUM_THREADS="1")
+    path = tiny_dirs[name]
+    run = subprocess.run([sys.executable, "-m", "vlmstream.cli", "run", str(folder), "--model", str(path),
+                          "--decode-workers", "1", "--max-pixels", str(128 * 32 * 32), "--max-new-tokens", "4",
+                          "--timeout-s", "300"], env=env, capture_output=True, text=True, timeout=400)
+    assert run.returncode == 0, run.stderr[-4000:]
+    assert f"model family: {family_of(path).name}" in " ".join(run.stderr.split())
+
+    expected = {doc: len(files) for doc, files in layout.items()}
+    results = {DocumentResult.decode(r.value).doc_id: DocumentResult.decode(r.value)
+               for r in read_topic(topic_names, t.results, expected=len(expected), timeout_s=60)}
+    assert set(results) == set(expected)
+    for doc, count in expected.items():
+        assert (results[doc].image_count, results[doc].succeeded) == (count, count), results[doc]
+    descriptions = [Description.decode(r.value) for r in read_topic(topic_names, t.descriptions, timeout_s=30)]
+    assert Counter((d.doc_id, d.image_index) for d in descriptions) == Counter(
+        {(doc, i): 1 for doc, count in expected.items() for i in range(count)})
+    family = family_of(path)
+    if not family.exact_size:
+        for record in read_topic(topic_names, t.images, expected=sum(expected.values()), timeout_s=30):
+            meta = decode_image_payload(record.headers)
+            assert meta.width <= 224 and meta.height <= 224, meta  # the processor's 224 x 224
+        assert not read_topic(topic_names, t.embeddings, timeout_s=5, idle_s=1)
+        return
+    embeddings = [Embedding.decode(r.value) for r in read_topic(topic_names, t.embeddings, timeout_s=30)]
+    width = family.embedding_width(json.loads((path / "config.json").read_text())["vision_config"])
+    assert len(embeddings) == sum(expected.values())
+    for embedding in embeddings:
+        assert embedding.dim == width and len(base64.b64decode(embedding.vector_b64)) == width * 2  # float16
+        # Within the budget in the family's 16 px patches. (Had decode resized to Qwen2-VL's 28 px blocks, the
+        # engine would have refused every image as no multiple of 32 px, and no result would have succeeded.)
+        _, rows, columns = embedding.grid_thw
+        assert rows * columns * 16 * 16 <= 128 * 32 * 32

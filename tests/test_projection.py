@@ -1,0 +1,157 @@
+"""The projection maths (vlmstream/projection.py), on numbers made up to have known answers: the live meters
+(sliding-window rate, warm-up left out, drift, ETA range), the bottleneck rule, and the estimate's projection of a
+whole job from a sample (size classes, warm-up taken off, scaling to more GPUs and decode cores)."""
+
+from __future__ import annotations
+
+import pytest
+
+from vlmstream.projection import (
+    SampleImage,
+    StageMeter,
+    StageView,
+    bottleneck,
+    calibrate,
+    class_pixels,
+    progress_line,
+    project,
+    rate_spread,
+    sample_windows,
+    size_class,
+)
+
+
+def test_a_meter_leaves_warm_up_out_of_its_rate_and_reports_drift_against_the_first_steady_window():
+    meter = StageMeter("inference", window_s=20)
+    for t in range(0, 30, 5):  # 30 s of loading: nothing moves
+        meter.observe(t, 0)
+    assert meter.rate() is None and meter.eta(100) is None
+    done = 0
+    for t in range(30, 60, 5):  # 2 img/s
+        done += 10
+        meter.observe(t, done)
+    assert meter.rate() == pytest.approx(2.0, rel=0.01)
+    assert meter.first_steady == pytest.approx(2.0, rel=0.01)
+    for t in range(60, 100, 5):  # slows to 1 img/s
+        done += 5
+        meter.observe(t, done)
+    assert meter.rate() == pytest.approx(1.0, rel=0.01)
+    assert meter.drift() == pytest.approx(-0.5, rel=0.02)
+    eta = meter.eta(100)
+    assert eta.seconds == pytest.approx(100, rel=0.02) and eta.low_s <= eta.seconds <= eta.high_s
+    line = progress_line(meter, done + 100)
+    assert f"{done}/{done + 100} images" in line and "drift -50%" in line and "ETA" in line
+
+
+def test_the_bottleneck_is_the_last_stage_with_a_queue_and_says_by_how_much():
+    neck = bottleneck([StageView("decode", 3.0, 5), StageView("inference", 1.0, 400, allowance=256)])
+    assert neck.stage == "inference" and "3.0x" in neck.why
+    neck = bottleneck([StageView("decode", 0.5, 300), StageView("inference", 0.5, 10, allowance=256)])
+    assert neck.stage == "decode" and "inference waits for it" in neck.why
+    # A queue inside the inference window that keeps growing is a queue too.
+    neck = bottleneck([StageView("decode", 3.0, 0), StageView("inference", 1.0, 100, allowance=256, growing=True)])
+    assert neck.stage == "inference"
+    assert bottleneck([StageView("decode", 1.0, 0), StageView("inference", 1.0, 0)]).stage is None
+
+
+def test_size_classes_bin_pixels_by_fours():
+    assert size_class(100_000, 100_000) == "e1/s1"
+    assert size_class(16_000_000, 400_000) == "e2/s5"
+    assert size_class(None, None) == "e?/s?"
+    effective, source = class_pixels("e2/s5")
+    assert 200_000 < effective < 800_000 and 12_800_000 < source < 51_200_000
+    assert class_pixels("e?/s?") is None
+
+
+def _sample(batches: list[list[tuple[str, float, float]]], start: float = 100.0, every_s: float = 2.0):
+    """Images of successive batches, each batch finishing every_s after the last; decode done just before."""
+    out = []
+    for b, batch in enumerate(batches):
+        done = start + b * every_s
+        for name, decode_s, infer_s in batch:
+            out.append(SampleImage(name, decode_s, infer_s, done, decoded_at=done - 1.0, batch=f"b{b}",
+                                   batch_s=every_s))
+    return out
+
+
+def test_a_projection_costs_each_size_class_and_takes_warm_up_off():
+    # Small images: 0.25 s of inference each, large ones 0.75 s; batches of 4 every 2 s, then 3 s.
+    small, large = ("e1/s1", 0.0, 0.25), ("e2/s5", 0.0, 0.75)
+    images = _sample([[small] * 4, [small] * 4], every_s=1.0) + _sample([[large] * 4] * 2, start=104.0, every_s=3.0)
+    windows = sample_windows(images)
+    # Warm-up ends when the first batch starts (its description time less its batch time): 99 s.
+    assert windows.warmup_images == 0 and windows.steady_start == pytest.approx(99.0)
+    assert windows.steady_s == pytest.approx(107.0 - 99.0)
+    costs = calibrate(images, windows, decode_parallel=1, shared_cores=True)
+    assert costs.infer_s == {"e1/s1": 0.25, "e2/s5": 0.75}
+    assert costs.scale == pytest.approx(8.0 / (8 * 0.25 + 8 * 0.75))  # wall s per busy s in the steady window
+    job = project({"e1/s1": 40, "e2/s5": 40}, 20, costs, windows, fixed_s=30.0 - windows.steady_s, spread=0.1)
+    assert job.fixed_s == pytest.approx(30.0 - 8.0)
+    assert job.predicted_s == pytest.approx(22.0 + costs.scale * (40 * 0.25 + 40 * 0.75))
+    assert job.low_s < job.predicted_s < job.high_s and job.images == 80 and job.bottleneck == "inference"
+
+
+def test_an_unsampled_class_is_scaled_up_from_the_nearest_and_said_so():
+    images = _sample([[("e1/s1", 0.1, 0.2)] * 4] * 3)
+    windows = sample_windows(images)
+    costs = calibrate(images, windows, decode_parallel=1, shared_cores=True)
+    decode_s, infer_s, note = costs.cost("e3/s3")
+    assert decode_s == pytest.approx(0.1 * 16) and infer_s == pytest.approx(0.2 * 16)
+    assert "not sampled" in note
+    job = project({"e3/s3": 10}, 10, costs, windows, fixed_s=20.0 - windows.steady_s, spread=0.1)
+    assert any("10 images: class e3/s3 not sampled" in a for a in job.assumptions)
+
+
+def test_more_gpus_and_decode_cores_scale_each_stage_and_the_slower_one_sets_the_pace():
+    images = _sample([[("e1/s1", 0.3, 0.1)] * 4] * 4)  # decode 0.3 s an image, inference 0.1 s
+    windows = sample_windows(images)
+    costs = calibrate(images, windows, decode_parallel=1, shared_cores=False)
+    here = project({"e1/s1": 1000}, 1000, costs, windows, fixed_s=20.0 - windows.steady_s, spread=0.1)
+    assert here.bottleneck == "decode" and here.decode_cores_per_gpu == pytest.approx(3.0)
+    wider = project({"e1/s1": 1000}, 1000, costs, windows, fixed_s=20.0 - windows.steady_s, spread=0.1, gpus=2, decode_cores=6)
+    # decode 0.3 / 6 = 0.05 s an image, inference 0.1 / 2 = 0.05: both halve... then inference is not slower.
+    assert wider.steady_s == pytest.approx(here.steady_s * (0.05 / 0.3), rel=0.02)
+    assert any("2 GPU" in line for line in wider.scaled) and any("6 decode" in line for line in wider.scaled)
+
+
+def test_decoding_while_the_model_loads_is_free_even_beyond_the_sample():
+    # The whole sample was decoded 10 s before the model was ready, at 1 image per second.
+    images = [SampleImage("e1/s1", 1.0, 0.5, 100.0 + i // 4, decoded_at=80.0 + i, batch=f"b{i // 4}", batch_s=1.0)
+              for i in range(12)]
+    windows = sample_windows(images)
+    assert windows.decode_exhausted and windows.decode_rate_warmup == pytest.approx(1.0)
+    costs = calibrate(images, windows, decode_parallel=1, shared_cores=True)
+    job = project({"e1/s1": 100}, 100, costs, windows, fixed_s=30.0 - windows.steady_s, spread=0.1)
+    free = 1 + 1.0 * (windows.steady_start - 80.0)  # decode's rate times the time until the model was ready
+    assert int(free) == 20
+    expected_busy = (100 - int(free)) * 1.0 + 100 * 0.5
+    assert job.steady_s == pytest.approx(costs.scale * expected_busy)
+
+
+def test_the_range_follows_the_steady_rate_spread():
+    steady = [SampleImage("e1/s1", 0, 0, 10.0 + t) for t in (1, 2, 3, 4, 5, 6)]
+    assert rate_spread(steady, after=10.0) == pytest.approx(0.0, abs=1e-9)
+    uneven = [SampleImage("e1/s1", 0, 0, 10.0 + t) for t in (1, 2, 3, 6, 9, 12)]
+    assert rate_spread(uneven, after=10.0) > 0.5
+
+
+def test_a_warm_up_shared_with_decode_all_along_is_longer():
+    from vlmstream.projection import contended_warmup
+
+    # 2 cores, 2 decode processes: loading gets 2/3 of a core while decode works. Decode worked 6 s of a 20 s warm-up.
+    assert contended_warmup(20.0, 6.0, cores=2, decode_parallel=2) == pytest.approx((6 * 2 / 3 + 14) / (2 / 3))
+    assert contended_warmup(20.0, 20.0, cores=2, decode_parallel=2) == pytest.approx(20.0)  # it already was
+    assert contended_warmup(20.0, 6.0, cores=8, decode_parallel=2) == pytest.approx(20.0)  # cores to spare
+
+
+def test_on_shared_cores_the_cpu_is_the_third_limit():
+    from vlmstream.projection import ClassCosts
+
+    costs = ClassCosts({"e1/s1": 0.0}, {"e1/s1": 0.0}, 1.0, True, decode_parallel=2, cores=2, infer_threads=1)
+    # Light decode beside one-thread inference: inference's own time sets the pace (decode uses the other core).
+    assert costs.wall(10.0, 50.0) == pytest.approx(50.0)
+    # Heavy decode: 200 CPU s of decode and 60 of inference over 2 cores, more than either stage alone.
+    assert costs.wall(200.0, 60.0) == pytest.approx(130.0)
+    # Inference on every core: the stages' times add.
+    costs.infer_threads = 2
+    assert costs.wall(10.0, 50.0) == pytest.approx(55.0)

@@ -1,0 +1,418 @@
+"""How long a job takes: live rates while it runs, and the projection of a whole job from a measured sample.
+
+Pure arithmetic on numbers the callers read (offsets, timestamps, per-image stage times): no Kafka, no stage.
+Everything counts images, the unit of work: a document of 40 images is 40 times the work of one of one.
+
+Live (``StageMeter``, ``bottleneck``): each stage's images done over time; its sustained rate over a sliding
+window, the first steady window's rate (after the stage first moved: loading a model is not a rate), drift between
+the two, and an ETA whose range comes from the spread of the rate over the window's quarters.
+
+Projection (``SampleImage``, ``project``): a sample run gives, per image, each stage's busy time (decode's own
+milliseconds, inference's batch time shared out by tokens) and its size class; the sample's steady wall time
+calibrates those busy times into wall seconds on this machine. The job's images, counted by size class, times their
+class's calibrated cost, plus the sample's fixed cost (start-up, warm-up, stopping), is the prediction.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import defaultdict, deque
+from dataclasses import dataclass, field
+
+# --- live -----------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Eta:
+    seconds: float
+    low_s: float
+    high_s: float
+
+    def render(self) -> str:
+        return f"{_duration(self.seconds)} ({_duration(self.low_s)}-{_duration(self.high_s)})"
+
+
+class StageMeter:
+    """One stage's count of images done, read every few seconds."""
+
+    def __init__(self, name: str, window_s: float = 60.0):
+        self.name = name
+        self.window_s = window_s
+        self.readings: deque[tuple[float, int]] = deque()
+        self.moved_at: float | None = None  # the reading before the count first changed: warm-up ends there
+        self.first_steady: float | None = None  # the rate over the first window after moved_at, once it has passed
+        self._all: list[tuple[float, int]] = []  # readings since moved_at up to the first window's end
+
+    def observe(self, at: float, done: int) -> None:
+        if self.readings and self.moved_at is None and done != self.readings[-1][1]:
+            self.moved_at = self.readings[-1][0]
+            self._all = [self.readings[-1]]
+        self.readings.append((at, done))
+        while len(self.readings) > 2 and at - self.readings[1][0] >= self.window_s:
+            self.readings.popleft()
+        if self.moved_at is not None and self.first_steady is None:
+            self._all.append((at, done))
+            if at - self.moved_at >= self.window_s:
+                (t0, d0), (t1, d1) = self._all[0], self._all[-1]
+                self.first_steady = (d1 - d0) / (t1 - t0)
+                self._all = []
+
+    @property
+    def done(self) -> int:
+        return self.readings[-1][1] if self.readings else 0
+
+    def rate(self) -> float | None:
+        """Images per second over the window (from the stage's first move, when that is later); None before it
+        moved."""
+        if self.moved_at is None:
+            return None
+        points = [(t, d) for t, d in self.readings if t >= self.moved_at]
+        if len(points) < 2:
+            return None
+        (t0, d0), (t1, d1) = points[0], points[-1]
+        return (d1 - d0) / (t1 - t0) if t1 > t0 else None
+
+    def rate_spread(self) -> tuple[float, float] | None:
+        """(lowest, highest) rate over the window's quarters: how much the rate wanders, for the ETA's range."""
+        rate = self.rate()
+        if rate is None:
+            return None
+        points = [(t, d) for t, d in self.readings if t >= (self.moved_at or 0)]
+        quarter = self.window_s / 4
+        rates = []
+        start = points[0]
+        for point in points[1:]:
+            if point[0] - start[0] >= quarter:
+                rates.append((point[1] - start[1]) / (point[0] - start[0]))
+                start = point
+        if len(rates) < 2:
+            return rate * 0.8, rate * 1.2  # too few readings to see the spread: a fixed ±20%
+        return min(rates + [rate]), max(rates + [rate])
+
+    def drift(self) -> float | None:
+        """This window's rate against the first steady window's, as a fraction (-0.1: 10% slower)."""
+        rate = self.rate()
+        if rate is None or not self.first_steady:
+            return None
+        return rate / self.first_steady - 1
+
+    def eta(self, remaining: int) -> Eta | None:
+        rate, spread = self.rate(), self.rate_spread()
+        if remaining <= 0:
+            return Eta(0.0, 0.0, 0.0)
+        if not rate or spread is None:
+            return None
+        low_rate, high_rate = spread
+        return Eta(remaining / rate, remaining / high_rate if high_rate > 0 else math.inf,
+                   remaining / low_rate if low_rate > 0 else math.inf)
+
+
+@dataclass
+class StageView:
+    """What the bottleneck rule needs of a stage: its rate, and how many images wait at its input beyond what it
+    holds in work anyway (``allowance``: an inference window of images being described counts as waiting on the
+    topic, but is the stage working, not a queue)."""
+
+    name: str
+    rate: float | None
+    waiting: int
+    allowance: int = 0
+    growing: bool = False  # its queue grew over the window: what reaches it outruns it
+
+
+@dataclass
+class Bottleneck:
+    stage: str | None
+    why: str
+
+
+def bottleneck(stages: list[StageView]) -> Bottleneck:
+    """The stage that limits the run, stages in pipeline order: the last one whose input has a queue (stages after
+    it wait for it), and by how much the stage before it outruns it."""
+    backed_up = [i for i, s in enumerate(stages) if s.waiting > s.allowance or (s.waiting and s.growing)]
+    if not backed_up:
+        return Bottleneck(None, "no stage has a queue: the pipeline waits for input")
+    i = backed_up[-1]
+    stage = stages[i]
+    after = [s.name for s in stages[i + 1:]]
+    starving = f"; {', '.join(after)} wait{'s' if len(after) == 1 else ''} for it" if after else ""
+    before = stages[i - 1] if i > 0 else None
+    if before is not None and before.rate and stage.rate:
+        how = (f"{before.name} delivers {before.rate:.2f} img/s, {stage.name} takes {stage.rate:.2f} img/s "
+               f"({before.rate / stage.rate:.1f}x)")
+    elif stage.rate is not None:
+        how = f"{stage.waiting} images queued for it at {stage.rate:.2f} img/s"
+    else:
+        how = f"{stage.waiting} images queued for it, not moving yet"
+    return Bottleneck(stage.name, f"{stage.name} limits the run: {how}{starving}")
+
+
+def progress_line(meter: StageMeter, total: int | None) -> str:
+    """``decode  120/400 images  2.31 img/s (60 s)  ETA 2 min (1 min-3 min)  drift -4%``; total None: unknown."""
+    rate = meter.rate()
+    parts = [f"{meter.name:<9} {meter.done}/{total if total is not None else '?'} images"]
+    if total is not None and meter.done >= total:  # an idle window's rate is no slowdown
+        return "  ".join([*parts, "done, nothing waits for it" if meter.done else "nothing waits for it"])
+    parts.append(f"{rate:.2f} img/s over {meter.window_s:.0f} s" if rate is not None else "not moving yet")
+    if total is not None and (eta := meter.eta(total - meter.done)) is not None:
+        parts.append(f"ETA {eta.render()}")
+    if (drift := meter.drift()) is not None:
+        parts.append(f"drift {drift:+.0%} vs first steady window")
+    return "  ".join(parts)
+
+
+# --- projection -----------------------------------------------------------------------------------------------
+
+# Size classes: effective pixels (what the model sees, after the budget) in powers of 4 from 0.05 MP, and source
+# pixels likewise (decode's cost follows the source: an 8 MP JPEG costs more to bring to 0.2 MP than a 0.3 MP one).
+_CLASS_BASE_PX = 50_000
+
+
+def size_class(source_px: int | None, effective_px: int | None) -> str:
+    """``e2/s4``-like: effective and source pixel bins; ``?`` where the size is not known without decoding."""
+    def bin_of(px: int | None) -> str:
+        if px is None or px <= 0:
+            return "?"
+        return str(max(0, int(math.log(max(px, 1) / _CLASS_BASE_PX, 4) + 1)))
+    return f"e{bin_of(effective_px)}/s{bin_of(source_px)}"
+
+
+def class_pixels(name: str) -> tuple[float, float] | None:
+    """A class's typical (effective, source) pixels, the geometric middle of its bins; None when unknown."""
+    try:
+        e, s = (part[1:] for part in name.split("/"))
+        return tuple(_CLASS_BASE_PX * 4 ** (int(b) - 0.5) if int(b) > 0 else _CLASS_BASE_PX / 2 for b in (e, s))
+    except ValueError:
+        return None
+
+
+@dataclass
+class SampleImage:
+    """One image of the sample run: its size class, each stage's own time for it, and when each stage finished
+    it (seconds on one clock)."""
+
+    size_class: str
+    decode_s: float  # decode's own time (fetch + decode + resize + encode), on one worker
+    infer_s: float  # its share of the inference batch it was in
+    done_at: float  # its description written
+    decoded_at: float | None = None  # its image record written
+    batch: str = ""  # the inference batch it was in
+    batch_s: float = 0.0  # that batch's own time (0: an engine without batch times)
+
+
+@dataclass
+class ClassCosts:
+    """Each stage's measured seconds per image by size class (one decode worker, one inference process), and the
+    scale that turns the sample's busy seconds into its wall seconds on this machine."""
+
+    decode_s: dict[str, float]
+    infer_s: dict[str, float]
+    scale: float
+    shared_cores: bool
+    decode_parallel: float
+    cores: int = 1  # the machine's, when the stages share them
+    infer_threads: int = 1  # the threads an inference batch runs on (its measured time is wall time on them)
+
+    def cost(self, name: str) -> tuple[float, float, str | None]:
+        """(decode s, inference s, a note when the class was not sampled) for one image of a class."""
+        if name in self.decode_s:
+            return self.decode_s[name], self.infer_s[name], None
+        px = class_pixels(name)
+        known = [(class_pixels(c), c) for c in self.decode_s]
+        known = [(p, c) for p, c in known if p is not None]
+        if px is None or not known:
+            return (statistics.fmean(self.decode_s.values()), statistics.fmean(self.infer_s.values()),
+                    f"class {name} not sampled: the sample's mean cost")
+        # The nearest sampled class, in log pixels; costs scaled linearly in pixels (decode by source pixels,
+        # inference by effective pixels), never below the nearest's.
+        near_px, near = min(known, key=lambda k: abs(math.log(k[0][0] / px[0])) + abs(math.log(k[0][1] / px[1])))
+        d = self.decode_s[near] * max(1.0, px[1] / near_px[1])
+        i = self.infer_s[near] * max(1.0, px[0] / near_px[0])
+        return d, i, f"class {name} not sampled: from class {near}, scaled up in pixels"
+
+    def wall(self, decode_s: float, infer_s: float, gpus: int = 1, decode_parallel: float | None = None) -> float:
+        """Wall seconds for this much busy time. On their own hardware the stages overlap and the slower one sets
+        the pace. Sharing the cores, the CPU is a third limit: decode's seconds (one core each) plus inference's
+        (on its threads) over the cores."""
+        d = decode_s / (decode_parallel or self.decode_parallel)
+        i = infer_s / gpus
+        if not self.shared_cores:
+            return self.scale * max(d, i)
+        return self.scale * max(d, i, (decode_s + infer_s * self.infer_threads) / self.cores)
+
+
+def _mean_by_class(images: list[SampleImage], attr: str) -> dict[str, float]:
+    by: dict[str, list[float]] = defaultdict(list)
+    for im in images:
+        by[im.size_class].append(getattr(im, attr))
+    return {c: statistics.fmean(v) for c, v in by.items()}
+
+
+@dataclass
+class SampleWindows:
+    """The sample run's timeline: warm-up (start-up and model loading) until its first inference batch starts, then
+    the steady window to its last description."""
+
+    steady_start: float  # the first batch's start: its description time less its own batch time
+    steady_end: float  # the last description's
+    warmup_images: int  # described before steady_start (an engine without batch times: the first image)
+    decoded_in_warmup: int  # images decoded before steady_start
+    decode_exhausted: bool  # decode had finished the whole sample before steady_start (it could have done more)
+    decode_rate_warmup: float | None  # images decoded per second before steady_start
+    first_decoded_at: float | None = None
+
+    @property
+    def steady_s(self) -> float:
+        return self.steady_end - self.steady_start
+
+
+def sample_windows(images: list[SampleImage], steady_start: float | None = None) -> SampleWindows:
+    """The windows of a sample run; ``steady_start`` when the caller knows when the model was ready (else: when the
+    first inference batch started)."""
+    ordered = sorted(images, key=lambda im: im.done_at)
+    first = ordered[0]
+    if steady_start is not None:
+        start, warm = steady_start, sum(1 for im in ordered if im.done_at <= steady_start)
+    elif first.batch_s > 0:
+        start, warm = first.done_at - first.batch_s, 0
+    else:
+        start, warm = first.done_at, 1
+    decoded = sorted(im.decoded_at for im in images if im.decoded_at is not None)
+    before = [t for t in decoded if t <= start]
+    exhausted = bool(decoded) and len(before) == len(decoded)
+    rate = None
+    if len(before) >= 2 and before[-1] > before[0]:
+        rate = (len(before) - 1) / (before[-1] - before[0])
+    return SampleWindows(start, ordered[-1].done_at, warm, len(before), exhausted, rate,
+                         decoded[0] if decoded else None)
+
+
+def calibrate(images: list[SampleImage], windows: SampleWindows, *, decode_parallel: float,
+              shared_cores: bool, cores: int = 1, infer_threads: int = 1) -> ClassCosts:
+    """Per-class stage costs from every sample image, and the scale from the steady window: the busy time of what
+    was done inside it (images decoded and images described there) against its wall time."""
+    costs = ClassCosts(_mean_by_class(images, "decode_s"), _mean_by_class(images, "infer_s"), 1.0, shared_cores,
+                       decode_parallel, cores, infer_threads)
+    inside = [im for im in images if im.done_at > windows.steady_start]
+    decoded = [im for im in images if im.decoded_at is not None and im.decoded_at > windows.steady_start]
+    busy = costs.wall(sum(im.decode_s for im in decoded), sum(im.infer_s for im in inside))
+    costs.scale = windows.steady_s / busy if busy > 0 and windows.steady_s > 0 else 1.0
+    return costs
+
+
+@dataclass
+class Projection:
+    predicted_s: float
+    low_s: float
+    high_s: float
+    images: int
+    documents: int
+    fixed_s: float  # start-up, warm-up and stopping: measured on the sample, the same for any job size
+    steady_s: float
+    bottleneck: str
+    bottleneck_share: float  # the bottleneck stage's part of the job's busy time
+    decode_cores_per_gpu: float | None  # decode processes that keep one inference process busy
+    scaled: list[str] = field(default_factory=list)  # what was scaled for --gpus / --decode-cores, and how
+    assumptions: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        return {"predicted_s": round(self.predicted_s, 1), "low_s": round(self.low_s, 1),
+                "high_s": round(self.high_s, 1), "images": self.images, "documents": self.documents,
+                "bottleneck": self.bottleneck, "bottleneck_share": round(self.bottleneck_share, 3),
+                "fixed_s": round(self.fixed_s, 1), "steady_s": round(self.steady_s, 1),
+                "decode_cores_per_gpu": (round(self.decode_cores_per_gpu, 2)
+                                         if self.decode_cores_per_gpu is not None else None),
+                "scaled": self.scaled, "assumptions": self.assumptions}
+
+
+def contended_warmup(warmup_s: float, decode_busy_s: float, *, cores: int, decode_parallel: float) -> float:
+    """The warm-up (loading the model) of a job whose decoding lasts through all of it, from a sample's whose decoding
+    lasted ``decode_busy_s`` of its ``warmup_s``: on shared cores, loading gets a core while decode is idle and
+    cores / (decode processes + 1) of one while decode works (the same loading work, spread thinner)."""
+    contended = min(1.0, cores / (decode_parallel + 1))
+    busy = min(max(decode_busy_s, 0.0), warmup_s)
+    work = busy * contended + (warmup_s - busy)
+    return work / contended
+
+
+def project(job_classes: dict[str, int], documents: int, costs: ClassCosts, windows: SampleWindows,
+            fixed_s: float, *, spread: float, gpus: int = 1, decode_cores: int | None = None,
+            warmup_extra_s: float = 0.0) -> Projection:
+    """The whole job's wall time: the fixed part measured on the sample (start-up, model loading, results and
+    stopping) plus the job's remaining busy time in wall seconds.
+
+    What the fixed part already holds is taken off the job: the first batch's inference, and the decoding done
+    while the model loaded (the sample's count; when the sample ran out of documents to decode before the model was
+    ready, what decode's rate would have done in that time). The range: the steady part at a rate the steady rate's
+    spread (5% to 50%) faster or slower.
+
+    ``warmup_extra_s``: how much longer the job's warm-up is than the sample's (``contended_warmup``).
+
+    ``gpus`` / ``decode_cores`` (a job meant for more than this machine): inference time divided by gpus (one
+    process each, nothing shared), decode time by the decode processes; stages on their own cores overlap."""
+    images = sum(job_classes.values())
+    notes = []
+    decode_total = infer_total = 0.0
+    for name, count in sorted(job_classes.items()):
+        d, i, note = costs.cost(name)
+        decode_total += count * d
+        infer_total += count * i
+        if note:
+            notes.append(f"{count} images: {note}")
+    mean_d = decode_total / images if images else 0.0
+    mean_i = infer_total / images if images else 0.0
+    free_decoded = windows.decoded_in_warmup
+    if windows.decode_exhausted and windows.decode_rate_warmup and windows.first_decoded_at is not None:
+        # Decode ran out of sample before the model was ready: the job keeps it busy all that time (and the longer
+        # warm-up that its decoding causes, warmup_extra_s).
+        span = windows.steady_start - windows.first_decoded_at + warmup_extra_s
+        free_decoded = max(free_decoded, int(1 + windows.decode_rate_warmup * span))
+    free_decoded = min(images, free_decoded)
+    decode_left = max(0.0, decode_total - free_decoded * mean_d)
+    infer_left = max(0.0, infer_total - min(images, windows.warmup_images) * mean_i)
+    scaled = []
+    parallel = costs.decode_parallel
+    if gpus != 1 or (decode_cores is not None and decode_cores != costs.decode_parallel):
+        parallel = decode_cores if decode_cores is not None else costs.decode_parallel * gpus
+        scaled.append(f"inference: measured seconds per image here divided by {gpus} GPU(s) (one inference "
+                      "process each, nothing shared)")
+        scaled.append(f"decode: measured seconds per image on one worker divided by {parallel:g} decode processes "
+                      f"(here {costs.decode_parallel:g})")
+        if costs.shared_cores:
+            scaled.append("stages on separate machines overlap: the slower stage's total sets the time, where here "
+                          "(one machine's cores) they add up")
+        costs = ClassCosts(costs.decode_s, costs.infer_s, costs.scale, False, parallel)
+    steady = costs.wall(decode_left, infer_left, gpus=gpus, decode_parallel=parallel)
+    fixed = fixed_s + warmup_extra_s
+    d_part, i_part = decode_left / parallel, infer_left / gpus
+    neck = "decode" if d_part > i_part else "inference"
+    share = max(d_part, i_part) / (d_part + i_part) if d_part + i_part else 0.0
+    spread = min(max(spread, 0.05), 0.5)
+    return Projection(
+        predicted_s=fixed + steady, low_s=fixed + steady / (1 + spread), high_s=fixed + steady * (1 + spread),
+        images=images, documents=documents, fixed_s=fixed, steady_s=steady, bottleneck=neck, bottleneck_share=share,
+        decode_cores_per_gpu=mean_d / mean_i if mean_i else None, scaled=scaled, assumptions=notes)
+
+
+def rate_spread(images: list[SampleImage], after: float) -> float:
+    """The relative difference between the rates of the steady window's two halves (images described after
+    ``after``); 0.25 when too few images to tell."""
+    ordered = sorted(im.done_at for im in images if im.done_at > after)
+    if len(ordered) < 6:
+        return 0.25
+    mid = len(ordered) // 2
+    first = mid / max(1e-6, ordered[mid - 1] - after)
+    second = (len(ordered) - mid) / max(1e-6, ordered[-1] - ordered[mid - 1])
+    return abs(first - second) / ((first + second) / 2)
+
+
+def _duration(seconds: float) -> str:
+    if math.isinf(seconds):
+        return "?"
+    seconds = int(round(seconds))
+    if seconds < 120:
+        return f"{seconds} s"
+    if seconds < 7200:
+        return f"{seconds // 60} min"
+    return f"{seconds / 3600:.1f} h"

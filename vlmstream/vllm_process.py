@@ -1,0 +1,98 @@
+"""How a vLLM engine process is started, for every stage that runs one (inference, condense)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import multiprocessing
+import os
+import threading
+from types import SimpleNamespace
+
+log = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def engine_process_threads(threads: int):
+    """Start vLLM's engine process (inside this block) with `threads` torch/OpenMP threads; this process keeps its
+    own. vLLM lowers OMP_NUM_THREADS to 1 only when it runs several GPU workers; its one-GPU engine keeps a thread
+    per core, and at 0.2 MP those threads spun on 15 of the H200 host's 32 cores (benchmarks/RESULTS.md). libgomp
+    reads the variable when it loads, so the engine must be spawned, not forked (vLLM forks unless CUDA is already
+    up here). Variables the user exported are kept as they are; 0 leaves vLLM to its own way."""
+    if threads <= 0:
+        yield
+        return
+    wanted = {"OMP_NUM_THREADS": str(threads), "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
+    added = [name for name in wanted if name not in os.environ]
+    os.environ.update({name: wanted[name] for name in added})
+    try:
+        yield
+    finally:
+        for name in added:
+            os.environ.pop(name, None)
+
+
+INSTALL_HINT = "pip install 'vlmstream[gpu]'"
+
+
+class EngineUnavailable(RuntimeError):
+    """vLLM cannot run here (not installed, or no CUDA device). Not retriable."""
+
+
+def import_vllm(engine_setting: str) -> SimpleNamespace:
+    """The vLLM names a stage's engine uses, imported on first use (the CPU install has no vLLM);
+    ``engine_setting`` is the setting that picks another engine (``infer.engine``), named in the error."""
+    try:
+        import vllm
+        from vllm.config import StructuredOutputsConfig
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
+        from vllm.usage.usage_lib import UsageContext
+        from vllm.v1.engine.async_llm import AsyncLLM
+        from vllm.v1.engine.exceptions import EngineDeadError
+    except ImportError as exc:
+        raise EngineUnavailable(
+            f"this vLLM engine needs the vllm package, which cannot be imported here ({exc}). Install the GPU extra "
+            f"on a CUDA machine: {INSTALL_HINT} — or set {engine_setting}=transformers.") from exc
+    return SimpleNamespace(version=vllm.__version__, AsyncEngineArgs=AsyncEngineArgs, AsyncLLM=AsyncLLM,
+                           SamplingParams=SamplingParams, StructuredOutputsParams=StructuredOutputsParams,
+                           StructuredOutputsConfig=StructuredOutputsConfig, RequestOutputKind=RequestOutputKind,
+                           DeadError=EngineDeadError, UsageContext=UsageContext)
+
+
+class EngineLoop:
+    """The asyncio loop thread that drives one vLLM ``AsyncLLM``, and the engine processes started while it lived."""
+
+    def __init__(self, name: str):
+        self._children_before = {p.pid for p in multiprocessing.active_children()}
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        self._thread.start()
+
+    def call(self, coroutine, timeout: float):
+        """Run ``coroutine`` on the loop and wait for its result."""
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout=timeout)
+
+    def submit(self, coroutine) -> "asyncio.Future":
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop)
+
+    def stop(self) -> None:
+        if self.loop.is_running():
+            self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=30)
+
+    def reap_children(self) -> None:
+        """vLLM's shutdown normally ends its EngineCore; an orphan would hold the GPU until killed, so any child
+        process started since this loop was made and still alive is ended here."""
+        for child in multiprocessing.active_children():
+            if child.pid in self._children_before:
+                continue
+            child.join(timeout=10)
+            if child.is_alive():
+                log.warning("terminating leftover vLLM process %s (pid %s)", child.name, child.pid)
+                child.terminate()
+                child.join(timeout=10)
+            if child.is_alive():
+                child.kill()
+                child.join(timeout=5)
