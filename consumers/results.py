@@ -16,6 +16,18 @@ document already emitted also holds the commit back while any of its records wou
 restart never rebuilds half of a finished document (it would stay open forever); the price is that a
 crash can emit a document's result twice (topic ``results`` is compacted by doc_id: the copies agree).
 
+Exactly-once (``infer.exactly_once``): a finished document's result is held back until the commit point has passed
+every record of it, and then goes out in the Kafka transaction that commits that point (``Checkpoint
+.commit_transaction``: results, their dead letters and the consumed offsets, all or nothing). A restart rebuilds
+only documents whose results no committed transaction carries, so a read_committed reader sees each result once.
+The price is latency: a finished document waits for the open documents below it on the partitions they share (at
+most ``open_timeout_s``). Only the owner of the partitions holds a transactional producer, with one
+transactional id per group (``results_transactional_id``): a new owner's ``init_transactions`` fences the last one
+(a process killed or stopped mid-transaction: its open transaction is aborted, its later commits refused) and only
+then reads the committed offsets to rebuild from. A transaction that fails mid-run (fenced, the group moved on, the
+cluster slow) ends the ownership term: its results were never visible, the state is dropped and rebuilt from the
+committed offsets by the next term, which may be this process's again.
+
 Late records (a duplicate from at-least-once redelivery, a redriven image, a late dead letter) can arrive after a
 document left memory (``_docs``, then the ``recent_docs`` LRU). Such a record would open the document again with
 that one image, and ``open_timeout_s`` later a partial result would replace the complete one in the compacted topic.
@@ -29,8 +41,9 @@ URI, the set of indexes that succeeded) in a second LRU of ``emitted_docs`` entr
   success of a document forgotten this way is kept out too (the old result stays);
 * another image count or another source URI at an index is a newer version: it is emitted, and replaces the record.
 
-The record does not survive a restart: after one, a late record of a document emitted before it can still produce
-a partial result ``open_timeout_s`` later (reading the compacted results topic back would close that window).
+The record does not survive a restart (nor, exactly-once, the end of an ownership term): after one, a late record
+of a document emitted before it can still produce a partial result ``open_timeout_s`` later (reading the compacted
+results topic back would close that window).
 
 Descriptions and dead letters are keyed by doc_id, but the dead-letter topic usually has fewer
 partitions, so one document's records are spread over two partitions that no assignor can co-locate.
@@ -76,6 +89,11 @@ def results_group_id(settings: Settings) -> str:
     return f"{settings.infer.group_id}-results"
 
 
+def results_transactional_id(group_id: str) -> str:
+    """One per aggregator group, whose single owner holds every partition: each new owner fences the one before."""
+    return f"{group_id}-txn"
+
+
 class SingleOwnerAssignor(AbstractPartitionAssignor):
     """Every subscribed partition to one member (the lowest member id); the rest stand by."""
 
@@ -118,6 +136,7 @@ class _Doc:
     last: dict[TopicPartition, int] = field(default_factory=dict)
     opened_at: float = field(default_factory=time.monotonic)
     emitted: bool = False
+    held: list[Output] = field(default_factory=list)  # exactly-once: its outputs, until a transaction carries them
 
     def add_position(self, tp: TopicPartition, offset: int) -> None:
         self.first[tp] = min(self.first.get(tp, offset), offset)
@@ -181,6 +200,8 @@ class AggregatorStats:
     texts_cut: int = 0  # results over the record limit, sent with their descriptions' texts shortened
     unwritable: int = 0  # results that could not be written at all, dead-lettered instead
     commits: int = 0
+    terms: int = 0  # exactly-once: ownership terms begun (each with a fresh transactional producer)
+    terms_ended: int = 0  # exactly-once: terms ended by a failed transaction or by the partitions moving
 
 
 class ResultsAggregator:
@@ -188,7 +209,7 @@ class ResultsAggregator:
 
     Once stopped it takes at most 3 x ``kafka.request_timeout_ms`` whether or not the cluster answers (flush and
     commit, leaving the group, closing the producer); a result the cluster did not acknowledge means no commit and
-    exit status 4."""
+    exit status 4. With ``infer.exactly_once`` results and offsets commit in one transaction (module docstring)."""
 
     def __init__(self, settings: Settings, *, group_id: str | None = None, commit_interval_s: float = 1.0,
                  open_timeout_s: float = 3600.0, recent_docs: int = 10_000, emitted_docs: int = 200_000):
@@ -198,10 +219,14 @@ class ResultsAggregator:
         self.open_timeout_s = open_timeout_s
         self.recent_docs = recent_docs
         self.emitted_docs = emitted_docs
+        self.exactly_once = settings.infer.exactly_once
+        self.transactional_id = results_transactional_id(self.group_id)
         self.stats = AggregatorStats()
         self._docs: dict[str, _Doc] = {}  # open, or emitted but still pinning a commit point
         self._recent: OrderedDict[str, _Doc] = OrderedDict()  # emitted and released: for late records
         self._emitted: OrderedDict[str, _Emitted] = OrderedDict()  # what went out, kept longer than _recent
+        # Exactly-once: what _emitted said before results no transaction has committed yet, restored if none will.
+        self._emitted_before: dict[str, _Emitted | None] = {}
         self._positions: dict[TopicPartition, int] = {}  # next offset to read, per partition consumed
         self._committed: dict[TopicPartition, int] = {}
         self._dirty = False
@@ -220,15 +245,15 @@ class ResultsAggregator:
             until_idle_s: float | None = None) -> int:
         stop_event = stop_event or threading.Event()
         started = last_record = last_commit = time.monotonic()
-        self.producer = make_producer(self.settings, **bounded_producer_kwargs(self.settings))
         client_id = unique_client_id(self.settings, "results")
         membership = GroupMembershipWatchdog(self.settings, self.group_id, client_id)
         self.consumer = make_consumer(self.settings, self.group_id, (), client_id=client_id,
                                       partition_assignment_strategy=(SingleOwnerAssignor,),
                                       # Failover is not latency-critical here; a loaded host must not evict it.
                                       session_timeout_ms=30_000, **bounded_client_kwargs(self.settings))
-        self.sender = CheckedProducer(self.producer, flush_timeout_s=self.settings.kafka.request_timeout_ms / 1000)
-        self.checkpoint = Checkpoint(self.consumer, self.sender, name="results")
+        if not self.exactly_once:
+            self._open_checkpoint(make_producer(self.settings, **bounded_producer_kwargs(self.settings)))
+        # else: a transactional producer per ownership term (_begin_term), made once partitions are assigned
         t = self.settings.topics
         code = 0
         try:
@@ -252,13 +277,19 @@ class ResultsAggregator:
                         self._rejoin_with_partitions()
                 if membership.left_out(assigned):  # a standby too must still be a member
                     self._rejoin_with_partitions()
+                if self.exactly_once and assigned and self.checkpoint is None:
+                    # Records read before the fence may start past what the last owner committed at the end.
+                    batches = {}
+                    if not self._begin_term(assigned):
+                        stop_event.wait(1.0)
+                        continue
                 for tp, records in batches.items():
                     for record in records:
                         self.handle(tp, record)
                         last_record = self.last_record_at = time.monotonic()
                 if time.monotonic() - last_commit >= self.commit_interval_s:
                     self._expire_open_docs()
-                    self.commit()
+                    self._commit_or_end_term()
                     last_commit = time.monotonic()
             self.commit()
         except FatalPipelineError as exc:
@@ -268,13 +299,14 @@ class ResultsAggregator:
             log.exception("results aggregator failed; stopping without committing")
             code = 1
         finally:
-            if code:
+            if code and self.checkpoint is not None:
                 self.checkpoint.stop()  # closing revokes the partitions: the listener must not commit either
             self.open_at_stop = self.open_documents()  # closing revokes the partitions and clears the state
             try:
                 self.consumer.close(autocommit=False)
             finally:
-                self.sender.close(flushed=not code)
+                if self.sender is not None:  # exactly-once, the revoke at close ends the term and closes it first
+                    self.sender.close(flushed=not code)
             self.exit_code = code
         return code
 
@@ -283,6 +315,62 @@ class ResultsAggregator:
                                   daemon=True)
         thread.start()
         return thread
+
+    # --- checkpoint and ownership terms ---------------------------------------------------------
+
+    def _open_checkpoint(self, producer) -> None:
+        self.producer = producer
+        self.sender = CheckedProducer(producer, flush_timeout_s=self.settings.kafka.request_timeout_ms / 1000)
+        self.checkpoint = Checkpoint(self.consumer, self.sender, name="results")
+
+    def _begin_term(self, assigned: set[TopicPartition]) -> bool:
+        """Exactly-once, on becoming the owner: fence every earlier owner, then rebuild from the committed offsets.
+        False (to be tried again) when the cluster did not answer in time."""
+        producer = None
+        try:
+            producer = make_producer(self.settings, transactional_id=self.transactional_id,
+                                     **bounded_producer_kwargs(self.settings))
+            # Aborts the last owner's open transaction, or waits until it has finished; its later commits are refused.
+            producer.init_transactions()
+            # Read only now: a transaction of the last owner may have committed offsets until the fence.
+            committed = {tp: self.consumer.committed(tp) for tp in assigned}
+        except Exception as exc:  # noqa: BLE001 - the cluster is away or busy: try again from the next poll
+            log.warning("results: could not take over as %s (%r); trying again", self.transactional_id, exc)
+            if producer is not None:
+                producer.close(timeout=0)
+            return False
+        self._drop_state()
+        for tp, offset in committed.items():
+            if offset is None:
+                self.consumer.seek_to_beginning(tp)
+            else:
+                self.consumer.seek(tp, offset)
+        self._open_checkpoint(producer)
+        self.stats.terms += 1
+        log.info("results: owner of %d partition(s), exactly-once as %s", len(assigned), self.transactional_id)
+        return True
+
+    def _end_term(self, why: str) -> None:
+        """Exactly-once: nothing more goes out under this term; what it did not commit is redone by the next."""
+        if self.checkpoint is not None:
+            log.info("results: ownership term ends (%s); rebuilding from the committed offsets next term", why)
+            self.checkpoint.stop()
+            self.sender.close(flushed=False)  # no transaction is left open between commits
+            self.stats.terms_ended += 1
+        self.producer = self.sender = self.checkpoint = None
+        self._drop_state()
+
+    def _drop_state(self) -> None:
+        self._docs.clear()
+        self._recent.clear()
+        self._positions.clear()
+        self._committed.clear()
+        for doc_id, before in self._emitted_before.items():  # results no transaction committed never went out
+            if before is None:
+                self._emitted.pop(doc_id, None)
+            else:
+                self._emitted[doc_id] = before
+        self._emitted_before.clear()
 
     # --- records -----------------------------------------------------------------------------
 
@@ -406,6 +494,9 @@ class ResultsAggregator:
             self.stats.stale += 1
             doc.emitted = True
             return
+        doc.held = []  # exactly-once: this result replaces one not yet carried by a transaction
+        if self.exactly_once and doc.doc_id not in self._emitted_before:
+            self._emitted_before[doc.doc_id] = before
         self._emitted[doc.doc_id] = emitted
         self._emitted.move_to_end(doc.doc_id)
         while len(self._emitted) > self.emitted_docs:
@@ -428,7 +519,7 @@ class ResultsAggregator:
             log.error("document %s: its result cannot be written: %s", doc.doc_id, exc)
             self._send_dead_letter(doc, "result_unwritable", str(exc))
         else:
-            self.sender.send(Output(self.settings.topics.results, result.key(), value, result.headers()))
+            self._output(doc, Output(self.settings.topics.results, result.key(), value, result.headers()))
         doc.emitted = True
         self._dirty = True
         self.stats.results += 1
@@ -465,7 +556,15 @@ class ResultsAggregator:
             letter = DeadLetter(stage="results", error_kind=error_kind, created_at=now(),
                                 detail=f"document {doc.doc_id[:200]!r} (count {doc.image_count}): {detail}"[:4000])
             value = letter.encode()
-        self.sender.send(Output(self.settings.topics.deadletter, letter.key(), value, letter.headers()))
+        self._output(doc, Output(self.settings.topics.deadletter, letter.key(), value, letter.headers()))
+
+    def _output(self, doc: _Doc, output: Output) -> None:
+        """At-least-once: send now (the next commit flushes it). Exactly-once: hold it for the transaction that
+        commits past every record of the document (``commit``); a newer result of it replaces it meanwhile."""
+        if self.exactly_once:
+            doc.held.append(output)
+        else:
+            self.sender.send(output)
 
     def _expire_open_docs(self) -> None:
         """A document open for ``open_timeout_s`` holds its partitions' commits back; emit what is known
@@ -498,15 +597,17 @@ class ResultsAggregator:
                             moved = True
         return points
 
-    def _uncommitted(self, points: dict[TopicPartition, int]) -> dict[TopicPartition, int]:
-        """The commit points that moved since the last commit; documents no commit point holds back any more move
-        to the recent ones (kept for late records only)."""
-        for doc_id in [d.doc_id for d in self._docs.values()
-                       if d.emitted and all(last < points.get(tp, last + 1) for tp, last in d.last.items())]:
-            self._recent[doc_id] = self._docs.pop(doc_id)
+    def _uncommitted(self, points: dict[TopicPartition, int]) -> tuple[dict[TopicPartition, int], list[_Doc]]:
+        """The commit points that moved since the last commit, and the documents no commit point holds back any
+        more: they move to the recent ones (kept for late records only); exactly-once, their held outputs go out
+        with these points."""
+        released = [d for d in self._docs.values()
+                    if d.emitted and all(last < points.get(tp, last + 1) for tp, last in d.last.items())]
+        for doc in released:
+            self._recent[doc.doc_id] = self._docs.pop(doc.doc_id)
             while len(self._recent) > self.recent_docs:
                 self._recent.popitem(last=False)
-        return {tp: p for tp, p in points.items() if self._committed.get(tp) != p}
+        return {tp: p for tp, p in points.items() if self._committed.get(tp) != p}, released
 
     def _committed_at(self, changed: dict[TopicPartition, int], outcome: Commit) -> dict[TopicPartition, int]:
         if outcome is not Commit.DONE:
@@ -516,18 +617,47 @@ class ResultsAggregator:
         return changed
 
     def commit(self) -> dict[TopicPartition, int]:
-        """Flush the results, raise on a failed send, commit the points that moved (``Checkpoint.commit``)."""
-        changed = self._uncommitted(self.commit_points())
+        """Flush the results, raise on a failed send, commit the points that moved (``Checkpoint.commit``).
+        Exactly-once: the released documents' results and the points in one transaction; raises
+        ``FatalPipelineError`` when it fails (nothing of it is visible)."""
+        if self.checkpoint is None:
+            return {}  # exactly-once and not the owner: nothing read, nothing to commit
+        changed, released = self._uncommitted(self.commit_points())
+        if self.exactly_once:
+            outputs = [output for doc in released for output in doc.held]
+            if not changed and not outputs:
+                return {}
+            self.checkpoint.commit_transaction(changed, outputs)
+            for doc in released:
+                doc.held = []
+                self._emitted_before.pop(doc.doc_id, None)
+            return self._committed_at(changed, Commit.DONE)
         if not changed and not self._dirty:
             return {}
         outcome = self.checkpoint.commit(changed)
         self._dirty = False
         return self._committed_at(changed, outcome)
 
+    def _commit_or_end_term(self) -> None:
+        """``commit`` from the run loop. Exactly-once a failed transaction ends the term instead of the run: the
+        next term fences it and rebuilds from what did commit (its outcome may be unknown after a timeout)."""
+        if not self.exactly_once:
+            self.commit()
+            return
+        try:
+            self.commit()
+        except FatalPipelineError as exc:
+            log.warning("results: %s", exc)
+            self._end_term("the transaction failed")
+
     async def on_revoked(self, revoked: set[TopicPartition]) -> None:
-        """Commit before the partitions move, from the rebalance listener, then forget every open document."""
+        """Commit before the partitions move, from the rebalance listener, then forget every open document.
+        Exactly-once: end the term without committing (its successor redoes at most ``commit_interval_s``)."""
+        if self.exactly_once:
+            self._end_term("partitions revoked")
+            return
         points = self.commit_points()
-        changed = self._uncommitted(points)
+        changed, _ = self._uncommitted(points)
         try:
             self._committed_at(changed, await self.checkpoint.commit_from_listener(changed))
         except FatalPipelineError as exc:
@@ -570,4 +700,7 @@ class _Rebalance(AsyncConsumerRebalanceListener):
         log.info("results: assigned %d partition(s)", len(assigned))
 
     async def on_partitions_lost(self, lost):
-        self.aggregator._forget(set(lost), self.aggregator.commit_points())
+        if self.aggregator.exactly_once:
+            self.aggregator._end_term("partitions lost")
+        else:
+            self.aggregator._forget(set(lost), self.aggregator.commit_points())

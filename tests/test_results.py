@@ -307,3 +307,70 @@ def test_a_partial_result_of_a_reopened_document_is_not_sent_but_a_newer_version
         thread.join(30)
     assert (final.image_count, final.succeeded, final.failed) == (2, 2, 0)
     assert aggregator.stats.stale == 1
+
+
+class _Killed(BaseException):
+    """The aggregator's process dying: nothing after it runs, not even an abort."""
+
+
+def _partition(doc_id: str, partitions: int) -> int:
+    from kafka.partitioner.default import murmur2
+
+    return (murmur2(doc_id.encode()) & 0x7FFFFFFF) % partitions
+
+
+@pytest.mark.kafka
+def test_exactly_once_a_read_committed_reader_sees_each_result_once_across_a_kill_mid_transaction(
+        topic_names, unique, monkeypatch):
+    import consumers.results as results_module
+
+    settings = topic_names.model_copy(update={"infer": topic_names.infer.model_copy(update={"exactly_once": True})})
+    group = f"test-results-eo-{unique}"
+    slow = f"slow-{unique}"
+    # Finished documents on the same description partition as an open one (so the commit point stays below them and
+    # a restart reads them again) and on the others.
+    home = _partition(slow, topic_names.topics.partitions)
+    names = (f"done{i}-{unique}" for i in range(1000))
+    pinned = [n for n in names if _partition(n, topic_names.topics.partitions) == home][:3]
+    free = [n for n in (f"free{i}-{unique}" for i in range(1000))
+            if _partition(n, topic_names.topics.partitions) != home][:3]
+    publish(settings, [description(slow, 0, 2)] + [description(d, i, 2) for d in pinned + free for i in range(2)])
+
+    made = results_module.make_producer
+
+    def producer_killed_in_commit(*args, **kwargs):
+        producer = made(*args, **kwargs)
+
+        def killed():
+            producer.flush()  # the results and the offsets are on the broker, inside the open transaction
+            raise _Killed()
+
+        producer.commit_transaction = killed
+        return producer
+
+    monkeypatch.setattr(results_module, "make_producer", producer_killed_in_commit)
+    first = ResultsAggregator(settings, group_id=group, commit_interval_s=0.3)
+    with pytest.raises(_Killed):
+        first.run(threading.Event(), max_seconds=60)
+    monkeypatch.setattr(results_module, "make_producer", made)
+    # The killed transaction's results are in the log, and no read_committed reader sees them.
+    assert len(read_topic(settings, settings.topics.results, expected=3, timeout_s=10, idle_s=0.5)) >= 3
+    assert read_topic(settings, settings.topics.results, timeout_s=3, idle_s=1.0, read_committed=True) == []
+
+    # The next owner (same group, so the same transactional id) fences the killed one, aborting its transaction at
+    # once (read_committed readers would otherwise wait out the transaction timeout, 60 s), and rebuilds from the
+    # committed offsets. The pinned documents' results wait for the open document below them.
+    second = run_aggregator(settings, group)
+    assert second.transactional_id == first.transactional_id and second.stats.terms == 1
+    got = {r.doc_id for r in (DocumentResult.decode(x.value) for x in read_topic(
+        settings, settings.topics.results, expected=3, timeout_s=20, idle_s=1.0, read_committed=True))}
+    assert got == set(free)
+
+    # A restart rebuilds the open document and the pinned ones; once it completes, all go out, each once.
+    publish(settings, [description(slow, 1, 2)])
+    run_aggregator(settings, group)
+    records = read_topic(settings, settings.topics.results, expected=7, timeout_s=20, idle_s=1.5,
+                         read_committed=True)
+    seen = [DocumentResult.decode(r.value) for r in records]
+    assert sorted(r.doc_id for r in seen) == sorted([slow, *pinned, *free])
+    assert all((r.image_count, r.succeeded, r.failed) == (2, 2, 0) for r in seen)

@@ -236,9 +236,10 @@ def decode_worker_pids(fleet_pid: int) -> list[int]:
     return out
 
 
-def schedule(rng: random.Random, total: int, allowed: list[str]) -> list[str]:
+def schedule(rng: random.Random, total: int, allowed: list[str], *, in_order: bool = False) -> list[str]:
     """At least one of every allowed kind, at least 5 broker faults when total >= 30, the rest drawn at random
-    (worker faults twice as likely as a broker kill)."""
+    (worker faults twice as likely as a broker kill). ``in_order``: the allowed kinds first, in the order given,
+    then the drawn ones shuffled."""
     unknown = set(allowed) - set(KINDS)
     if unknown:
         raise SystemExit(f"unknown fault kinds {sorted(unknown)}; known: {', '.join(KINDS)}")
@@ -247,8 +248,13 @@ def schedule(rng: random.Random, total: int, allowed: list[str]) -> list[str]:
     if total >= 30:
         kinds += quick_broker
     draw = [k for k in WORKER_KILLS + ZOMBIES if k in allowed] * 2 + quick_broker
-    while len(kinds) < total:
-        kinds.append(rng.choice(draw))
+    extra = []
+    while len(kinds) + len(extra) < total:
+        extra.append(rng.choice(draw))
+    if in_order:
+        rng.shuffle(extra)
+        return kinds + extra
+    kinds += extra
     rng.shuffle(kinds)
     return kinds
 
@@ -504,7 +510,8 @@ class ChaosRun:
         args = self.args
         self.setup()
         self.start_pipeline()
-        kinds = schedule(self.rng, args.faults, args.kinds.split(",") if args.kinds else list(KINDS))
+        kinds = schedule(self.rng, args.faults, args.kinds.split(",") if args.kinds else list(KINDS),
+                         in_order=args.in_order)
         stop_feeder = threading.Event()
         self.faults: list[dict[str, Any]] = []
         feeder = threading.Thread(target=self.feeder, args=(stop_feeder, len(kinds)), daemon=True)
@@ -653,6 +660,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="Do not wait for a stage's lag before killing or stopping its worker.")
     ap.add_argument("--kinds", default="", help="Comma-separated fault kinds to draw from (default: all): "
                     + ", ".join(KINDS))
+    ap.add_argument("--in-order", action="store_true", help="Inject the --kinds in the order given first (a short "
+                    "run's backlog drains early: the faults that need a busy stage go first), then the drawn ones.")
     return ap.parse_args(argv)
 
 
