@@ -30,7 +30,7 @@ class Eta:
     high_s: float
 
     def render(self) -> str:
-        return f"{_duration(self.seconds)} ({_duration(self.low_s)}-{_duration(self.high_s)})"
+        return f"{duration_text(self.seconds)} ({duration_text(self.low_s)}-{duration_text(self.high_s)})"
 
 
 class StageMeter:
@@ -407,7 +407,8 @@ def rate_spread(images: list[SampleImage], after: float) -> float:
     return abs(first - second) / ((first + second) / 2)
 
 
-def _duration(seconds: float) -> str:
+def duration_text(seconds: float) -> str:
+    """A duration as people read it: seconds below two minutes, minutes below two hours, then hours."""
     if math.isinf(seconds):
         return "?"
     seconds = int(round(seconds))

@@ -6,6 +6,8 @@ from typing import Optional
 
 import typer
 
+from vlmstream.projection import duration_text
+
 
 def replay(
     ctx: typer.Context,
@@ -189,14 +191,7 @@ def _console():
 
 
 def _duration(seconds: float | None) -> str:
-    if seconds is None:
-        return "- (not moving)"
-    seconds = int(round(seconds))
-    if seconds < 120:
-        return f"{seconds} s"
-    if seconds < 7200:
-        return f"{seconds // 60} min"
-    return f"{seconds / 3600:.1f} h"
+    return "- (not moving)" if seconds is None else duration_text(seconds)
 
 
 def export(
