@@ -77,6 +77,25 @@ class EngineLoop:
     def submit(self, coroutine) -> "asyncio.Future":
         return asyncio.run_coroutine_threadsafe(coroutine, self.loop)
 
+    def start_llm(self, v: SimpleNamespace, engine_args, timeout: float = 900):
+        """vLLM's AsyncLLM for batch work: with the offline ``LLM`` class's defaults (on an H200 1,024 sequences and
+        16,384 tokens per step), not the async engine's 128 / 2,048, which keep the GPU short of work and make the
+        pipeline incomparable with vLLM's own offline batch inference."""
+        async def start():
+            return v.AsyncLLM.from_engine_args(engine_args, usage_context=v.UsageContext.LLM_CLASS)
+
+        return self.call(start(), timeout)
+
+    def shutdown_llm(self, llm, timeout: float = 120) -> None:
+        """Cancel the loop's tasks (requests in flight) and shut the engine down."""
+        async def shutdown():
+            for task in asyncio.all_tasks():
+                if task is not asyncio.current_task():
+                    task.cancel()
+            llm.shutdown()
+
+        self.call(shutdown(), timeout)
+
     def stop(self) -> None:
         if self.loop.is_running():
             self.loop.call_soon_threadsafe(self.loop.stop)

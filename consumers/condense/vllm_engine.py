@@ -82,7 +82,7 @@ class VllmCondenseEngine(QueuedEngine):
         started = time.perf_counter()
         try:
             with engine_process_threads(settings.engine_cpu_threads):
-                self.llm = self._engine_loop.call(self._start(self._v.AsyncEngineArgs(**args)), timeout=900)
+                self.llm = self._engine_loop.start_llm(self._v, self._v.AsyncEngineArgs(**args))
         except BaseException:
             self._engine_loop.stop()
             raise
@@ -107,7 +107,7 @@ class VllmCondenseEngine(QueuedEngine):
 
     def _close_engine(self) -> None:
         try:
-            self._engine_loop.call(self._shutdown(), timeout=120)
+            self._engine_loop.shutdown_llm(self.llm)
         except Exception as exc:  # noqa: BLE001
             log.warning("vLLM shutdown: %r", exc)
         self._engine_loop.stop()
@@ -125,15 +125,6 @@ class VllmCondenseEngine(QueuedEngine):
             self._dead = exc
             self._outbox.put(ENGINE_DEAD)
 
-    async def _start(self, engine_args):
-        # Batch work: vLLM's offline defaults (its LLM class), as the inference engine takes them.
-        return self._v.AsyncLLM.from_engine_args(engine_args, usage_context=self._v.UsageContext.LLM_CLASS)
-
-    async def _shutdown(self) -> None:
-        for task in asyncio.all_tasks():
-            if task is not asyncio.current_task():
-                task.cancel()
-        self.llm.shutdown()
 
     async def _probe(self) -> None:
         """One token under the answer schema's grammar: a schema the guided-decoding backend cannot compile is

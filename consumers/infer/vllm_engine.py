@@ -142,7 +142,7 @@ class VllmEngine(QueuedEngine):
         try:
             try:
                 with engine_process_threads(settings.engine_cpu_threads):
-                    self.llm = self._engine_loop.call(self._start(self._v.AsyncEngineArgs(**args)), timeout=900)
+                    self.llm = self._engine_loop.start_llm(self._v, self._v.AsyncEngineArgs(**args))
             except Exception as exc:
                 if not embeds_only:
                     raise
@@ -157,7 +157,7 @@ class VllmEngine(QueuedEngine):
                 embeds_only = False
                 args["limit_mm_per_prompt"] = {"image": 1, "video": 0}
                 with engine_process_threads(settings.engine_cpu_threads):
-                    self.llm = self._engine_loop.call(self._start(self._v.AsyncEngineArgs(**args)), timeout=900)
+                    self.llm = self._engine_loop.start_llm(self._v, self._v.AsyncEngineArgs(**args))
         except Exception as exc:
             self._engine_loop.stop()
             self._engine_loop.reap_children()
@@ -187,7 +187,7 @@ class VllmEngine(QueuedEngine):
             self.encoder = VisionEncoder(tower, "cuda", dtype, attention=vision_attention,
                                          compile_blocks=settings.vision_compile, family=self.family)
             if self.mode == "embeds" and self.encoder.image_embeds_width != self.image_embeds_width:
-                self._engine_loop.call(self._shutdown(), timeout=120)
+                self._engine_loop.shutdown_llm(self.llm)
                 self._engine_loop.stop()
                 self._engine_loop.reap_children()
                 raise RuntimeError(
@@ -210,7 +210,7 @@ class VllmEngine(QueuedEngine):
         if not self._stop_worker():
             return
         try:
-            self._engine_loop.call(self._shutdown(), timeout=120)
+            self._engine_loop.shutdown_llm(self.llm)
         except Exception as exc:
             log.warning("vLLM shutdown: %r", exc)
         self._engine_loop.stop()
@@ -302,18 +302,6 @@ class VllmEngine(QueuedEngine):
         return encoded
 
     # ----------------------------------------------------------------------------- asyncio side
-
-    async def _start(self, engine_args):
-        # This is batch inference: vLLM's defaults for its offline LLM class (on an H200: 1024 sequences, 16384
-        # tokens per step), not the async engine's 128 / 2048, which would keep the GPU short of work and make the
-        # pipeline incomparable with vLLM's own offline batch inference (the benchmarks' offline arms).
-        return self._v.AsyncLLM.from_engine_args(engine_args, usage_context=self._v.UsageContext.LLM_CLASS)
-
-    async def _shutdown(self) -> None:
-        for task in asyncio.all_tasks():
-            if task is not asyncio.current_task():
-                task.cancel()
-        self.llm.shutdown()
 
     async def _generate(self, request: InferenceRequest, mm_item, embedding, timings: dict) -> None:
         # A retried request reuses its request_id; vLLM needs ids unique among live requests.
