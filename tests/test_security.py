@@ -33,7 +33,7 @@ from vlmstream.kafka.clients import make_consumer, make_producer
 from vlmstream.kafka.topics import create_topics
 
 REPO = Path(__file__).resolve().parents[1]
-PORT = 39192  # the shared broker keeps 9092; another engineer's secured one 39092
+PORT = 39192  # clear of the default broker's 9092 and of 39092, where a secured broker started by hand usually runs
 
 # The key of the records the ACL tests write to prove a principal may write a topic (not messages).
 ACL_PROBE_KEY = b"acl-probe"
