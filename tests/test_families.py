@@ -178,6 +178,20 @@ def test_the_generic_path_caps_at_what_the_processor_keeps(tiny_dirs):
 
 
 
+def test_the_generic_prompt_is_the_models_own_chat_template(tiny_dirs):
+    """vLLM's engine on the generic path prompts with the checkpoint's chat template, whose image marker (Gemma 3's
+    <start_of_image>) the model's processor expands; a family's built-in Qwen prompt would carry no image there."""
+    from transformers import AutoTokenizer
+
+    from consumers.infer.prompts import PromptBuilder
+
+    folder = tiny_dirs[GENERIC_TINY]
+    prompt = PromptBuilder(AutoTokenizer.from_pretrained(folder), family_of(folder)).prompt("Describe it.")
+    assert prompt.count("<start_of_image>") == 1 and "Describe it." in prompt and "<|image_pad|>" not in prompt
+    with pytest.raises(ValueError, match="chat template.*infer.model"):
+        PromptBuilder(None, family_of(folder)).prompt("Describe it.")
+
+
 def test_a_decode_model_that_is_no_checkpoint_is_refused_with_the_settings_name(tmp_path):
     import pydantic
 

@@ -44,6 +44,21 @@ def test_ratios_and_tables():
     assert "| pipeline-embeds | 50.0 |" in table and "pipeline-embeds / naive | 2.5" in table
 
 
+def test_the_fastest_api_server_count_is_the_serve_arm():
+    results = {"config": {"max_tokens": 64, "seconds": 30, "gpu_name": "H200"}, "budgets": {
+        "256": {"arms": {"serve-k8": {"img_per_s": 40.0, "api_servers": 8}, "serve-k12": {"img_per_s": 44.0,
+                                                                                          "api_servers": 12},
+                         "pipeline-embeds": {"img_per_s": 88.0}}, "ratios": {}},
+        "1280": {"arms": {"serve-k8": {"img_per_s": 20.0, "api_servers": 8}, "serve-k12": {"error": "exited"}},
+                 "ratios": {}}}}
+    bench_report.best_serve(results, [8, 12])
+    assert results["budgets"]["256"]["arms"]["serve"]["api_servers"] == 12
+    assert results["budgets"]["1280"]["arms"]["serve"]["best_of"] == {"k8": 20.0}
+    assert bench_report.ratios(results["budgets"]["256"]["arms"])["pipeline-embeds / serve"] == 2.0
+    table = bench_report.markdown(results)
+    assert "| serve-k12 | 44.0 |" in table and "fastest of k8 40.0, k12 44.0" in table
+
+
 def test_engine_log_readers(tmp_path):
     log = tmp_path / "pipeline-embeds.log"
     log.write_text("INFO vLLM 0.26.0 up in 50.1s (mode=embeds, embeds_only=True, scheduler limits "

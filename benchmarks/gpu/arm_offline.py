@@ -12,11 +12,12 @@ import traceback
 from pathlib import Path
 
 from bench_processes import (
-    BUDGETS, CHAT_PROMPT, GpuSampler, MIN_PIXELS, gpu_env, gpu_mem, image_files, kill_tree, log, log_tail, spawn,
+    BUDGETS, CHAT_PROMPT, GpuSampler, MIN_PIXELS, PROMPT_TEXT, gpu_env, gpu_mem, image_files, kill_tree, log,
+    log_tail, spawn,
 )
 from bench_report import arms_at, save
 
-from vlmstream.models.qwen2_vl import smart_resize  # the pipeline's own rule (the path is set by bench_processes)
+from vlmstream.models.registry import family_of  # the pipeline's own rules (the path is set by bench_processes)
 
 GPU_BENCH = Path(__file__).resolve().with_name("gpu_bench.py")
 
@@ -37,6 +38,8 @@ def offline_worker(args: argparse.Namespace) -> None:
 
     arms = [a for a in args.arms.split(",") if a]
     files = image_files(args.imgs)
+    family = family_of(args.model)
+    vision_config = json.loads(Path(args.model, "config.json").read_text())["vision_config"]
     t = time.perf_counter()
     base = [Image.open(f).convert("RGB") for f in files]
     log(f"decoded {len(base)} images in {time.perf_counter() - t:.1f}s, mean "
@@ -54,6 +57,8 @@ def offline_worker(args: argparse.Namespace) -> None:
     log(f"engine ready in {init_s:.1f}s")
     emit(None, "_engine", {"init_s": round(init_s, 1), "gpu_mem": gpu_mem()})
     sp = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    chat_prompt = offline_prompt(family, llm.get_tokenizer())
+    log(f"{family.name} prompt: {chat_prompt!r}")
     gpu = GpuSampler(args.gpu_ids[:1]).start()
 
     def on_alarm(*_):
@@ -95,22 +100,28 @@ def offline_worker(args: argparse.Namespace) -> None:
     try:
         for k, (budget, arm) in enumerate(phases):
             max_pixels = BUDGETS[budget]
-            mmkw = {"min_pixels": MIN_PIXELS, "max_pixels": max_pixels}
-            sizes = [smart_resize(b.size[1], b.size[0], min_pixels=MIN_PIXELS, max_pixels=max_pixels) for b in base]
+            # A family module's processor takes the budget; a generic model's processor keeps its own size.
+            mmkw = {"min_pixels": MIN_PIXELS, "max_pixels": max_pixels} if family.exact_size else None
+            # The sizes the decode stage ships at this budget (a generic model's: capped at its processor's).
+            sizes = [family.target_size(b.size[1], b.size[0], MIN_PIXELS, max_pixels) for b in base]
             try:
                 if arm == "naive":
-                    timed_arm(budget, arm, lambda i: {"prompt": CHAT_PROMPT,
+                    timed_arm(budget, arm, lambda i: {"prompt": chat_prompt,
                                                       "multi_modal_data": {"image": base[i % len(base)]}}, mmkw)
                 elif arm == "ceiling-preresized":
                     pre = [np.asarray(b.resize((w, h), Image.BICUBIC)).copy() for b, (h, w) in zip(base, sizes)]
-                    timed_arm(budget, arm, lambda i: {"prompt": CHAT_PROMPT,
+                    timed_arm(budget, arm, lambda i: {"prompt": chat_prompt,
                                                       "multi_modal_data": {"image": pre[i % len(pre)]}}, mmkw)
+                elif arm == "ceiling-embeds" and not family.exact_size:
+                    emit(budget, arm, {"error": "not measured: a generic model's tower is vLLM's (no image_embeds)"})
                 elif arm == "ceiling-embeds":
                     # Values do not matter to the language model's cost: random embeddings of the exact shape
-                    # (merged tokens x 3584) with the grid of each image at the budget.
-                    embs = [(torch.randn((h // 14) * (w // 14) // 4, 3584, dtype=torch.bfloat16),
-                             torch.tensor([[1, h // 14, w // 14]])) for h, w in sizes]
-                    timed_arm(budget, arm, lambda i: {"prompt": CHAT_PROMPT, "multi_modal_data": {"image": {
+                    # (merged tokens x the family's image_embeds width, DeepStack levels included) with each
+                    # image's grid at the budget.
+                    width = family.image_embeds_width(vision_config)
+                    embs = [(torch.randn(family.visual_tokens(family.grid_thw(h, w)), width, dtype=torch.bfloat16),
+                             torch.tensor([family.grid_thw(h, w)])) for h, w in sizes]
+                    timed_arm(budget, arm, lambda i: {"prompt": chat_prompt, "multi_modal_data": {"image": {
                         "image_embeds": embs[i % len(embs)][0], "image_grid_thw": embs[i % len(embs)][1]}}}, None)
                 else:
                     emit(budget, arm, {"error": "unknown offline arm"})
@@ -132,6 +143,16 @@ def offline_worker(args: argparse.Namespace) -> None:
         except Exception as exc:  # noqa: BLE001
             log(f"engine shutdown: {exc!r}")
         os._exit(0)
+
+
+def offline_prompt(family, tokenizer) -> str:
+    """The offline arms' prompt: Qwen2.5-VL's fixed chat prompt (as every earlier run of these arms had it), else
+    the one the pipeline's engine renders for the model (its chat template)."""
+    if family.name == "qwen2_vl":
+        return CHAT_PROMPT
+    from consumers.infer.prompts import PromptBuilder
+
+    return PromptBuilder(tokenizer, family).prompt(PROMPT_TEXT)
 
 
 def offline_worker_command(args: argparse.Namespace, arms: list[str], res_file: Path) -> list[str]:

@@ -341,7 +341,9 @@ def run_pipeline(args: argparse.Namespace, mode: str, bootstrap: str, out: Path,
             # may not all have landed (seen on CPU: a fleet in the same group decoded 30 of them again).
             decode_group = f"{tag}-decode{phase}"
             commit_group_at_end(bootstrap, env["VLMSTREAM_TOPICS__DOCUMENTS"], decode_group)
-            decode = spawn(vlmstream_cmd("decode", "--workers", str(args.workers), "--max-pixels", str(max_pixels),
+            # --model: the checkpoint's family decides the resize rule (factor, normalisation) decode ships for.
+            decode = spawn(vlmstream_cmd("decode", "--workers", str(args.workers), "--model", args.model,
+                                         "--max-pixels", str(max_pixels),
                                          "--min-pixels", str(MIN_PIXELS), "--allowed-root", str(work),
                                          "--group-id", decode_group),
                            logp, env, tag=f"decode phase {phase} budget {budget}")

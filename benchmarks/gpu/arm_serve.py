@@ -16,16 +16,20 @@ from bench_processes import (
     BUDGETS, GpuSampler, HERE, MIN_PIXELS, PROMPT_TEXT, gpu_env, kill_tree, log, log_tail, spawn,
 )
 
+from vlmstream.models.registry import family_of  # (the path is set by bench_processes)
+
 # --- vllm serve ---------------------------------------------------------------------------------------------------
 
 
-def run_serve(args: argparse.Namespace, out: Path, on_phase: Callable[[str, dict], None]) -> None:
-    """One `vllm serve` start; the client runs once per budget (the budget travels in each request's
-    mm_processor_kwargs). on_phase(budget, record) gets each budget's figures, or its error when the client failed
-    and the server still runs. Raises when the server does not come up or exits."""
-    logp = out / "serve.log"
+def run_serve(args: argparse.Namespace, api_servers: int, out: Path, on_phase: Callable[[str, dict], None]) -> None:
+    """One `vllm serve --api-server-count api_servers` start; the client runs once per budget (the budget travels in
+    each request's mm_processor_kwargs; a generic model's processor keeps its own size, so it gets none).
+    on_phase(budget, record) gets each budget's figures, or its error when the client failed and the server still
+    runs. Raises when the server does not come up or exits."""
+    logp = out / f"serve-k{api_servers}.log"
+    budget_kwargs = family_of(args.model).exact_size
     cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", args.model, "--load-format", "dummy",
-           "--api-server-count", str(args.serve_k), "--max-model-len", str(args.max_model_len),
+           "--api-server-count", str(api_servers), "--max-model-len", str(args.max_model_len),
            "--limit-mm-per-prompt", '{"image":1}', "--gpu-memory-utilization", str(args.gpu_memory_utilization),
            "--mm-processor-cache-gb", "0", "--no-enable-prefix-caching", "--seed", "0",
            "--allowed-local-media-path", str(Path(args.imgs).resolve()), "--port", str(args.serve_port)]
@@ -51,7 +55,8 @@ def run_serve(args: argparse.Namespace, out: Path, on_phase: Callable[[str, dict
             client_cmd = [sys.executable, str(HERE / "serve_client.py"), "--url", url, "--model", args.model,
                           "--imgs", str(Path(args.imgs).resolve()), "--seconds", str(args.seconds),
                           "--procs", str(args.serve_procs), "--conc", str(args.serve_conc),
-                          "--max-tokens", str(args.max_tokens), "--max-pixels", str(BUDGETS[budget]),
+                          "--max-tokens", str(args.max_tokens),
+                          "--max-pixels", str(BUDGETS[budget] if budget_kwargs else 0),
                           "--min-pixels", str(MIN_PIXELS), "--prompt", PROMPT_TEXT]
             # The log is shared by the server and every client run: this run's RESULT is the one after this offset.
             log_from = logp.stat().st_size
@@ -63,7 +68,7 @@ def run_serve(args: argparse.Namespace, out: Path, on_phase: Callable[[str, dict
                 if not res:
                     raise RuntimeError(f"serve client (budget {budget}) gave no RESULT:\n{log_tail(logp)}")
                 rec = json.loads(res[-1][len("RESULT "):])
-                rec.update(budget=budget, api_servers=args.serve_k, start_s=start_s,
+                rec.update(budget=budget, api_servers=api_servers, start_s=start_s,
                            gpu_busy=gpu.busy(rec["t0"], rec["t0"] + rec["wall_s"]) if "t0" in rec else None)
                 log(f"PHASE serve budget={budget} RESULT {json.dumps(rec)}")
             except Exception as exc:  # noqa: BLE001 - this budget failed; the server may still serve the next

@@ -23,6 +23,18 @@ def record_failure(results: dict, arm: str, budgets: list[str], error: str) -> N
                                          f"not run: the arm stopped at budget {missing[0]}"}
 
 
+def best_serve(results: dict, api_server_counts: list[int]) -> None:
+    """At each budget, the fastest of the serve-k<K> records becomes the serve arm (the ratios' `vllm serve`), with
+    every count's rate beside it."""
+    for section in results["budgets"].values():
+        arms = section["arms"]
+        tried = {k: arms.get(f"serve-k{k}") for k in api_server_counts}
+        rates = {k: r["img_per_s"] for k, r in tried.items() if isinstance(r, dict) and r.get("img_per_s")}
+        if rates:
+            best = max(rates, key=rates.get)
+            arms["serve"] = dict(tried[best], best_of={f"k{k}": v for k, v in rates.items()})
+
+
 def ratios(arms: dict) -> dict:
     def rate(name: str) -> float | None:
         r = arms.get(name, {})
@@ -54,7 +66,7 @@ def markdown(results: dict) -> str:
                   f"(ignore_eos), {c['seconds']} s per arm, {c.get('gpu_name') or '?'}",
                   "", "| arm | img/s | first window | last window | GPU busy | decode cores | n | note |",
                   "|---|---|---|---|---|---|---|---|"]
-        for name in ALL_ARMS:
+        for name in [*ALL_ARMS, *sorted(set(section["arms"]) - set(ALL_ARMS))]:
             r = section["arms"].get(name)
             if r is None:
                 continue
@@ -76,9 +88,11 @@ def markdown(results: dict) -> str:
                 if r.get("max_num_seqs") not in (None, "vLLM default"):
                     note.append(f"max_num_seqs {r['max_num_seqs']}, max_num_batched_tokens "
                                 f"{r.get('max_num_batched_tokens')}")
-            if name == "serve":
+            if name.startswith("serve"):
                 note.append(f"--api-server-count {r.get('api_servers')}, {r.get('procs')} client procs, "
                             f"conc {r.get('conc')}")
+                if r.get("best_of"):
+                    note.append("fastest of " + ", ".join(f"{k} {v}" for k, v in r["best_of"].items()))
             if "mean_prompt_tokens" in r:
                 note.append(f"prompt {r['mean_prompt_tokens']} tok")
             cells = [r.get("img_per_s"), r.get("first_window_img_per_s"), r.get("last_window_img_per_s"),

@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Callable
 
 from bench_processes import ALL_ARMS, BUDGETS, HERE, OFFLINE_ARMS, PROMPT_TEXT, image_files
-from bench_report import arms_at, markdown, record_failure, save
+from bench_report import arms_at, best_serve, markdown, record_failure, save
 from arm_offline import offline_worker, run_offline
 from arm_pipeline import run_pipeline, start_broker, stop_broker
 from arm_serve import run_serve
@@ -94,7 +94,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                     help="Pipeline phases append their figures so far to progress.jsonl this often (s).")
     ap.add_argument("--mps", action="store_true", help="Run the pipeline arms under a CUDA MPS daemon of their own "
                     "(mps.py: the tower and vLLM's engine then share the GPU instead of time-slicing).")
-    ap.add_argument("--serve-k", type=int, default=8, help="vllm serve --api-server-count.")
+    ap.add_argument("--serve-k", default="8", help="vllm serve --api-server-count; a comma list (8,12) starts one "
+                    "server per count in turn, records each as serve-k<K> and the fastest at each budget as serve.")
     ap.add_argument("--serve-procs", type=int, default=6)
     ap.add_argument("--serve-conc", type=int, default=192)
     ap.add_argument("--serve-port", type=int, default=8000)
@@ -118,6 +119,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     args.budgets = list(dict.fromkeys(budgets))  # each budget once, in the order given
     args.gpu_ids = [int(g) for g in args.gpu_ids.split(",") if g.strip()] if args.gpu_ids else list(range(args.gpus))
     args.gpus = len(args.gpu_ids)
+    args.serve_ks = [int(k) for k in str(args.serve_k).split(",") if k.strip()]
     if not args.arm_limit:
         args.arm_limit = 3 * args.seconds + 90
     return args
@@ -192,13 +194,17 @@ def main() -> None:
             stack.close()
             save(results, out)
     if "serve" in arms:
-        try:
-            run_serve(args, out, recorder("serve"))
-        except Exception as exc:  # noqa: BLE001
-            traceback.print_exc()
-            record_failure(results, "serve", args.budgets, f"{exc!r}")
-        finally:
-            save(results, out)
+        for k in args.serve_ks:
+            name = "serve" if len(args.serve_ks) == 1 else f"serve-k{k}"
+            try:
+                run_serve(args, k, out, recorder(name))
+            except Exception as exc:  # noqa: BLE001
+                traceback.print_exc()
+                record_failure(results, name, args.budgets, f"{exc!r}")
+            finally:
+                if len(args.serve_ks) > 1:
+                    best_serve(results, args.serve_ks)
+                save(results, out)
     results["total_s"] = round(time.monotonic() - t_all, 1)
     save(results, out)
     print(json.dumps(results, indent=1))

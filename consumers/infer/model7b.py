@@ -1,5 +1,5 @@
-"""Qwen2.5-VL-7B-Instruct and Qwen3-VL-8B-Instruct folders without weights, for GPU measurements with vLLM
-``load_format="dummy"``.
+"""Qwen2.5-VL-7B-Instruct, Qwen3-VL-8B-Instruct and Gemma 3 4B (the generic path) folders without weights, for GPU
+measurements with vLLM ``load_format="dummy"``.
 
 The configs hold the released models' real values, so vLLM allocates, compiles and computes exactly as for
 the real checkpoints; the tokenizer is the tiny model's synthetic one (real special-token ids). Random
@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from consumers.infer.tiny_model import (QWEN3_CHAT_TEMPLATE, _dump, model_config_dict, write_processor_files,
+from consumers.infer.tiny_model import (QWEN3_CHAT_TEMPLATE, _dump, gemma3_token_ids, model_config_dict,
+                                        write_gemma3_tokenizer_and_processor, write_processor_files,
                                         write_size_processor_files, write_tokenizer_files)
 from vlmstream.models.qwen2_vl import QWEN2_VL
 from vlmstream.models.qwen3_vl import QWEN3_VL
@@ -76,4 +77,38 @@ def write_qwen3vl_8b_config(path: str | Path) -> Path:
     return path
 
 
-GPU_MODELS = {"qwen2.5-vl-7b": write_qwen25vl_7b_config, "qwen3-vl-8b": write_qwen3vl_8b_config}
+# google/gemma-3-4b-it's config.json: a 34-layer Gemma 3 language model (5 sliding-window layers of 1,024 tokens to
+# each global one, GQA 8/4, head_dim 256, vocabulary 262,208) and SigLIP-so400m at 896 px (27 blocks, width 1,152),
+# pooled to 256 image tokens. No family module describes it: it runs the generic path.
+GEMMA3_4B_TEXT = {
+    "hidden_size": 2560, "intermediate_size": 10240, "num_hidden_layers": 34, "num_attention_heads": 8,
+    "num_key_value_heads": 4, "head_dim": 256, "query_pre_attn_scalar": 256, "vocab_size": 262208,
+    "sliding_window": 1024, "sliding_window_pattern": 6, "max_position_embeddings": 131072,
+    "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+    "rms_norm_eps": 1e-6, "hidden_activation": "gelu_pytorch_tanh",
+}
+GEMMA3_4B_VISION = {
+    "model_type": "siglip_vision_model", "hidden_size": 1152, "intermediate_size": 4304, "num_hidden_layers": 27,
+    "num_attention_heads": 16, "image_size": 896, "patch_size": 14, "vision_use_head": False,
+}
+GEMMA3_4B_IMAGE_TOKENS = 256
+
+
+def write_gemma3_4b_config(path: str | Path) -> Path:
+    """Gemma 3 4B's config and processor (896 x 896, 256 image tokens, no pan and scan), no weights."""
+    from transformers import Gemma3Config
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    ids = write_gemma3_tokenizer_and_processor(path, GEMMA3_4B_VISION["image_size"], GEMMA3_4B_IMAGE_TOKENS,
+                                               vocab_size=GEMMA3_4B_TEXT["vocab_size"])
+    config = Gemma3Config(text_config=dict(GEMMA3_4B_TEXT), vision_config=dict(GEMMA3_4B_VISION),
+                          mm_tokens_per_image=GEMMA3_4B_IMAGE_TOKENS, **gemma3_token_ids(ids))
+    config.architectures = ["Gemma3ForConditionalGeneration"]
+    config.dtype = "bfloat16"
+    config.save_pretrained(path)
+    return path
+
+
+GPU_MODELS = {"qwen2.5-vl-7b": write_qwen25vl_7b_config, "qwen3-vl-8b": write_qwen3vl_8b_config,
+              "gemma3-4b": write_gemma3_4b_config}

@@ -42,8 +42,14 @@ class PromptBuilder:
         if template:
             messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": instruction}]}]
             text = self._tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-            if text.count(self._family.image_pad) == 1:
+            # A family module knows its pad token and checks it; on the generic path the template's own image
+            # marker (Gemma 3's <start_of_image>, ...) is what the model's processor expands.
+            if text.count(self._family.image_pad) == 1 or not self._family.exact_size:
                 return text
+        if not self._family.exact_size:
+            raise ValueError("the generic path needs the checkpoint's chat template to place the image in the prompt, "
+                             "and this tokenizer has none: use a checkpoint folder with chat_template.json or a "
+                             "chat_template in tokenizer_config.json (infer.model)")
         return self._family.prompt(instruction)
 
 

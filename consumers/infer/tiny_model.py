@@ -272,17 +272,18 @@ GEMMA3_CHAT_TEMPLATE = (
 )
 
 
-def write_tiny_gemma3(path: str | Path, seed: int = 0) -> Path:
-    """A tiny random-weight Gemma 3 (SigLIP tower at 224 px, 16 image tokens, two text layers) with a byte-level
-    tokenizer carrying Gemma 3's image tokens, and its processor (fixed 224 x 224 resize, no pan and scan)."""
-    import torch
+def write_gemma3_tokenizer_and_processor(path: Path, image_size: int, tokens_per_image: int,
+                                        vocab_size: int = 0) -> dict[str, int]:
+    """A byte-level tokenizer carrying Gemma 3's chat and image tokens, and Gemma 3's processor files (a fixed
+    ``image_size`` square resize, no pan and scan, ``tokens_per_image`` soft tokens). With ``vocab_size``, fillers
+    take the ids up to the special tokens, which end the vocabulary, so any id the model can emit decodes. Returns
+    the tokens' ids and the vocabulary's size (``"vocab"``)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
 
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
     base = ["<pad>", "<eos>", "<bos>"]
     vocab = {symbol: i for i, symbol in enumerate(base + sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    for i in range(len(vocab), vocab_size - len(GEMMA3_SPECIALS)):
+        vocab[f"<filler_{i}>"] = i
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tokenizer.decoder = decoders.ByteLevel()
@@ -297,20 +298,31 @@ def write_tiny_gemma3(path: str | Path, seed: int = 0) -> Path:
     _dump(path / "chat_template.json", {"chat_template": GEMMA3_CHAT_TEMPLATE})
     _dump(path / "preprocessor_config.json", {
         "image_processor_type": "Gemma3ImageProcessor", "processor_class": "Gemma3Processor",
-        "size": {"height": 224, "width": 224}, "do_resize": True, "resample": 2, "do_rescale": True,
+        "size": {"height": image_size, "width": image_size}, "do_resize": True, "resample": 2, "do_rescale": True,
         "rescale_factor": 1 / 255, "do_normalize": True, "image_mean": [0.5] * 3, "image_std": [0.5] * 3,
         "do_convert_rgb": True, "do_pan_and_scan": None})
-    _dump(path / "processor_config.json", {"processor_class": "Gemma3Processor", "image_seq_length": 16})
+    _dump(path / "processor_config.json", {"processor_class": "Gemma3Processor", "image_seq_length": tokens_per_image})
+    ids["vocab"] = len(vocab) + len(GEMMA3_SPECIALS)
+    return ids
+
+
+def write_tiny_gemma3(path: str | Path, seed: int = 0) -> Path:
+    """A tiny random-weight Gemma 3 (SigLIP tower at 224 px, 16 image tokens, two text layers) with a byte-level
+    tokenizer carrying Gemma 3's image tokens, and its processor (fixed 224 x 224 resize, no pan and scan)."""
+    import torch
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    ids = write_gemma3_tokenizer_and_processor(path, image_size=224, tokens_per_image=16)
     config = Gemma3Config(
         text_config={"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-                     "num_key_value_heads": 2, "head_dim": 16, "vocab_size": len(vocab) + len(GEMMA3_SPECIALS),
+                     "num_key_value_heads": 2, "head_dim": 16, "vocab_size": ids["vocab"],
                      "sliding_window": 64, "max_position_embeddings": 4096, "initializer_range": 0.2,
                      "layer_types": ["sliding_attention", "full_attention"]},
         vision_config={"model_type": "siglip_vision_model", "hidden_size": 64, "intermediate_size": 128,
                        "num_hidden_layers": 2, "num_attention_heads": 4, "image_size": 224, "patch_size": 14},
-        mm_tokens_per_image=16, boi_token_index=ids["<start_of_image>"], eoi_token_index=ids["<end_of_image>"],
-        image_token_index=ids["<image_soft_token>"], bos_token_id=ids["<bos>"],
-        eos_token_id=[ids["<eos>"], ids["<end_of_turn>"]], pad_token_id=ids["<pad>"])
+        mm_tokens_per_image=16, **gemma3_token_ids(ids))
     config.architectures = ["Gemma3ForConditionalGeneration"]
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -318,6 +330,13 @@ def write_tiny_gemma3(path: str | Path, seed: int = 0) -> Path:
     model.save_pretrained(path)
     _dump(path / _MARKER, {"version": TINY_MODEL_VERSION, "seed": seed, "family": GENERIC_TINY})
     return path
+
+
+def gemma3_token_ids(ids: dict[str, int]) -> dict:
+    """Gemma3Config's token arguments for the tokenizer ``write_gemma3_tokenizer_and_processor`` wrote."""
+    return dict(boi_token_index=ids["<start_of_image>"], eoi_token_index=ids["<end_of_image>"],
+                image_token_index=ids["<image_soft_token>"], bos_token_id=ids["<bos>"],
+                eos_token_id=[ids["<eos>"], ids["<end_of_turn>"]], pad_token_id=ids["<pad>"])
 
 
 def write_tiny_family_model(path: str | Path, name: str, seed: int = 0) -> Path:
