@@ -11,7 +11,8 @@
 #   qwen3      T2 the Qwen2.5-VL-7B tower alone, the Triton q/k/v kernel against the compiled torch code, side by
 #              side at 0.2 / 1 / 12.8 MP; the Qwen3-VL-8B config (dummy weights): Q0 gpu_engine_smoke.py (the
 #              engine's image_embeds against transformers' tower, DeepStack included, bf16; text in both modes),
-#              Q1 the tower alone with TFLOPS, Q2 the pipeline in both modes at 0.2 MP / 64, Q3 naive vLLM at 0.2 MP
+#              Q1 the tower alone with TFLOPS, Q2 the pipeline in both modes at 0.2 MP / 64, Q3 naive vLLM at 0.2 MP;
+#              T3 the Qwen3-VL-8B tower alone, transformers' blocks against the fast ones, at 0.2 / 1 / 12.8 MP
 #
 # On the device, after unpack_device.sh:
 #   setsid nohup bash benchmarks/gpu/plan_x1.sh /root/res 1500 tower-mps > /root/plan.log 2>&1 < /dev/null &
@@ -62,6 +63,8 @@ if [ "$LIST" = qwen3 ]; then
     --variants fast-torchqkv+vllm_fa3,fast+vllm_fa3 --seconds 3 --profile-budget '' --out "$RES/t2_tower_qkv.json"
   job q0_check_tower 120 200 python3 benchmarks/gpu/check_tower.py --model qwen3-vl-8b --images /root/imgs --n 8 \
     --max-pixels 1003520 --out "$RES/q0_check_tower.json"
+  job t3_tower_qwen3 150 240 python3 benchmarks/gpu/bench_vision_tower.py --model qwen3-vl-8b --imgs /root/imgs \
+    --variants transformers+vllm_fa3,fast+vllm_fa3 --seconds 3 --profile-budget 1280 --out "$RES/t3_tower_qwen3.json"
   job q1_engine_smoke 240 330 python3 benchmarks/gpu_engine_smoke.py --model qwen3-vl-8b --images /root/imgs --n 64 \
     --max-pixels 1003520 --tokens 64 --modes embeds,pixels --out "$RES/q1_engine_smoke.json"
   job c1_condense_shared 330 420 python3 benchmarks/gpu/bench_condense.py --imgs /root/imgs --seconds 30 --warmup 10 \
