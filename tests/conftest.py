@@ -76,3 +76,15 @@ def engine():
         update={"batch_size": 4, "max_new_tokens": 8})}))
     yield instance
     instance.close()
+
+
+@pytest.fixture
+def interpreted_triton(monkeypatch):
+    """The Triton q/k/v kernel built for Triton's CPU interpreter (the same kernel source the GPU compiles)."""
+    pytest.importorskip("triton")
+    from consumers.infer import qkv_rotary
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    qkv_rotary.triton_rotate_qkv.cache_clear()
+    yield qkv_rotary
+    qkv_rotary.triton_rotate_qkv.cache_clear()

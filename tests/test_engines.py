@@ -121,7 +121,7 @@ def test_fast_vision_blocks_compute_what_transformers_blocks_compute(images, mod
         expected = tower(pixel_values, grid_thw=grid_thw).pooler_output
         # Alignment 48 pads the tiny tower's MLP width (128) to 144: the zero padding must change nothing.
         FastVisionBlocks(tower, attention=None, alignment=48)
-        assert all(block._vlmstream_merged_mlp[0].shape[0] == 2 * 144 for block in tower.blocks)
+        assert all(block._vlmstream_mlp[1][0].shape[0] == 2 * 144 for block in tower.blocks)
         got = tower(pixel_values, grid_thw=grid_thw).pooler_output
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
     assert set(tower.state_dict()) == keys  # checkpoints still load
@@ -134,18 +134,6 @@ def test_fast_vision_blocks_compute_what_transformers_blocks_compute(images, mod
     for g, e in zip(encoder.encode_patches(pixel_values, grid_thw), expected.split(
             (grid_thw.prod(-1) // 4).tolist()), strict=True):
         torch.testing.assert_close(g, e, atol=1e-5, rtol=1e-4)
-
-
-@pytest.fixture
-def interpreted_triton(monkeypatch):
-    """The Triton q/k/v kernel built for Triton's CPU interpreter (the same kernel source the GPU compiles)."""
-    pytest.importorskip("triton")
-    from consumers.infer import qkv_rotary
-
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    qkv_rotary.triton_rotate_qkv.cache_clear()
-    yield qkv_rotary
-    qkv_rotary.triton_rotate_qkv.cache_clear()
 
 
 def test_triton_qkv_kernel_splits_and_rotates_as_the_torch_code_does(interpreted_triton):

@@ -45,6 +45,19 @@ def tiny_dirs(tmp_path_factory) -> dict[str, Path]:
     return {name: write_tiny_family_model(root / name, name) for name in [*FAMILIES, GENERIC_TINY]}
 
 
+def _lively(tower: torch.nn.Module) -> torch.nn.Module:
+    """The tower's weights redrawn at unit scale: the tiny checkpoints' initializer (std 0.02) leaves every
+    activation's input near 0, where GELU, its tanh form and QuickGELU agree; these make a wrong one show."""
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for parameter in tower.parameters():
+            if parameter.dim() > 1:
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) / parameter[0].numel() ** 0.5)
+            else:
+                parameter.copy_(0.5 + 0.5 * torch.randn(parameter.shape, generator=generator))
+    return tower
+
+
 def _images(factor: int) -> list[np.ndarray]:
     """Two images of different shapes, noise so every patch differs."""
     rng = np.random.default_rng(0)
@@ -103,6 +116,64 @@ def test_our_tower_equals_the_full_models_image_features(tiny_dirs, name):
         assert first.mean_pooled().shape == (family.embedding_width(config["vision_config"]),)
         np.testing.assert_allclose(first.mean_pooled().astype(np.float32),
                                    features.pooler_output[0].mean(0).numpy(), atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_fast_blocks_compute_what_the_towers_own_blocks_compute(tiny_dirs, name, interpreted_triton):
+    """Each family's LayerNorm tower with our fused blocks against the same tower running transformers' blocks, on
+    three images of different sizes in one forward, DeepStack levels included: as the encoder installs them (the
+    tiny MLP width 128 is already aligned), with the MLP padded (alignment 48 pads 128 to 144), and with q/k/v
+    split and rotated by the Triton kernel (Triton's interpreter on the CPU)."""
+    from consumers.infer.vision import FastVisionBlocks, VisionEncoder, load_vision_tower, patchify_batch
+
+    family = family_of(tiny_dirs[name])
+    tower = _lively(load_vision_tower(tiny_dirs[name], "cpu", torch.float32)[0])
+    keys = set(tower.state_dict())
+    images = [*_images(family.factor), np.full((family.factor * 4, family.factor * 12, 3), 90, np.uint8)]
+    pixel_values, grid_thw = patchify_batch(images, family=family)
+    reference = VisionEncoder(tower, "cpu", torch.float32, attention="sdpa", fast_blocks=False)
+    assert not any("forward" in vars(block) for block in tower.blocks)
+    expected = torch.cat(reference.encode_patches(pixel_values, grid_thw))
+    assert expected.shape[1] == reference.image_embeds_width  # the DeepStack levels are in what is compared
+
+    encoder = VisionEncoder(tower, "cpu", torch.float32, attention="sdpa")
+    assert encoder.fast is not None and encoder.fast.replaced == len(tower.blocks)
+    torch.testing.assert_close(torch.cat(encoder.encode_patches(pixel_values, grid_thw)), expected,
+                               atol=1e-5, rtol=1e-4)
+    FastVisionBlocks(tower, attention=None, alignment=48)
+    assert all(block._vlmstream_mlp[1][0].shape[0] == 144 for block in tower.blocks)
+    torch.testing.assert_close(torch.cat(encoder.encode_patches(pixel_values, grid_thw)), expected,
+                               atol=1e-5, rtol=1e-4)
+    assert FastVisionBlocks(tower, attention=None, alignment=48, qkv_kernel="triton").rotate_qkv is not None
+    torch.testing.assert_close(torch.cat(encoder.encode_patches(pixel_values, grid_thw)), expected,
+                               atol=1e-5, rtol=1e-4)
+    assert set(tower.state_dict()) == keys  # checkpoints still load
+
+
+def test_a_block_the_fast_path_does_not_know_keeps_transformers_forward(tiny_dirs):
+    """A block whose MLP activation is not one the fused forward computes runs transformers' forward; the others
+    still run the fused one, and the tower's output is unchanged. An activation with act(0) != 0 gets no padding."""
+    from consumers.infer.vision import FastVisionBlocks, VisionEncoder, _padded_mlp, load_vision_tower, patchify_batch
+
+    family = family_of(tiny_dirs["qwen3-vl"])
+    tower = _lively(load_vision_tower(tiny_dirs["qwen3-vl"], "cpu", torch.float32)[0])
+    tower.blocks[1].mlp.act_fn = torch.nn.Tanh()
+    pixel_values, grid_thw = patchify_batch(_images(family.factor), family=family)
+    expected = torch.cat(VisionEncoder(tower, "cpu", torch.float32, fast_blocks=False).encode_patches(
+        pixel_values, grid_thw))
+    blocks = FastVisionBlocks(tower, attention=None, alignment=48)
+    assert blocks.replaced == len(tower.blocks) - 1 and "forward" not in vars(tower.blocks[1])
+    with torch.inference_mode():
+        out = tower(pixel_values, grid_thw=grid_thw)
+    got = torch.cat([out.pooler_output, *out.deepstack_features], -1)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
+
+    mlp = tower.blocks[0].mlp
+    padded = _padded_mlp(mlp.linear_fc1, mlp.linear_fc2, torch.nn.functional.gelu, alignment=48)
+    assert padded[0].shape[0] == 144 and padded[2].shape[1] == 144
+    unpadded = _padded_mlp(mlp.linear_fc1, mlp.linear_fc2, torch.sigmoid, alignment=48)  # sigmoid(0) = 0.5
+    assert all(a is b for a, b in zip(unpadded, (mlp.linear_fc1.weight, mlp.linear_fc1.bias, mlp.linear_fc2.weight),
+                                      strict=True))
 
 
 @pytest.mark.parametrize("name", FAMILIES)

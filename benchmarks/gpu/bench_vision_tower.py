@@ -1,10 +1,12 @@
-"""The Qwen2.5-VL-7B vision tower alone on the GPU: how fast our encoder turns exact-size images into tokens.
+"""A Qwen family's vision tower alone on the GPU (Qwen2.5-VL-7B's, Qwen3-VL-8B's, any checkpoint folder's): how
+fast our encoder turns exact-size images into tokens.
 
 Variants, side by side in one process on the same images (random weights: same compute as real ones), named
 <blocks>+<attention>:
   transformers+...  transformers' blocks as they ship (patch embedding as a matrix product)
-  fast+...          FastVisionBlocks, compiled, q/k/v split and rotated by the Triton kernel (what VisionEncoder
-                    runs on CUDA; consumers/infer/qkv_rotary.py)
+  fast+...          FastVisionBlocks (Qwen2.5-VL's RMSNorm blocks or the LayerNorm blocks of Qwen2-VL, Qwen3-VL and
+                    Qwen3.5), compiled, q/k/v split and rotated by the Triton kernel (what VisionEncoder runs on
+                    CUDA; consumers/infer/qkv_rotary.py)
   fast-torchqkv+... the same with the compiled torch code for that step instead of the kernel
   fast-eager+...    FastVisionBlocks without torch.compile
 with attention vllm_fa3 (vLLM's FlashAttention 3), torch_varlen (torch's varlen flash) or sdpa. Each timing covers
@@ -12,8 +14,11 @@ GPU patchify + tower forward + merger for a batch of images, synchronised, after
 and images/s per budget, then torch.profiler tables of where one forward spends its GPU time (transformers'
 blocks and the fast ones).
 
+Each row says how many blocks ran the fast forward (``fast_blocks``) and whether they were compiled.
+
 Usage (device, after scripts/gpu/unpack_device.sh and `source scripts/gpu/env.sh`):
   python3 benchmarks/gpu/bench_vision_tower.py --model /root/model --imgs /root/imgs --out $OUT/tower.json
+  python3 benchmarks/gpu/bench_vision_tower.py --model qwen3-vl-8b --imgs /root/imgs --out $OUT/tower_qwen3.json
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks" / "gpu"))
 
 from benchmarks.images import exact_size_images  # noqa: E402 - after the path insert
+from consumers.infer.model7b import GPU_MODELS  # noqa: E402
 from consumers.infer.vision import VisionEncoder, load_vision_tower, patchify_batch  # noqa: E402
 from vlmstream.models.registry import family_of  # noqa: E402
 from tower_flops import H200_DENSE_BF16_TFLOPS, tower_flops  # noqa: E402 - benchmarks/gpu is on sys.path
@@ -97,7 +103,8 @@ def profile_table(encoder: VisionEncoder, images: list[np.ndarray], rows: int = 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="/root/model")
+    ap.add_argument("--model", default="/root/model", help="a checkpoint folder, or the name of a GPU model whose "
+                    f"config is written here (random weights): {', '.join(sorted(GPU_MODELS))}")
     ap.add_argument("--imgs", default="/root/imgs")
     ap.add_argument("--budgets", default="256,1280,default")
     ap.add_argument("--variants", default="transformers+vllm_fa3,fast-eager+vllm_fa3,fast+vllm_fa3,fast+torch_varlen")
@@ -109,6 +116,8 @@ def main() -> None:
     ap.add_argument("--device", default="cuda", help="cpu runs the same code in float32 (a plumbing check)")
     args = ap.parse_args()
 
+    if args.model in GPU_MODELS:
+        args.model = str(GPU_MODELS[args.model](f"/tmp/vlmstream-{args.model}"))
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     tower, _ = load_vision_tower(args.model, device, dtype)
@@ -139,7 +148,9 @@ def main() -> None:
                                             qkv_kernel="torch" if blocks == "fast-torchqkv" else "auto")
                     if device.type == "cuda":
                         torch.cuda.reset_peak_memory_stats()
-                    rows[key] = achieved(time_encoder(encoder, images, batch, args.seconds), flops_per_image)
+                    rows[key] = {**achieved(time_encoder(encoder, images, batch, args.seconds), flops_per_image),
+                                 "fast_blocks": encoder.fast.replaced if encoder.fast else 0,
+                                 "compiled": encoder.compiled}
                 except Exception as exc:  # noqa: BLE001 - one variant failing must not hide the others
                     rows[key] = {"error": repr(exc)[:400]}
                 print("RESULT", budget, key, json.dumps(rows[key]), flush=True)

@@ -1,10 +1,11 @@
 """Our vision tower against transformers' full model on the GPU, in bf16, for a model family's real config with
 random weights: what the engine hands vLLM as ``image_embeds`` (for Qwen3-VL the merged tokens and the DeepStack
 levels) and what it publishes as the embedding, against ``get_image_features`` on the checkpoint's own processor's
-pixels. Needs torch and transformers only (no vLLM).
+pixels. Needs torch and transformers only (no vLLM). ``--blocks fast`` (the default) checks what the engine runs:
+FastVisionBlocks, compiled, with the Triton q/k/v kernel; ``--blocks transformers`` the tower's own blocks.
 
-Usage: python3 benchmarks/gpu/check_tower.py [--model qwen3-vl-8b|qwen2.5-vl-7b] [--images DIR] [--n 8]
-           [--max-pixels 1003520] [--out $OUT/tower_check.json]
+Usage: python3 benchmarks/gpu/check_tower.py [--model qwen3-vl-8b|qwen2.5-vl-7b] [--blocks fast|transformers]
+           [--images DIR] [--n 8] [--max-pixels 1003520] [--out $OUT/tower_check.json]
 Prints one RESULT line; exits 1 when a check fails.
 """
 
@@ -33,6 +34,7 @@ def main() -> int:
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="qwen3-vl-8b", choices=sorted(GPU_MODELS))
+    ap.add_argument("--blocks", default="fast", choices=("fast", "transformers"))
     ap.add_argument("--images", default=os.environ.get("IMAGES"))
     ap.add_argument("--n", type=int, default=8)
     ap.add_argument("--max-pixels", type=int, default=1003520)
@@ -51,7 +53,8 @@ def main() -> int:
     processor = AutoImageProcessor.from_pretrained(folder)
     # The encoder gets a copy: it swaps the patch embedding and picks its own attention, and the reference must run
     # transformers' own modules (its sdpa attention, its index tensors, its Conv3d).
-    encoder = VisionEncoder(copy.deepcopy(model.model.visual), "cuda", torch.bfloat16, family=family)
+    encoder = VisionEncoder(copy.deepcopy(model.model.visual), "cuda", torch.bfloat16, family=family,
+                            fast_blocks=args.blocks == "fast")
     started = time.perf_counter()
     ours = encoder.encode(images)
     torch.cuda.synchronize()
@@ -77,12 +80,14 @@ def main() -> int:
                 mean_got, mean_ref, dim=0)))
     expected_width = family.image_embeds_width(config.vision_config.to_dict())
     report = {"model": args.model, "family": family.name, "n": len(images), "attention": encoder.attention,
+              "fast_blocks": encoder.fast.replaced if encoder.fast else 0, "compiled": encoder.compiled,
               "image_embeds_width": encoder.image_embeds_width, "expected_width": expected_width,
               "deepstack_levels": encoder.deepstack_levels, "min_token_cosine": round(worst_token_cos, 6),
               "min_embedding_cosine": round(worst_embedding_cos, 6), "encode_s": round(encode_s, 3),
               "shapes_first": shapes[:1]}
+    blocks_as_asked = (report["fast_blocks"] == len(encoder.visual.blocks)) == (args.blocks == "fast")
     report["pass"] = bool(encoder.image_embeds_width == expected_width and worst_token_cos > 0.99
-                          and worst_embedding_cos > 0.999)
+                          and worst_embedding_cos > 0.999 and blocks_as_asked)
     Path(args.out).write_text(json.dumps(report, indent=1))
     print("RESULT", json.dumps(report), flush=True)
     return 0 if report["pass"] else 1

@@ -11,12 +11,14 @@
 #   qwen3      T2 the Qwen2.5-VL-7B tower alone, the Triton q/k/v kernel against the compiled torch code, side by
 #              side at 0.2 / 1 / 12.8 MP; the Qwen3-VL-8B config (dummy weights): Q0 gpu_engine_smoke.py (the
 #              engine's image_embeds against transformers' tower, DeepStack included, bf16; text in both modes),
-#              Q1 the tower alone with TFLOPS, Q2 the pipeline in both modes at 0.2 MP / 64, Q3 naive vLLM at 0.2 MP
+#              Q1 the tower alone with TFLOPS, Q2 the pipeline in both modes at 0.2 MP / 64, Q3 naive vLLM at 0.2 MP;
+#              T3 the Qwen3-VL-8B tower alone, transformers' blocks against the fast ones, at 0.2 / 1 / 12.8 MP
 #   models     the model-family comparisons, 64 tokens: Q0 our Qwen3-VL-8B tower (fast blocks) against transformers'
 #              (bf16, DeepStack included); Q2 Qwen3-VL-8B config (dummy weights) at 0.2 MP and 1 MP: naive vLLM,
 #              vLLM given image_embeds (its language model alone), the pipeline in both modes; Q3 `vllm serve` on
 #              the same images and budgets; G1 Gemma 3 4B config (the generic path) at 1 MP: naive vLLM against the
-#              pipeline (pixels); T3 the Qwen2.5-VL-7B tower (fast blocks, Triton q/k/v) against transformers'
+#              pipeline (pixels); C5 the Qwen2.5-VL-7B tower (fast blocks, Triton q/k/v) against transformers';
+#              T4 the Qwen3-VL-8B tower alone, transformers' blocks against the fast ones, with TFLOPS
 #
 # On the device, after unpack_device.sh:
 #   setsid nohup bash benchmarks/gpu/plan_x1.sh /root/res 1500 tower-mps > /root/plan.log 2>&1 < /dev/null &
@@ -67,6 +69,8 @@ if [ "$LIST" = qwen3 ]; then
     --variants fast-torchqkv+vllm_fa3,fast+vllm_fa3 --seconds 3 --profile-budget '' --out "$RES/t2_tower_qkv.json"
   job q0_check_tower 120 200 python3 benchmarks/gpu/check_tower.py --model qwen3-vl-8b --images /root/imgs --n 8 \
     --max-pixels 1003520 --out "$RES/q0_check_tower.json"
+  job t3_tower_qwen3 150 240 python3 benchmarks/gpu/bench_vision_tower.py --model qwen3-vl-8b --imgs /root/imgs \
+    --variants transformers+vllm_fa3,fast+vllm_fa3 --seconds 3 --profile-budget 1280 --out "$RES/t3_tower_qwen3.json"
   job q1_engine_smoke 240 330 python3 benchmarks/gpu_engine_smoke.py --model qwen3-vl-8b --images /root/imgs --n 64 \
     --max-pixels 1003520 --tokens 64 --modes embeds,pixels --out "$RES/q1_engine_smoke.json"
   job c1_condense_shared 330 420 python3 benchmarks/gpu/bench_condense.py --imgs /root/imgs --seconds 30 --warmup 10 \
@@ -85,8 +89,10 @@ if [ "$LIST" = models ]; then
     --out "$RES/q3_serve"
   job g1_gemma3 240 330 $BENCH --model $G3 --budgets 1280 --seconds 25 --stop-after 1.5 \
     --arms naive,pipeline-pixels --out "$RES/g1_gemma3"
-  job t3_check_qwen25 100 180 python3 benchmarks/gpu/check_tower.py --model qwen2.5-vl-7b --images /root/imgs \
-    --n 8 --max-pixels 1003520 --out "$RES/t3_check_qwen25.json"
+  job c5_check_qwen25 100 180 python3 benchmarks/gpu/check_tower.py --model qwen2.5-vl-7b --images /root/imgs \
+    --n 8 --max-pixels 1003520 --out "$RES/c5_check_qwen25.json"
+  job t4_tower_qwen3 120 200 python3 benchmarks/gpu/bench_vision_tower.py --model qwen3-vl-8b --imgs /root/imgs \
+    --variants transformers+vllm_fa3,fast+vllm_fa3 --seconds 3 --profile-budget '' --out "$RES/t4_tower_qwen3.json"
 fi
 
 vlmstream broker stop > "$RES/broker_stop.log" 2>&1

@@ -246,14 +246,17 @@ def use_linear_patch_embedding(visual: torch.nn.Module) -> torch.nn.Module:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Fast vision blocks. transformers' block is correct but slow on a GPU: its MLP width (3420 for the 7B
-# tower) is not a multiple of 8, so cuBLAS falls back to Ampere-era GEMM kernels (52% of a 1 MP forward on
-# the H200; benchmarks/RESULTS.md), and RMSNorm, rotary and SiLU run as ~20 separate float32 elementwise kernels per
-# layer (a further third). The replacement computes the same function: gate and up projections merged into
-# one GEMM and zero-padded to a multiple of 64 (silu(0) * 0 = 0, and zero columns of the down projection
-# add nothing), the attention kernel called directly on (tokens, heads, dim), and on CUDA the code around
-# the attention compiled by torch.compile so the elementwise work fuses. The module's own parameters stay
-# as they are (state dicts and checkpoints unchanged); the merged copies live beside them.
+# Fast vision blocks. transformers' block is correct but slow on a GPU: its MLP width is often not a multiple
+# of 64 (3420 for Qwen2.5-VL-7B's tower, 4304 for Qwen3-VL-8B's), so cuBLAS falls back to slower GEMM kernels
+# (52% of a 1 MP Qwen2.5-VL forward on the H200; benchmarks/RESULTS.md), and the norms, rotary and activation
+# run as ~20 separate float32 elementwise kernels per layer (a further third). The replacement computes the
+# same function: the MLP's first projection (Qwen2.5-VL: gate and up merged into one GEMM) zero-padded to a
+# multiple of 64 (the padded columns come out of the activation as zeros, and zero columns of the second
+# projection add nothing), the attention kernel called directly on (tokens, heads, dim), and on CUDA the code
+# around the attention compiled by torch.compile so the elementwise work fuses. Two block shapes fit: RMSNorm +
+# gated SiLU MLP (Qwen2.5-VL) and LayerNorm + two-matrix MLP (Qwen2-VL, Qwen3-VL dense and MoE, Qwen3.5's
+# vision part); any other keeps transformers' forward. The module's own parameters stay as they are (state
+# dicts and checkpoints unchanged); the padded copies live beside them.
 # ---------------------------------------------------------------------------------------------------------
 
 GEMM_ALIGNMENT = 64
@@ -266,21 +269,63 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return weight * xf.to(x.dtype)
 
 
-def _before_attention(x, norm_weight, qkv_weight, qkv_bias, cos, sin, eps: float, heads: int):
-    h = _rms_norm(x, norm_weight, eps)
+def _norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """The block's norm: LayerNorm (torch.nn.LayerNorm's own call) where it has a bias, RMSNorm where not."""
+    if bias is None:
+        return _rms_norm(x, weight, eps)
+    return torch.nn.functional.layer_norm(x, (x.shape[-1],), weight, bias, eps)
+
+
+def _silu_gate(gate_up: torch.Tensor) -> torch.Tensor:
+    """Qwen2.5-VL's gated MLP on the merged gate/up projection: silu(gate) * up."""
+    gate, up = gate_up.chunk(2, -1)
+    return torch.nn.functional.silu(gate) * up
+
+
+def _gelu(x: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.gelu(x)
+
+
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.gelu(x, approximate="tanh")
+
+
+def _quick_gelu(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.sigmoid(1.702 * x)
+
+
+def _silu(x: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.silu(x)
+
+
+def _activation_of(act: torch.nn.Module):
+    """The module-level function computing a two-matrix MLP's activation module, or None for one not known here.
+    One function object per kind, so the compiled code is shared by every block (a module instance would be
+    guarded on and recompiled per block)."""
+    from transformers import activations
+
+    if type(act) is torch.nn.GELU:
+        return _gelu_tanh if act.approximate == "tanh" else _gelu
+    return {activations.GELUTanh: _gelu_tanh, activations.GELUActivation: _gelu,
+            activations.QuickGELUActivation: _quick_gelu, activations.SiLUActivation: _silu,
+            torch.nn.SiLU: _silu}.get(type(act))
+
+
+def _before_attention(x, norm_weight, norm_bias, qkv_weight, qkv_bias, cos, sin, eps: float, heads: int):
+    h = _norm(x, norm_weight, norm_bias, eps)
     q, k, v = torch.nn.functional.linear(h, qkv_weight, qkv_bias).view(x.shape[0], 3, heads, -1).unbind(1)
     return rotate(q, cos, sin), rotate(k, cos, sin), v.contiguous()
 
 
-def _project(x, norm_weight, qkv_weight, qkv_bias, eps: float):
-    return torch.nn.functional.linear(_rms_norm(x, norm_weight, eps), qkv_weight, qkv_bias)
+def _project(x, norm_weight, norm_bias, qkv_weight, qkv_bias, eps: float):
+    return torch.nn.functional.linear(_norm(x, norm_weight, norm_bias, eps), qkv_weight, qkv_bias)
 
 
-def _after_attention(x, attended, proj_weight, proj_bias, norm_weight, gate_up_weight, gate_up_bias,
-                     down_weight, down_bias, eps: float):
+def _after_attention(x, attended, proj_weight, proj_bias, norm_weight, norm_bias, up_weight, up_bias,
+                     down_weight, down_bias, eps: float, activation):
     x = x + torch.nn.functional.linear(attended.reshape(x.shape[0], -1), proj_weight, proj_bias)
-    gate, up = torch.nn.functional.linear(_rms_norm(x, norm_weight, eps), gate_up_weight, gate_up_bias).chunk(2, -1)
-    return x + torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, down_weight, down_bias)
+    h = torch.nn.functional.linear(_norm(x, norm_weight, norm_bias, eps), up_weight, up_bias)
+    return x + torch.nn.functional.linear(activation(h), down_weight, down_bias)
 
 
 def _windowed_sdpa(q, k, v, cu_seqlens: torch.Tensor, scale: float) -> torch.Tensor:
@@ -294,9 +339,15 @@ def _windowed_sdpa(q, k, v, cu_seqlens: torch.Tensor, scale: float) -> torch.Ten
     return out
 
 
+def _padded(width: int, alignment: int) -> int:
+    return -(-width // alignment) * alignment
+
+
 def _merged_mlp(mlp: torch.nn.Module, alignment: int = GEMM_ALIGNMENT):
+    """(gate/up weight, its bias, down weight) of a gated MLP, each half padded with zeros to the alignment:
+    the padded gate and up columns are both 0, and silu(0) * 0 = 0."""
     width = mlp.gate_proj.out_features
-    padded = -(-width // alignment) * alignment
+    padded = _padded(width, alignment)
     hidden = mlp.gate_proj.in_features
     like = mlp.gate_proj.weight
     gate_up_weight = torch.zeros(2 * padded, hidden, dtype=like.dtype, device=like.device)
@@ -312,9 +363,88 @@ def _merged_mlp(mlp: torch.nn.Module, alignment: int = GEMM_ALIGNMENT):
     return gate_up_weight, gate_up_bias, down_weight
 
 
+def _padded_mlp(fc1: torch.nn.Linear, fc2: torch.nn.Linear, activation, alignment: int = GEMM_ALIGNMENT):
+    """(fc1 weight, its bias, fc2 weight) of a two-matrix MLP, fc1's outputs padded with zero rows (weight and
+    bias) to the alignment and fc2's inputs with zero columns. Only where activation(0) == 0: a padded column
+    then reaches fc2 as 0. For any other activation the unpadded weights themselves."""
+    width = fc1.out_features
+    padded = _padded(width, alignment)
+    zero = torch.zeros(1, dtype=fc1.weight.dtype, device=fc1.weight.device)
+    if padded == width or activation(zero).item() != 0:
+        return fc1.weight, fc1.bias, fc2.weight
+    like = fc1.weight
+    up_weight = torch.zeros(padded, fc1.in_features, dtype=like.dtype, device=like.device)
+    up_weight[:width] = fc1.weight
+    up_bias = None
+    if fc1.bias is not None:
+        up_bias = torch.zeros(padded, dtype=like.dtype, device=like.device)
+        up_bias[:width] = fc1.bias
+    down_weight = torch.zeros(fc2.out_features, padded, dtype=like.dtype, device=like.device)
+    down_weight[:, :width] = fc2.weight
+    return up_weight, up_bias, down_weight
+
+
+@dataclass(frozen=True, eq=False)
+class _BlockShape:
+    """What the fused forward needs of one block: its norms' biases (None: RMSNorm), its MLP's two projections
+    (weights padded), the activation between them and the MLP's second bias."""
+    norm_eps: float
+    norm1_bias: torch.Tensor | None
+    norm2_bias: torch.Tensor | None
+    mlp: tuple  # (first weight, first bias, second weight)
+    down_bias: torch.Tensor | None
+    activation: object
+
+
+def _block_shape(block: torch.nn.Module, alignment: int) -> _BlockShape | str:
+    """The fused forward's view of a block, or why the block has a shape the fused forward does not compute."""
+    attn, mlp = getattr(block, "attn", None), getattr(block, "mlp", None)
+    norm1, norm2 = getattr(block, "norm1", None), getattr(block, "norm2", None)
+    if not all(isinstance(getattr(attn, name, None), torch.nn.Linear) for name in ("qkv", "proj")) \
+            or not hasattr(attn, "num_heads") or not hasattr(attn, "scaling"):
+        return "its attention has no qkv/proj projections"
+    if isinstance(norm1, torch.nn.LayerNorm) and isinstance(norm2, torch.nn.LayerNorm):
+        if norm1.bias is None or norm2.bias is None or norm1.eps != norm2.eps or len(norm1.normalized_shape) != 1:
+            return "its LayerNorms have no bias or differ in eps"
+        eps, biases = norm1.eps, (norm1.bias, norm2.bias)
+    elif all(hasattr(n, "variance_epsilon") and isinstance(getattr(n, "weight", None), torch.nn.Parameter)
+             and getattr(n, "bias", None) is None for n in (norm1, norm2)):
+        if norm1.variance_epsilon != norm2.variance_epsilon:
+            return "its RMSNorms differ in eps"
+        eps, biases = norm1.variance_epsilon, (None, None)
+    else:
+        return f"its norms are {type(norm1).__name__}/{type(norm2).__name__}"
+
+    cached = getattr(block, "_vlmstream_mlp", None)
+    if all(isinstance(getattr(mlp, name, None), torch.nn.Linear) for name in ("gate_proj", "up_proj", "down_proj")):
+        if _activation_of(mlp.act_fn) is not _silu:
+            return f"its gated MLP's activation is {type(mlp.act_fn).__name__}, not SiLU"
+        if cached is None or cached[0] != alignment:
+            block._vlmstream_mlp = cached = (alignment, _merged_mlp(mlp, alignment))
+        return _BlockShape(eps, *biases, cached[1], mlp.down_proj.bias, _silu_gate)
+    for first, act_name, second in (("fc1", "act", "fc2"), ("linear_fc1", "act_fn", "linear_fc2")):
+        fc1, fc2 = getattr(mlp, first, None), getattr(mlp, second, None)
+        if isinstance(fc1, torch.nn.Linear) and isinstance(fc2, torch.nn.Linear):
+            activation = _activation_of(getattr(mlp, act_name, None))
+            if activation is None:
+                return f"its MLP's activation {type(getattr(mlp, act_name, None)).__name__} is not known here"
+            if cached is None or cached[0] != alignment:
+                block._vlmstream_mlp = cached = (alignment, _padded_mlp(fc1, fc2, activation, alignment))
+            return _BlockShape(eps, *biases, cached[1], fc2.bias, activation)
+    return f"its MLP ({type(mlp).__name__}) has neither gate/up/down nor fc1/fc2 projections"
+
+
+_reported_shapes: set[str] = set()
+
+
 class FastVisionBlocks:
-    """Replaces the ``forward`` of every block of a Qwen2.5-VL vision tower with the fused version above (its
-    RMSNorm and gated MLP; the LayerNorm blocks of Qwen2-VL and Qwen3-VL keep transformers' forward).
+    """Replaces the ``forward`` of every block of a Qwen vision tower whose shape it knows (``_block_shape``:
+    Qwen2.5-VL's RMSNorm + gated MLP, or the LayerNorm + two-matrix MLP of Qwen2-VL, Qwen3-VL and Qwen3.5) with
+    the fused version above; any other block keeps transformers' forward (said once at info). ``replaced`` counts
+    the blocks it took over.
+
+    The forward is the block's own call target, so the tower's forward still calls ``block(...)`` for each block in
+    turn and still takes the DeepStack levels (Qwen3-VL) from the hidden states between blocks.
 
     ``attention`` is a varlen kernel ``(q, k, v, cu_q, cu_k, max_q, max_k, scale) -> out`` on (tokens, heads,
     dim) tensors, or None for the per-window sdpa loop. ``compile_blocks`` compiles the code around the
@@ -338,11 +468,17 @@ class FastVisionBlocks:
             self.rotate_qkv = triton_rotate_qkv()
             if self.rotate_qkv is None and qkv_kernel == "triton":
                 raise RuntimeError("qkv_kernel='triton' needs Triton, which cannot be imported here")
+        self.replaced = 0
         for block in visual.blocks:
-            merged = getattr(block, "_vlmstream_merged_mlp", None)
-            if merged is None or merged[0].shape[0] % (2 * alignment):
-                block._vlmstream_merged_mlp = _merged_mlp(block.mlp, alignment)
-            block.forward = self._block_forward(block, block._vlmstream_merged_mlp)
+            shape = _block_shape(block, alignment)
+            if isinstance(shape, str):
+                name = type(block).__name__
+                if name not in _reported_shapes:
+                    _reported_shapes.add(name)
+                    log.info("vision block %s keeps transformers' forward: %s", name, shape)
+                continue
+            block.forward = self._block_forward(block, shape)
+            self.replaced += 1
 
     @staticmethod
     def remove(visual: torch.nn.Module) -> None:
@@ -354,20 +490,21 @@ class FastVisionBlocks:
         self.before, self.after, self.project = _before_attention, _after_attention, _project
         self.rotate_qkv = None
 
-    def _block_forward(self, block: torch.nn.Module, merged):
-        attn, mlp = block.attn, block.mlp
-        gate_up_weight, gate_up_bias, down_weight = merged
-        heads, scale, eps = attn.num_heads, attn.scaling, block.norm1.variance_epsilon
+    def _block_forward(self, block: torch.nn.Module, shape: _BlockShape):
+        attn = block.attn
+        up_weight, up_bias, down_weight = shape.mlp
+        heads, scale, eps = attn.num_heads, attn.scaling, shape.norm_eps
 
         def forward(hidden_states, cu_seqlens, max_seqlen=None, position_embeddings=None, **_):
             if self.rotate_qkv is not None:
-                qkv = self.project(hidden_states, block.norm1.weight, attn.qkv.weight, attn.qkv.bias, eps)
+                qkv = self.project(hidden_states, block.norm1.weight, shape.norm1_bias, attn.qkv.weight,
+                                   attn.qkv.bias, eps)
                 q, k, v = self.rotate_qkv(qkv.view(hidden_states.shape[0], 3, heads, -1),
                                           *(t.float() for t in position_embeddings))
             else:
                 cos, sin = (t.float().unsqueeze(-2) for t in position_embeddings)
-                q, k, v = self.before(hidden_states, block.norm1.weight, attn.qkv.weight, attn.qkv.bias, cos, sin,
-                                      eps, heads)
+                q, k, v = self.before(hidden_states, block.norm1.weight, shape.norm1_bias, attn.qkv.weight,
+                                      attn.qkv.bias, cos, sin, eps, heads)
             if self.attention is None:
                 attended = _windowed_sdpa(q, k, v, cu_seqlens, scale)
             else:
@@ -376,7 +513,8 @@ class FastVisionBlocks:
                 cu = cu_seqlens.to(torch.int32)
                 attended = self.attention(q, k, v, cu, cu, int(max_seqlen), int(max_seqlen), scale)
             return self.after(hidden_states, attended, attn.proj.weight, attn.proj.bias, block.norm2.weight,
-                              gate_up_weight, gate_up_bias, down_weight, mlp.down_proj.bias, eps)
+                              shape.norm2_bias, up_weight, up_bias, down_weight, shape.down_bias, eps,
+                              shape.activation)
 
         return forward
 
@@ -451,7 +589,7 @@ class VisionEncoder:
                  fast_blocks: bool = True, compile_blocks: bool = True, family: ModelFamily | None = None,
                  qkv_kernel: str = "auto"):
         self.family = family or family_of_tower(visual)
-        # Qwen2.5-VL's windowed tower: window indices precomputed, and FastVisionBlocks fit its blocks.
+        # Qwen2.5-VL's windowed tower: window indices precomputed.
         self.windowed = hasattr(visual, "window_size") and hasattr(visual, "fullatt_block_indexes")
         self.deepstack_levels = len(getattr(visual, "deepstack_visual_indexes", None) or ())
         self.embedding_width = ModelFamily.embedding_width(visual.config.to_dict())
@@ -469,11 +607,12 @@ class VisionEncoder:
         self.compiled = False
         self.fast = None
         FastVisionBlocks.remove(self.visual)
-        if fast_blocks and self.windowed:  # False only to measure what they are worth
+        if fast_blocks:  # False only to measure what they are worth
             compile_blocks = compile_blocks and self.device.type == "cuda"
-            self.fast = FastVisionBlocks(self.visual, VARLEN_KERNELS.get(self.attention), compile_blocks,
-                                         qkv_kernel=qkv_kernel)
-            if compile_blocks:
+            fast = FastVisionBlocks(self.visual, VARLEN_KERNELS.get(self.attention), compile_blocks,
+                                    qkv_kernel=qkv_kernel)
+            self.fast = fast if fast.replaced else None
+            if compile_blocks and self.fast is not None:
                 self.compiled = self._warm_up_compiled()
 
     def _warm_up_compiled(self) -> bool:
@@ -521,23 +660,21 @@ class VisionEncoder:
         if hasattr(self.visual, "num_grid_per_side"):
             return self._learned_grid_index_inputs(grid_cpu)
         if not self.windowed:
-            return {}
+            return self._sequence_inputs(grid_cpu)
         visual = self.visual
-        cu_seqlens = _vision_utils.get_vision_cu_seqlens(grid_cpu)
         window_index, cu_window_seqlens = _vision_utils.get_vision_window_index(
             grid_cpu, spatial_merge_size=visual.spatial_merge_size, window_size=visual.window_size,
             patch_size=visual.patch_size)
-        position_ids = _vision_utils.get_vision_position_ids(grid_cpu, visual.spatial_merge_size)
+        return {**self._sequence_inputs(grid_cpu), "window_index": self._there(window_index),
+                "cu_window_seqlens": self._there(cu_window_seqlens),
+                "max_window_seqlen": _longest(cu_window_seqlens)}
 
-        def longest(bounds: torch.Tensor) -> int:
-            return int((bounds[1:] - bounds[:-1]).max()) if len(bounds) > 1 else 0
-
-        def there(tensor: torch.Tensor) -> torch.Tensor:
-            return tensor.to(self.device, non_blocking=True)
-
-        return {"position_ids": there(position_ids), "cu_seqlens": there(cu_seqlens), "max_seqlen": longest(cu_seqlens),
-                "window_index": there(window_index), "cu_window_seqlens": there(cu_window_seqlens),
-                "max_window_seqlen": longest(cu_window_seqlens)}
+    def _sequence_inputs(self, grid_cpu: torch.Tensor) -> dict:
+        """The rotary positions and the per-image sequence bounds every Qwen tower's forward takes."""
+        cu_seqlens = _vision_utils.get_vision_cu_seqlens(grid_cpu)
+        position_ids = _vision_utils.get_vision_position_ids(grid_cpu, self.visual.spatial_merge_size)
+        return {"position_ids": self._there(position_ids), "cu_seqlens": self._there(cu_seqlens),
+                "max_seqlen": _longest(cu_seqlens)}
 
     def _learned_grid_index_inputs(self, grid_cpu: torch.Tensor) -> dict:
         """``_index_inputs`` of a Qwen3-VL / Qwen3.5 tower: the taps and weights that resample its learned position
@@ -547,15 +684,11 @@ class VisionEncoder:
         indices, weights = _vision_utils.get_vision_interpolation_indices_and_weights(
             grid_cpu, num_grid_per_side=visual.num_grid_per_side, mode=visual.interpolation_mode,
             align_corners=visual.interpolation_align_corners, spatial_merge_size=visual.config.spatial_merge_size)
-        position_ids = _vision_utils.get_vision_position_ids(grid_cpu, visual.spatial_merge_size)
-        cu_seqlens = _vision_utils.get_vision_cu_seqlens(grid_cpu)
-        longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if len(cu_seqlens) > 1 else 0
+        return {"interp_indices": self._there(indices), "interp_weights": self._there(weights),
+                **self._sequence_inputs(grid_cpu)}
 
-        def there(tensor: torch.Tensor) -> torch.Tensor:
-            return tensor.to(self.device, non_blocking=True)
-
-        return {"interp_indices": there(indices), "interp_weights": there(weights),
-                "position_ids": there(position_ids), "cu_seqlens": there(cu_seqlens), "max_seqlen": longest}
+    def _there(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.to(self.device, non_blocking=True)
 
     def encode(self, images: Sequence[np.ndarray]) -> list[EncodedImage]:
         results: list[EncodedImage] = []
@@ -568,6 +701,11 @@ class VisionEncoder:
     def _groups(self, images: Sequence[np.ndarray]):
         return groups_by_patches(images, lambda im: self.family.patches(im.shape[0], im.shape[1]),
                                  self.max_patches_per_call)
+
+
+def _longest(bounds: torch.Tensor) -> int:
+    """The longest sequence that cumulative bounds describe (0 for none)."""
+    return int((bounds[1:] - bounds[:-1]).max()) if len(bounds) > 1 else 0
 
 
 def family_of_tower(visual: torch.nn.Module) -> ModelFamily:

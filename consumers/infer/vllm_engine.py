@@ -2,8 +2,8 @@
 
 Two modes:
 - ``embeds`` (default): our thread patchifies the exact-size uint8 images on the GPU and runs the
-  family's vision tower (vlmstream/models/; for Qwen2.5-VL the transformers module with vision.FastVisionBlocks:
-  varlen FlashAttention 3 from vLLM, aligned GEMMs, compiled elementwise) on several images per forward, then
+  family's vision tower (vlmstream/models/; the transformers module with vision.FastVisionBlocks: varlen
+  FlashAttention 3 from vLLM, aligned GEMMs, compiled elementwise) on several images per forward, then
   hands vLLM ``image_embeds`` + ``image_grid_thw``. For Qwen3-VL ``image_embeds`` carries the DeepStack levels
   after the merged tokens (``out_hidden_size * (1 + levels)`` wide), which vLLM's Qwen3-VL splits off again;
   the width is checked against vLLM's model config at start and per image before anything is handed over, because

@@ -14,12 +14,12 @@ SizeRule = Callable[[int, int, int, int, int], "tuple[int, int]"]
 @dataclass(frozen=True)
 class Tower:
     """How to build a family's vision tower alone from a checkpoint's ``vision_config``: transformers classes as
-    ``module:Name`` (imported by the engines, never here), and which of our speed-ups fit its blocks."""
+    ``module:Name`` (imported by the engines, never here), and whether its forward attends within windows."""
 
     model_class: str
     config_class: str
-    # Qwen2.5-VL's windowed tower: the forward takes window indices, and vision.FastVisionBlocks fits its blocks
-    # (RMSNorm, gated MLP). Qwen2-VL's and Qwen3-VL's blocks (LayerNorm, plain MLP) run as transformers wrote them.
+    # Qwen2.5-VL's windowed tower: the forward takes window indices. vision.FastVisionBlocks fits its blocks (RMSNorm,
+    # gated MLP) and those of every other Qwen tower (LayerNorm, two-matrix MLP) alike.
     windowed: bool = False
 
 
