@@ -25,7 +25,7 @@ from vlmstream.models.qwen3_vl import QWEN3_VL
 
 TINY_MODEL_DIRNAME = "tiny-qwen2.5-vl"
 # Bumped whenever the folder's contents change, so a cached older folder is rebuilt.
-TINY_MODEL_VERSION = 1
+TINY_MODEL_VERSION = 2
 _MARKER = "vlmstream-tiny-model.json"
 
 FIRST_SPECIAL_ID = 151643
@@ -261,6 +261,7 @@ DEFAULT_TINY_FAMILY = "qwen2.5-vl"
 GENERIC_TINY = "gemma3"
 TINY_FAMILY_NAMES = (DEFAULT_TINY_FAMILY, *TINY_FAMILIES, GENERIC_TINY)
 
+GEMMA3_NEWLINES = ["\n", "\n\n", "\n\n\n", "\n\n\n\n"]
 GEMMA3_SPECIALS = ["<start_of_turn>", "<end_of_turn>", "<start_of_image>", "<end_of_image>", "<image_soft_token>"]
 # Gemma 3's chat template reduced to single-image user turns.
 GEMMA3_CHAT_TEMPLATE = (
@@ -278,15 +279,18 @@ def write_gemma3_tokenizer_and_processor(path: Path, image_size: int, tokens_per
     ``image_size`` square resize, no pan and scan, ``tokens_per_image`` soft tokens). With ``vocab_size``, fillers
     take the ids up to the special tokens, which end the vocabulary, so any id the model can emit decodes. Returns
     the tokens' ids and the vocabulary's size (``"vocab"``)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
     base = ["<pad>", "<eos>", "<bos>"]
     vocab = {symbol: i for i, symbol in enumerate(base + sorted(pre_tokenizers.ByteLevel.alphabet()))}
-    for i in range(len(vocab), vocab_size - len(GEMMA3_SPECIALS)):
+    for i in range(len(vocab), vocab_size - len(GEMMA3_SPECIALS) - len(GEMMA3_NEWLINES)):
         vocab[f"<filler_{i}>"] = i
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tokenizer.decoder = decoders.ByteLevel()
+    # Gemma's own vocabulary has runs of one to four newlines as single tokens; vLLM's Gemma 3 processor looks them
+    # up by text around the image's "\n\n<start_of_image>...<end_of_image>\n\n".
+    tokenizer.add_tokens([AddedToken(n, normalized=False) for n in GEMMA3_NEWLINES])
     tokenizer.add_special_tokens(base + GEMMA3_SPECIALS)
     ids = {token: tokenizer.token_to_id(token) for token in base + GEMMA3_SPECIALS}
     tokenizer.save(str(path / "tokenizer.json"))
@@ -302,7 +306,7 @@ def write_gemma3_tokenizer_and_processor(path: Path, image_size: int, tokens_per
         "rescale_factor": 1 / 255, "do_normalize": True, "image_mean": [0.5] * 3, "image_std": [0.5] * 3,
         "do_convert_rgb": True, "do_pan_and_scan": None})
     _dump(path / "processor_config.json", {"processor_class": "Gemma3Processor", "image_seq_length": tokens_per_image})
-    ids["vocab"] = len(vocab) + len(GEMMA3_SPECIALS)
+    ids["vocab"] = tokenizer.get_vocab_size(with_added_tokens=True)
     return ids
 
 
