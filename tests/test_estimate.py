@@ -68,3 +68,22 @@ def test_estimate_of_a_topic_backlog_leaves_the_real_group_where_it_was(topic_na
     assert (data["documents"], data["images"]) == (3, 6)
     by = {s.stage: s for s in pipeline_status(settings)[0]}
     assert (by["decode"].lag, by["decode"].images) == ({settings.topics.documents: 3}, 6)
+
+
+def test_estimate_takes_condense_and_says_it_did_not_model_it(kafka_settings, corpus_dir, tmp_path, unique):
+    """`run --condense` also condenses each document; the estimate takes the option and says, in its JSON and among
+    what it could not see, that the condense stage is not in its prediction."""
+    images = [str(p) for p in corpus_images(corpus_dir, 3)]
+    manifest = tmp_path / "job.jsonl"
+    manifest.write_text("".join(json.dumps({"doc_id": f"{unique}-{n}", "image_uris": [uri]}) + "\n"
+                                for n, uri in enumerate(images)))
+    env = {**os.environ, "VLMSTREAM_INFER__BATCH_SIZE": "2", "OMP_NUM_THREADS": "1",
+           "VLMSTREAM_PRODUCER__STATE_DIR": str(tmp_path / "ledger")}
+    cmd = [sys.executable, "-m", "vlmstream.cli", "estimate", str(manifest), "--condense", "--sample-images", "2",
+           "--decode-workers", "1", "--max-pixels", str(64 * 28 * 28), "--max-new-tokens", "2", "--json"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    data = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert data["stages_not_modelled"] == ["condense"]
+    assert any("--condense" in line and "not in the prediction" in line for line in data["assumptions"])
+    assert data["images"] == 3 and data["predicted_s"] > 0

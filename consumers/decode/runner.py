@@ -308,7 +308,9 @@ class DecodeWorker:
             orig_width=image.orig_width, orig_height=image.orig_height,
             min_pixels=self.settings.decode.min_pixels, max_pixels=self.settings.decode.max_pixels,
             payload_bytes=len(image.data), claim_check=ref, source_format=image.source_format,
-            decode_ms=round(image.decode_ms, 3), metadata=doc.metadata, source=source, created_at=now())
+            decode_ms=round(image.decode_ms, 3),
+            prepare_cpu_ms=round(image.prepare_cpu_ms, 3) if image.prepare_cpu_ms is not None else None,
+            metadata=doc.metadata, source=source, created_at=now())
         self._send(self.settings.topics.images, payload.key(), value, payload.headers())
 
     def _publish_dead_letter(self, letter: DeadLetter) -> None:

@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -349,8 +350,13 @@ def _sample_images(rows: list[tuple[float, Any]], classes: dict[str, str], decod
                 batch, batch_s = f"b{n}", t["batch_ms"] / 1000
             else:
                 infer_s, batch, batch_s = t.get("engine_ms", 0.0) / 1000, "", 0.0
-            out.append(SampleImage(classes.get(d.source_uri or "", "e?/s?"), t.get("decode_ms", 0.0) / 1000,
-                                   infer_s, at, decoded.get(image_key(d.doc_id, d.image_index)), batch, batch_s))
+            # Decode's CPU time, where the worker reports it: its wall time grows with whatever else runs on the
+            # cores at that moment (the sample's short burst keeps every process busy at once, a long job less so),
+            # and the projection adds the contention of the cores once, by itself.
+            decode_ms = t.get("prepare_cpu_ms", t.get("decode_ms", 0.0))
+            out.append(SampleImage(classes.get(d.source_uri or "", "e?/s?"), decode_ms / 1000,
+                                   infer_s, at, decoded.get(image_key(d.doc_id, d.image_index)), batch, batch_s,
+                                   d.source_uri or ""))
     return out
 
 
@@ -392,7 +398,14 @@ def estimate(
     seed: int = typer.Option(0, "--seed", help="The sample's random draw within each stratum."),
     as_json: bool = typer.Option(False, "--json", help="End with one line: the estimate as a JSON object "
                                  "(predicted_s, low_s, high_s, images, documents, bottleneck, ...)."),
+    condense: bool = typer.Option(False, "--condense", help="As `vlmstream run --condense` (each document's "
+                                  "descriptions condensed into one answer): the sample does not run the condense "
+                                  "stage, and the estimate says so among what it could not see."),
     timeout_s: float = typer.Option(1200.0, "--timeout-s", help="Give the sample run up after this long."),
+    sample_report: Optional[Path] = typer.Option(None, "--sample-report", help="Write what the sample measured to "
+                                                 "this JSON file: each job image's size class, and each sample "
+                                                 "image's decode and inference seconds and when it was decoded and "
+                                                 "described (to hold against a full run's)."),
 ) -> None:
     """Predict how long `vlmstream run SOURCE [same options]` takes on this machine (or, with --gpus/--decode-cores,
     on more), from a stratified sample run through the real pipeline; prints the job's shape, the sample, the
@@ -495,6 +508,15 @@ def estimate(
         assumptions.append(f"{result.missing} sample images were not described (dead letters): costed like the rest")
     if tiny:
         assumptions.append("the built-in tiny random-weight model: figures for a real model differ")
+    unmodelled = []
+    if condense:
+        # Its cost per document (a language model's answer over all the document's descriptions) is not measured:
+        # the sample runs decode and inference only.
+        unmodelled.append("condense")
+        assumptions.append("--condense: the condense stage (one answer per document from its descriptions) was not "
+                           "run in the sample and is not in the prediction; `vlmstream run --condense` also waits "
+                           "for every document's answer, and on shared cores its model takes CPU from decode and "
+                           "inference: expect the run to take longer than predicted")
     projection.assumptions = assumptions
 
     console.print(f"sample run: warm-up {warmup_s:.1f} s from the command's start until a first image was "
@@ -520,15 +542,27 @@ def estimate(
     console.print("assumptions and what the estimate could not see:")
     for line in assumptions:
         console.print(f"  - {line}")
+    if sample_report is not None:
+        sample_report.write_text(json.dumps({
+            "uri_classes": {im.uri: im.size_class for d in shape.documents for im in d.images},
+            "steady_start": windows.steady_start, "scale": costs.scale,
+            "images": [dataclasses.asdict(im) for im in result.images]}))
     if as_json:
+        sampled = Counter(im.size_class for im in result.images)
         data = projection.as_dict()
         data.update({"sample_documents": len(sample), "sample_images": sample_count,
+                     "stages_not_modelled": unmodelled,
                      "sample_images_per_document": sorted(len(d.images) for d in sample),
                      "sample_missing": result.missing,
                      "sample_wall_s": round(result.done_at - result.started_at + result.stop_s, 1),
                      "warmup_s": round(warmup_s, 1), "stop_s": round(result.stop_s, 1),
                      "steady_window_s": round(steady_wall, 1), "load_average": [round(load_before, 2),
-                                                                                 round(load_after, 2)]})
+                                                                                 round(load_after, 2)],
+                     "busy_to_wall": round(costs.scale, 3),
+                     "costs_by_class": {c: {"sample_images": sampled[c], "job_images": n,
+                                            "decode_ms": round(costs.decode_s[c] * 1000, 1),
+                                            "infer_ms": round(costs.infer_s[c] * 1000, 1)}
+                                        for c, n in sorted(shape.classes().items()) if c in costs.decode_s}})
         print(json.dumps(data))
 
 
