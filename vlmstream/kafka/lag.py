@@ -9,8 +9,9 @@ from kafka import TopicPartition
 
 class FetchLag:
     """Per owned partition: the end offset the broker reported with the last fetch (kafka-python's ``highwater``)
-    less the next offset this process has not yet received. Records fetched and still in hand (an inference window,
-    open documents) are not lag: the stage has them.
+    less the next offset the consumer has not yet handed to this process (records kafka-python holds in its fetch
+    buffer count: the stage has not seen them). Records handed over and still being worked on (an inference
+    window, open documents) are not lag: the stage has them.
 
     ``observe`` runs on the consumer's own thread after each poll (the consumer is not thread-safe) and asks the
     broker nothing; ``total`` may be read from a metrics thread (it reads one dict, replaced whole)."""
