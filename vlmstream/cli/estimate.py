@@ -198,7 +198,7 @@ class SampleRun:
         return (self.ready_at - self.started_at) + self.stop_s
 
 
-def run_sample(docs: list[JobDocument], settings: Any, timeout_s: float) -> SampleRun:
+def run_sample(docs: list[JobDocument], settings: Any, timeout_s: float, own_s: float = 0.0) -> SampleRun:
     """The sample through the real pipeline as `vlmstream run` runs it (its decode and inference workers, as child
     processes, with the same settings), on topics and groups of its own, in two steps: a one-image warm-up document
     plus about a quarter of the sample (decoded while the model loads, as a run's first documents are), then, once
@@ -301,7 +301,9 @@ def run_sample(docs: list[JobDocument], settings: Any, timeout_s: float) -> Samp
                for record in _read_all(settings, names["images"], len(wanted) + 1)}
     _delete_topics(settings, list(names.values()))
     shutil.rmtree(log_dir, ignore_errors=True)
-    return SampleRun(_sample_images(rows, classes, decoded), PROCESS_STARTED, workers_at, ready_at, measured_at,
+    # The run's time counts from the command's start, less ``own_s``: what only the estimate does before it (reading
+    # every image's header, drawing the sample), which `vlmstream run` does not.
+    return SampleRun(_sample_images(rows, classes, decoded), PROCESS_STARTED + own_s, workers_at, ready_at, measured_at,
                      done_at, stop_s, len(wanted) - len(rows))
 
 
@@ -436,9 +438,11 @@ def estimate(
     settings, said = with_model_family(settings)
     console.print(said)
     family = decode_family(settings.decode)
+    shaping = time.monotonic()
     shape = read_shape(documents, family, family.min_pixels, family.max_pixels)
     target = sample_images or max(16, min(300, shape.images // 20))
     sample = draw_sample(shape, target, seed)
+    shape_s = time.monotonic() - shaping
     sample_count = sum(len(d.images) for d in sample)
     per_doc = shape.per_document()
     console.print(f"job: {what}: {len(shape.documents)} documents, {shape.images} images "
@@ -450,7 +454,7 @@ def estimate(
 
     bootstrap(settings)
     load_before = os.getloadavg()[0]
-    result = run_sample(sample, settings, timeout_s)
+    result = run_sample(sample, settings, timeout_s, own_s=shape_s)
     load_after = os.getloadavg()[0]
     if len(result.images) < 2:
         console.print(f"[red]the sample run described {len(result.images)} images: nothing to measure[/]")
@@ -519,7 +523,8 @@ def estimate(
                            "inference: expect the run to take longer than predicted")
     projection.assumptions = assumptions
 
-    console.print(f"sample run: warm-up {warmup_s:.1f} s from the command's start until a first image was "
+    console.print(f"sample run: warm-up {warmup_s:.1f} s from the command's start (less {shape_s:.1f} s reading the "
+                  "job's headers and drawing the sample, which `vlmstream run` does not do) until a first image was "
                   f"described (the workers started after {result.workers_at - result.started_at:.1f} s); steady "
                   f"window {steady_wall:.1f} s for "
                   f"{len(steady)} images ({len(steady) / steady_wall if steady_wall else 0:.2f} img/s)")
