@@ -7,6 +7,7 @@ Jobs (real images from the corpus, the built-in tiny model on this machine's CPU
   a  a folder of uniform documents (3 images each) of real photos and screenshots
   b  a manifest of 1-40 images per document (heavy-tailed), the heavy documents at the end
   c  a mix of small (0.1 MP) images and large photos taken at up to 12.8 MP (--max-pixels 12845056)
+  d  job a with --condense (each document's descriptions condensed into one answer)
 
     python benchmarks/estimate_honesty.py [--cases abc] [--scale 1.0] [--diagnose]
 
@@ -93,7 +94,13 @@ def job_c(root: Path, scale: float) -> tuple[Path, list[str]]:
     return manifest, ["--max-pixels", "12845056"]
 
 
-JOBS = {"a": job_a, "b": job_b, "c": job_c}
+def job_d(root: Path, scale: float) -> tuple[Path, list[str]]:
+    """Job a's documents, each also condensed into one answer (`--condense`)."""
+    folder, options = job_a(root, scale)
+    return folder, [*options, "--condense"]
+
+
+JOBS = {"a": job_a, "b": job_b, "c": job_c, "d": job_d}
 
 
 def documents_in(job: Path) -> list[tuple[str, int]]:
@@ -113,9 +120,10 @@ def run_full(job: Path, options: list[str]) -> tuple[float, dict[str, float], di
     settings = load_settings()
     suffix = f"honesty-{uuid.uuid4().hex[:8]}"
     names = {k: f"{getattr(settings.topics, k)}.{suffix}"
-             for k in ("documents", "images", "descriptions", "embeddings", "results", "deadletter")}
+             for k in ("documents", "images", "descriptions", "embeddings", "results", "summaries", "deadletter")}
     env = dict(os.environ, **ENV, **{f"VLMSTREAM_TOPICS__{k.upper()}": v for k, v in names.items()},
                VLMSTREAM_DECODE__GROUP_ID=f"decode-{suffix}", VLMSTREAM_INFER__GROUP_ID=f"infer-{suffix}",
+               VLMSTREAM_CONDENSE__GROUP_ID=f"condense-{suffix}",
                VLMSTREAM_PRODUCER__STATE_DIR=tempfile.mkdtemp(prefix="honesty-ledger-"))
     started_wall, started = time.time(), time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "vlmstream.cli", "run", str(job), *options, *COMMON,

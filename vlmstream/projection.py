@@ -200,6 +200,7 @@ class SampleImage:
     batch: str = ""  # the inference batch it was in
     batch_s: float = 0.0  # that batch's own time (0: an engine without batch times)
     uri: str = ""
+    doc_id: str = ""
 
 
 @dataclass
