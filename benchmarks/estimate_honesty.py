@@ -7,8 +7,9 @@ Jobs (real images from the corpus, the built-in tiny model on this machine's CPU
   a  a folder of uniform documents (3 images each) of real photos and screenshots
   b  a manifest of 1-40 images per document (heavy-tailed), the heavy documents at the end
   c  a mix of small (0.1 MP) images and large photos taken at up to 12.8 MP (--max-pixels 12845056)
+  d  job a with --condense (each document's descriptions condensed into one answer)
 
-    python benchmarks/estimate_honesty.py [--cases abc] [--scale 1.0]
+    python benchmarks/estimate_honesty.py [--cases abc] [--scale 1.0] [--diagnose]
 
 Prints one table; each row also as a JSON line. The machine may be shared: say how busy it was with the figures.
 """
@@ -93,7 +94,13 @@ def job_c(root: Path, scale: float) -> tuple[Path, list[str]]:
     return manifest, ["--max-pixels", "12845056"]
 
 
-JOBS = {"a": job_a, "b": job_b, "c": job_c}
+def job_d(root: Path, scale: float) -> tuple[Path, list[str]]:
+    """Job a's documents, each also condensed into one answer (`--condense`)."""
+    folder, options = job_a(root, scale)
+    return folder, [*options, "--condense"]
+
+
+JOBS = {"a": job_a, "b": job_b, "c": job_c, "d": job_d}
 
 
 def documents_in(job: Path) -> list[tuple[str, int]]:
@@ -105,17 +112,18 @@ def documents_in(job: Path) -> list[tuple[str, int]]:
     return [(json.loads(line)["doc_id"], len(json.loads(line)["image_uris"])) for line in job.open()]
 
 
-def run_full(job: Path, options: list[str]) -> tuple[float, dict[str, float]]:
+def run_full(job: Path, options: list[str]) -> tuple[float, dict[str, float], dict]:
     """`vlmstream run JOB` on topics and groups of its own: (wall s from start to exit, each document's result time in
-    seconds from the start)."""
+    seconds from the start, what decode did: ``decode_costs``)."""
     from vlmstream.config import load_settings
 
     settings = load_settings()
     suffix = f"honesty-{uuid.uuid4().hex[:8]}"
     names = {k: f"{getattr(settings.topics, k)}.{suffix}"
-             for k in ("documents", "images", "descriptions", "embeddings", "results", "deadletter")}
+             for k in ("documents", "images", "descriptions", "embeddings", "results", "summaries", "deadletter")}
     env = dict(os.environ, **ENV, **{f"VLMSTREAM_TOPICS__{k.upper()}": v for k, v in names.items()},
                VLMSTREAM_DECODE__GROUP_ID=f"decode-{suffix}", VLMSTREAM_INFER__GROUP_ID=f"infer-{suffix}",
+               VLMSTREAM_CONDENSE__GROUP_ID=f"condense-{suffix}",
                VLMSTREAM_PRODUCER__STATE_DIR=tempfile.mkdtemp(prefix="honesty-ledger-"))
     started_wall, started = time.time(), time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "vlmstream.cli", "run", str(job), *options, *COMMON,
@@ -127,7 +135,143 @@ def run_full(job: Path, options: list[str]) -> tuple[float, dict[str, float]]:
     results, failed = _result_times(settings, names["results"], started_wall)
     if failed:
         raise SystemExit(f"{failed} images failed in the full run: the job is not what was estimated")
-    return wall, results
+    return wall, results, decode_costs(settings, names, started_wall)
+
+
+def _read_topic(settings, topic: str) -> list:
+    from vlmstream.kafka.clients import make_consumer
+    from vlmstream.kafka.group import topic_partitions
+
+    consumer = make_consumer(settings, None)
+    out = []
+    try:
+        consumer.assign(topic_partitions(consumer, [topic]))
+        consumer.seek_to_beginning()
+        quiet = time.monotonic()
+        while time.monotonic() - quiet < 5:
+            for records in consumer.poll(timeout_ms=500).values():
+                quiet = time.monotonic()
+                out += records
+    finally:
+        consumer.close()
+    return out
+
+
+def decode_costs(settings, names: dict[str, str], started_wall: float) -> dict:
+    """The full run's decode, image by image: each description's decode cost as the estimate reads it (the worker's
+    CPU time, else its wall time) by source URI, and when each image record was written (seconds from the start)."""
+    from schemas import Description, SchemaError
+
+    by_uri: dict[str, list[float]] = {}
+    rows = []
+    for record in _read_topic(settings, names["descriptions"]):
+        try:
+            d = Description.decode(record.value)
+        except SchemaError:
+            continue
+        rows.append((record.timestamp / 1000, d))
+        t = d.timings_ms or {}
+        ms = t.get("prepare_cpu_ms", t.get("decode_ms"))  # what the estimate reads
+        if ms is not None:
+            by_uri.setdefault(d.source_uri or "", []).append(ms)
+    images = _read_topic(settings, names["images"])
+    decoded_at = sorted(r.timestamp / 1000 - started_wall for r in images)
+    return {"decode_ms_by_uri": by_uri, "decoded_at": decoded_at, "rows": rows,
+            "decoded_by_key": {r.key: r.timestamp / 1000 for r in images}}
+
+
+def full_calibration(report: dict, full: dict, predicted: dict) -> dict:
+    """The estimate's own arithmetic applied to the full run (its images' costs by class and its steady window's
+    busy-to-wall scale), to split the error into the costs per image and the scale."""
+    from vlmstream.cli.estimate import _sample_images
+    from vlmstream.projection import calibrate, sample_windows
+
+    images = _sample_images(full["rows"], report["uri_classes"], full["decoded_by_key"])
+    windows = sample_windows(images)
+    costs = calibrate(images, windows, decode_parallel=2, shared_cores=True, cores=os.cpu_count() or 1,
+                      infer_threads=int(os.environ.get("OMP_NUM_THREADS", "1")))
+    job = {c: v["job_images"] for c, v in predicted["costs_by_class"].items()}
+    sample_costs = {c: (v["decode_ms"] / 1000, v["infer_ms"] / 1000) for c, v in predicted["costs_by_class"].items()}
+    d_s = sum(n * sample_costs[c][0] for c, n in job.items())
+    i_s = sum(n * sample_costs[c][1] for c, n in job.items())
+    d_f = sum(n * costs.decode_s.get(c, 0.0) for c, n in job.items())
+    i_f = sum(n * costs.infer_s.get(c, 0.0) for c, n in job.items())
+    busy = decode_concurrency([(im.decoded_at - im.decode_s, im.decoded_at) for im in images
+                               if im.decoded_at is not None], windows.steady_start, windows.steady_end)
+    return {"full_steady_s": round(windows.steady_s, 1), "full_busy_to_wall": round(costs.scale, 3),
+            "full_decoders_busy": busy,
+            "job_busy_s": {"sample_costs": [round(d_s, 1), round(i_s, 1)], "full_costs": [round(d_f, 1), round(i_f, 1)]},
+            "full_infer_ms_by_class": {c: round(v * 1000, 1) for c, v in costs.infer_s.items()},
+            "full_wall_from_own_costs": round(costs.wall(d_f, i_f), 1),
+            "full_wall_from_sample_costs_own_scale": round(costs.wall(d_s, i_s), 1)}
+
+
+def decode_concurrency(spans: list[tuple[float, float]], start: float, end: float) -> dict:
+    """Over [start, end]: the share of the time with 0, 1, 2, ... images being decoded at once (each image from its
+    record's time less its decode seconds to its record's time), and the mean."""
+    events = sorted([(max(a, start), 1) for a, b in spans if b > start and a < end] +
+                    [(min(b, end), -1) for a, b in spans if b > start and a < end])
+    share: dict[int, float] = {}
+    level, at = 0, start
+    for t, step in events:
+        share[level] = share.get(level, 0.0) + max(0.0, t - at)
+        level, at = level + step, max(at, t)
+    share[level] = share.get(level, 0.0) + max(0.0, end - at)
+    total = max(end - start, 1e-9)
+    return {"mean": round(sum(k * v for k, v in share.items()) / total, 2),
+            "share": {str(k): round(v / total, 2) for k, v in sorted(share.items())}}
+
+
+def decode_diagnosis(report: dict, full: dict, predicted: dict) -> dict:
+    """The estimate's decode figures against the full run's: per size class, per source file (the same file in the
+    sample and in the job), and the sample's images decoded during its warm-up against those decoded in its steady
+    window."""
+    import statistics as st
+
+    classes = report["uri_classes"]
+    full_by_class: dict[str, list[float]] = {}
+    for uri, values in full["decode_ms_by_uri"].items():
+        full_by_class.setdefault(classes.get(uri, "?"), []).extend(values)
+    per_class = {c: {"estimate_ms": v["decode_ms"], "sample_images": v["sample_images"],
+                     "full_ms": round(st.fmean(full_by_class[c]), 1) if full_by_class.get(c) else None,
+                     "full_images": len(full_by_class.get(c, []))}
+                 for c, v in predicted["costs_by_class"].items()}
+    sample = report["images"]
+    warm = [im for im in sample if im["decoded_at"] is not None and im["decoded_at"] <= report["steady_start"]]
+    steady = [im for im in sample if im["decoded_at"] is not None and im["decoded_at"] > report["steady_start"]]
+    ratios, warm_ratios, steady_ratios = [], [], []
+    for im in sample:
+        full_ms = full["decode_ms_by_uri"].get(im["uri"])
+        if full_ms:
+            r = im["decode_s"] * 1000 / st.fmean(full_ms)
+            ratios.append(r)
+            (warm_ratios if im in warm else steady_ratios).append(r)
+    total_full = sum(sum(v) for v in full["decode_ms_by_uri"].values())
+    total_est = sum(v["decode_ms"] * v["job_images"] for v in predicted["costs_by_class"].values())
+    at = full["decoded_at"]
+    start = report["steady_start"]
+    done = max(im["done_at"] for im in sample)
+    decoded_in = sorted(im["decoded_at"] for im in steady)
+    window = {"steady_s": round(done - start, 2),
+              "to_first_decoded_s": round(decoded_in[0] - start, 2) if decoded_in else None,
+              "last_decoded_to_last_described_s": round(done - decoded_in[-1], 2) if decoded_in else None}
+    window["decoders_busy"] = decode_concurrency(
+        [(im["decoded_at"] - im["decode_s"], im["decoded_at"]) for im in sample if im["decoded_at"] is not None],
+        start, done)
+    return {
+        "sample_window": window,
+        "per_class": per_class,
+        "sample_decode_ms": {"warmup": round(st.fmean(im["decode_s"] for im in warm) * 1000, 1) if warm else None,
+                             "warmup_images": len(warm),
+                             "steady": round(st.fmean(im["decode_s"] for im in steady) * 1000, 1) if steady else None,
+                             "steady_images": len(steady)},
+        "sample_over_full_same_file": {"all": round(st.median(ratios), 2) if ratios else None,
+                                       "warmup": round(st.median(warm_ratios), 2) if warm_ratios else None,
+                                       "steady": round(st.median(steady_ratios), 2) if steady_ratios else None},
+        "job_decode_s": {"estimate": round(total_est / 1000, 1), "full": round(total_full / 1000, 1)},
+        "full_decoded": {"first_s": round(at[0], 1) if at else None, "last_s": round(at[-1], 1) if at else None,
+                         "images": len(at)},
+    }
 
 
 def _result_times(settings, topic: str, started_wall: float) -> tuple[dict[str, float], int]:
@@ -172,6 +316,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cases", default="abc")
     parser.add_argument("--scale", type=float, default=1.0, help="Job sizes times this.")
+    parser.add_argument("--reports", help="Keep the estimates' sample reports (--sample-report) in this folder.")
+    parser.add_argument("--diagnose", action="store_true", help="Also hold the estimate's decode costs (per size "
+                        "class, per source file, warm-up against steady) against the full run's, in each JSON row.")
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="vlmstream-honesty-"))
     rows = []
@@ -181,9 +328,14 @@ def main() -> None:
             docs = documents_in(job)
             t0 = time.monotonic()
             images = sum(k for _, k in docs)
-            predicted = estimate(job, [*options, "--sample-images", str(max(16, images // 10))])
+            report_file = (Path(args.reports) if args.reports else root) / f"{case}-sample.json"
+            load_before = os.getloadavg()
+            predicted = estimate(job, [*options, "--sample-images", str(max(16, images // 10)),
+                                       "--sample-report", str(report_file)])
             estimate_s = time.monotonic() - t0
-            wall, results = run_full(job, options)
+            load_between = os.getloadavg()
+            wall, results, full_decode = run_full(job, options)
+            load_after = os.getloadavg()
             # The naive estimate: documents per second over the first N documents done (from the first result to
             # the N-th, start-up left out as a throughput benchmark does), times the documents.
             n = max(2, predicted["sample_documents"])
@@ -195,7 +347,15 @@ def main() -> None:
                    "low_s": predicted["low_s"], "high_s": predicted["high_s"], "actual_s": round(wall, 1),
                    "error": round(predicted["predicted_s"] / wall - 1, 3), "naive_s": round(naive, 1) if naive else None,
                    "naive_error": round(naive / wall - 1, 3) if naive else None,
-                   "bottleneck": predicted["bottleneck"], "fixed_s": predicted["fixed_s"]}
+                   "bottleneck": predicted["bottleneck"], "fixed_s": predicted["fixed_s"],
+                   "predicted_steady_s": predicted["steady_s"], "busy_to_wall": predicted.get("busy_to_wall"),
+                   "load_average": {"before_estimate": [round(x, 2) for x in load_before],
+                                    "before_run": [round(x, 2) for x in load_between],
+                                    "after_run": [round(x, 2) for x in load_after]}}
+            if args.diagnose:
+                report = json.loads(report_file.read_text())
+                row["decode"] = decode_diagnosis(report, full_decode, predicted)
+                row["full_calibration"] = full_calibration(report, full_decode, predicted)
             rows.append(row)
             print(json.dumps(row), flush=True)
     finally:

@@ -60,7 +60,7 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 from kafka import TopicPartition
 from kafka.coordinator.assignors.abstract import (AbstractPartitionAssignor, ConsumerProtocolAssignment,
@@ -74,6 +74,7 @@ from vlmstream.kafka.checkpoint import (CheckedProducer, Checkpoint, Commit, Out
 from vlmstream.kafka.clients import make_consumer, make_producer, unique_client_id
 from vlmstream.kafka.errors import FatalPipelineError
 from vlmstream.kafka.group import GroupMembershipWatchdog, rewind, subscribe_when_known
+from vlmstream.kafka.lag import FetchLag
 from vlmstream.kafka.records import Record, UnreadableRecord, poll_past_unreadable
 
 log = logging.getLogger(__name__)
@@ -202,6 +203,7 @@ class AggregatorStats:
     commits: int = 0
     terms: int = 0  # exactly-once: ownership terms begun (each with a fresh transactional producer)
     terms_ended: int = 0  # exactly-once: terms ended by a failed transaction or by the partitions moving
+    dead_letters_by_kind: dict[str, int] = field(default_factory=dict)
 
 
 class ResultsAggregator:
@@ -222,6 +224,7 @@ class ResultsAggregator:
         self.exactly_once = settings.infer.exactly_once
         self.transactional_id = results_transactional_id(self.group_id)
         self.stats = AggregatorStats()
+        self.lag = FetchLag()
         self._docs: dict[str, _Doc] = {}  # open, or emitted but still pinning a commit point
         self._recent: OrderedDict[str, _Doc] = OrderedDict()  # emitted and released: for late records
         self._emitted: OrderedDict[str, _Emitted] = OrderedDict()  # what went out, kept longer than _recent
@@ -266,6 +269,7 @@ class ResultsAggregator:
                 if until_idle_s is not None and self._assigned and clock - last_record >= until_idle_s:
                     break
                 batches = poll_past_unreadable(self.consumer, timeout_ms=200)
+                self.lag.observe(self.consumer, batches)
                 assigned = self.consumer.assignment()
                 if not self._assigned and assigned:
                     self._assigned, last_record = True, time.monotonic()  # idle counts from the first assignment
@@ -548,6 +552,7 @@ class ResultsAggregator:
         return value
 
     def _send_dead_letter(self, doc: _Doc, error_kind: str, detail: str) -> None:
+        self.stats.dead_letters_by_kind[error_kind] = self.stats.dead_letters_by_kind.get(error_kind, 0) + 1
         letter = DeadLetter(stage="results", error_kind=error_kind, detail=detail[:4000], doc_id=doc.doc_id,
                             image_count=doc.image_count, created_at=now())
         try:
@@ -683,7 +688,50 @@ class ResultsAggregator:
         subscribe_when_known(self.consumer, [t.descriptions, t.deadletter], listener=_Rebalance(self))
 
     def open_documents(self) -> int:
-        return sum(1 for d in self._docs.values() if not d.emitted)
+        # A copy first (one step under the GIL): the metrics endpoint calls this from its own thread.
+        return sum(1 for d in list(self._docs.values()) if not d.emitted)
+
+
+class AggregatorCollector:
+    """Prometheus collector over one ``ResultsAggregator``'s stats, read at scrape time (served by the process it runs
+    in: `vlmstream infer`'s endpoint)."""
+
+    def __init__(self, aggregator: ResultsAggregator):
+        self.aggregator = aggregator
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        stats = self.aggregator.stats
+        counters = (
+            ("vlmstream_results_records", "Description and dead-letter records read.", stats.records),
+            ("vlmstream_results_documents", "Document results published (a document completed, or timed out).",
+             stats.results),
+            ("vlmstream_results_reemitted", "Results published again for a document already emitted (a redriven or "
+             "late image improved it).", stats.reemitted),
+            ("vlmstream_results_timed_out", "Documents published with their missing images failed, after waiting "
+             "open too long.", stats.timed_out),
+            ("vlmstream_results_late", "Records of a document already emitted and forgotten: dropped.", stats.late),
+            ("vlmstream_results_skipped", "Records that could not be read.", stats.skipped),
+            ("vlmstream_results_commits", "Offset commits (or transactions) completed.", stats.commits),
+        )
+        for name, doc, value in counters:
+            family = CounterMetricFamily(name, doc)
+            family.add_metric([], value)
+            yield family
+        letters = CounterMetricFamily("vlmstream_results_dead_letters", "Results dead-lettered, by error kind.",
+                                      labels=["error_kind"])
+        for kind, count in sorted(stats.dead_letters_by_kind.items()):
+            letters.add_metric([kind], count)
+        yield letters
+        for name, doc, value in (
+                ("vlmstream_results_open_documents", "Documents not yet published (images still to come).",
+                 self.aggregator.open_documents()),
+                ("vlmstream_results_lag_records", "Description and dead-letter records on this aggregator's "
+                 "partitions not yet fetched.", self.aggregator.lag.total)):
+            family = GaugeMetricFamily(name, doc)
+            family.add_metric([], value)
+            yield family
 
 
 class _Rebalance(AsyncConsumerRebalanceListener):

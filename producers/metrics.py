@@ -3,13 +3,12 @@
 
 from __future__ import annotations
 
-import logging
 from collections import Counter
 from typing import Any, Callable, Iterator
 
 from prometheus_client.core import CounterMetricFamily
 
-log = logging.getLogger(__name__)
+from vlmstream import metrics
 
 
 class SummaryCollector:
@@ -42,9 +41,4 @@ class SummaryCollector:
 
 def serve(summary: Callable[[], Any], port: int) -> None:
     """Serve the producer's metrics on ``port`` (a daemon thread)."""
-    from prometheus_client import CollectorRegistry, start_http_server
-
-    registry = CollectorRegistry()
-    registry.register(SummaryCollector(summary))
-    start_http_server(port, registry=registry)
-    log.info("producer metrics on http://0.0.0.0:%d/metrics", port)
+    metrics.serve(port, [SummaryCollector(summary)], "producer")

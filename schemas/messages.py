@@ -258,6 +258,7 @@ class ImagePayload(Message):
     claim_check: str | None = None
     source_format: str | None = None
     decode_ms: float | None = None
+    prepare_cpu_ms: float | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
     source: dict[str, Any] | None = None
     created_at: float | None = None

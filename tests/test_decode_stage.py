@@ -43,6 +43,7 @@ def test_every_supported_format_decodes_to_the_smart_resize_size(tmp_path, name)
     assert result.source_format == name.split("_")[0]
     assert pixels.dtype == np.uint8 and pixels.shape == (result.height, result.width, 3)
     assert set(result.timings) >= {"fetch_ms", "decode_ms", "resize_ms", "encode_ms"}
+    assert result.prepare_cpu_ms is not None and result.prepare_cpu_ms > 0  # what an estimate adds up
 
 
 def test_photo_formats_agree_with_pillow_in_colour(tmp_path):

@@ -68,3 +68,24 @@ def test_estimate_of_a_topic_backlog_leaves_the_real_group_where_it_was(topic_na
     assert (data["documents"], data["images"]) == (3, 6)
     by = {s.stage: s for s in pipeline_status(settings)[0]}
     assert (by["decode"].lag, by["decode"].images) == ({settings.topics.documents: 3}, 6)
+
+
+def test_estimate_with_condense_runs_the_condense_stage_in_its_sample(kafka_settings, corpus_dir, tmp_path, unique):
+    """`run --condense` also condenses each document; the estimate runs the condense worker in its sample, measures
+    its time per document, and says how it counted it."""
+    images = [str(p) for p in corpus_images(corpus_dir, 3)]
+    manifest = tmp_path / "job.jsonl"
+    manifest.write_text("".join(json.dumps({"doc_id": f"{unique}-{n}", "image_uris": [uri]}) + "\n"
+                                for n, uri in enumerate(images)))
+    env = {**os.environ, "VLMSTREAM_INFER__BATCH_SIZE": "2", "OMP_NUM_THREADS": "1",
+           "VLMSTREAM_PRODUCER__STATE_DIR": str(tmp_path / "ledger")}
+    cmd = [sys.executable, "-m", "vlmstream.cli", "estimate", str(manifest), "--condense", "--sample-images", "2",
+           "--decode-workers", "1", "--max-pixels", str(64 * 28 * 28), "--max-new-tokens", "2", "--json"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    data = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert data["stages"] == ["decode", "inference", "condense"]
+    assert data["condense_s_per_document"] > 0
+    said = next(line for line in data["assumptions"] if line.startswith("--condense"))
+    assert f"{data['sample_documents']} of {data['sample_documents']} documents answered" in said
+    assert data["images"] == 3 and data["predicted_s"] > 0 and data["sample_missing"] == 0

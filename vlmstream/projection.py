@@ -8,7 +8,7 @@ window, the first steady window's rate (after the stage first moved: loading a m
 the two, and an ETA whose range comes from the spread of the rate over the window's quarters.
 
 Projection (``SampleImage``, ``project``): a sample run gives, per image, each stage's busy time (decode's own
-milliseconds, inference's batch time shared out by tokens) and its size class; the sample's steady wall time
+CPU milliseconds, inference's batch time shared out by tokens) and its size class; the sample's steady wall time
 calibrates those busy times into wall seconds on this machine. The job's images, counted by size class, times their
 class's calibrated cost, plus the sample's fixed cost (start-up, warm-up, stopping), is the prediction.
 """
@@ -193,12 +193,14 @@ class SampleImage:
     it (seconds on one clock)."""
 
     size_class: str
-    decode_s: float  # decode's own time (fetch + decode + resize + encode), on one worker
+    decode_s: float  # decode's own CPU time for it (decode + resize + encode; its wall time where no CPU time is known)
     infer_s: float  # its share of the inference batch it was in
     done_at: float  # its description written
     decoded_at: float | None = None  # its image record written
     batch: str = ""  # the inference batch it was in
     batch_s: float = 0.0  # that batch's own time (0: an engine without batch times)
+    uri: str = ""
+    doc_id: str = ""
 
 
 @dataclass

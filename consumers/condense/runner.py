@@ -46,6 +46,7 @@ from vlmstream.kafka.clients import make_consumer, make_producer, unique_client_
 from vlmstream.kafka.done_prefix import DonePrefix
 from vlmstream.kafka.errors import FatalPipelineError
 from vlmstream.kafka.group import GroupMembershipWatchdog, rewind, subscribe_when_known
+from vlmstream.kafka.lag import FetchLag
 from vlmstream.kafka.records import Record, UnreadableRecord, dead_letter_from_record, poll_past_unreadable
 from vlmstream.queued_engine import EngineDeadError
 
@@ -70,6 +71,8 @@ class CondenseStats:
     commits: int = 0
     prompt_tokens: int = 0
     output_tokens: int = 0
+    engine_s: float = 0.0  # summarised documents' time from submission to answer, summed
+    dead_letters_by_kind: dict[str, int] = field(default_factory=dict)
     run_s: float = 0.0
 
 
@@ -114,6 +117,7 @@ class CondenseRunner:
             f"{self.group_id}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}")
         self.max_in_flight = self.cfg.documents_in_flight(engine.batch_size)
         self.stats = CondenseStats()
+        self.lag = FetchLag()
         self._backlog: deque[_Doc] = deque()  # fetched (or to retry), not in the engine
         self._in_engine: dict[str, _Doc] = {}
         self._newest: dict[str, _Doc] = {}  # per document, the newest result fetched and still open
@@ -209,6 +213,11 @@ class CondenseRunner:
     def _open(self) -> int:
         return len(self._backlog) + len(self._in_engine)
 
+    @property
+    def open_documents(self) -> int:
+        """Documents fetched and not yet answered (read from a metrics thread: a count, never the collections)."""
+        return self._open()
+
     def _fetch(self, stop_event: threading.Event) -> int:
         assigned = self.consumer.assignment()
         if self._open() >= self.max_in_flight:
@@ -226,6 +235,7 @@ class CondenseRunner:
             timeout_ms = max(timeout_ms, REBALANCE_POLL_MS)
         batches = poll_past_unreadable(self.consumer, timeout_ms=timeout_ms,
                                        max_records=max(1, self.max_in_flight - self._open()))
+        self.lag.observe(self.consumer, batches)
         if not batches and not assigned and not self._open():
             time.sleep(timeout_ms / 1000)  # without partitions poll returns at once
         fetched = 0
@@ -350,6 +360,7 @@ class CondenseRunner:
             self._dead_letter(doc.tp, doc.record, result, "output_invalid", str(exc), doc=doc)
             return
         self.stats.summaries += 1
+        self.stats.engine_s += max(0.0, time.monotonic() - doc.submitted_at) if doc.submitted_at else 0.0
         self.stats.cut += doc.prompt.cut is not None
         self.stats.prompt_tokens += out.prompt_tokens
         self.stats.output_tokens += out.output_tokens
@@ -374,6 +385,7 @@ class CondenseRunner:
                      detail: str, *, attempts: int = 1, retriable: bool = False, doc: _Doc | None = None) -> None:
         """The document's dead letter, carrying its result record (``vlmstream redrive --stage condense``)."""
         self.stats.dead_lettered += 1
+        self.stats.dead_letters_by_kind[error_kind] = self.stats.dead_letters_by_kind.get(error_kind, 0) + 1
         log.warning("dead letter %s/%d@%d (document %s): %s: %s", tp.topic, tp.partition, record.offset,
                     result.doc_id if result else "?", error_kind, detail[:200])
         letter = dead_letter_from_record(record, stage="condense", error_kind=error_kind, detail=detail,

@@ -16,7 +16,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-from prometheus_client import Counter, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
@@ -31,6 +31,9 @@ DECODE_SECONDS = Histogram(
     ["source_format", "size_class"],
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
 )
+# Each worker's own partitions; the endpoint sums the live workers' (a dead worker's partitions moved on).
+LAG = Gauge("vlmstream_decode_lag_records", "Document records on the workers' partitions not yet fetched.",
+            multiprocess_mode="livesum")
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +74,9 @@ class DecodeMetrics:
         BYTES_IN.inc(bytes_in)
         BYTES_OUT.inc(bytes_out)
         DECODE_SECONDS.labels(source_format or "unknown", size_class).observe(seconds)
+
+    def lag(self, records: int) -> None:
+        LAG.set(records)
 
     def claim_check(self) -> None:
         self.claim_checks += 1

@@ -50,6 +50,7 @@ from vlmstream.kafka.checkpoint import (CheckedProducer, Checkpoint, Commit, Out
 from vlmstream.kafka.clients import make_consumer, make_producer
 from vlmstream.kafka.errors import FatalPipelineError
 from vlmstream.kafka.group import subscribe_when_known
+from vlmstream.kafka.lag import FetchLag
 from vlmstream.kafka.records import Record, UnreadableRecord, dead_letter_from_record, poll_past_unreadable
 
 log = logging.getLogger(__name__)
@@ -105,6 +106,7 @@ class DecodeWorker:
         self._last_activity = time.monotonic()
         self._max_unflushed = max_unflushed_bytes(settings)
         self.metrics = DecodeMetrics(index)
+        self.lag = FetchLag()
         self.consumer = None
         self.producer = None
         self.sender: CheckedProducer | None = None  # the producer, raising a failed send from flush()
@@ -180,6 +182,8 @@ class DecodeWorker:
     def _loop(self) -> None:
         while not self._should_stop():
             batch = poll_past_unreadable(self.consumer, timeout_ms=POLL_TIMEOUT_MS)
+            self.lag.observe(self.consumer, batch)
+            self.metrics.lag(self.lag.total)
             if batch:
                 self._last_activity = time.monotonic()
                 if self.exactly_once:
@@ -308,7 +312,9 @@ class DecodeWorker:
             orig_width=image.orig_width, orig_height=image.orig_height,
             min_pixels=self.settings.decode.min_pixels, max_pixels=self.settings.decode.max_pixels,
             payload_bytes=len(image.data), claim_check=ref, source_format=image.source_format,
-            decode_ms=round(image.decode_ms, 3), metadata=doc.metadata, source=source, created_at=now())
+            decode_ms=round(image.decode_ms, 3),
+            prepare_cpu_ms=round(image.prepare_cpu_ms, 3) if image.prepare_cpu_ms is not None else None,
+            metadata=doc.metadata, source=source, created_at=now())
         self._send(self.settings.topics.images, payload.key(), value, payload.headers())
 
     def _publish_dead_letter(self, letter: DeadLetter) -> None:

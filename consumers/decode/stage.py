@@ -91,14 +91,14 @@ class DecodeStage:
         """Bytes already in memory -> PreparedImage; raises ImageError (``__call__`` turns it into a value).
         ``page``: which page of a multi-page file (from 1); None = the first, and ``pages`` says how many."""
         with time_limit(getattr(self.settings, "decode_time_limit_s", 0.0)):
-            t0 = time.perf_counter()
+            t0, cpu0 = time.perf_counter(), time.thread_time()
             decoded = self.decoder.decode(data, page)
             t1 = time.perf_counter()
             stored_h, stored_w = decoded.stored_target
             pixels = apply_orientation(resize_exact(decoded.pixels, stored_h, stored_w), decoded.orientation)
             t2 = time.perf_counter()
             payload = encode(pixels, self.settings.codec, jpeg_quality=self.settings.jpeg_quality)
-            t3 = time.perf_counter()
+            t3, cpu3 = time.perf_counter(), time.thread_time()
         height, width = pixels.shape[:2]
         timings = {
             "fetch_ms": fetch_ms,
@@ -121,6 +121,7 @@ class DecodeStage:
             fetch_bytes=len(data),
             timings=timings,
             pages=decoded.pages,
+            prepare_cpu_ms=(cpu3 - cpu0) * 1000,
         )
 
     def close(self) -> None:

@@ -26,6 +26,9 @@ class PreparedImage:
     timings: dict[str, float] | None = None
     # Pages of a multi-page source of which only the first was decoded (no `#page=N` in its URI); 1 otherwise.
     pages: int = 1
+    # CPU seconds (in ms) this worker's thread spent preparing it (decode, resize, encode): unlike the wall times it
+    # does not grow when other processes share the cores, so an estimate can add it to theirs.
+    prepare_cpu_ms: float | None = None
 
 
 @dataclass(frozen=True)

@@ -4,12 +4,12 @@ keeps its stats as it always did, and this collector only reads them, so the hot
 
 from __future__ import annotations
 
-import logging
 from typing import Any, Iterator
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-log = logging.getLogger(__name__)
+from vlmstream import metrics
+from vlmstream.metrics import gpu_memory
 
 
 class RunnerCollector:
@@ -26,6 +26,9 @@ class RunnerCollector:
             ("vlmstream_infer_visual_tokens", "Visual tokens of the images described.", stats.visual_tokens),
             ("vlmstream_infer_retries", "Images handed to the engine again after a retriable failure.", stats.retries),
             ("vlmstream_infer_commits", "Offset commits (or transactions) completed.", stats.commits),
+            ("vlmstream_infer_output_tokens", "Tokens generated for the images described.", stats.output_tokens),
+            ("vlmstream_infer_engine_seconds", "Each described image's time in the engine, from its submission to "
+             "its result, summed (per image: its rate over images_described's).", stats.engine_s),
         )
         for name, doc, value in counters:
             family = CounterMetricFamily(name, doc)
@@ -43,18 +46,17 @@ class RunnerCollector:
              "batch size: batches run part-empty).", stats.mean_in_flight),
             ("vlmstream_infer_batch_size", "Images the engine runs at once.", self.runner.engine_batch_size),
             ("vlmstream_infer_in_flight", "Images in the engine now.", len(self.runner.window.in_flight)),
+            ("vlmstream_infer_lag_records", "Image records on this process's partitions not yet fetched.",
+             self.runner.lag.total),
         )
         for name, doc, value in gauges:
             family = GaugeMetricFamily(name, doc)
             family.add_metric([], value)
             yield family
+        yield from gpu_memory("vlmstream_infer")
 
 
-def serve(runner: Any, port: int) -> None:
-    """Serve the runner's metrics on ``port`` (a daemon thread)."""
-    from prometheus_client import CollectorRegistry, start_http_server
-
-    registry = CollectorRegistry()
-    registry.register(RunnerCollector(runner))
-    start_http_server(port, registry=registry)
-    log.info("inference metrics on http://0.0.0.0:%d/metrics", port)
+def serve(runner: Any, port: int, *others: Any) -> None:
+    """Serve the runner's metrics on ``port`` (a daemon thread), with ``others``: collectors of what else runs in
+    this process (the results aggregator)."""
+    metrics.serve(port, [RunnerCollector(runner), *others], "inference")

@@ -23,6 +23,8 @@ def timings_ms(work: Work, out: InferenceOutput) -> dict[str, float]:
         timings["since_produced_ms"] = round(max(0.0, time.time() * 1000 - work.record.timestamp), 3)
     if work.meta.decode_ms is not None:
         timings["decode_ms"] = float(work.meta.decode_ms)
+    if work.meta.prepare_cpu_ms is not None:
+        timings["prepare_cpu_ms"] = float(work.meta.prepare_cpu_ms)
     return timings
 
 

@@ -40,6 +40,7 @@ from vlmstream.kafka.clients import make_consumer, make_producer, unique_client_
 from vlmstream.kafka.done_prefix import DonePrefix
 from vlmstream.kafka.errors import FatalPipelineError
 from vlmstream.kafka.group import GroupMembershipWatchdog, rewind, subscribe_when_known
+from vlmstream.kafka.lag import FetchLag
 from vlmstream.kafka.records import Record, UnreadableRecord, poll_past_unreadable
 
 log = logging.getLogger(__name__)
@@ -77,6 +78,7 @@ class InferenceRunner:
         # Committing every in-flight window bounds what a crash redoes to about two windows.
         self.commit_every = commit_every or max(1, self.max_images_in_flight)
         self.stats = RunnerStats()
+        self.lag = FetchLag()
         self.window = InFlightWindow(self.max_images_in_flight, self.cfg.max_visual_tokens_in_flight)
         self.saturation = Saturation(self.stats, batch_size=self.engine_batch_size, step_tokens=engine.step_tokens,
                                      max_tokens=self.cfg.max_visual_tokens_in_flight)
@@ -212,6 +214,7 @@ class InferenceRunner:
         if self._rebalancing:
             timeout_ms = max(timeout_ms, REBALANCE_POLL_MS)
         batches = poll_past_unreadable(self.consumer, timeout_ms=timeout_ms, max_records=max(1, self.window.free()))
+        self.lag.observe(self.consumer, batches)
         if not batches and not assigned and not self.window.has_work():
             # Without partitions poll returns at once (kafka-python): looping on it would burn half a core.
             time.sleep(timeout_ms / 1000)
@@ -309,6 +312,8 @@ class InferenceRunner:
             return
         self.stats.described += 1
         self.stats.visual_tokens += visual_tokens
+        self.stats.output_tokens += out.output_tokens or 0
+        self.stats.engine_s += max(0.0, time.monotonic() - work.submitted_at)
         self._finish(work, published)
 
     def _fail(self, work: Work, error_kind: str, detail: str, *, retriable: bool) -> None:

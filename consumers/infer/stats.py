@@ -20,6 +20,8 @@ class RunnerStats:
     dead_letters_by_kind: dict[str, int] = field(default_factory=dict)
     retries: int = 0
     visual_tokens: int = 0
+    output_tokens: int = 0
+    engine_s: float = 0.0  # described images' time from submission to result, summed
     commits: int = 0
     run_s: float = 0.0
     engine_idle_s: float = 0.0  # wall time with nothing submitted to the engine

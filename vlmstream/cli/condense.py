@@ -90,6 +90,10 @@ def condense(
     try:
         runner = CondenseRunner(settings, engine_impl, Condenser(settings.condense, engine_impl.tokenizer, schema,
                                                                  template))
+        if settings.metrics_port > 0:
+            from consumers.condense.metrics import serve
+
+            serve(runner, settings.metrics_port)
         code = runner.run(stop, max_seconds=max_seconds, until_idle_s=until_idle_s)
     finally:
         engine_impl.close()

@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -190,6 +191,15 @@ class SampleRun:
     done_at: float  # the last sample image described (or dead-lettered)
     stop_s: float  # stopping the workers took
     missing: int  # sample images without a description (dead letters, or the time ran out)
+    answers: dict[str, tuple[float, float]] = field(default_factory=dict)  # with condense: doc id -> (written, model s)
+
+    @property
+    def condensed(self) -> int:
+        return len(self.answers)
+
+    @property
+    def condense_s_per_document(self) -> float:
+        return statistics.fmean(s for _at, s in self.answers.values()) if self.answers else 0.0
 
     @property
     def fixed_s(self) -> float:
@@ -197,13 +207,15 @@ class SampleRun:
         return (self.ready_at - self.started_at) + self.stop_s
 
 
-def run_sample(docs: list[JobDocument], settings: Any, timeout_s: float) -> SampleRun:
+def run_sample(docs: list[JobDocument], settings: Any, timeout_s: float, own_s: float = 0.0,
+               condense: bool = False) -> SampleRun:
     """The sample through the real pipeline as `vlmstream run` runs it (its decode and inference workers, as child
-    processes, with the same settings), on topics and groups of its own, in two steps: a one-image warm-up document
-    plus about a quarter of the sample (decoded while the model loads, as a run's first documents are), then, once
-    the warm-up document is described, the rest; the steady window runs from there to the last description."""
+    processes, with the same settings; with ``condense`` the condense worker too), on topics and groups of its own,
+    in two steps: a one-image warm-up document plus about a quarter of the sample (decoded while the model loads, as a
+    run's first documents are), then, once the warm-up document is described, the rest; the steady window runs from
+    there to the last description (with ``condense``: to the last document's answer)."""
     from producers.publisher import publish_documents
-    from schemas import DeadLetter, Description, DocumentRef, SchemaError
+    from schemas import DeadLetter, Description, DocumentRef, DocumentSummary, SchemaError
     from vlmstream.cli.run import _as_stage, _child, _kill, _manifest_roots, _settings_file, _stop_children
     from vlmstream.kafka.clients import make_consumer
     from vlmstream.kafka.group import topic_partitions
@@ -212,7 +224,7 @@ def run_sample(docs: list[JobDocument], settings: Any, timeout_s: float) -> Samp
 
     suffix = f"estimate-{uuid.uuid4().hex[:10]}"
     names = {name: f"{getattr(settings.topics, name)}.{suffix}"
-             for name in ("documents", "images", "descriptions", "embeddings", "results", "deadletter")}
+             for name in ("documents", "images", "descriptions", "embeddings", "results", "summaries", "deadletter")}
     roots = list(settings.decode.allowed_roots)
     roots += [r for r in _manifest_roots([d.doc for d in docs]) if r not in roots]
     settings = settings.model_copy(update={
@@ -220,6 +232,7 @@ def run_sample(docs: list[JobDocument], settings: Any, timeout_s: float) -> Samp
         "decode": settings.decode.model_copy(update={"group_id": f"{settings.decode.group_id}.{suffix}",
                                                      "allowed_roots": roots}),
         "infer": settings.infer.model_copy(update={"group_id": f"{settings.infer.group_id}.{suffix}"}),
+        "condense": settings.condense.model_copy(update={"group_id": f"{settings.condense.group_id}.{suffix}"}),
         "producer": settings.producer.model_copy(update={
             "state_dir": tempfile.mkdtemp(prefix="vlmstream-estimate-ledger-")}),
     })
@@ -233,13 +246,17 @@ def run_sample(docs: list[JobDocument], settings: Any, timeout_s: float) -> Samp
         images += len(d.images) if images < total / 4 else 0
     wanted = {(d.doc.doc_id, i) for d in docs for i in range(len(d.images))}
     seen: set[tuple[str, int]] = set()
+    # With condense: each document's answer (or its condense dead letter) too; the warm-up document's is not waited for.
+    to_condense = {d.doc.doc_id for d in docs} if condense else set()
+    stages = ("decode", "infer") + (("condense",) if condense else ())
 
     watcher = make_consumer(_as_stage(settings, "tap"), None)
-    tps = topic_partitions(watcher, [names["descriptions"], names["deadletter"]])
+    tps = topic_partitions(watcher, [names["descriptions"], names["deadletter"]]
+                           + ([names["summaries"]] if condense else []))
     watcher.assign(tps)
     watcher.seek_to_beginning()
     log_dir = Path(tempfile.mkdtemp(prefix="vlmstream-estimate-logs-"))
-    config_files = {stage: _settings_file(_as_stage(settings, stage)) for stage in ("decode", "infer")}
+    config_files = {stage: _settings_file(_as_stage(settings, stage)) for stage in stages}
     children: dict[str, subprocess.Popen] = {}
     ready_at = measured_at = done_at = 0.0
     deadline = time.monotonic() + timeout_s
@@ -249,9 +266,11 @@ def run_sample(docs: list[JobDocument], settings: Any, timeout_s: float) -> Samp
         # environment, which would send them to the real job's topics and groups.
         children["decode"] = _child(["decode"], config_files["decode"], log_dir / "decode.log")
         children["infer"] = _child(["infer"], config_files["infer"], log_dir / "infer.log")
+        if condense:
+            children["condense"] = _child(["condense"], config_files["condense"], log_dir / "condense.log")
         publish_documents(_as_stage(settings, "producer"), [warmup, *(d.doc for d in first_part)], force=True)
         warm_done = False
-        while (not warm_done or wanted - seen) and time.monotonic() < deadline:
+        while (not warm_done or wanted - seen or to_condense) and time.monotonic() < deadline:
             for name, proc in children.items():
                 if proc.poll() is not None:
                     raise typer.BadParameter(f"the sample's {name} worker exited with {proc.returncode}: "
@@ -259,11 +278,14 @@ def run_sample(docs: list[JobDocument], settings: Any, timeout_s: float) -> Samp
             for tp, records in poll_past_unreadable(watcher, timeout_ms=300).items():
                 for record in records:
                     try:
-                        message = (Description if tp.topic == names["descriptions"] else DeadLetter).decode(
-                            record.value)
+                        kind = {names["descriptions"]: Description, names["summaries"]: DocumentSummary}.get(
+                            tp.topic, DeadLetter)
+                        message = kind.decode(record.value)
                     except SchemaError:
                         continue
-                    if message.doc_id == warmup.doc_id:
+                    if kind is DocumentSummary or (kind is DeadLetter and message.stage == "condense"):
+                        to_condense.discard(message.doc_id)
+                    elif message.doc_id == warmup.doc_id:
                         warm_done = True
                     elif message.doc_id is not None and getattr(message, "image_index", None) is not None:
                         seen.add((message.doc_id, message.image_index))
@@ -298,10 +320,25 @@ def run_sample(docs: list[JobDocument], settings: Any, timeout_s: float) -> Samp
             rows.append((record.timestamp / 1000, description))
     decoded = {record.key: record.timestamp / 1000
                for record in _read_all(settings, names["images"], len(wanted) + 1)}
+    answers = {}
+    if condense:
+        for record in _read_all(settings, names["summaries"], len(docs) + 1):
+            try:
+                summary = DocumentSummary.decode(record.value)
+            except SchemaError:
+                continue
+            if summary.doc_id == warmup.doc_id:
+                continue
+            t = summary.timings_ms or {}
+            answers[summary.doc_id] = (record.timestamp / 1000,
+                                       t.get("generate_ms", 0.0) / max(1.0, t.get("batch_documents", 1.0)) / 1000)
     _delete_topics(settings, list(names.values()))
     shutil.rmtree(log_dir, ignore_errors=True)
-    return SampleRun(_sample_images(rows, classes, decoded), PROCESS_STARTED, workers_at, ready_at, measured_at,
-                     done_at, stop_s, len(wanted) - len(rows))
+    # The run's time counts from the command's start, less ``own_s``: what only the estimate does before it (reading
+    # every image's header, drawing the sample), which `vlmstream run` does not.
+    return SampleRun(_with_answers(_sample_images(rows, classes, decoded), answers), PROCESS_STARTED + own_s,
+                     workers_at, ready_at, measured_at,
+                     done_at, stop_s, len(wanted) - len(rows), answers)
 
 
 def _read_all(settings: Any, topic: str, wanted: int) -> list[Any]:
@@ -349,8 +386,28 @@ def _sample_images(rows: list[tuple[float, Any]], classes: dict[str, str], decod
                 batch, batch_s = f"b{n}", t["batch_ms"] / 1000
             else:
                 infer_s, batch, batch_s = t.get("engine_ms", 0.0) / 1000, "", 0.0
-            out.append(SampleImage(classes.get(d.source_uri or "", "e?/s?"), t.get("decode_ms", 0.0) / 1000,
-                                   infer_s, at, decoded.get(image_key(d.doc_id, d.image_index)), batch, batch_s))
+            # Decode's CPU time, where the worker reports it: its wall time grows with whatever else runs on the
+            # cores at that moment (the sample's short burst keeps every process busy at once, a long job less so),
+            # and the projection adds the contention of the cores once, by itself.
+            decode_ms = t.get("prepare_cpu_ms", t.get("decode_ms", 0.0))
+            out.append(SampleImage(classes.get(d.source_uri or "", "e?/s?"), decode_ms / 1000,
+                                   infer_s, at, decoded.get(image_key(d.doc_id, d.image_index)), batch, batch_s,
+                                   d.source_uri or "", d.doc_id))
+    return out
+
+
+def _with_answers(images: list[Any], answers: dict[str, tuple[float, float]]) -> list[Any]:
+    """With condense: each document's share of its answer's time added to its images' inference cost (condense's
+    model runs where inference's does: the same cores here, the same accelerator on a GPU), shared out equally over
+    its images, and each image done when its document's answer was written."""
+    if not answers:
+        return images
+    counts = Counter(im.doc_id for im in images)
+    out = []
+    for im in images:
+        at, seconds = answers.get(im.doc_id, (im.done_at, 0.0))
+        out.append(dataclasses.replace(im, infer_s=im.infer_s + seconds / counts[im.doc_id],
+                                       done_at=max(im.done_at, at)))
     return out
 
 
@@ -392,7 +449,14 @@ def estimate(
     seed: int = typer.Option(0, "--seed", help="The sample's random draw within each stratum."),
     as_json: bool = typer.Option(False, "--json", help="End with one line: the estimate as a JSON object "
                                  "(predicted_s, low_s, high_s, images, documents, bottleneck, ...)."),
+    condense: bool = typer.Option(False, "--condense", help="As `vlmstream run --condense` (each document's "
+                                  "descriptions condensed into one answer): the sample runs the condense worker too "
+                                  "and its time per document is in the prediction."),
     timeout_s: float = typer.Option(1200.0, "--timeout-s", help="Give the sample run up after this long."),
+    sample_report: Optional[Path] = typer.Option(None, "--sample-report", help="Write what the sample measured to "
+                                                 "this JSON file: each job image's size class, and each sample "
+                                                 "image's decode and inference seconds and when it was decoded and "
+                                                 "described (to hold against a full run's)."),
 ) -> None:
     """Predict how long `vlmstream run SOURCE [same options]` takes on this machine (or, with --gpus/--decode-cores,
     on more), from a stratified sample run through the real pipeline; prints the job's shape, the sample, the
@@ -423,9 +487,11 @@ def estimate(
     settings, said = with_model_family(settings)
     console.print(said)
     family = decode_family(settings.decode)
+    shaping = time.monotonic()
     shape = read_shape(documents, family, family.min_pixels, family.max_pixels)
     target = sample_images or max(16, min(300, shape.images // 20))
     sample = draw_sample(shape, target, seed)
+    shape_s = time.monotonic() - shaping
     sample_count = sum(len(d.images) for d in sample)
     per_doc = shape.per_document()
     console.print(f"job: {what}: {len(shape.documents)} documents, {shape.images} images "
@@ -437,7 +503,7 @@ def estimate(
 
     bootstrap(settings)
     load_before = os.getloadavg()[0]
-    result = run_sample(sample, settings, timeout_s)
+    result = run_sample(sample, settings, timeout_s, own_s=shape_s, condense=condense)
     load_after = os.getloadavg()[0]
     if len(result.images) < 2:
         console.print(f"[red]the sample run described {len(result.images)} images: nothing to measure[/]")
@@ -495,9 +561,18 @@ def estimate(
         assumptions.append(f"{result.missing} sample images were not described (dead letters): costed like the rest")
     if tiny:
         assumptions.append("the built-in tiny random-weight model: figures for a real model differ")
+    if condense:
+        assumptions.append(
+            f"--condense: the condense worker ran in the sample ({result.condensed} of {len(sample)} documents "
+            f"answered, {result.condense_s_per_document * 1000:.0f} ms of its model per document); each document's "
+            "answer time is shared out over its images and counted with inference's (its model runs where "
+            "inference's does), so a document's cost is taken as proportional to its images; the steady window "
+            "ends at the last answer; a short sample hands condense few documents at a time, so its batches run "
+            "emptier than a long job's and the cost per document is likely high")
     projection.assumptions = assumptions
 
-    console.print(f"sample run: warm-up {warmup_s:.1f} s from the command's start until a first image was "
+    console.print(f"sample run: warm-up {warmup_s:.1f} s from the command's start (less {shape_s:.1f} s reading the "
+                  "job's headers and drawing the sample, which `vlmstream run` does not do) until a first image was "
                   f"described (the workers started after {result.workers_at - result.started_at:.1f} s); steady "
                   f"window {steady_wall:.1f} s for "
                   f"{len(steady)} images ({len(steady) / steady_wall if steady_wall else 0:.2f} img/s)")
@@ -520,15 +595,28 @@ def estimate(
     console.print("assumptions and what the estimate could not see:")
     for line in assumptions:
         console.print(f"  - {line}")
+    if sample_report is not None:
+        sample_report.write_text(json.dumps({
+            "uri_classes": {im.uri: im.size_class for d in shape.documents for im in d.images},
+            "steady_start": windows.steady_start, "scale": costs.scale,
+            "images": [dataclasses.asdict(im) for im in result.images]}))
     if as_json:
+        sampled = Counter(im.size_class for im in result.images)
         data = projection.as_dict()
         data.update({"sample_documents": len(sample), "sample_images": sample_count,
+                     "stages": ["decode", "inference"] + (["condense"] if condense else []),
+                     "condense_s_per_document": (round(result.condense_s_per_document, 3) if condense else None),
                      "sample_images_per_document": sorted(len(d.images) for d in sample),
                      "sample_missing": result.missing,
                      "sample_wall_s": round(result.done_at - result.started_at + result.stop_s, 1),
                      "warmup_s": round(warmup_s, 1), "stop_s": round(result.stop_s, 1),
                      "steady_window_s": round(steady_wall, 1), "load_average": [round(load_before, 2),
-                                                                                 round(load_after, 2)]})
+                                                                                 round(load_after, 2)],
+                     "busy_to_wall": round(costs.scale, 3),
+                     "costs_by_class": {c: {"sample_images": sampled[c], "job_images": n,
+                                            "decode_ms": round(costs.decode_s[c] * 1000, 1),
+                                            "infer_ms": round(costs.infer_s[c] * 1000, 1)}
+                                        for c, n in sorted(shape.classes().items()) if c in costs.decode_s}})
         print(json.dumps(data))
 
 

@@ -84,7 +84,9 @@ def infer(
         if settings.metrics_port > 0:
             from consumers.infer.metrics import serve
 
-            serve(runner, settings.metrics_port)
+            from consumers.results import AggregatorCollector
+
+            serve(runner, settings.metrics_port, *([AggregatorCollector(aggregator)] if aggregator else []))
         code = runner.run(stop, max_seconds=max_seconds, until_idle_s=until_idle_s)
     finally:
         stop.set()
