@@ -19,6 +19,10 @@
 #              the same images and budgets; G1 Gemma 3 4B config (the generic path) at 1 MP: naive vLLM against the
 #              pipeline (pixels); C5 the Qwen2.5-VL-7B tower (fast blocks, Triton q/k/v) against transformers';
 #              T4 the Qwen3-VL-8B tower alone, transformers' blocks against the fast ones, with TFLOPS
+#   ab         Qwen2.5-VL-7B at 0.2 MP / 64, embeds, this code (A) against /root/ab-tree (B), in the order A B B A so
+#              that neither side always runs on the colder machine
+#   qwen3-long Qwen3-VL-8B: L1 the pipeline in both modes at 1 MP with 60 s phases; L2 `vllm serve` with 4 and 12 API
+#              servers at 0.2 and 1 MP (8 is in [j]); L3 the tower alone at 0.2 MP with a profile of the fast blocks
 #
 # On the device, after unpack_device.sh:
 #   setsid nohup bash benchmarks/gpu/plan_x1.sh /root/res 1500 tower-mps > /root/plan.log 2>&1 < /dev/null &
@@ -93,6 +97,30 @@ if [ "$LIST" = models ]; then
     --n 8 --max-pixels 1003520 --out "$RES/c5_check_qwen25.json"
   job t4_tower_qwen3 120 200 python3 benchmarks/gpu/bench_vision_tower.py --model qwen3-vl-8b --imgs /root/imgs \
     --variants transformers+vllm_fa3,fast+vllm_fa3 --seconds 3 --profile-budget '' --out "$RES/t4_tower_qwen3.json"
+fi
+
+if [ "$LIST" = ab ]; then
+  [ -e /root/model/config.json ] || python3 benchmarks/gpu/mk_model.py /root/model > "$RES/mk_model.log" 2>&1
+  cp "$RES/commit.txt" "$RES/a_commit.txt"; cp /root/ab-tree/COMMIT "$RES/b_commit.txt" 2>/dev/null
+  ab_b() { job "$1" 240 360 env PYTHONPATH=/tmp/site:/root/ab-tree python3 /root/ab-tree/benchmarks/gpu/gpu_bench.py \
+    --imgs /root/imgs --max-tokens 64 --gpu-ids 0 --model /root/model --budgets 256 $PIPE --out "$RES/$1"; }
+  ab_a() { job "$1" 240 360 $BENCH --model /root/model --budgets 256 $PIPE --out "$RES/$1"; }
+  if [ -d /root/ab-tree ]; then
+    ab_a a1_this; ab_b b1_before; ab_b b2_before; ab_a a2_this
+  else
+    printf 'ab\tskipped\t%s\t0\tno /root/ab-tree\n' "$(date +%T)" >> "$RES/jobs.tsv"
+  fi
+fi
+
+if [ "$LIST" = qwen3-long ]; then
+  Q3=/root/qwen3-vl-8b
+  [ -e $Q3/config.json ] || python3 benchmarks/gpu/mk_model.py $Q3 qwen3-vl-8b > "$RES/mk_q3.log" 2>&1
+  job l1_pipeline_1mp 420 560 $BENCH --model $Q3 --budgets 1280 --seconds 60 --stop-after 2 --profile \
+    --arms pipeline-pixels,pipeline-embeds --out "$RES/l1_pipeline_1mp"
+  job l2_serve_k 330 450 $BENCH --model $Q3 --budgets 256,1280 --seconds 25 --arms serve --serve-k 4,12 \
+    --out "$RES/l2_serve_k"
+  job l3_tower_profile 90 180 python3 benchmarks/gpu/bench_vision_tower.py --model qwen3-vl-8b --imgs /root/imgs \
+    --variants transformers+vllm_fa3,fast+vllm_fa3 --seconds 3 --profile-budget 256 --out "$RES/l3_tower_profile.json"
 fi
 
 vlmstream broker stop > "$RES/broker_stop.log" 2>&1
