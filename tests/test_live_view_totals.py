@@ -1,0 +1,110 @@
+"""The live view (`vlmstream run`'s stage lines, `vlmstream status --follow`) keeps each stage's total at the images
+the documents name while decode is between publishing a document's images and committing past it (it commits in
+batches, after its outputs are durable), and when a group is rewound: done + waiting never exceeds the total, and
+nothing is counted twice or below zero. No workers: the images and the commits are written here, as decode and
+inference would write them."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from kafka import TopicPartition
+from kafka.structs import OffsetAndMetadata
+
+from schemas import DocumentRef
+from vlmstream.cli.backlog import LiveView, StageProbe
+from vlmstream.kafka.clients import make_admin, make_producer
+
+pytestmark = pytest.mark.kafka
+
+IMAGES_PER_DOCUMENT = (1, 6, 2, 3, 4, 5)  # 21 images; documents 0-5 on partition 0 at offsets 0-5
+
+
+def _commit(settings, group_id: str, offsets: dict[TopicPartition, int]) -> None:
+    admin = make_admin(settings)
+    try:
+        admin.alter_group_offsets(group_id, {tp: OffsetAndMetadata(o, "", -1) for tp, o in offsets.items()})
+    finally:
+        admin.close()
+
+
+def _stage_lines(view: LiveView) -> dict[str, tuple[int, int]]:
+    """stage -> (done, total) as the view prints them."""
+    found = {}
+    for line in view.lines():
+        if match := re.match(r"(\w+)\s+(\d+)/(\d+) images", line):
+            found[match[1]] = (int(match[2]), int(match[3]))
+    return found
+
+
+def test_stage_totals_stay_the_documents_images_while_decode_commits_behind_and_after_a_rewind(topic_names, unique):
+    settings = topic_names.model_copy(update={
+        "decode": topic_names.decode.model_copy(update={"group_id": f"live-decode-{unique}"}),
+        "infer": topic_names.infer.model_copy(update={"group_id": f"live-infer-{unique}"}),
+    })
+    t = settings.topics
+    documents = TopicPartition(t.documents, 0)
+    job = sum(IMAGES_PER_DOCUMENT)
+    docs = [DocumentRef(doc_id=f"{unique}-{i}", image_uris=tuple(f"/img/{i}-{k}.jpg" for k in range(n)))
+            for i, n in enumerate(IMAGES_PER_DOCUMENT)]
+    producer = make_producer(settings)
+    for doc in docs:
+        producer.send(t.documents, key=doc.doc_id.encode(), value=doc.encode(), headers=doc.headers(), partition=0)
+    producer.flush()
+
+    def decode_publishes(*indexes: int) -> None:  # one image record per image, as decode sends them
+        for i in indexes:
+            for k in range(IMAGES_PER_DOCUMENT[i]):
+                producer.send(t.images, key=f"{docs[i].doc_id}/{k}".encode(), value=b"pixels", partition=k % 3)
+        producer.flush()
+
+    probe = StageProbe(settings)
+    view = LiveView(probe)
+    try:
+        view.update()
+        assert view.totals() == (job, job)
+
+        # Decode published the images of documents 0-3 and has committed past documents 0 and 1 only.
+        decode_publishes(0, 1, 2, 3)
+        _commit(settings, settings.decode.group_id, {documents: 2})
+        snap = view.update()
+        assert snap.document_images_waiting == 2 + 3 + 4 + 5  # documents 2-5: decode has not committed past them
+        assert snap.images_waiting == 1 + 6 + 2 + 3  # every published image waits for inference
+        assert view.totals() == (job, job)  # was (12 published + 14 waiting, ...): 26 > 21
+        lines = _stage_lines(view)
+        assert lines == {"decode": (1 + 6, job), "inference": (0, job)}, view.lines()
+
+        # Inference commits past what it got (partitions 0 and 1); decode publishes the rest, commits past 0-4.
+        _commit(settings, settings.infer.group_id, {TopicPartition(t.images, 0): 5, TopicPartition(t.images, 1): 4})
+        decode_publishes(4, 5)
+        _commit(settings, settings.decode.group_id, {documents: 5})
+        view.update()
+        assert view.totals() == (job, job)
+        assert _stage_lines(view) == {"decode": (job - 5, job), "inference": (9, job)}, view.lines()
+
+        # Decode commits past the last document: its line is done; inference's total is unchanged.
+        _commit(settings, settings.decode.group_id, {documents: 6})
+        view.update()
+        assert view.totals() == (job, job)
+        assert _stage_lines(view)["decode"] == (job, job)
+
+        # A replay rewinds inference to the beginning: its done count restarts at 0, its total stays (no images
+        # counted twice, none below zero).
+        _commit(settings, settings.infer.group_id, {TopicPartition(t.images, p): 0 for p in range(3)})
+        view.update()
+        assert view.totals() == (job, job)
+        assert _stage_lines(view)["inference"] == (0, job), view.lines()
+        assert view.infer.rate() is None  # its rate starts again too (no negative rate from the rewind)
+
+        # A replay rewinds decode to the beginning: its documents wait again, counted once.
+        _commit(settings, settings.decode.group_id, {documents: 0})
+        snap = view.update()
+        assert snap.document_images_waiting == job
+        assert view.totals()[0] == job
+        assert _stage_lines(view)["decode"] == (0, job), view.lines()
+        for done, total in _stage_lines(view).values():
+            assert 0 <= done <= total
+    finally:
+        probe.close()
+        producer.close()
