@@ -13,10 +13,8 @@ from kafka import TopicPartition
 from kafka.structs import OffsetAndMetadata
 
 from schemas import DocumentRef
-from vlmstream.cli.backlog import LiveView, StageProbe
+from vlmstream.cli.backlog import LiveView, StageProbe, _PartitionImages
 from vlmstream.kafka.clients import make_admin, make_producer
-
-pytestmark = pytest.mark.kafka
 
 IMAGES_PER_DOCUMENT = (1, 6, 2, 3, 4, 5)  # 21 images; documents 0-5 on partition 0 at offsets 0-5
 
@@ -38,6 +36,7 @@ def _stage_lines(view: LiveView) -> dict[str, tuple[int, int]]:
     return found
 
 
+@pytest.mark.kafka
 def test_stage_totals_stay_the_documents_images_while_decode_commits_behind_and_after_a_rewind(topic_names, unique):
     settings = topic_names.model_copy(update={
         "decode": topic_names.decode.model_copy(update={"group_id": f"live-decode-{unique}"}),
@@ -88,6 +87,7 @@ def test_stage_totals_stay_the_documents_images_while_decode_commits_behind_and_
         view.update()
         assert view.totals() == (job, job)
         assert _stage_lines(view)["decode"] == (job, job)
+        assert not probe._documents[documents].offsets  # no per-document count kept for what decode is past
 
         # A replay rewinds inference to the beginning: its done count restarts at 0, its total stays (no images
         # counted twice, none below zero).
@@ -108,3 +108,20 @@ def test_stage_totals_stay_the_documents_images_while_decode_commits_behind_and_
     finally:
         probe.close()
         producer.close()
+
+
+def test_documents_decode_is_past_are_kept_as_one_sum_and_the_total_stays():
+    """A partition at offsets 10-19 (the view starts at 10): three documents read (2, 3, 1 images), the others at
+    2 images each until read. Folding what decode committed past keeps done + waiting where it was, also when decode
+    is past documents not read yet (they stay at the estimate; reading goes on from there)."""
+    part = _PartitionImages(10)
+    part.add([(10, 2), (11, 3), (12, 1)], read_to=13)
+    assert part.images(10, 20, per_document=2.0) == 6 + 7 * 2
+    part.fold(12, 2.0)
+    assert (part.images(10, 12, 2.0), part.images(12, 20, 2.0)) == (5, 1 + 7 * 2)
+    assert part.offsets == [12]
+    part.fold(16, 2.0)  # past 13-15, not read yet
+    assert (part.images(10, 16, 2.0), part.images(16, 20, 2.0)) == (12, 8)
+    assert (part.offsets, part.read_to) == ([], 16)
+    part.add([(16, 5)], read_to=17)
+    assert part.images(16, 20, 2.0) == 5 + 3 * 2

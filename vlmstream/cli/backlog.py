@@ -185,24 +185,49 @@ class StageSnapshot:
 
 
 class _PartitionImages:
-    """One documents partition's image counts, each document's read once, from the probe's first offset there on."""
+    """One documents partition's image counts from the probe's first offset there on, each document's read once.
+    Those below the decode group's committed offset are kept as one sum: a view that follows a long run holds the
+    counts of the documents waiting only."""
 
     def __init__(self, start: int):
-        self.start = start  # where the decode group stood at the first reading (lower after a rewind)
+        self.start = start  # where the decode group stood at the first reading (or was rewound to)
         self.read_to = start
-        self.offsets: list[int] = []
-        self.upto: list[int] = [0]  # upto[i]: the images of the first i documents read
+        self.kept_from = start  # the documents in [start, kept_from) are summed in images_below
+        self.images_below = 0.0
+        self.offsets: list[int] = []  # of the documents read from kept_from on
+        self.upto: list[int] = [0]  # upto[i]: the images of the first i of them
+        self.documents_read = 0
+        self.images_read = 0
 
     def add(self, rows: list[tuple[int, int]], read_to: int) -> None:
         for offset, images in rows:
             self.offsets.append(offset)
             self.upto.append(self.upto[-1] + images)
+            self.documents_read += 1
+            self.images_read += images
         self.read_to = max(self.read_to, read_to)
 
     def images(self, low: int, high: int, per_document: float) -> float:
-        """Images of the documents at offsets [low, high): those read, and the rest at per_document each."""
+        """Images of the documents at offsets [low, high) (low: the start, or at least kept_from): those read, and
+        the rest at per_document each."""
+        below = 0.0
+        if low < self.kept_from:
+            below, low = self.images_below, self.kept_from
         i, j = bisect_left(self.offsets, low), bisect_left(self.offsets, high)
-        return self.upto[j] - self.upto[i] + max(0, high - max(low, self.read_to)) * per_document
+        return below + self.upto[j] - self.upto[i] + max(0, high - max(low, self.read_to)) * per_document
+
+    def fold(self, offset: int, per_document: float) -> None:
+        """Sum the documents below offset into images_below (those not read yet at per_document: reading goes on
+        from offset)."""
+        if offset <= self.kept_from:
+            return
+        self.images_below = self.images(self.start, offset, per_document)
+        i = bisect_left(self.offsets, offset)
+        base = self.upto[i]
+        self.offsets = self.offsets[i:]
+        self.upto = [images - base for images in self.upto[i:]]
+        self.kept_from = offset
+        self.read_to = max(self.read_to, offset)
 
 
 class StageProbe:
@@ -213,8 +238,8 @@ class StageProbe:
     (each document's count read once from its header); inference, the images records. Done and waiting then meet
     at one offset per partition, so they never count an image twice: decode commits after its outputs are durable,
     in batches, and images it published are not done for it until it commits past their document (a worker that
-    dies before then decodes the document again). A group rewound below where the probe started (a replay) moves
-    that start down: its documents or images wait again, counted once.
+    dies before then decodes the document again). A rewound group (a replay) counts from where it was rewound to:
+    its documents or images wait again, counted once, and its done count starts again.
 
     The images decode published but has not committed past are waiting on the images topic and, through their
     documents, at decode too. What inference still gets from decode (``images_to_come``) leaves them out: the images
@@ -269,8 +294,9 @@ class StageProbe:
         self._count_decode(snap, {tp: done(decode, tp) for tp in doc_tps}, {tp: latest[tp].offset for tp in doc_tps})
         infer_at = {tp: done(infer, tp) for tp in image_tps}
         for tp, at in infer_at.items():
-            start = self._infer_start[tp] = min(self._infer_start.get(tp, at), at)
-            snap.infer_done += at - start
+            if tp not in self._infer_start or at < self._infer_at.get(tp, at):
+                self._infer_start[tp] = at  # first seen, or rewound: counted from there
+            snap.infer_done += at - self._infer_start[tp]
         if any(at < self._infer_at.get(tp, at) for tp, at in infer_at.items()):
             snap.rewound += ("inference",)
         self._infer_at = infer_at
@@ -289,15 +315,15 @@ class StageProbe:
         document's image count: read once per document (up to a second per reading, continued at the next); those
         not read yet at the mean of those read."""
         for tp, offset in at.items():
-            if tp not in self._documents or offset < self._documents[tp].start:
-                self._documents[tp] = _PartitionImages(offset)  # first seen, or rewound below the start
+            if tp not in self._documents or offset < self._documents[tp].kept_from:
+                self._documents[tp] = _PartitionImages(offset)  # first seen, or rewound: counted from there
         unread = {tp: (p.read_to, ends[tp]) for tp, p in self._documents.items() if ends.get(tp, 0) > p.read_to}
         if unread:
             counted = count_document_images(self.settings, unread, within_s=1.0)
             for tp, rows in counted.by_record.items():
                 self._documents[tp].add(rows, counted.read_to[tp])
-        read = sum(len(p.offsets) for p in self._documents.values())
-        per_document = sum(p.upto[-1] for p in self._documents.values()) / read if read else 0.0
+        read = sum(p.documents_read for p in self._documents.values())
+        per_document = sum(p.images_read for p in self._documents.values()) / read if read else 0.0
         done = waiting = passed = 0.0
         for tp, offset in at.items():
             counts = self._documents[tp]
@@ -305,6 +331,7 @@ class StageProbe:
             waiting += counts.images(offset, ends[tp], per_document)
             if offset > self._decode_at.get(tp, offset):
                 passed += counts.images(self._decode_at[tp], offset, per_document)
+            counts.fold(offset, per_document)
         if any(offset < self._decode_at.get(tp, offset) for tp, offset in at.items()):
             snap.rewound += ("decode",)
         self._decode_at = dict(at)
