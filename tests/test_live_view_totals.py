@@ -64,25 +64,25 @@ def test_stage_totals_stay_the_documents_images_while_decode_commits_behind_and_
         view.update()
         assert view.totals() == (job, job)
 
-        # Decode published the images of documents 0-3 and has committed past documents 0 and 1 only.
+        # Decode published the images of documents 0-3 and has committed past documents 0 and 1 only; inference
+        # has already described (committed past) images of documents 2 and 3 too: it runs ahead of decode's commits.
         decode_publishes(0, 1, 2, 3)
         _commit(settings, settings.decode.group_id, {documents: 2})
-        snap = view.update()
-        assert snap.document_images_waiting == 2 + 3 + 4 + 5  # documents 2-5: decode has not committed past them
-        assert snap.images_waiting == 1 + 6 + 2 + 3  # every published image waits for inference
-        assert view.totals() == (job, job)  # was (12 published + 14 waiting, ...): 26 > 21
-        lines = _stage_lines(view)
-        assert lines == {"decode": (1 + 6, job), "inference": (0, job)}, view.lines()
-
-        # Inference commits past what it got (partitions 0 and 1); decode publishes the rest, commits past 0-4.
         _commit(settings, settings.infer.group_id, {TopicPartition(t.images, 0): 5, TopicPartition(t.images, 1): 4})
+        snap = view.update()
+        assert snap.images_waiting == 3  # partition 2's
+        assert snap.document_images_waiting == 4 + 5  # documents 4 and 5: decode has not put their images out yet
+        assert view.totals() == (job, job)  # were 12 published + 14 waiting: 26 > 21
+        assert _stage_lines(view) == {"decode": (1 + 6 + 2 + 3, job), "inference": (9, job)}, view.lines()
+
+        # Decode publishes the rest and commits past documents 0-4: every image is out.
         decode_publishes(4, 5)
         _commit(settings, settings.decode.group_id, {documents: 5})
         view.update()
         assert view.totals() == (job, job)
-        assert _stage_lines(view) == {"decode": (job - 5, job), "inference": (9, job)}, view.lines()
+        assert _stage_lines(view) == {"decode": (job, job), "inference": (9, job)}, view.lines()
 
-        # Decode commits past the last document: its line is done; inference's total is unchanged.
+        # Decode commits past the last document: its line stays done; inference's total is unchanged.
         _commit(settings, settings.decode.group_id, {documents: 6})
         view.update()
         assert view.totals() == (job, job)

@@ -177,10 +177,11 @@ class StageSnapshot:
     earlier_ahead: int  # of the backlog measured at the start: images records not yet committed past
     earlier_documents: int  # and documents not yet committed past
     infer_members: int
-    document_images_waiting: int = 0  # images the documents waiting name (scaled from those read, past 1 s)
-    decode_done: int = 0  # images named by the documents the decode group committed past since the first reading
+    # Images decode has still to put out: those the documents it has not committed past name, less those it already
+    # published for them (see StageProbe; scaled from the documents read, past 1 s).
+    document_images_waiting: int = 0
+    decode_done: int = 0  # images decode put out since the first reading (see StageProbe)
     infer_done: int = 0  # images records the inference group committed past since the first reading
-    images_to_come: int = 0  # of document_images_waiting, those not on the images topic yet (see StageProbe)
     rewound: tuple[str, ...] = ()  # the stages whose group committed offsets lower than at the last reading
 
 
@@ -234,20 +235,20 @@ class StageProbe:
     """Reads the stages' groups and topics every few seconds: what is waiting where, how much each stage did since
     the first reading, and how fast inference commits (over the last minute), for the run's progress lines.
 
-    Both stages count what their groups committed past: decode, the images named by the documents it committed past
-    (each document's count read once from its header); inference, the images records. Done and waiting then meet
-    at one offset per partition, so they never count an image twice: decode commits after its outputs are durable,
-    in batches, and images it published are not done for it until it commits past their document (a worker that
-    dies before then decodes the document again). A rewound group (a replay) counts from where it was rewound to:
-    its documents or images wait again, counted once, and its done count starts again.
+    Decode's total is fixed by the producers: the images named by the documents from where its group stood at the
+    first reading to the topic's end (each document's count read once from its header). Its done images are those of
+    the documents it committed past, plus those it already published for the documents it has not committed past
+    yet: it commits after its outputs are durable, in batches (a poll's documents), so its committed offsets trail
+    what it put out, and those images would otherwise count as done and as waiting. They are the images published
+    on the images topic since the first reading beyond those the documents it committed past since then name, and
+    at most what it has waiting: whatever that count misses (images it dead-lettered, or published twice when a
+    worker died before committing; those already out at the first reading) moves images between its done and
+    waiting until it commits past their documents, never its total. With exactly-once decode, images are on the
+    topic (below its last stable offset, which is what is read here) only once their documents are committed past.
 
-    The images decode published but has not committed past are waiting on the images topic and, through their
-    documents, at decode too. What inference still gets from decode (``images_to_come``) leaves them out: the images
-    published since the first reading beyond those the documents decode committed past name. Exact with
-    exactly-once decode (the images of an open transaction are past the topic's last stable offset, which is what
-    is read here: none are out twice). At-least-once, while decode has documents waiting, the images it
-    dead-lettered since the first reading count as still to come, and those it published twice (a worker that died
-    before committing) as already out: inference's total is off by those, never by more than decode has waiting."""
+    Inference counts the images records its group committed past; its total adds the images on the topic it has
+    not, and those decode has still to put out. A rewound group (a replay) counts from where it was rewound to: its
+    documents or images wait again, counted once, and its done count starts again."""
 
     def __init__(self, settings: Settings, backlog: Backlog | None = None):
         self.settings = settings
@@ -300,20 +301,19 @@ class StageProbe:
         if any(at < self._infer_at.get(tp, at) for tp, at in infer_at.items()):
             snap.rewound += ("inference",)
         self._infer_at = infer_at
-        if not self.settings.decode.exactly_once:
+        if not self.settings.decode.exactly_once:  # what it published for the documents not committed past yet
             published = snap.images_published - (self.first or snap).images_published
-            out_uncommitted = min(published - round(self._decoded), snap.images_waiting, snap.document_images_waiting)
-            snap.images_to_come = snap.document_images_waiting - max(0, out_uncommitted)
-        else:
-            snap.images_to_come = snap.document_images_waiting
+            out = max(0, min(published - round(self._decoded), snap.document_images_waiting))
+            snap.decode_done += out
+            snap.document_images_waiting -= out
         self.first = self.first or snap
         self.history.append(snap)
         return snap
 
     def _count_decode(self, snap: StageSnapshot, at: dict[TopicPartition, int], ends: dict[TopicPartition, int]):
-        """Decode's images done since the first reading and waiting, from its committed offsets (``at``) and each
-        document's image count: read once per document (up to a second per reading, continued at the next); those
-        not read yet at the mean of those read."""
+        """The images named by the documents decode committed past since the first reading, and by those it has
+        not, from its committed offsets (``at``) and each document's image count: read once per document (up to a
+        second per reading, continued at the next); those not read yet at the mean of those read."""
         for tp, offset in at.items():
             if tp not in self._documents or offset < self._documents[tp].kept_from:
                 self._documents[tp] = _PartitionImages(offset)  # first seen, or rewound: counted from there
@@ -357,9 +357,8 @@ class StageProbe:
 
 class LiveView:
     """Per stage, a progress line from the probe's readings (images done since the view started / done + waiting,
-    the sustained rate over a sliding window, an ETA range, drift), and which stage limits the run. Each stage's
-    images are those its group committed past (decode's, named by the documents it committed past): see
-    StageProbe."""
+    the sustained rate over a sliding window, an ETA range, drift), and which stage limits the run; StageProbe says
+    what each stage's images done and waiting are."""
 
     def __init__(self, probe: StageProbe, window_s: float = 60.0):
         from vlmstream.projection import StageMeter
@@ -387,7 +386,7 @@ class LiveView:
         if snap is None:
             return 0, 0
         decode = self.decode.done + snap.document_images_waiting
-        return decode, self.infer.done + snap.images_waiting + snap.images_to_come
+        return decode, self.infer.done + snap.images_waiting + snap.document_images_waiting
 
     def bottleneck(self):
         from vlmstream.projection import StageView, bottleneck
