@@ -44,6 +44,12 @@ class StageMeter:
         self.first_steady: float | None = None  # the rate over the first window after moved_at, once it has passed
         self._all: list[tuple[float, int]] = []  # readings since moved_at up to the first window's end
 
+    def restart(self) -> None:
+        """Forget every reading: the count went back (a rewound consumer group) and starts again."""
+        self.readings.clear()
+        self.moved_at = self.first_steady = None
+        self._all = []
+
     def observe(self, at: float, done: int) -> None:
         if self.readings and self.moved_at is None and done != self.readings[-1][1]:
             self.moved_at = self.readings[-1][0]

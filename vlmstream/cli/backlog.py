@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import time
+from bisect import bisect_left
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,6 +20,7 @@ from typing import Any
 
 from kafka import TopicPartition
 from kafka.admin import OffsetSpec
+from kafka.protocol.consumer import IsolationLevel
 
 from schemas import document_image_count
 from vlmstream.cli.groups import group_state, retry_until_coordinator, stage_partitions
@@ -169,18 +171,84 @@ def count_document_images(settings: Settings, spans: dict[TopicPartition, tuple[
 class StageSnapshot:
     at: float
     documents_waiting: int  # on the documents topic, not yet committed by the decode group
-    images_waiting: int  # on the images topic, not yet committed by the inference group
+    images_waiting: int  # on the images topic (its last stable offsets), not yet committed by the inference group
     images_published: int  # the images topic's end offsets, summed
     described: int  # the inference group's committed offsets on the images topic, summed
     earlier_ahead: int  # of the backlog measured at the start: images records not yet committed past
     earlier_documents: int  # and documents not yet committed past
     infer_members: int
-    document_images_waiting: int = 0  # images the documents waiting name (scaled from those read, past 1 s)
+    # Images decode has still to put out: those the documents it has not committed past name, less those it already
+    # published for them (see StageProbe; scaled from the documents read, past 1 s).
+    document_images_waiting: int = 0
+    decode_done: int = 0  # images decode put out since the first reading (see StageProbe)
+    infer_done: int = 0  # images records the inference group committed past since the first reading
+    rewound: tuple[str, ...] = ()  # the stages whose group committed offsets lower than at the last reading
+
+
+class _PartitionImages:
+    """One documents partition's image counts from the probe's first offset there on, each document's read once.
+    Those below the decode group's committed offset are kept as one sum: a view that follows a long run holds the
+    counts of the documents waiting only."""
+
+    def __init__(self, start: int):
+        self.start = start  # where the decode group stood at the first reading (or was rewound to)
+        self.read_to = start
+        self.kept_from = start  # the documents in [start, kept_from) are summed in images_below
+        self.images_below = 0.0
+        self.offsets: list[int] = []  # of the documents read from kept_from on
+        self.upto: list[int] = [0]  # upto[i]: the images of the first i of them
+        self.documents_read = 0
+        self.images_read = 0
+
+    def add(self, rows: list[tuple[int, int]], read_to: int) -> None:
+        for offset, images in rows:
+            self.offsets.append(offset)
+            self.upto.append(self.upto[-1] + images)
+            self.documents_read += 1
+            self.images_read += images
+        self.read_to = max(self.read_to, read_to)
+
+    def images(self, low: int, high: int, per_document: float) -> float:
+        """Images of the documents at offsets [low, high) (low: the start, or at least kept_from): those read, and
+        the rest at per_document each."""
+        below = 0.0
+        if low < self.kept_from:
+            below, low = self.images_below, self.kept_from
+        i, j = bisect_left(self.offsets, low), bisect_left(self.offsets, high)
+        return below + self.upto[j] - self.upto[i] + max(0, high - max(low, self.read_to)) * per_document
+
+    def fold(self, offset: int, per_document: float) -> None:
+        """Sum the documents below offset into images_below (those not read yet at per_document: reading goes on
+        from offset)."""
+        if offset <= self.kept_from:
+            return
+        self.images_below = self.images(self.start, offset, per_document)
+        i = bisect_left(self.offsets, offset)
+        base = self.upto[i]
+        self.offsets = self.offsets[i:]
+        self.upto = [images - base for images in self.upto[i:]]
+        self.kept_from = offset
+        self.read_to = max(self.read_to, offset)
 
 
 class StageProbe:
-    """Reads the stages' groups and topics every few seconds: what is waiting where, and how fast inference
-    commits (over the last minute), for the run's progress lines."""
+    """Reads the stages' groups and topics every few seconds: what is waiting where, how much each stage did since
+    the first reading, and how fast inference commits (over the last minute), for the run's progress lines.
+
+    Decode's total is fixed by the producers: the images named by the documents from where its group stood at the
+    first reading to the topic's end (each document's count read once from its header). Its done images are those of
+    the documents it committed past, plus those it already published for the documents it has not committed past
+    yet: it commits after its outputs are durable, in batches (a poll's documents), so its committed offsets trail
+    what it put out, and those images would otherwise count as done and as waiting. They are the images published
+    on the images topic since the first reading beyond those the documents it committed past since then name, and
+    at most what it has waiting: whatever that count misses (images it dead-lettered, or published twice when a
+    worker died before committing; those already out at the first reading) moves images between its done and
+    waiting until it commits past their documents, never its total. With exactly-once decode, images are on the
+    topic (below its last stable offset, which is what is read here) only once their documents are committed past.
+
+    Inference counts the images records its group committed past; its total adds the images on the topic it has
+    not, and those decode has still to put out. A rewound group (a replay) counts from where it was rewound to: its
+    documents or images wait again, counted once, and its done count starts again."""
 
     def __init__(self, settings: Settings, backlog: Backlog | None = None):
         self.settings = settings
@@ -188,10 +256,11 @@ class StageProbe:
         self.admin = make_admin(settings)
         self.history: deque[StageSnapshot] = deque(maxlen=64)
         self.first: StageSnapshot | None = None
-        # Each waiting document's image count, read once (up to a second per reading, continued at the next):
-        # the images still waiting are those of the documents at or past the decode group's committed offsets.
-        self._images_at: dict[TopicPartition, list[tuple[int, int]]] = {}
-        self._read_to: dict[TopicPartition, int] = {}
+        self._documents: dict[TopicPartition, _PartitionImages] = {}
+        self._decode_at: dict[TopicPartition, int] = {}  # the decode group's committed offsets at the last reading
+        self._decoded = 0.0  # images of the documents it committed past since the first reading, every pass counted
+        self._infer_start: dict[TopicPartition, int] = {}
+        self._infer_at: dict[TopicPartition, int] = {}
 
     def close(self) -> None:
         self.admin.close()
@@ -199,7 +268,9 @@ class StageProbe:
     def snapshot(self) -> StageSnapshot:
         t, admin = self.settings.topics, self.admin
         doc_tps, image_tps = stage_partitions(admin, [t.documents]), stage_partitions(admin, [t.images])
-        latest = admin.list_partition_offsets({tp: OffsetSpec.LATEST for tp in doc_tps + image_tps})
+        latest = admin.list_partition_offsets({tp: OffsetSpec.LATEST for tp in doc_tps})
+        latest.update(admin.list_partition_offsets({tp: OffsetSpec.LATEST for tp in image_tps},
+                                                   isolation_level=IsolationLevel.READ_COMMITTED))
         earliest = admin.list_partition_offsets({tp: OffsetSpec.EARLIEST for tp in doc_tps + image_tps})
         decode = retry_until_coordinator(lambda: admin.list_group_offsets({self.settings.decode.group_id: doc_tps}))
         infer = retry_until_coordinator(lambda: admin.list_group_offsets({self.settings.infer.group_id: image_tps}))
@@ -221,30 +292,51 @@ class StageProbe:
             earlier_documents=sum(max(0, ends[tp] - done(decode, tp)) for tp in doc_tps if tp in ends),
             infer_members=len(group_state(admin, self.settings.infer.group_id)[1]),
         )
-        snap.document_images_waiting = self._document_images_waiting(
-            {tp: (done(decode, tp), latest[tp].offset) for tp in doc_tps})
+        self._count_decode(snap, {tp: done(decode, tp) for tp in doc_tps}, {tp: latest[tp].offset for tp in doc_tps})
+        infer_at = {tp: done(infer, tp) for tp in image_tps}
+        for tp, at in infer_at.items():
+            if tp not in self._infer_start or at < self._infer_at.get(tp, at):
+                self._infer_start[tp] = at  # first seen, or rewound: counted from there
+            snap.infer_done += at - self._infer_start[tp]
+        if any(at < self._infer_at.get(tp, at) for tp, at in infer_at.items()):
+            snap.rewound += ("inference",)
+        self._infer_at = infer_at
+        if not self.settings.decode.exactly_once:  # what it published for the documents not committed past yet
+            published = snap.images_published - (self.first or snap).images_published
+            out = max(0, min(published - round(self._decoded), snap.document_images_waiting))
+            snap.decode_done += out
+            snap.document_images_waiting -= out
         self.first = self.first or snap
         self.history.append(snap)
         return snap
 
-    def _document_images_waiting(self, spans: dict[TopicPartition, tuple[int, int]]) -> int:
-        """Images named by the documents in spans (tp -> [committed, end)): read once per document; documents not
-        read yet (past the second a reading may take) at the mean of those read."""
-        unread = {tp: (max(start, self._read_to.get(tp, start)), end) for tp, (start, end) in spans.items()}
-        unread = {tp: span for tp, span in unread.items() if span[1] > span[0]}
+    def _count_decode(self, snap: StageSnapshot, at: dict[TopicPartition, int], ends: dict[TopicPartition, int]):
+        """The images named by the documents decode committed past since the first reading, and by those it has
+        not, from its committed offsets (``at``) and each document's image count: read once per document (up to a
+        second per reading, continued at the next); those not read yet at the mean of those read."""
+        for tp, offset in at.items():
+            if tp not in self._documents or offset < self._documents[tp].kept_from:
+                self._documents[tp] = _PartitionImages(offset)  # first seen, or rewound: counted from there
+        unread = {tp: (p.read_to, ends[tp]) for tp, p in self._documents.items() if ends.get(tp, 0) > p.read_to}
         if unread:
             counted = count_document_images(self.settings, unread, within_s=1.0)
             for tp, rows in counted.by_record.items():
-                self._images_at.setdefault(tp, []).extend(rows)
-                self._read_to[tp] = counted.read_to[tp]
-        documents, images = 0, 0
-        for tp, (start, _end) in spans.items():
-            rows = self._images_at.get(tp, [])
-            rows[:] = [(offset, n) for offset, n in rows if offset >= start]  # decoded: forget them
-            documents += len(rows)
-            images += sum(n for _offset, n in rows)
-        not_read = sum(max(0, end - max(start, self._read_to.get(tp, start))) for tp, (start, end) in spans.items())
-        return images + (round(not_read * images / documents) if documents else 0)
+                self._documents[tp].add(rows, counted.read_to[tp])
+        read = sum(p.documents_read for p in self._documents.values())
+        per_document = sum(p.images_read for p in self._documents.values()) / read if read else 0.0
+        done = waiting = passed = 0.0
+        for tp, offset in at.items():
+            counts = self._documents[tp]
+            done += counts.images(counts.start, offset, per_document)
+            waiting += counts.images(offset, ends[tp], per_document)
+            if offset > self._decode_at.get(tp, offset):
+                passed += counts.images(self._decode_at[tp], offset, per_document)
+            counts.fold(offset, per_document)
+        if any(offset < self._decode_at.get(tp, offset) for tp, offset in at.items()):
+            snap.rewound += ("decode",)
+        self._decode_at = dict(at)
+        self._decoded += passed
+        snap.decode_done, snap.document_images_waiting = round(done), round(waiting)
 
     def infer_rate(self, window_s: float = 60.0) -> float | None:
         """Images the inference group committed per second over the last window_s, counted from the last reading
@@ -265,8 +357,8 @@ class StageProbe:
 
 class LiveView:
     """Per stage, a progress line from the probe's readings (images done since the view started / done + waiting,
-    the sustained rate over a sliding window, an ETA range, drift), and which stage limits the run. Decode's images
-    are those it published on the images topic; inference's those its group committed."""
+    the sustained rate over a sliding window, an ETA range, drift), and which stage limits the run; StageProbe says
+    what each stage's images done and waiting are."""
 
     def __init__(self, probe: StageProbe, window_s: float = 60.0):
         from vlmstream.projection import StageMeter
@@ -275,20 +367,21 @@ class LiveView:
         self.decode = StageMeter("decode", window_s)
         self.infer = StageMeter("inference", window_s)
         self.waits: deque[tuple[float, int]] = deque(maxlen=64)  # (at, images waiting for inference)
-        self.base: StageSnapshot | None = None
         self.last: StageSnapshot | None = None
 
     def update(self) -> StageSnapshot:
         snap = self.probe.snapshot()
-        self.base = self.base or snap
         self.last = snap
-        self.decode.observe(snap.at, snap.images_published - self.base.images_published)
-        self.infer.observe(snap.at, snap.described - self.base.described)
+        for meter, done in ((self.decode, snap.decode_done), (self.infer, snap.infer_done)):
+            if meter.name in snap.rewound:  # a replay: its done count, and its rate, start again
+                meter.restart()
+            meter.observe(snap.at, done)
         self.waits.append((snap.at, snap.images_waiting))
         return snap
 
     def totals(self) -> tuple[int, int]:
-        """(decode's, inference's) images in all: done since the view started plus what waits for each."""
+        """(decode's, inference's) images in all: done since the view started plus what waits for each (for
+        inference, on the images topic and still to come from decode)."""
         snap = self.last
         if snap is None:
             return 0, 0
