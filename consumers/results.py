@@ -700,10 +700,10 @@ class AggregatorCollector:
         self.aggregator = aggregator
 
     def collect(self) -> Iterator[Any]:
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+        from vlmstream import metrics
 
         stats = self.aggregator.stats
-        counters = (
+        yield from metrics.counters((
             ("vlmstream_results_records", "Description and dead-letter records read.", stats.records),
             ("vlmstream_results_documents", "Document results published (a document completed, or timed out).",
              stats.results),
@@ -714,24 +714,15 @@ class AggregatorCollector:
             ("vlmstream_results_late", "Records of a document already emitted and forgotten: dropped.", stats.late),
             ("vlmstream_results_skipped", "Records that could not be read.", stats.skipped),
             ("vlmstream_results_commits", "Offset commits (or transactions) completed.", stats.commits),
-        )
-        for name, doc, value in counters:
-            family = CounterMetricFamily(name, doc)
-            family.add_metric([], value)
-            yield family
-        letters = CounterMetricFamily("vlmstream_results_dead_letters", "Results dead-lettered, by error kind.",
-                                      labels=["error_kind"])
-        for kind, count in sorted(stats.dead_letters_by_kind.items()):
-            letters.add_metric([kind], count)
-        yield letters
-        for name, doc, value in (
-                ("vlmstream_results_open_documents", "Documents not yet published (images still to come).",
-                 self.aggregator.open_documents()),
-                ("vlmstream_results_lag_records", "Description and dead-letter records on this aggregator's "
-                 "partitions not yet fetched.", self.aggregator.lag.total)):
-            family = GaugeMetricFamily(name, doc)
-            family.add_metric([], value)
-            yield family
+        ))
+        yield metrics.dead_letters("vlmstream_results_dead_letters", "Results dead-lettered, by error kind.",
+                                   stats.dead_letters_by_kind)
+        yield from metrics.gauges((
+            ("vlmstream_results_open_documents", "Documents not yet published (images still to come).",
+             self.aggregator.open_documents()),
+            ("vlmstream_results_lag_records", "Description and dead-letter records on this aggregator's "
+             "partitions not yet fetched.", self.aggregator.lag.total),
+        ))
 
 
 class _Rebalance(AsyncConsumerRebalanceListener):

@@ -11,7 +11,7 @@ import logging
 import sys
 from typing import Any, Iterable, Iterator
 
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 log = logging.getLogger(__name__)
 
@@ -25,6 +25,30 @@ def serve(port: int, collectors: Iterable[Any], what: str) -> None:
         registry.register(collector)
     start_http_server(port, registry=registry)
     log.info("%s metrics on http://0.0.0.0:%d/metrics", what, port)
+
+
+def counters(rows: Iterable[tuple[str, str, float]]) -> Iterator[CounterMetricFamily]:
+    """One unlabelled counter per ``(name, help, value)`` row: a collector's running totals."""
+    for name, doc, value in rows:
+        family = CounterMetricFamily(name, doc)
+        family.add_metric([], value)
+        yield family
+
+
+def gauges(rows: Iterable[tuple[str, str, float]]) -> Iterator[GaugeMetricFamily]:
+    """One unlabelled gauge per ``(name, help, value)`` row: a collector's readings of now."""
+    for name, doc, value in rows:
+        family = GaugeMetricFamily(name, doc)
+        family.add_metric([], value)
+        yield family
+
+
+def dead_letters(name: str, doc: str, by_kind: dict[str, int]) -> CounterMetricFamily:
+    """A counter labelled ``error_kind``: a stage's dead letters by the kind its failures name."""
+    family = CounterMetricFamily(name, doc, labels=["error_kind"])
+    for kind, count in sorted(by_kind.items()):
+        family.add_metric([kind], count)
+    return family
 
 
 def gpu_memory_names(prefix: str) -> tuple[str, str]:

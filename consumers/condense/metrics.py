@@ -5,8 +5,6 @@ from __future__ import annotations
 
 from typing import Any, Iterator
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-
 from vlmstream import metrics
 from vlmstream.metrics import gpu_memory
 
@@ -19,7 +17,7 @@ class CondenseCollector:
 
     def collect(self) -> Iterator[Any]:
         stats = self.runner.stats
-        counters = (
+        yield from metrics.counters((
             ("vlmstream_condense_records", "Document results fetched from the results topic.", stats.records),
             ("vlmstream_condense_summaries", "Documents answered and published.", stats.summaries),
             ("vlmstream_condense_retries", "Documents handed to the engine again after a retriable failure.",
@@ -29,26 +27,15 @@ class CondenseCollector:
             ("vlmstream_condense_engine_seconds", "Each answered document's time in the engine, from its submission "
              "to its answer, summed (per document: its rate over summaries').", stats.engine_s),
             ("vlmstream_condense_commits", "Offset commits (or transactions) completed.", stats.commits),
-        )
-        for name, doc, value in counters:
-            family = CounterMetricFamily(name, doc)
-            family.add_metric([], value)
-            yield family
-        letters = CounterMetricFamily("vlmstream_condense_dead_letters", "Documents dead-lettered, by error kind.",
-                                      labels=["error_kind"])
-        for kind, count in sorted(stats.dead_letters_by_kind.items()):
-            letters.add_metric([kind], count)
-        yield letters
-        gauges = (
+        ))
+        yield metrics.dead_letters("vlmstream_condense_dead_letters", "Documents dead-lettered, by error kind.",
+                                   stats.dead_letters_by_kind)
+        yield from metrics.gauges((
             ("vlmstream_condense_open_documents", "Documents fetched and not yet answered (waiting or in the "
              "engine).", self.runner.open_documents),
             ("vlmstream_condense_lag_records", "Result records on this process's partitions not yet fetched.",
              self.runner.lag.total),
-        )
-        for name, doc, value in gauges:
-            family = GaugeMetricFamily(name, doc)
-            family.add_metric([], value)
-            yield family
+        ))
         yield from gpu_memory("vlmstream_condense")
 
 

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 from typing import Any, Iterator
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-
 from vlmstream import metrics
 from vlmstream.metrics import gpu_memory
 
@@ -20,7 +18,7 @@ class RunnerCollector:
 
     def collect(self) -> Iterator[Any]:
         stats = self.runner.stats
-        counters = (
+        yield from metrics.counters((
             ("vlmstream_infer_records", "Image records fetched from the images topic.", stats.records),
             ("vlmstream_infer_images_described", "Images described and published.", stats.described),
             ("vlmstream_infer_visual_tokens", "Visual tokens of the images described.", stats.visual_tokens),
@@ -29,17 +27,10 @@ class RunnerCollector:
             ("vlmstream_infer_output_tokens", "Tokens generated for the images described.", stats.output_tokens),
             ("vlmstream_infer_engine_seconds", "Each described image's time in the engine, from its submission to "
              "its result, summed (per image: its rate over images_described's).", stats.engine_s),
-        )
-        for name, doc, value in counters:
-            family = CounterMetricFamily(name, doc)
-            family.add_metric([], value)
-            yield family
-        letters = CounterMetricFamily("vlmstream_infer_dead_letters", "Images dead-lettered, by error kind.",
-                                      labels=["error_kind"])
-        for kind, count in sorted(stats.dead_letters_by_kind.items()):
-            letters.add_metric([kind], count)
-        yield letters
-        gauges = (
+        ))
+        yield metrics.dead_letters("vlmstream_infer_dead_letters", "Images dead-lettered, by error kind.",
+                                   stats.dead_letters_by_kind)
+        yield from metrics.gauges((
             ("vlmstream_infer_engine_idle_fraction", "Share of the run with nothing submitted to the engine.",
              stats.engine_idle_fraction),
             ("vlmstream_infer_mean_in_flight", "Images in the engine on average since the first record (below the "
@@ -48,11 +39,7 @@ class RunnerCollector:
             ("vlmstream_infer_in_flight", "Images in the engine now.", len(self.runner.window.in_flight)),
             ("vlmstream_infer_lag_records", "Image records on this process's partitions not yet fetched.",
              self.runner.lag.total),
-        )
-        for name, doc, value in gauges:
-            family = GaugeMetricFamily(name, doc)
-            family.add_metric([], value)
-            yield family
+        ))
         yield from gpu_memory("vlmstream_infer")
 
 
