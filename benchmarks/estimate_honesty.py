@@ -276,26 +276,13 @@ def decode_diagnosis(report: dict, full: dict, predicted: dict) -> dict:
 
 def _result_times(settings, topic: str, started_wall: float) -> tuple[dict[str, float], int]:
     from schemas import DocumentResult
-    from vlmstream.kafka.clients import make_consumer
-    from vlmstream.kafka.group import topic_partitions
 
-    scoped = settings.model_copy(update={"topics": settings.topics.model_copy(update={"results": topic})})
-    consumer = make_consumer(scoped, None)
     out: dict[str, float] = {}
     failed = 0
-    try:
-        consumer.assign(topic_partitions(consumer, [topic]))
-        consumer.seek_to_beginning()
-        quiet = time.monotonic()
-        while time.monotonic() - quiet < 5:
-            for records in consumer.poll(timeout_ms=500).values():
-                quiet = time.monotonic()
-                for r in records:
-                    result = DocumentResult.decode(r.value)
-                    failed += result.failed
-                    out.setdefault(result.doc_id, r.timestamp / 1000 - started_wall)
-    finally:
-        consumer.close()
+    for r in _read_topic(settings, topic):
+        result = DocumentResult.decode(r.value)
+        failed += result.failed
+        out.setdefault(result.doc_id, r.timestamp / 1000 - started_wall)
     return out, failed
 
 
