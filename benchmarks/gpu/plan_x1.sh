@@ -23,6 +23,9 @@
 #              that neither side always runs on the colder machine
 #   qwen3-long Qwen3-VL-8B: L1 the pipeline in both modes at 1 MP with 60 s phases; L2 `vllm serve` with 4 and 12 API
 #              servers at 0.2 and 1 MP (8 is in [j]); L3 the tower alone at 0.2 MP with a profile of the fast blocks
+#   ipc        Qwen3-VL-8B at 0.2 MP and 1 MP / 64, 40 s phases: I1 the pipeline in embeds mode with
+#              infer.embeds_transport=cuda_ipc (image_embeds shared with vLLM's engine on the GPU), I2 the same with
+#              host copies, I3 pixels mode without embeddings (the faster mode in [j])
 #
 # On the device, after unpack_device.sh:
 #   setsid nohup bash benchmarks/gpu/plan_x1.sh /root/res 1500 tower-mps > /root/plan.log 2>&1 < /dev/null &
@@ -121,6 +124,15 @@ if [ "$LIST" = qwen3-long ]; then
     --out "$RES/l2_serve_k"
   job l3_tower_profile 90 180 python3 benchmarks/gpu/bench_vision_tower.py --model qwen3-vl-8b --imgs /root/imgs \
     --variants transformers+vllm_fa3,fast+vllm_fa3 --seconds 3 --profile-budget 256 --out "$RES/l3_tower_profile.json"
+fi
+
+if [ "$LIST" = ipc ]; then
+  Q3=/root/qwen3-vl-8b
+  [ -e $Q3/config.json ] || python3 benchmarks/gpu/mk_model.py $Q3 qwen3-vl-8b > "$RES/mk_q3.log" 2>&1
+  Q3PIPE="--model $Q3 --budgets 256,1280 --seconds 40 --stop-after 2 --profile"
+  job i1_embeds_ipc 330 450 $BENCH $Q3PIPE --arms pipeline-embeds --embeds-transport cuda_ipc --out "$RES/i1_embeds_ipc"
+  job i2_embeds_host 330 450 $BENCH $Q3PIPE --arms pipeline-embeds --out "$RES/i2_embeds_host"
+  job i3_pixels 300 420 $BENCH $Q3PIPE --arms pipeline-pixels --out "$RES/i3_pixels"
 fi
 
 vlmstream broker stop > "$RES/broker_stop.log" 2>&1

@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import os
 import time
 from pathlib import Path
 
@@ -68,6 +69,25 @@ def image_embeds_problem(tokens, grid_thw: tuple[int, int, int], family: ModelFa
         return (f"vision tower output {tuple(tokens.shape)} is not the ({rows}, {width}) image_embeds the model takes "
                 f"for grid {tuple(grid_thw)}")
     return None
+
+
+def transport_args(settings: InferSettings, mode: str) -> dict:
+    """vLLM engine arguments for ``infer.embeds_transport``: CUDA IPC needs vLLM's torch_shm tensor channel, which
+    vLLM refuses unless its engine process is spawned (as ``engine_process_threads`` does when
+    ``infer.engine_cpu_threads`` is above 0)."""
+    if mode != "embeds" or settings.embeds_transport != "cuda_ipc":
+        return {}
+    if settings.engine_cpu_threads <= 0 and os.environ.get("VLLM_WORKER_MULTIPROC_METHOD") != "spawn":
+        raise ValueError("infer.embeds_transport=cuda_ipc needs vLLM's engine process spawned: set "
+                         "infer.engine_cpu_threads above 0 (or export VLLM_WORKER_MULTIPROC_METHOD=spawn)")
+    return {"mm_tensor_ipc": "torch_shm"}
+
+
+def embeds_for_engine(tokens: list, transport: str) -> list:
+    """Each image's ``image_embeds`` as vLLM's front end gets them. host: CPU tensors, one copy off the GPU for the
+    batch and a storage of its own per image. cuda_ipc: the tensors as the tower left them, on the GPU (views of the
+    batch: vLLM shares the batch's block with its engine process once, and no byte is copied)."""
+    return to_host_each(tokens) if transport == "host" else list(tokens)
 
 
 class VllmEngine(QueuedEngine):
@@ -112,6 +132,9 @@ class VllmEngine(QueuedEngine):
         self._init_queues()
         self._tasks: set[asyncio.Future] = set()
 
+        transport = transport_args(settings, self.mode)  # a setting that cannot work fails before anything starts
+        self.embeds_transport = settings.embeds_transport if self.mode == "embeds" else "host"
+
         # 1. vLLM first: it sizes its KV cache from the free memory it sees, so our tower loads afterwards
         #    into the (1 - gpu_memory_utilization) share it leaves.
         self._engine_loop = EngineLoop("vllm-loop")
@@ -137,6 +160,7 @@ class VllmEngine(QueuedEngine):
         # on blanks between tokens (seen on the H200 with dummy weights). vLLM 0.26 reads this switch from the
         # engine's config, not from the request's StructuredOutputsParams. It only affects guided requests.
         args["structured_outputs_config"] = StructuredOutputsConfig(backend="guidance", disable_any_whitespace=True)
+        args.update(transport)
         args.update(engine_kwargs or {})
         started = time.perf_counter()
         try:
@@ -171,8 +195,9 @@ class VllmEngine(QueuedEngine):
         self.batch_size = scheduler.max_num_seqs  # what the runner sizes its in-flight window by
         self.step_tokens = scheduler.max_num_batched_tokens
         # gpu_bench reads this line (arm_pipeline.engine_scheduler_limits)
-        log.info("vLLM %s up in %.1fs (mode=%s, embeds_only=%s, scheduler limits %s)", self._v.version, self.start_s,
-                 self.mode, embeds_only, {"max_num_seqs": self.batch_size, "max_num_batched_tokens": self.step_tokens})
+        log.info("vLLM %s up in %.1fs (mode=%s, embeds_only=%s, embeds_transport=%s, scheduler limits %s)",
+                 self._v.version, self.start_s, self.mode, embeds_only, self.embeds_transport,
+                 {"max_num_seqs": self.batch_size, "max_num_batched_tokens": self.step_tokens})
 
         # 2. Our vision tower: always in embeds mode; in pixels mode only when embeddings are published.
         self.encoder: VisionEncoder | None = None
@@ -254,9 +279,9 @@ class VllmEngine(QueuedEngine):
             if isinstance(result, InferenceFailure):
                 self._outbox.put(result)
                 continue
-            tokens_cpu, embedding, timings = result if result else (None, None, {})
+            image_embeds, embedding, timings = result if result else (None, None, {})
             timings = {"queue_ms": (time.perf_counter() - submitted) * 1e3 - timings.get("encode_ms", 0.0), **timings}
-            mm_item = ({"image_embeds": tokens_cpu, "image_grid_thw": self._torch.tensor([list(request.grid_thw)])}
+            mm_item = ({"image_embeds": image_embeds, "image_grid_thw": self._torch.tensor([list(request.grid_thw)])}
                        if self.mode == "embeds" else request.image)
             future = self._engine_loop.submit(
                 self._generate(request, mm_item, embedding if request.want_embedding else None, timings))
@@ -288,12 +313,14 @@ class VllmEngine(QueuedEngine):
             wanted = [i for i, (r, _) in enumerate(items) if r.want_embedding]
             pooled = dict(zip(wanted, mean_pool_each([tokens[i] for i in wanted], self.encoder.embedding_width)))
             embeddings = [pooled.get(i) for i in range(len(items))]
-            tokens_cpu = to_host_each(tokens) if self.mode == "embeds" else [None] * len(tokens)
+            image_embeds = (embeds_for_engine(tokens, self.embeds_transport) if self.mode == "embeds"
+                          else [None] * len(tokens))
+            # Also before a CUDA IPC hand-over: the engine process reads the tensors on streams of its own.
             self._stream.synchronize()
         encode_ms = (time.perf_counter() - started) * 1e3
         timings = {"encode_ms": encode_ms, "encode_batch_images": float(len(items))}
         encoded = {}
-        for (request, _), t, e in zip(items, tokens_cpu, embeddings):
+        for (request, _), t, e in zip(items, image_embeds, embeddings):
             # Checked here, not left to vLLM: a wrong shape fails inside its engine process, taking every request.
             problem = t is not None and image_embeds_problem(t, request.grid_thw, self.family, self.image_embeds_width)
             encoded[request.request_id] = (InferenceFailure(request.request_id, "invalid_request", problem,
