@@ -8,8 +8,13 @@ Jobs (real images from the corpus, the built-in tiny model on this machine's CPU
   b  a manifest of 1-40 images per document (heavy-tailed), the heavy documents at the end
   c  a mix of small (0.1 MP) images and large photos taken at up to 12.8 MP (--max-pixels 12845056)
   d  job a with --condense (each document's descriptions condensed into one answer)
+  g  for a GPU: job b's shape (1-40 images per document, the heavy ones last) over any folder of images
+     (--images), 2,000 x --scale documents at 0.2 MP; with --run-options naming the model (and --sample-fraction
+     0.05) it is the "sample of at most 5% of a run of 20 minutes or more" check on one H200
 
     python benchmarks/estimate_honesty.py [--cases abc] [--scale 1.0] [--diagnose]
+    python benchmarks/estimate_honesty.py --cases g --images /root/imgs --scale 13 --sample-fraction 0.05 \
+        --run-options "--model /root/model --max-new-tokens 64" --timeout-s 2400
 
 Prints one table; each row also as a JSON line. The machine may be shared: say how busy it was with the figures.
 """
@@ -34,7 +39,8 @@ sys.path.insert(0, str(REPO))
 CORPUS = Path(os.environ.get("VLMSTREAM_TEST_IMAGES", REPO.parent / "shared" / "corpus"))
 if not CORPUS.is_dir():
     CORPUS = Path("/work/shared/corpus")
-COMMON = ["--max-new-tokens", "4"]
+COMMON = ["--max-new-tokens", "4"]  # both commands' options; --run-options replaces them
+RUN_TIMEOUT_S = 1500
 # The jobs link to the corpus's files: decode may read there.
 ENV = {"OMP_NUM_THREADS": "1", "VLMSTREAM_INFER__BATCH_SIZE": "4",
        "VLMSTREAM_DECODE__ALLOWED_ROOTS": json.dumps([str(CORPUS.resolve())])}
@@ -94,13 +100,27 @@ def job_c(root: Path, scale: float) -> tuple[Path, list[str]]:
     return manifest, ["--max-pixels", "12845056"]
 
 
+def job_g(root: Path, scale: float) -> tuple[Path, list[str]]:
+    """Job b's heavy tail (1-40 images per document, the heavy documents last) over every image of the corpus (on a
+    GPU host: --images), 2,000 x scale documents, 0.2 MP."""
+    images = corpus("all")
+    rng = random.Random(7)
+    sizes = sorted(min(40, max(1, int(rng.paretovariate(1.2)))) for _ in range(int(2000 * scale)))
+    manifest = root / "g.jsonl"
+    with manifest.open("w") as handle:
+        for d, size in enumerate(sizes):
+            uris = [str(images[rng.randrange(len(images))]) for _ in range(size)]
+            handle.write(json.dumps({"doc_id": f"g{d:05d}", "image_uris": uris}) + "\n")
+    return manifest, ["--max-pixels", str(256 * 28 * 28)]
+
+
 def job_d(root: Path, scale: float) -> tuple[Path, list[str]]:
     """Job a's documents, each also condensed into one answer (`--condense`)."""
     folder, options = job_a(root, scale)
     return folder, [*options, "--condense"]
 
 
-JOBS = {"a": job_a, "b": job_b, "c": job_c, "d": job_d}
+JOBS = {"a": job_a, "b": job_b, "c": job_c, "d": job_d, "g": job_g}
 
 
 def documents_in(job: Path) -> list[tuple[str, int]]:
@@ -127,7 +147,7 @@ def run_full(job: Path, options: list[str]) -> tuple[float, dict[str, float], di
                VLMSTREAM_PRODUCER__STATE_DIR=tempfile.mkdtemp(prefix="honesty-ledger-"))
     started_wall, started = time.time(), time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "vlmstream.cli", "run", str(job), *options, *COMMON,
-                           "--show", "0", "--timeout-s", "1500"], env=env, capture_output=True, text=True)
+                           "--show", "0", "--timeout-s", str(RUN_TIMEOUT_S)], env=env, capture_output=True, text=True)
     sys.stderr.write(proc.stderr[-6000:])  # its progress lines: where the run spent its time
     wall = time.monotonic() - started
     if proc.returncode != 0:
@@ -299,14 +319,33 @@ def estimate(job: Path, options: list[str]) -> dict:
     return data
 
 
+def configure(args: argparse.Namespace) -> None:
+    """The corpus, both commands' options and the run's limit, from the command line."""
+    global CORPUS, COMMON, RUN_TIMEOUT_S
+    if args.images:
+        CORPUS = Path(args.images).resolve()
+        ENV["VLMSTREAM_DECODE__ALLOWED_ROOTS"] = json.dumps([str(CORPUS)])
+    if args.run_options is not None:
+        COMMON = args.run_options.split()
+    RUN_TIMEOUT_S = args.timeout_s
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cases", default="abc")
     parser.add_argument("--scale", type=float, default=1.0, help="Job sizes times this.")
     parser.add_argument("--reports", help="Keep the estimates' sample reports (--sample-report) in this folder.")
+    parser.add_argument("--images", help="Folder of the images the jobs link to (default: the test corpus).")
+    parser.add_argument("--run-options", help="Options for both `vlmstream estimate` and `vlmstream run` instead "
+                        f"of {' '.join(COMMON)!r} (the tiny model on the CPU), e.g. \"--model /root/model "
+                        "--max-new-tokens 64\" on a GPU host.")
+    parser.add_argument("--sample-fraction", type=float, default=0.1,
+                        help="The estimate's sample: this share of the job's images (at least 16).")
+    parser.add_argument("--timeout-s", type=int, default=RUN_TIMEOUT_S, help="The full run's limit.")
     parser.add_argument("--diagnose", action="store_true", help="Also hold the estimate's decode costs (per size "
                         "class, per source file, warm-up against steady) against the full run's, in each JSON row.")
     args = parser.parse_args()
+    configure(args)
     root = Path(tempfile.mkdtemp(prefix="vlmstream-honesty-"))
     rows = []
     try:
@@ -317,7 +356,7 @@ def main() -> None:
             images = sum(k for _, k in docs)
             report_file = (Path(args.reports) if args.reports else root) / f"{case}-sample.json"
             load_before = os.getloadavg()
-            predicted = estimate(job, [*options, "--sample-images", str(max(16, images // 10)),
+            predicted = estimate(job, [*options, "--sample-images", str(max(16, int(images * args.sample_fraction))),
                                        "--sample-report", str(report_file)])
             estimate_s = time.monotonic() - t0
             load_between = os.getloadavg()
