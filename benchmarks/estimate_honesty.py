@@ -349,6 +349,7 @@ def main() -> None:
                    "naive_error": round(naive / wall - 1, 3) if naive else None,
                    "bottleneck": predicted["bottleneck"], "fixed_s": predicted["fixed_s"],
                    "predicted_steady_s": predicted["steady_s"], "busy_to_wall": predicted.get("busy_to_wall"),
+                   "cost_kinds": predicted.get("cost_kinds"),
                    "load_average": {"before_estimate": [round(x, 2) for x in load_before],
                                     "before_run": [round(x, 2) for x in load_between],
                                     "after_run": [round(x, 2) for x in load_after]}}
