@@ -22,6 +22,7 @@ Prints one table; each row also as a JSON line. The machine may be shared: say h
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import random
@@ -219,11 +220,24 @@ def full_calibration(report: dict, full: dict, predicted: dict) -> dict:
     busy = decode_concurrency([(im.decoded_at - im.decode_s, im.decoded_at) for im in images
                                if im.decoded_at is not None], windows.steady_start, windows.steady_end)
     return {"full_steady_s": round(windows.steady_s, 1), "full_busy_to_wall": round(costs.scale, 3),
+            "infer_cost": costs.infer_cost,
+            "infer_wall_over_cpu": {"sample": _wall_over_cpu(report["images"]), "full": _wall_over_cpu(
+                [dataclasses.asdict(im) for im in images])},
             "full_decoders_busy": busy,
             "job_busy_s": {"sample_costs": [round(d_s, 1), round(i_s, 1)], "full_costs": [round(d_f, 1), round(i_f, 1)]},
             "full_infer_ms_by_class": {c: round(v * 1000, 1) for c, v in costs.infer_s.items()},
             "full_wall_from_own_costs": round(costs.wall(d_f, i_f), 1),
             "full_wall_from_sample_costs_own_scale": round(costs.wall(d_s, i_s), 1)}
+
+
+def _wall_over_cpu(images: list[dict]) -> float | None:
+    """Inference's batches' wall time over the CPU time shared out of them (how much the cores' crowding stretched
+    them); None where the costs are not CPU time."""
+    if not images or not all(im.get("infer_cpu") for im in images):
+        return None
+    walls = {im["batch"]: im["batch_s"] for im in images}
+    cpu = sum(im["infer_s"] for im in images)
+    return round(sum(walls.values()) / cpu, 3) if cpu else None
 
 
 def decode_concurrency(spans: list[tuple[float, float]], start: float, end: float) -> dict:
@@ -375,6 +389,7 @@ def main() -> None:
                    "naive_error": round(naive / wall - 1, 3) if naive else None,
                    "bottleneck": predicted["bottleneck"], "fixed_s": predicted["fixed_s"],
                    "predicted_steady_s": predicted["steady_s"], "busy_to_wall": predicted.get("busy_to_wall"),
+                   "cost_kinds": predicted.get("cost_kinds"),
                    "load_average": {"before_estimate": [round(x, 2) for x in load_before],
                                     "before_run": [round(x, 2) for x in load_between],
                                     "after_run": [round(x, 2) for x in load_after]}}

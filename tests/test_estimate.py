@@ -42,6 +42,9 @@ def test_estimate_samples_the_heavy_tail_runs_it_and_ends_with_one_json_line(kaf
     assert 12 in data["sample_images_per_document"] and 1 in data["sample_images_per_document"]
     assert any("2 GPU" in line for line in data["scaled"]) and any("4 decode" in line for line in data["scaled"])
     assert "assumptions and what the estimate could not see" in proc.stderr
+    # On the CPU both stages' costs are CPU time, and the estimate says so.
+    assert data["cost_kinds"] == {"decode": "cpu", "inference": "cpu"}
+    assert any("inference, the inference process's CPU time over each batch" in line for line in data["assumptions"])
 
 
 def test_estimate_of_a_topic_backlog_leaves_the_real_group_where_it_was(topic_names, corpus_dir, tmp_path, unique):

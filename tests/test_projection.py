@@ -155,3 +155,16 @@ def test_on_shared_cores_the_cpu_is_the_third_limit():
     # Inference on every core: the stages' times add.
     costs.infer_threads = 2
     assert costs.wall(10.0, 50.0) == pytest.approx(55.0)
+
+
+def test_inference_measured_in_cpu_time_is_wall_time_on_its_threads_and_cpu_time_on_the_shared_cores():
+    from vlmstream.projection import ClassCosts
+
+    costs = ClassCosts({"e1/s1": 0.0}, {"e1/s1": 0.0}, 1.0, True, decode_parallel=2, cores=2, infer_threads=2,
+                       infer_cpu=True)
+    # 100 CPU s of inference over its 2 threads: 50 s on its own, but 110 CPU s in all over 2 cores.
+    assert costs.wall(10.0, 100.0) == pytest.approx(55.0)
+    assert costs.wall(0.0, 100.0) == pytest.approx(50.0)
+    # The same figure as wall time on 2 threads is twice the CPU.
+    costs.infer_cpu = False
+    assert costs.wall(0.0, 100.0) == pytest.approx(100.0)

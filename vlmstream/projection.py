@@ -8,13 +8,15 @@ window, the first steady window's rate (after the stage first moved: loading a m
 the two, and an ETA whose range comes from the spread of the rate over the window's quarters.
 
 Projection (``SampleImage``, ``project``): a sample run gives, per image, each stage's busy time (decode's own
-CPU milliseconds, inference's batch time shared out by tokens) and its size class; the sample's steady wall time
-calibrates those busy times into wall seconds on this machine. The job's images, counted by size class, times their
+CPU milliseconds; inference's batch cost shared out by tokens: the process's CPU time on the CPU, the batch's wall
+time on an accelerator) and its size class; the sample's steady wall time calibrates those busy times into wall
+seconds on this machine. The job's images, counted by size class, times their
 class's calibrated cost, plus the sample's fixed cost (start-up, warm-up, stopping), is the prediction.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 from collections import defaultdict, deque
@@ -200,13 +202,15 @@ class SampleImage:
 
     size_class: str
     decode_s: float  # decode's own CPU time for it (decode + resize + encode; its wall time where no CPU time is known)
-    infer_s: float  # its share of the inference batch it was in
+    infer_s: float  # its share of the inference batch it was in (CPU seconds when infer_cpu, else wall seconds)
     done_at: float  # its description written
     decoded_at: float | None = None  # its image record written
     batch: str = ""  # the inference batch it was in
     batch_s: float = 0.0  # that batch's own time (0: an engine without batch times)
     uri: str = ""
     doc_id: str = ""
+    infer_cpu: bool = False  # infer_s is the inference process's CPU time (an engine on the CPU reports it)
+    decode_cpu: bool = False  # decode_s is the decode thread's CPU time (else its wall time)
 
 
 @dataclass
@@ -220,7 +224,22 @@ class ClassCosts:
     shared_cores: bool
     decode_parallel: float
     cores: int = 1  # the machine's, when the stages share them
-    infer_threads: int = 1  # the threads an inference batch runs on (its measured time is wall time on them)
+    infer_threads: int = 1  # the threads an inference batch runs on
+    # infer_s is CPU seconds over all those threads (an engine on the CPU), not wall seconds on them (an
+    # accelerator's time, where the process's CPU time says nothing).
+    infer_cpu: bool = False
+
+    @property
+    def infer_cost(self) -> str:
+        return "cpu" if self.infer_cpu else "wall"
+
+    def infer_wall(self, infer_s: float) -> float:
+        """Inference's wall seconds on its own threads, each with a core to itself."""
+        return infer_s / self.infer_threads if self.infer_cpu else infer_s
+
+    def infer_cpu_s(self, infer_s: float) -> float:
+        """Inference's CPU seconds: what it takes of the shared cores."""
+        return infer_s if self.infer_cpu else infer_s * self.infer_threads
 
     def cost(self, name: str) -> tuple[float, float, str | None]:
         """(decode s, inference s, a note when the class was not sampled) for one image of a class."""
@@ -241,13 +260,15 @@ class ClassCosts:
 
     def wall(self, decode_s: float, infer_s: float, gpus: int = 1, decode_parallel: float | None = None) -> float:
         """Wall seconds for this much busy time. On their own hardware the stages overlap and the slower one sets
-        the pace. Sharing the cores, the CPU is a third limit: decode's seconds (one core each) plus inference's
-        (on its threads) over the cores."""
+        the pace. Sharing the cores, the CPU is a third limit: decode's CPU seconds plus inference's over the cores
+        (which also holds inference to the cores when it has more threads than them). Busy times measured as CPU
+        time leave out the waiting for a core, so this limit is where the stages' contention for the cores is
+        counted, once; the scale holds the rest (other load, what no stage measures)."""
         d = decode_s / (decode_parallel or self.decode_parallel)
-        i = infer_s / gpus
+        i = self.infer_wall(infer_s) / gpus
         if not self.shared_cores:
             return self.scale * max(d, i)
-        return self.scale * max(d, i, (decode_s + infer_s * self.infer_threads) / self.cores)
+        return self.scale * max(d, i, (decode_s + self.infer_cpu_s(infer_s)) / self.cores)
 
 
 def _mean_by_class(images: list[SampleImage], attr: str) -> dict[str, float]:
@@ -299,9 +320,10 @@ def sample_windows(images: list[SampleImage], steady_start: float | None = None)
 def calibrate(images: list[SampleImage], windows: SampleWindows, *, decode_parallel: float,
               shared_cores: bool, cores: int = 1, infer_threads: int = 1) -> ClassCosts:
     """Per-class stage costs from every sample image, and the scale from the steady window: the busy time of what
-    was done inside it (images decoded and images described there) against its wall time."""
+    was done inside it (images decoded and images described there) against its wall time. Inference's costs are
+    CPU time when every image's is (one engine runs the whole sample)."""
     costs = ClassCosts(_mean_by_class(images, "decode_s"), _mean_by_class(images, "infer_s"), 1.0, shared_cores,
-                       decode_parallel, cores, infer_threads)
+                       decode_parallel, cores, infer_threads, infer_cpu=all(im.infer_cpu for im in images))
     inside = [im for im in images if im.done_at > windows.steady_start]
     decoded = [im for im in images if im.decoded_at is not None and im.decoded_at > windows.steady_start]
     busy = costs.wall(sum(im.decode_s for im in decoded), sum(im.infer_s for im in inside))
@@ -390,17 +412,17 @@ def project(job_classes: dict[str, int], documents: int, costs: ClassCosts, wind
         if costs.shared_cores:
             scaled.append("stages on separate machines overlap: the slower stage's total sets the time, where here "
                           "(one machine's cores) they add up")
-        costs = ClassCosts(costs.decode_s, costs.infer_s, costs.scale, False, parallel)
+        costs = dataclasses.replace(costs, shared_cores=False, decode_parallel=parallel)
     steady = costs.wall(decode_left, infer_left, gpus=gpus, decode_parallel=parallel)
     fixed = fixed_s + warmup_extra_s
-    d_part, i_part = decode_left / parallel, infer_left / gpus
+    d_part, i_part = decode_left / parallel, costs.infer_wall(infer_left) / gpus
     neck = "decode" if d_part > i_part else "inference"
     share = max(d_part, i_part) / (d_part + i_part) if d_part + i_part else 0.0
     spread = min(max(spread, 0.05), 0.5)
     return Projection(
         predicted_s=fixed + steady, low_s=fixed + steady / (1 + spread), high_s=fixed + steady * (1 + spread),
         images=images, documents=documents, fixed_s=fixed, steady_s=steady, bottleneck=neck, bottleneck_share=share,
-        decode_cores_per_gpu=mean_d / mean_i if mean_i else None, scaled=scaled, assumptions=notes)
+        decode_cores_per_gpu=mean_d / costs.infer_wall(mean_i) if mean_i else None, scaled=scaled, assumptions=notes)
 
 
 def rate_spread(images: list[SampleImage], after: float) -> float:

@@ -331,7 +331,8 @@ def run_sample(docs: list[JobDocument], settings: Any, timeout_s: float, own_s: 
                 continue
             t = summary.timings_ms or {}
             answers[summary.doc_id] = (record.timestamp / 1000,
-                                       t.get("generate_ms", 0.0) / max(1.0, t.get("batch_documents", 1.0)) / 1000)
+                                       t.get("generate_cpu_ms", t.get("generate_ms", 0.0))  # as inference's
+                                       / max(1.0, t.get("batch_documents", 1.0)) / 1000)
     _delete_topics(settings, list(names.values()))
     shutil.rmtree(log_dir, ignore_errors=True)
     # The run's time counts from the command's start, less ``own_s``: what only the estimate does before it (reading
@@ -365,8 +366,12 @@ def _read_all(settings: Any, topic: str, wanted: int) -> list[Any]:
 def _sample_images(rows: list[tuple[float, Any]], classes: dict[str, str], decoded: dict[bytes, float]) -> list[Any]:
     """Each described image's decode time and its share of its inference batch. A transformers batch's images carry
     the same batch_ms: the vision tower's part is shared out by visual tokens (it runs on each image's own patches),
-    the rest equally (the language model pads every sequence to the batch's longest). An engine without batch
-    times (vLLM): each image's own engine_ms."""
+    the rest equally (the language model pads every sequence to the batch's longest). On the CPU the batch's cost
+    is the process's CPU time over it (batch_cpu_ms, vision_cpu_ms), shared out the same way: like decode's, its
+    wall time grows with whatever else runs on the cores (the sample's burst keeps every process busy at once, a
+    long job less so) and the projection counts the cores' contention once, by itself. On an accelerator the batch's
+    wall time is its cost (the accelerator's time; the process's CPU time there says nothing). An engine without
+    batch times (vLLM): each image's own engine_ms."""
     from schemas import image_key
     from vlmstream.projection import SampleImage
 
@@ -380,9 +385,11 @@ def _sample_images(rows: list[tuple[float, Any]], classes: dict[str, str], decod
         tokens = sum(d.visual_tokens or 1 for _, d in members)
         for at, d in members:
             t = d.timings_ms or {}
+            infer_cpu = key[0] == "batch" and "batch_cpu_ms" in t
             if key[0] == "batch":
-                vision = t.get("vision_ms", 0.0)
-                infer_s = (vision * (d.visual_tokens or 1) / tokens + (t["batch_ms"] - vision) / len(members)) / 1000
+                whole, vision = ((t["batch_cpu_ms"], t.get("vision_cpu_ms", 0.0)) if infer_cpu
+                                 else (t["batch_ms"], t.get("vision_ms", 0.0)))
+                infer_s = (vision * (d.visual_tokens or 1) / tokens + (whole - vision) / len(members)) / 1000
                 batch, batch_s = f"b{n}", t["batch_ms"] / 1000
             else:
                 infer_s, batch, batch_s = t.get("engine_ms", 0.0) / 1000, "", 0.0
@@ -392,7 +399,7 @@ def _sample_images(rows: list[tuple[float, Any]], classes: dict[str, str], decod
             decode_ms = t.get("prepare_cpu_ms", t.get("decode_ms", 0.0))
             out.append(SampleImage(classes.get(d.source_uri or "", "e?/s?"), decode_ms / 1000,
                                    infer_s, at, decoded.get(image_key(d.doc_id, d.image_index)), batch, batch_s,
-                                   d.source_uri or "", d.doc_id))
+                                   d.source_uri or "", d.doc_id, infer_cpu, decode_cpu="prepare_cpu_ms" in t))
     return out
 
 
@@ -536,11 +543,26 @@ def estimate(
     decode_per_image = statistics.fmean(im.decode_s for im in result.images)
     infer_per_image = statistics.fmean(im.infer_s for im in result.images)
     warmup_s = result.ready_at - result.started_at
+    cost_kinds = {"decode": "cpu" if all(im.decode_cpu for im in result.images) else "wall",
+                  "inference": costs.infer_cost}
     assumptions = [
         f"the sample ran as `vlmstream run` does here: {decode_parallel} decode process(es), inference on "
         + (f"the CPU on {infer_threads} thread(s), sharing the {cores} cores with decode: the wall time is the "
            "largest of decode's time over its processes, inference's, and both stages' CPU seconds over the cores"
            if on_cpu else "its accelerator: decode overlaps it, the slower stage sets the pace"),
+        "costs per image measured as: decode, "
+        + ("the decode thread's CPU time (decode, resize, encode)" if cost_kinds["decode"] == "cpu"
+           else "its wall time (the decode worker reported no CPU time)")
+        + "; inference, "
+        + (f"the inference process's CPU time over each batch (torch's {infer_threads} thread(s), and a little of "
+           "the runner's and its Kafka clients'), shared out over the batch's images by visual tokens"
+           + (" (condense's CPU time per answer added)" if condense else "")
+           + f", as wall time on its {infer_threads} thread(s) with a core each; CPU time leaves out waiting for a "
+           "core, so the cores' contention is counted once, by the CPU limit" if costs.infer_cpu
+           else "the batch's wall time on its accelerator (its time is what the job waits for; the process's CPU "
+           "time there says nothing)" if not on_cpu
+           else "the batch's wall time (the engine reported no CPU time), which grows with whatever else ran on the "
+           "cores during the sample"),
         "the cost of an image depends on its size class only (not on its document, its place in the job or the "
         "time of day); the steady rate does not drift past what the sample saw",
         f"fixed cost {fixed:.1f} s: start-up and model loading until a first image is described ({warmup_s:.1f} s"
@@ -580,9 +602,11 @@ def estimate(
         console.print(f"  decoded while the model loaded: {windows.decoded_in_warmup} images at "
                       f"{windows.decode_rate_warmup:.2f} img/s"
                       + (" (then it ran out of sample)" if windows.decode_exhausted else ""))
-    console.print(f"  per image: decode {decode_per_image * 1000:.0f} ms of one worker, inference "
-                  f"{infer_per_image * 1000:.0f} ms of its batch; busy seconds to wall seconds here: x{costs.scale:.2f}")
-    console.print("  per size class (decode ms / inference ms): " + ", ".join(
+    console.print(f"  per image: decode {decode_per_image * 1000:.0f} ms ({cost_kinds['decode']} time) of one worker, "
+                  f"inference {infer_per_image * 1000:.0f} ms ({cost_kinds['inference']} time) of its batch; busy "
+                  f"seconds to wall seconds here: x{costs.scale:.2f}")
+    console.print(f"  per size class (decode {cost_kinds['decode']} ms / inference {cost_kinds['inference']} ms): "
+                  + ", ".join(
         f"{c} {costs.decode_s[c] * 1000:.0f}/{costs.infer_s[c] * 1000:.0f}" for c in sorted(costs.decode_s)))
     if projection.decode_cores_per_gpu is not None:
         console.print(f"  decode cores per inference process to keep it busy: {projection.decode_cores_per_gpu:.2f} "
@@ -598,7 +622,7 @@ def estimate(
     if sample_report is not None:
         sample_report.write_text(json.dumps({
             "uri_classes": {im.uri: im.size_class for d in shape.documents for im in d.images},
-            "steady_start": windows.steady_start, "scale": costs.scale,
+            "steady_start": windows.steady_start, "scale": costs.scale, "cost_kinds": cost_kinds,
             "images": [dataclasses.asdict(im) for im in result.images]}))
     if as_json:
         sampled = Counter(im.size_class for im in result.images)
@@ -612,7 +636,7 @@ def estimate(
                      "warmup_s": round(warmup_s, 1), "stop_s": round(result.stop_s, 1),
                      "steady_window_s": round(steady_wall, 1), "load_average": [round(load_before, 2),
                                                                                  round(load_after, 2)],
-                     "busy_to_wall": round(costs.scale, 3),
+                     "busy_to_wall": round(costs.scale, 3), "cost_kinds": cost_kinds,
                      "costs_by_class": {c: {"sample_images": sampled[c], "job_images": n,
                                             "decode_ms": round(costs.decode_s[c] * 1000, 1),
                                             "infer_ms": round(costs.infer_s[c] * 1000, 1)}
