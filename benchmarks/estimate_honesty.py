@@ -37,6 +37,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.topics import read_topic  # noqa: E402 - after the path insert
+
 CORPUS = Path(os.environ.get("VLMSTREAM_TEST_IMAGES", REPO.parent / "shared" / "corpus"))
 if not CORPUS.is_dir():
     CORPUS = Path("/work/shared/corpus")
@@ -159,25 +161,6 @@ def run_full(job: Path, options: list[str]) -> tuple[float, dict[str, float], di
     return wall, results, decode_costs(settings, names, started_wall)
 
 
-def _read_topic(settings, topic: str) -> list:
-    from vlmstream.kafka.clients import make_consumer
-    from vlmstream.kafka.group import topic_partitions
-
-    consumer = make_consumer(settings, None)
-    out = []
-    try:
-        consumer.assign(topic_partitions(consumer, [topic]))
-        consumer.seek_to_beginning()
-        quiet = time.monotonic()
-        while time.monotonic() - quiet < 5:
-            for records in consumer.poll(timeout_ms=500).values():
-                quiet = time.monotonic()
-                out += records
-    finally:
-        consumer.close()
-    return out
-
-
 def decode_costs(settings, names: dict[str, str], started_wall: float) -> dict:
     """The full run's decode, image by image: each description's decode cost as the estimate reads it (the worker's
     CPU time, else its wall time) by source URI, and when each image record was written (seconds from the start)."""
@@ -185,7 +168,7 @@ def decode_costs(settings, names: dict[str, str], started_wall: float) -> dict:
 
     by_uri: dict[str, list[float]] = {}
     rows = []
-    for record in _read_topic(settings, names["descriptions"]):
+    for record in read_topic(settings, names["descriptions"]):
         try:
             d = Description.decode(record.value)
         except SchemaError:
@@ -195,7 +178,7 @@ def decode_costs(settings, names: dict[str, str], started_wall: float) -> dict:
         ms = t.get("prepare_cpu_ms", t.get("decode_ms"))  # what the estimate reads
         if ms is not None:
             by_uri.setdefault(d.source_uri or "", []).append(ms)
-    images = _read_topic(settings, names["images"])
+    images = read_topic(settings, names["images"])
     decoded_at = sorted(r.timestamp / 1000 - started_wall for r in images)
     return {"decode_ms_by_uri": by_uri, "decoded_at": decoded_at, "rows": rows,
             "decoded_by_key": {r.key: r.timestamp / 1000 for r in images}}
@@ -313,7 +296,7 @@ def _result_times(settings, topic: str, started_wall: float) -> tuple[dict[str, 
 
     out: dict[str, float] = {}
     failed = 0
-    for r in _read_topic(settings, topic):
+    for r in read_topic(settings, topic):
         result = DocumentResult.decode(r.value)
         failed += result.failed
         out.setdefault(result.doc_id, r.timestamp / 1000 - started_wall)

@@ -24,6 +24,35 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.images import SUFFIXES, link_documents  # noqa: E402 - after the path insert
 
+SPAN_S = 300.0  # the sustained check compares the first steady and the last spans of this length
+
+
+def sustained(stamps: list[float], window_s: float = 60.0, span_s: float = SPAN_S) -> dict:
+    """Sustained against peak from the times (s) images were described: images/s in each ``window_s`` window from
+    the first description, and the rate over the first steady ``span_s`` (after the first window, the warm-up)
+    against the rate over the last ``span_s``. None for the spans when the run is shorter than a warm-up window and
+    two spans."""
+    stamps = sorted(stamps)
+    if not stamps:
+        return {"windows": [], "first_span": None, "last_span": None, "last_over_first": None}
+    t0, end = stamps[0], stamps[-1]
+    windows = []
+    start = t0
+    while start < end:
+        n = sum(1 for t in stamps if start <= t < start + window_s)
+        windows.append(round(n / window_s, 2))
+        start += window_s
+
+    def rate(a: float, b: float) -> float:
+        return sum(1 for t in stamps if a <= t < b) / (b - a)
+
+    if end - t0 < window_s + 2 * span_s:
+        return {"windows": windows, "first_span": None, "last_span": None, "last_over_first": None}
+    first = rate(t0 + window_s, t0 + window_s + span_s)
+    last = rate(end - span_s, end)
+    return {"windows": windows, "first_span": round(first, 2), "last_span": round(last, 2),
+            "last_over_first": round(last / first, 3) if first else None}
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -72,6 +101,20 @@ def main() -> None:
         grown = ", ".join(f"{g['line']} +{g['kb']:.0f} kB" for g in w.get("python_heap_growth", [])[:2])
         print(f"{i:>6} {w['span_s']:>7.1f} {w['process_cores']:>6.2f} {w.get('rss_mb', 0):>8.1f} "
               f"{w['python_heap_mb'] if 'python_heap_mb' in w else '-':>15}  {grown}")
+    from benchmarks.topics import read_topic
+    from vlmstream.config import load_settings
+
+    described = read_topic(load_settings(), env["VLMSTREAM_TOPICS__DESCRIPTIONS"])
+    rates = sustained([r.timestamp / 1000 for r in described], args.window_s)
+    print(f"images described per second, one {args.window_s:.0f} s window each from the first description: "
+          + ", ".join(str(r) for r in rates["windows"]))
+    if rates["first_span"] is not None:
+        verdict = "within" if abs(rates["last_over_first"] - 1) <= 0.10 else "NOT within"
+        print(f"sustained: first steady {SPAN_S:.0f} s (after a {args.window_s:.0f} s warm-up) {rates['first_span']} "
+              f"img/s, last {SPAN_S:.0f} s {rates['last_span']} img/s: last / first {rates['last_over_first']} "
+              f"({verdict} 10%)")
+    else:
+        print(f"sustained: the run was too short for a warm-up window and two {SPAN_S:.0f} s spans")
     full = [w.get("rss_mb", 0.0) for w in windows if w["span_s"] >= 0.9 * args.window_s]
     if len(full) >= 4:
         half = len(full) // 2
