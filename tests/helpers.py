@@ -137,6 +137,25 @@ class Fleet:
 
 
 @lru_cache(maxsize=1)
+def smallest_exact_size_images(corpus_dir: Path, count: int, max_pixels: int) -> list:
+    """The ``count`` smallest corpus images (JPEG, PNG, WebP) at their exact smart_resize size under ``max_pixels``,
+    as the decode stage hands them to an engine."""
+    import numpy as np
+    from PIL import Image
+
+    from consumers.decode.resize import resize_exact
+    from vlmstream.models.qwen2_vl import smart_resize
+
+    files = sorted((p for p in Path(corpus_dir).rglob("*") if p.suffix.lower() in (".jpg", ".png", ".webp")),
+                   key=lambda p: p.stat().st_size)[:count]
+    out = []
+    for path in files:
+        rgb = np.asarray(Image.open(path).convert("RGB"))
+        height, width = smart_resize(rgb.shape[0], rgb.shape[1], max_pixels=max_pixels)
+        out.append(np.ascontiguousarray(resize_exact(rgb, height, width)))
+    return out
+
+
 def prepared_corpus(corpus_dir: str, count: int = 8) -> tuple:
     """Real corpus images through the real decode stage at a small pixel budget."""
     from consumers.decode.stage import DecodeStage

@@ -11,13 +11,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from PIL import Image
 
-from consumers.decode.resize import resize_exact
-from vlmstream.models.qwen2_vl import smart_resize
 from consumers.infer.engine import EngineDeadError, InferenceFailure, InferenceOutput, InferenceRequest
 from consumers.infer.prompts import OutputSchema, OutputSchemaViolation
 from consumers.infer.tiny_model import default_tiny_model_dir
+from tests.helpers import smallest_exact_size_images
 from vlmstream.config import InferSettings
 
 pytestmark = pytest.mark.model
@@ -45,13 +43,7 @@ def model_dir() -> Path:
 @pytest.fixture(scope="module")
 def images(corpus_dir) -> list[np.ndarray]:
     """Real corpus images at their exact smart_resize size, as the decode stage hands them over."""
-    files = sorted((p for p in corpus_dir.rglob("*") if p.suffix.lower() in (".jpg", ".png", ".webp")),
-                   key=lambda p: p.stat().st_size)[:5]
-    out = []
-    for path in files:
-        rgb = np.asarray(Image.open(path).convert("RGB"))
-        height, width = smart_resize(rgb.shape[0], rgb.shape[1], max_pixels=MAX_PIXELS)
-        out.append(np.ascontiguousarray(resize_exact(rgb, height, width)))
+    out = smallest_exact_size_images(corpus_dir, 5, MAX_PIXELS)
     assert len({im.shape for im in out}) > 1, "want images of different sizes in one batch"
     return out
 

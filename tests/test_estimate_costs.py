@@ -7,17 +7,14 @@ from __future__ import annotations
 import dataclasses
 import time
 
-import numpy as np
 import pytest
 import torch
-from PIL import Image
 
-from consumers.decode.resize import resize_exact
 from consumers.infer.engine import InferenceOutput, InferenceRequest
 from consumers.infer.tiny_model import default_tiny_model_dir
 from schemas import Description
+from tests.helpers import smallest_exact_size_images
 from vlmstream.config import InferSettings
-from vlmstream.models.qwen2_vl import smart_resize
 
 pytestmark = pytest.mark.model
 
@@ -29,13 +26,7 @@ def batch_outputs(corpus_dir) -> list[InferenceOutput]:
     """One batch of two corpus images of different sizes through the transformers engine on the CPU."""
     from consumers.infer.transformers_engine import TransformersEngine
 
-    files = sorted((p for p in corpus_dir.rglob("*") if p.suffix.lower() in (".jpg", ".png", ".webp")),
-                   key=lambda p: p.stat().st_size)[:2]
-    images = []
-    for path in files:
-        rgb = np.asarray(Image.open(path).convert("RGB"))
-        height, width = smart_resize(rgb.shape[0], rgb.shape[1], max_pixels=MAX_PIXELS)
-        images.append(np.ascontiguousarray(resize_exact(rgb, height, width)))
+    images = smallest_exact_size_images(corpus_dir, 2, MAX_PIXELS)
     previous = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
