@@ -37,7 +37,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.topics import read_topic  # noqa: E402 - after the path insert
+from benchmarks.soak_run import sustained  # noqa: E402 - after the path insert
+from benchmarks.topics import read_topic  # noqa: E402
 
 CORPUS = Path(os.environ.get("VLMSTREAM_TEST_IMAGES", REPO.parent / "shared" / "corpus"))
 if not CORPUS.is_dir():
@@ -135,9 +136,11 @@ def documents_in(job: Path) -> list[tuple[str, int]]:
     return [(json.loads(line)["doc_id"], len(json.loads(line)["image_uris"])) for line in job.open()]
 
 
-def run_full(job: Path, options: list[str]) -> tuple[float, dict[str, float], dict]:
+def run_full(job: Path, options: list[str], profile: Path | None = None) -> tuple[float, dict[str, float], dict]:
     """`vlmstream run JOB` on topics and groups of its own: (wall s from start to exit, each document's result time in
-    seconds from the start, what decode did: ``decode_costs``)."""
+    seconds from the start, what decode did: ``decode_costs``). With ``profile`` the inference consumer samples its
+    own memory and CPU there each minute. A run that fails (its --timeout-s passed) gives its wall time with
+    ``decode_costs``'s ``failed`` set to why, so the caller still reports the estimate and what the run reached."""
     from vlmstream.config import load_settings
 
     settings = load_settings()
@@ -148,17 +151,20 @@ def run_full(job: Path, options: list[str]) -> tuple[float, dict[str, float], di
                VLMSTREAM_DECODE__GROUP_ID=f"decode-{suffix}", VLMSTREAM_INFER__GROUP_ID=f"infer-{suffix}",
                VLMSTREAM_CONDENSE__GROUP_ID=f"condense-{suffix}",
                VLMSTREAM_PRODUCER__STATE_DIR=tempfile.mkdtemp(prefix="honesty-ledger-"))
+    if profile is not None:
+        env["VLMSTREAM_PROFILE_OUT"] = str(profile)
     started_wall, started = time.time(), time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "vlmstream.cli", "run", str(job), *options, *COMMON,
                            "--show", "0", "--timeout-s", str(RUN_TIMEOUT_S)], env=env, capture_output=True, text=True)
     sys.stderr.write(proc.stderr[-6000:])  # its progress lines: where the run spent its time
     wall = time.monotonic() - started
-    if proc.returncode != 0:
-        raise SystemExit(f"run failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
     results, failed = _result_times(settings, names["results"], started_wall)
-    if failed:
+    costs = decode_costs(settings, names, started_wall)
+    if proc.returncode != 0:
+        costs["failed"] = f"run exited {proc.returncode}: {proc.stderr.strip().splitlines()[-1:] or ''}"
+    elif failed:
         raise SystemExit(f"{failed} images failed in the full run: the job is not what was estimated")
-    return wall, results, decode_costs(settings, names, started_wall)
+    return wall, results, costs
 
 
 def decode_costs(settings, names: dict[str, str], started_wall: float) -> dict:
@@ -180,7 +186,8 @@ def decode_costs(settings, names: dict[str, str], started_wall: float) -> dict:
             by_uri.setdefault(d.source_uri or "", []).append(ms)
     images = read_topic(settings, names["images"])
     decoded_at = sorted(r.timestamp / 1000 - started_wall for r in images)
-    return {"decode_ms_by_uri": by_uri, "decoded_at": decoded_at, "rows": rows,
+    return {"decode_ms_by_uri": by_uri, "decoded_at": decoded_at, "rows": rows, "failed": None,
+            "described_at": sorted(t - started_wall for t, _ in rows),
             "decoded_by_key": {r.key: r.timestamp / 1000 for r in images}}
 
 
@@ -291,6 +298,24 @@ def decode_diagnosis(report: dict, full: dict, predicted: dict) -> dict:
     }
 
 
+def _input_end(full: dict) -> float | None:
+    """When decode published its last image (s from the start): after it inference only drains the queue."""
+    return full["decoded_at"][-1] if full["decoded_at"] else None
+
+
+def run_memory(profile: Path) -> dict | None:
+    """The inference consumer's resident memory (MB) each minute of the full run, and its children's (the engine's
+    process where there is one), from its self-profile; None without one."""
+    if not profile.exists():
+        return None
+    windows = json.loads(profile.read_text()).get("windows", [])
+    children: dict[str, list[float]] = {}
+    for w in windows:
+        for child in w.get("children", []):
+            children.setdefault(str(child.get("process")), []).append(round(child.get("rss_mb", 0.0)))
+    return {"infer_rss_mb": [round(w.get("rss_mb", 0.0)) for w in windows], "children_rss_mb": children}
+
+
 def _result_times(settings, topic: str, started_wall: float) -> tuple[dict[str, float], int]:
     from schemas import DocumentResult
 
@@ -327,6 +352,11 @@ def configure(args: argparse.Namespace) -> None:
     RUN_TIMEOUT_S = args.timeout_s
 
 
+def limit_run(seconds: float) -> None:
+    global RUN_TIMEOUT_S
+    RUN_TIMEOUT_S = int(seconds)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cases", default="abc")
@@ -339,6 +369,8 @@ def main() -> None:
     parser.add_argument("--sample-fraction", type=float, default=0.1,
                         help="The estimate's sample: this share of the job's images (at least 16).")
     parser.add_argument("--timeout-s", type=int, default=RUN_TIMEOUT_S, help="The full run's limit.")
+    parser.add_argument("--deadline", type=float, help="Unix time by which the full run must stop (a machine's "
+                        "lease): its limit becomes the lesser of --timeout-s and the time left then.")
     parser.add_argument("--diagnose", action="store_true", help="Also hold the estimate's decode costs (per size "
                         "class, per source file, warm-up against steady) against the full run's, in each JSON row.")
     args = parser.parse_args()
@@ -357,8 +389,22 @@ def main() -> None:
                                        "--sample-report", str(report_file)])
             estimate_s = time.monotonic() - t0
             load_between = os.getloadavg()
-            wall, results, full_decode = run_full(job, options)
+            if args.deadline:
+                limit_run(min(args.timeout_s, args.deadline - time.time()))
+            profile = (Path(args.reports) if args.reports else root) / f"{case}-run-profile.json"
+            wall, results, full_decode = run_full(job, options, profile)
             load_after = os.getloadavg()
+            if full_decode["failed"]:  # no actual time: say what the run reached by its limit, a bound on it
+                row = {"case": case, "documents": len(docs), "images": images,
+                       "predicted_s": predicted["predicted_s"], "low_s": predicted["low_s"],
+                       "high_s": predicted["high_s"], "actual_s": None, "run_failed": full_decode["failed"],
+                       "stopped_after_s": round(wall, 1), "documents_done": len(results),
+                       "images_described": len(full_decode["described_at"]),
+                       "sustained": sustained(full_decode["described_at"], input_end=_input_end(full_decode)),
+                       "memory": run_memory(profile)}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+                continue
             # The naive estimate: documents per second over the first N documents done (from the first result to
             # the N-th, start-up left out as a throughput benchmark does), times the documents.
             n = max(2, predicted["sample_documents"])
@@ -373,6 +419,10 @@ def main() -> None:
                    "bottleneck": predicted["bottleneck"], "fixed_s": predicted["fixed_s"],
                    "predicted_steady_s": predicted["steady_s"], "busy_to_wall": predicted.get("busy_to_wall"),
                    "cost_kinds": predicted.get("cost_kinds"),
+                   # The full run as a sustained run: descriptions per minute, the first steady 5 minutes against
+                   # the last 5 while decode still had documents, and the inference consumer's memory by minute.
+                   "sustained": sustained(full_decode["described_at"], input_end=_input_end(full_decode)),
+                   "memory": run_memory(profile),
                    "load_average": {"before_estimate": [round(x, 2) for x in load_before],
                                     "before_run": [round(x, 2) for x in load_between],
                                     "after_run": [round(x, 2) for x in load_after]}}
@@ -389,6 +439,11 @@ def main() -> None:
           "| error | naive (first N docs' rate) | naive error | bottleneck |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
+        if r["actual_s"] is None:
+            print(f"| {r['case']} | {r['documents']} | {r['images']} | - | - | {r['predicted_s']:.0f} s "
+                  f"({r['low_s']:.0f}-{r['high_s']:.0f}) | stopped after {r['stopped_after_s']:.0f} s with "
+                  f"{r['images_described']} images described | - | - | - | - |")
+            continue
         naive = f"{r['naive_s']:.0f} s" if r["naive_s"] else "-"
         naive_error = f"{r['naive_error']:+.0%}" if r["naive_error"] is not None else "-"
         print(f"| {r['case']} | {r['documents']} | {r['images']} | {r['sample_documents']} / {r['sample_images']} "

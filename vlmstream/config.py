@@ -162,6 +162,10 @@ class ProducerSettings(BaseModel):
 class DecodeSettings(BaseModel):
     group_id: str = "vlmstream-decode"
     workers: int = Field(0, description="Worker processes on this machine; 0 means one per core.")
+    niceness: int = Field(
+        0, ge=0, le=19, description="Added to each worker's nice value. On a machine shared with an inference "
+        "consumer, decode then takes the cores the consumer leaves: the process that feeds the model is never "
+        "starved by a decode backlog running ahead. `vlmstream run` and `estimate` use 10 unless this is set.")
     model_family: str = Field(
         DEFAULT_FAMILY, description="Model family (vlmstream/models/) whose input size rule the images are resized "
         "by; its released checkpoints' pixel limits are the defaults below.")

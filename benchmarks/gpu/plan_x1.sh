@@ -27,8 +27,9 @@
 #              infer.embeds_transport=cuda_ipc (image_embeds shared with vLLM's engine on the GPU), I2 the same with
 #              host copies, I3 pixels mode without embeddings (the faster mode in [j])
 #   honesty    H1 `estimate_honesty.py --cases g` with the Qwen2.5-VL-7B config at 0.2 MP / 64: an estimate from a 5%
-#              sample, then the whole job (26,000 documents, ~84,000 images: about 21 minutes at the pipeline's
-#              measured ~65 img/s); the whole lease
+#              sample, then the whole job (22,000 documents, ~70,700 images: about 20 minutes at the pipeline's
+#              measured ~60 img/s), stopped by the plan's end; the whole lease (PLAN_S ~1620). If it fails
+#              early, the ipc list runs in the time left
 #
 # On the device, after unpack_device.sh:
 #   setsid nohup bash benchmarks/gpu/plan_x1.sh /root/res 1500 tower-mps > /root/plan.log 2>&1 < /dev/null &
@@ -71,6 +72,18 @@ if [ "$LIST" = tower-mps ]; then
     printf 'b1_before\tskipped\t%s\t0\tno /root/ab-tree\n' "$(date +%T)" >> "$RES/jobs.tsv"
   fi
   job m1_mps 300 420 $BENCH --model /root/model --budgets 256,1280 $PIPE --mps --out "$RES/m1_mps"
+fi
+
+if [ "$LIST" = honesty ]; then
+  [ -e /root/model/config.json ] || python3 benchmarks/gpu/mk_model.py /root/model > "$RES/mk_model.log" 2>&1
+  # The job reuses 16 pictures: without this vLLM would serve their repeats from its prefix cache.
+  export VLMSTREAM_INFER__ENABLE_PREFIX_CACHING=false
+  job h1_honesty 1300 $(( END - $(date +%s) )) python3 benchmarks/estimate_honesty.py --cases g --images /root/imgs \
+    --scale 11 --sample-fraction 0.048 --run-options "--model /root/model --max-new-tokens 64" --timeout-s 1600 \
+    --deadline $(( END - 40 )) --reports "$RES"
+  unset VLMSTREAM_INFER__ENABLE_PREFIX_CACHING
+  # If it failed early, the rest of the lease goes to the ipc list below.
+  grep -q "^h1_honesty	rc=0" "$RES/jobs.tsv" || LIST=ipc
 fi
 
 if [ "$LIST" = qwen3 ]; then
@@ -136,13 +149,6 @@ if [ "$LIST" = ipc ]; then
   job i1_embeds_ipc 330 450 $BENCH $Q3PIPE --arms pipeline-embeds --embeds-transport cuda_ipc --out "$RES/i1_embeds_ipc"
   job i2_embeds_host 330 450 $BENCH $Q3PIPE --arms pipeline-embeds --out "$RES/i2_embeds_host"
   job i3_pixels 300 420 $BENCH $Q3PIPE --arms pipeline-pixels --out "$RES/i3_pixels"
-fi
-
-if [ "$LIST" = honesty ]; then
-  [ -e /root/model/config.json ] || python3 benchmarks/gpu/mk_model.py /root/model > "$RES/mk_model.log" 2>&1
-  job h1_honesty 1560 1740 python3 benchmarks/estimate_honesty.py --cases g --images /root/imgs --scale 13 \
-    --sample-fraction 0.05 --run-options "--model /root/model --max-new-tokens 64" --timeout-s 1600 \
-    --reports "$RES"
 fi
 
 vlmstream broker stop > "$RES/broker_stop.log" 2>&1

@@ -401,6 +401,8 @@ def _worker_main(settings: Settings, index: int, stop_event: Any, until_idle_s: 
     import cv2
 
     cv2.setNumThreads(1)
+    if settings.decode.niceness:
+        os.nice(settings.decode.niceness)
     stopping = threading.Event()
 
     def request_stop(signum, _frame):

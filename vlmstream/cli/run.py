@@ -51,9 +51,18 @@ def _settings_file(settings: Any) -> Path:
     return Path(name)
 
 
+# `run` and `estimate` start decode beside the inference consumer on one machine's cores: decode yields them (it
+# only needs to stay ahead of inference, while inference's CPU work is what keeps the model busy).
+LOCAL_DECODE_NICENESS = 10
+
+
 def _as_stage(settings: Any, stage: str) -> Any:
-    """The settings a stage gets: its own login from ``kafka.principals`` when there is one, and no other's."""
-    return settings.model_copy(update={"kafka": settings.kafka.as_principal(stage)})
+    """The settings a stage gets: its own login from ``kafka.principals`` when there is one, and no other's; decode
+    started beside inference runs at LOCAL_DECODE_NICENESS unless decode.niceness was set."""
+    update: dict[str, Any] = {"kafka": settings.kafka.as_principal(stage)}
+    if stage == "decode" and "niceness" not in settings.decode.model_fields_set:
+        update["decode"] = settings.decode.model_copy(update={"niceness": LOCAL_DECODE_NICENESS})
+    return settings.model_copy(update=update)
 
 
 # With metrics_port set, each worker process of a run serves its own endpoint: decode on the port, inference on the
