@@ -80,7 +80,7 @@ if [ "$LIST" = honesty ]; then
   export VLMSTREAM_INFER__ENABLE_PREFIX_CACHING=false
   job h1_honesty 1300 $(( END - $(date +%s) )) python3 benchmarks/estimate_honesty.py --cases g --images /root/imgs \
     --scale 11 --sample-fraction 0.048 --run-options "--model /root/model --max-new-tokens 64" --timeout-s 1600 \
-    --deadline $(( END - 40 )) --reports "$RES"
+    --deadline $(( END - 150 )) --reports "$RES"
   unset VLMSTREAM_INFER__ENABLE_PREFIX_CACHING
   # If it failed early, the rest of the lease goes to the ipc list below.
   grep -q "^h1_honesty	rc=0" "$RES/jobs.tsv" || LIST=ipc
