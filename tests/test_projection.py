@@ -12,6 +12,7 @@ from vlmstream.projection import (
     StageView,
     bottleneck,
     calibrate,
+    engine_shares,
     class_pixels,
     progress_line,
     project,
@@ -168,3 +169,28 @@ def test_inference_measured_in_cpu_time_is_wall_time_on_its_threads_and_cpu_time
     # The same figure as wall time on 2 threads is twice the CPU.
     costs.infer_cpu = False
     assert costs.wall(0.0, 100.0) == pytest.approx(100.0)
+
+
+def test_an_engine_running_requests_at_once_costs_each_image_its_share_of_the_window():
+    # vLLM-like: 1,000 images described over a 10 s steady window, each request 5 s in the engine (its latency, with
+    # hundreds in flight); the large ones twice as long. No batches of their own.
+    images = [SampleImage("e2/s5" if i % 4 == 0 else "e1/s1", 0.02, 10.0 if i % 4 == 0 else 5.0,
+                          100.0 + i * 0.01, decoded_at=90.0 + i * 0.001) for i in range(1000)]
+    windows = sample_windows(images, steady_start=100.0)
+    shared, converted = engine_shares(images, windows)
+    assert converted
+    # Each image's engine seconds now add up to the window's wall time, the large ones costing twice the small.
+    inside = [im for im in shared if im.done_at > windows.steady_start]
+    assert sum(im.infer_s for im in inside) == pytest.approx(windows.steady_s)
+    small = next(im for im in shared if im.size_class == "e1/s1").infer_s
+    assert next(im for im in shared if im.size_class == "e2/s5").infer_s == pytest.approx(2 * small)
+    costs = calibrate(shared, windows, decode_parallel=16, shared_cores=False)
+    assert costs.scale == pytest.approx(1.0, rel=0.01)  # the window's rate, not a latency rescued by the scale
+    job = project({"e1/s1": 7500, "e2/s5": 2500}, 10000, costs, windows, fixed_s=60.0, spread=0.05)
+    assert job.bottleneck == "inference"
+    assert job.predicted_s == pytest.approx(60.0 + 10 * windows.steady_s, rel=0.02)
+    # Decode: 0.02 s an image on one core against ~0.01 s of the engine's: about two cores keep it busy.
+    assert 1.5 < job.decode_cores_per_gpu < 2.5
+    # Batched engines are left as they are.
+    batched = _sample([[("e1/s1", 0.1, 0.2)] * 4] * 3)
+    assert engine_shares(batched, sample_windows(batched)) == (batched, False)

@@ -317,6 +317,22 @@ def sample_windows(images: list[SampleImage], steady_start: float | None = None)
                          decoded[0] if decoded else None)
 
 
+def engine_shares(images: list[SampleImage], windows: SampleWindows) -> tuple[list[SampleImage], bool]:
+    """(images, whether their inference costs were converted). An engine that runs hundreds of requests at once
+    (vLLM) reports each image's own time in the engine, its latency: 13 s for an image that costs the engine 13 ms
+    of its throughput when a thousand are in flight. Such images (no batch of their own) get their share of the
+    steady window's wall time instead, shared out over the images described in it in proportion to their engine
+    times (a larger image stays longer, so it costs more). The engine is taken as the steady window's limit: if
+    decode was, the share overstates inference, and the window's rate, which the projection keeps, says so."""
+    if not images or any(im.batch for im in images) or windows.steady_s <= 0:
+        return images, False
+    inside = sum(im.infer_s for im in images if im.done_at > windows.steady_start)
+    if inside <= 0:
+        return images, False
+    k = windows.steady_s / inside
+    return [dataclasses.replace(im, infer_s=im.infer_s * k) for im in images], True
+
+
 def calibrate(images: list[SampleImage], windows: SampleWindows, *, decode_parallel: float,
               shared_cores: bool, cores: int = 1, infer_threads: int = 1) -> ClassCosts:
     """Per-class stage costs from every sample image, and the scale from the steady window: the busy time of what

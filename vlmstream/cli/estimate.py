@@ -471,7 +471,8 @@ def estimate(
     from consumers.decode.stage import decode_family
     from vlmstream.cli.run import with_model_family, with_pixel_budget
     from vlmstream.cli.support import bootstrap, settings_from
-    from vlmstream.projection import calibrate, contended_warmup, project, rate_spread, sample_windows
+    from vlmstream.projection import (calibrate, contended_warmup, engine_shares, project, rate_spread,
+                                      sample_windows)
 
     overrides: dict[str, Any] = {
         "decode": {"max_pixels": max_pixels, "workers": decode_workers},
@@ -519,6 +520,8 @@ def estimate(
     decode_parallel = settings.decode.workers or os.cpu_count() or 1
     on_cpu = _inference_on_cpu(settings)
     windows = sample_windows(result.images, steady_start=result.measured_at)
+    images, shared_out = engine_shares(result.images, windows)
+    result = dataclasses.replace(result, images=images)
     cores = os.cpu_count() or 1
     # torch's CPU threads: OMP_NUM_THREADS (the workers inherit this environment), else one per core.
     infer_threads = int(os.environ.get("OMP_NUM_THREADS", "0") or 0) or cores
@@ -526,7 +529,9 @@ def estimate(
                       infer_threads=infer_threads)
     # The range: the steady rate's wander between the window's halves, but no narrower than a window of n batches
     # can tell (1/sqrt(n)): a short window on a busy machine says little about the next ten minutes.
-    batches = len({im.batch for im in result.images if im.done_at > windows.steady_start}) or len(result.images)
+    # An engine that runs requests at once (no batches of its own): each request is one.
+    batches = len({im.batch or n for n, im in enumerate(result.images) if im.done_at > windows.steady_start}) \
+        or len(result.images)
     spread = max(rate_spread(result.images, windows.steady_start), 1 / batches ** 0.5)
     extra = 0.0
     warm_workers = result.ready_at - result.workers_at
@@ -544,7 +549,7 @@ def estimate(
     infer_per_image = statistics.fmean(im.infer_s for im in result.images)
     warmup_s = result.ready_at - result.started_at
     cost_kinds = {"decode": "cpu" if all(im.decode_cpu for im in result.images) else "wall",
-                  "inference": costs.infer_cost}
+                  "inference": "engine share" if shared_out else costs.infer_cost}
     assumptions = [
         f"the sample ran as `vlmstream run` does here: {decode_parallel} decode process(es), inference on "
         + (f"the CPU on {infer_threads} thread(s), sharing the {cores} cores with decode: the wall time is the "
@@ -559,6 +564,8 @@ def estimate(
            + (" (condense's CPU time per answer added)" if condense else "")
            + f", as wall time on its {infer_threads} thread(s) with a core each; CPU time leaves out waiting for a "
            "core, so the cores' contention is counted once, by the CPU limit" if costs.infer_cpu
+           else "its share of the steady window's wall time, by each request's time in the engine (the engine runs "
+           "many requests at once: one request's time in it is its latency, not its cost)" if shared_out
            else "the batch's wall time on its accelerator (its time is what the job waits for; the process's CPU "
            "time there says nothing)" if not on_cpu
            else "the batch's wall time (the engine reported no CPU time), which grows with whatever else ran on the "
@@ -603,7 +610,9 @@ def estimate(
                       f"{windows.decode_rate_warmup:.2f} img/s"
                       + (" (then it ran out of sample)" if windows.decode_exhausted else ""))
     console.print(f"  per image: decode {decode_per_image * 1000:.0f} ms ({cost_kinds['decode']} time) of one worker, "
-                  f"inference {infer_per_image * 1000:.0f} ms ({cost_kinds['inference']} time) of its batch; busy "
+                  f"inference {infer_per_image * 1000:.0f} ms ({cost_kinds['inference']}"
+                  + (" of the steady window's wall time, by each request's time in the engine" if shared_out
+                     else " time) of its batch") + "; busy "
                   f"seconds to wall seconds here: x{costs.scale:.2f}")
     console.print(f"  per size class (decode {cost_kinds['decode']} ms / inference {cost_kinds['inference']} ms): "
                   + ", ".join(
