@@ -298,8 +298,12 @@ def decode_diagnosis(report: dict, full: dict, predicted: dict) -> dict:
     }
 
 
-def _input_end(full: dict) -> float | None:
-    """When decode published its last image (s from the start): after it inference only drains the queue."""
+def _input_end(full: dict, shared_cores: bool = True) -> float | None:
+    """Where the sustained check's last span ends: when decode published its last image (s from the start), since
+    after it inference has the cores decode shared with it (on a CPU engine); on an accelerator decode's end
+    changes nothing for inference, so the whole run counts (None)."""
+    if not shared_cores:
+        return None
     return full["decoded_at"][-1] if full["decoded_at"] else None
 
 
@@ -400,7 +404,8 @@ def main() -> None:
                        "high_s": predicted["high_s"], "actual_s": None, "run_failed": full_decode["failed"],
                        "stopped_after_s": round(wall, 1), "documents_done": len(results),
                        "images_described": len(full_decode["described_at"]),
-                       "sustained": sustained(full_decode["described_at"], input_end=_input_end(full_decode)),
+                       "sustained": sustained(full_decode["described_at"], input_end=_input_end(
+                           full_decode, (predicted.get("cost_kinds") or {}).get("inference") == "cpu")),
                        "memory": run_memory(profile)}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
@@ -421,7 +426,8 @@ def main() -> None:
                    "cost_kinds": predicted.get("cost_kinds"),
                    # The full run as a sustained run: descriptions per minute, the first steady 5 minutes against
                    # the last 5 while decode still had documents, and the inference consumer's memory by minute.
-                   "sustained": sustained(full_decode["described_at"], input_end=_input_end(full_decode)),
+                   "sustained": sustained(full_decode["described_at"], input_end=_input_end(
+                       full_decode, (predicted.get("cost_kinds") or {}).get("inference") == "cpu")),
                    "memory": run_memory(profile),
                    "load_average": {"before_estimate": [round(x, 2) for x in load_before],
                                     "before_run": [round(x, 2) for x in load_between],
