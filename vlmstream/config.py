@@ -237,6 +237,11 @@ class InferSettings(BaseModel):
                                              "twice the engine's batch (vLLM: its max_num_seqs), at least 256.")
     max_visual_tokens_in_flight: int = 262_144
     batch_size: int = Field(8, description="Largest batch handed to a synchronous engine at once.")
+    cpu_threads: int = Field(
+        0, ge=0, description="transformers engine on the CPU: torch's threads (0: torch's own choice, one per core "
+        "or OMP_NUM_THREADS). `vlmstream run` and `estimate` use 1 unless this or OMP_NUM_THREADS is set: there the "
+        "decode workers share the cores, and torch's threads, which wait for each other at every operation, lose "
+        "whenever one of them loses its core (benchmarks/RESULTS.md).")
     session_timeout_ms: int = Field(
         10_000, description="How long a silent (killed) inference consumer keeps its images before the group moves "
         "them to the others (Kafka's default is 45 s). Heartbeats run on kafka-python's IO thread, so a long batch "

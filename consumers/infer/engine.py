@@ -15,6 +15,14 @@ from vlmstream.queued_engine import (ENGINE_DEAD, ENGINE_STOP, EngineDeadError, 
                                      drop_queued)
 
 
+def limit_cpu_threads(threads: int, device: str) -> None:
+    """infer.cpu_threads for an engine that computes on the CPU (0 leaves torch's own choice)."""
+    if threads > 0 and device == "cpu":
+        import torch
+
+        torch.set_num_threads(threads)
+
+
 class EngineCannotLoadModel(RuntimeError):
     """The engine cannot load the configured model: raised at start, naming infer.model, before any record is read
     (never a dead letter per image)."""

@@ -14,7 +14,8 @@ import logging
 import time
 from pathlib import Path
 
-from consumers.infer.engine import EngineCannotLoadModel, InferenceFailure, InferenceOutput, InferenceRequest
+from consumers.infer.engine import (EngineCannotLoadModel, InferenceFailure, InferenceOutput, InferenceRequest,
+                                    limit_cpu_threads)
 from consumers.infer.prompts import OutputSchema, with_schema
 from consumers.infer.transformers_engine import TransformersEngine, resolve_dtype
 from vlmstream.config import InferSettings
@@ -36,6 +37,7 @@ class ProcessorEngine(TransformersEngine):
         self.model_id = settings.model or str(model_path)
         self.revision = settings.revision
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        limit_cpu_threads(settings.cpu_threads, self.device)
         self.dtype = resolve_dtype(settings.dtype, self.device)
         self.batch_size = max(1, settings.batch_size)
         self.step_tokens = None

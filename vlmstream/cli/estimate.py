@@ -469,7 +469,7 @@ def estimate(
     on more), from a stratified sample run through the real pipeline; prints the job's shape, the sample, the
     measured costs per size class, the projection with its range, and its assumptions."""
     from consumers.decode.stage import decode_family
-    from vlmstream.cli.run import with_model_family, with_pixel_budget
+    from vlmstream.cli.run import _as_stage, with_model_family, with_pixel_budget
     from vlmstream.cli.support import bootstrap, settings_from
     from vlmstream.projection import (calibrate, contended_warmup, engine_shares, project, rate_spread,
                                       sample_windows)
@@ -523,8 +523,10 @@ def estimate(
     images, shared_out = engine_shares(result.images, windows)
     result = dataclasses.replace(result, images=images)
     cores = os.cpu_count() or 1
-    # torch's CPU threads: OMP_NUM_THREADS (the workers inherit this environment), else one per core.
-    infer_threads = int(os.environ.get("OMP_NUM_THREADS", "0") or 0) or cores
+    # torch's CPU threads in the sample's inference worker: infer.cpu_threads as `run` sets it, else OMP_NUM_THREADS
+    # (the workers inherit this environment), else one per core.
+    infer_threads = (_as_stage(settings, "infer").infer.cpu_threads
+                     or int(os.environ.get("OMP_NUM_THREADS", "0") or 0) or cores)
     costs = calibrate(result.images, windows, decode_parallel=decode_parallel, shared_cores=on_cpu, cores=cores,
                       infer_threads=infer_threads)
     # The range: the steady rate's wander between the window's halves, but no narrower than a window of n batches

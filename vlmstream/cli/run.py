@@ -52,16 +52,23 @@ def _settings_file(settings: Any) -> Path:
 
 
 # `run` and `estimate` start decode beside the inference consumer on one machine's cores: decode yields them (it
-# only needs to stay ahead of inference, while inference's CPU work is what keeps the model busy).
+# only needs to stay ahead of inference, while inference's CPU work is what keeps the model busy), and an engine on
+# the CPU runs one torch thread (its threads wait for each other at every operation, and lose whenever decode takes
+# one's core; measured in benchmarks/RESULTS.md).
 LOCAL_DECODE_NICENESS = 10
+LOCAL_INFER_CPU_THREADS = 1
 
 
 def _as_stage(settings: Any, stage: str) -> Any:
     """The settings a stage gets: its own login from ``kafka.principals`` when there is one, and no other's; decode
-    started beside inference runs at LOCAL_DECODE_NICENESS unless decode.niceness was set."""
+    started beside inference runs at LOCAL_DECODE_NICENESS unless decode.niceness was set, and an inference engine
+    on the CPU with LOCAL_INFER_CPU_THREADS unless infer.cpu_threads or OMP_NUM_THREADS says otherwise."""
     update: dict[str, Any] = {"kafka": settings.kafka.as_principal(stage)}
     if stage == "decode" and "niceness" not in settings.decode.model_fields_set:
         update["decode"] = settings.decode.model_copy(update={"niceness": LOCAL_DECODE_NICENESS})
+    if (stage == "infer" and "cpu_threads" not in settings.infer.model_fields_set
+            and not os.environ.get("OMP_NUM_THREADS")):
+        update["infer"] = settings.infer.model_copy(update={"cpu_threads": LOCAL_INFER_CPU_THREADS})
     return settings.model_copy(update=update)
 
 
