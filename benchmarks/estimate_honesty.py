@@ -119,8 +119,9 @@ def job_g(root: Path, scale: float) -> tuple[Path, list[str]]:
 
 
 def job_d(root: Path, scale: float) -> tuple[Path, list[str]]:
-    """Job a's documents, each also condensed into one answer (`--condense`)."""
-    folder, options = job_a(root, scale)
+    """Job a's documents (a folder of their own: both can run in one invocation), each also condensed into one answer
+    (`--condense`)."""
+    folder, options = job_a(root / "d", scale)
     return folder, [*options, "--condense"]
 
 
