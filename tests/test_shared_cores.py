@@ -17,6 +17,12 @@ def test_run_starts_decode_at_the_local_niceness_unless_set():
     assert _as_stage(Settings(decode={"niceness": 3}), "decode").decode.niceness == 3
 
 
+def _in_a_fresh_process(code: str) -> subprocess.CompletedProcess:
+    """Niceness and torch's threads are per process: each check runs in one of its own."""
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
 def test_a_decode_worker_applies_its_niceness():
     # The worker's own start-up (consumers.decode.runner._worker_main) raises its nice value before it decodes;
     # run here with a broker nobody answers on and a stop already asked for, so it returns at once.
@@ -33,8 +39,7 @@ def test_a_decode_worker_applies_its_niceness():
         "    pass\n"
         "print(os.nice(0) - before)\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = _in_a_fresh_process(code)
     assert out.stdout.strip().splitlines()[-1] == "7", out.stderr[-2000:]
 
 
@@ -58,6 +63,5 @@ def test_a_cpu_engine_runs_on_the_threads_it_is_given():
         "limit_cpu_threads(1, 'cuda'); b = torch.get_num_threads()\n"
         "limit_cpu_threads(1, 'cpu'); print(a, b, torch.get_num_threads())\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = _in_a_fresh_process(code)
     assert out.stdout.split() == ["2", "2", "1"], out.stderr[-2000:]
