@@ -399,15 +399,17 @@ def main() -> None:
             profile = (Path(args.reports) if args.reports else root) / f"{case}-run-profile.json"
             wall, results, full_decode = run_full(job, options, profile)
             load_after = os.getloadavg()
+            # The full run as a sustained run: descriptions per minute, the first steady 5 minutes against the last 5
+            # (while decode still had documents, on shared cores), and the inference consumer's memory by minute.
+            as_sustained = {"sustained": sustained(full_decode["described_at"], input_end=_input_end(
+                full_decode, (predicted.get("cost_kinds") or {}).get("inference") == "cpu")),
+                "memory": run_memory(profile)}
             if full_decode["failed"]:  # no actual time: say what the run reached by its limit, a bound on it
                 row = {"case": case, "documents": len(docs), "images": images,
                        "predicted_s": predicted["predicted_s"], "low_s": predicted["low_s"],
                        "high_s": predicted["high_s"], "actual_s": None, "run_failed": full_decode["failed"],
                        "stopped_after_s": round(wall, 1), "documents_done": len(results),
-                       "images_described": len(full_decode["described_at"]),
-                       "sustained": sustained(full_decode["described_at"], input_end=_input_end(
-                           full_decode, (predicted.get("cost_kinds") or {}).get("inference") == "cpu")),
-                       "memory": run_memory(profile)}
+                       "images_described": len(full_decode["described_at"]), **as_sustained}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
                 continue
@@ -424,12 +426,7 @@ def main() -> None:
                    "naive_error": round(naive / wall - 1, 3) if naive else None,
                    "bottleneck": predicted["bottleneck"], "fixed_s": predicted["fixed_s"],
                    "predicted_steady_s": predicted["steady_s"], "busy_to_wall": predicted.get("busy_to_wall"),
-                   "cost_kinds": predicted.get("cost_kinds"),
-                   # The full run as a sustained run: descriptions per minute, the first steady 5 minutes against
-                   # the last 5 while decode still had documents, and the inference consumer's memory by minute.
-                   "sustained": sustained(full_decode["described_at"], input_end=_input_end(
-                       full_decode, (predicted.get("cost_kinds") or {}).get("inference") == "cpu")),
-                   "memory": run_memory(profile),
+                   "cost_kinds": predicted.get("cost_kinds"), **as_sustained,
                    "load_average": {"before_estimate": [round(x, 2) for x in load_before],
                                     "before_run": [round(x, 2) for x in load_between],
                                     "after_run": [round(x, 2) for x in load_after]}}

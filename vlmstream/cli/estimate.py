@@ -613,7 +613,7 @@ def estimate(
                       + (" (then it ran out of sample)" if windows.decode_exhausted else ""))
     console.print(f"  per image: decode {decode_per_image * 1000:.0f} ms ({cost_kinds['decode']} time) of one worker, "
                   f"inference {infer_per_image * 1000:.0f} ms ({cost_kinds['inference']}"
-                  + (" of the steady window's wall time, by each request's time in the engine" if shared_out
+                  + (" of the steady window's wall time, by each request's time in the engine)" if shared_out
                      else " time) of its batch") + "; busy "
                   f"seconds to wall seconds here: x{costs.scale:.2f}")
     console.print(f"  per size class (decode {cost_kinds['decode']} ms / inference {cost_kinds['inference']} ms): "
