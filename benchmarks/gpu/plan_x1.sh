@@ -27,7 +27,7 @@
 #              infer.embeds_transport=cuda_ipc (image_embeds shared with vLLM's engine on the GPU), I2 the same with
 #              host copies, I3 pixels mode without embeddings (the faster mode in [j])
 #   honesty    H1 `estimate_honesty.py --cases g` with the Qwen2.5-VL-7B config at 0.2 MP / 64: an estimate from a 5%
-#              sample, then the whole job (28,000 documents, about 90,000 images: about 22 minutes at the 76 img/s
+#              sample, then the whole job (27,000 documents, about 86,800 images: about 21.5 minutes at the 76 img/s
 #              steady rate of 22,000 documents here), stopped 20 s before the plan's end; the whole lease (PLAN_S
 #              ~1600, from the budget left after staging). If it fails early, the ipc list runs in the time left
 #
@@ -79,7 +79,7 @@ if [ "$LIST" = honesty ]; then
   # The job reuses 16 pictures: without this vLLM would serve their repeats from its prefix cache.
   export VLMSTREAM_INFER__ENABLE_PREFIX_CACHING=false
   job h1_honesty 1300 $(( END - $(date +%s) )) python3 benchmarks/estimate_honesty.py --cases g --images /root/imgs \
-    --scale 14 --sample-fraction 0.048 --run-options "--model /root/model --max-new-tokens 64" --timeout-s 1600 \
+    --scale 13.5 --sample-fraction 0.048 --run-options "--model /root/model --max-new-tokens 64" --timeout-s 1600 \
     --deadline $(( END - 20 )) --reports "$RES"
   unset VLMSTREAM_INFER__ENABLE_PREFIX_CACHING
   # If it failed early, the rest of the lease goes to the ipc list below.
