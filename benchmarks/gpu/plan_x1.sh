@@ -21,6 +21,7 @@
 #              T4 the Qwen3-VL-8B tower alone, transformers' blocks against the fast ones, with TFLOPS
 #   ab         Qwen2.5-VL-7B at 0.2 MP / 64, embeds, this code (A) against /root/ab-tree (B), in the order A B B A so
 #              that neither side always runs on the colder machine
+#   ba         the ab list's first half in the other order, B then A (one pair, for a lease of about 10 minutes)
 #   qwen3-long Qwen3-VL-8B: L1 the pipeline in both modes at 1 MP with 60 s phases; L2 `vllm serve` with 4 and 12 API
 #              servers at 0.2 and 1 MP (8 is in [j]); L3 the tower alone at 0.2 MP with a profile of the fast blocks
 #   ipc        Qwen3-VL-8B at 0.2 MP and 1 MP / 64, 40 s phases: I1 the pipeline in embeds mode with
@@ -118,14 +119,14 @@ if [ "$LIST" = models ]; then
     --variants transformers+vllm_fa3,fast+vllm_fa3 --seconds 3 --profile-budget '' --out "$RES/t4_tower_qwen3.json"
 fi
 
-if [ "$LIST" = ab ]; then
+if [ "$LIST" = ab ] || [ "$LIST" = ba ]; then
   [ -e /root/model/config.json ] || python3 benchmarks/gpu/mk_model.py /root/model > "$RES/mk_model.log" 2>&1
   cp "$RES/commit.txt" "$RES/a_commit.txt"; cp /root/ab-tree/COMMIT "$RES/b_commit.txt" 2>/dev/null
   ab_b() { job "$1" 240 360 env PYTHONPATH=/tmp/site:/root/ab-tree python3 /root/ab-tree/benchmarks/gpu/gpu_bench.py \
     --imgs /root/imgs --max-tokens 64 --gpu-ids 0 --model /root/model --budgets 256 $PIPE --out "$RES/$1"; }
   ab_a() { job "$1" 240 360 $BENCH --model /root/model --budgets 256 $PIPE --out "$RES/$1"; }
   if [ -d /root/ab-tree ]; then
-    ab_a a1_this; ab_b b1_before; ab_b b2_before; ab_a a2_this
+    if [ "$LIST" = ba ]; then ab_b b1_before; ab_a a1_this; else ab_a a1_this; ab_b b1_before; ab_b b2_before; ab_a a2_this; fi
   else
     printf 'ab\tskipped\t%s\t0\tno /root/ab-tree\n' "$(date +%T)" >> "$RES/jobs.tsv"
   fi
