@@ -1,6 +1,6 @@
 """Stages started side by side on one machine (`vlmstream run`, `estimate`) share its cores: decode yields them
 (a higher nice value unless decode.niceness says otherwise) and an engine on the CPU runs one torch thread
-(unless infer.cpu_threads or OMP_NUM_THREADS says otherwise)."""
+(unless infer.cpu_threads or OMP_NUM_THREADS says otherwise) and at most infer.cpu_malloc_arenas malloc arenas."""
 
 import os
 import subprocess
@@ -57,11 +57,42 @@ def test_run_gives_a_cpu_engine_one_thread_unless_told(monkeypatch):
 def test_a_cpu_engine_runs_on_the_threads_it_is_given():
     code = (
         "import torch\n"
-        "from consumers.infer.engine import limit_cpu_threads\n"
+        "from consumers.infer.engine import limit_cpu_use\n"
+        "from vlmstream.config import InferSettings\n"
         "torch.set_num_threads(2)\n"
-        "limit_cpu_threads(0, 'cpu'); a = torch.get_num_threads()\n"
-        "limit_cpu_threads(1, 'cuda'); b = torch.get_num_threads()\n"
-        "limit_cpu_threads(1, 'cpu'); print(a, b, torch.get_num_threads())\n"
+        "limit_cpu_use(InferSettings(cpu_threads=0), 'cpu'); a = torch.get_num_threads()\n"
+        "limit_cpu_use(InferSettings(cpu_threads=1), 'cuda'); b = torch.get_num_threads()\n"
+        "limit_cpu_use(InferSettings(cpu_threads=1), 'cpu'); print(a, b, torch.get_num_threads())\n"
     )
     out = _in_a_fresh_process(code)
     assert out.stdout.split() == ["2", "2", "1"], out.stderr[-2000:]
+
+
+# Eight threads that allocate at once, then glibc's own count of its arenas (malloc_info writes one <heap> each).
+_ARENAS_AFTER_EIGHT_THREADS = """
+import ctypes, os, tempfile, threading
+from consumers.infer.engine import limit_cpu_use
+from vlmstream.config import InferSettings
+limit_cpu_use(InferSettings(cpu_malloc_arenas={arenas}), 'cpu')
+barrier = threading.Barrier(8)
+def allocate():
+    held = [bytearray(4096) for _ in range(64)]
+    barrier.wait()
+threads = [threading.Thread(target=allocate) for _ in range(8)]
+for t in threads: t.start()
+for t in threads: t.join()
+libc = ctypes.CDLL(None)
+libc.fopen.restype = ctypes.c_void_p
+path = os.path.join(tempfile.mkdtemp(), 'malloc_info.xml')
+fp = libc.fopen(path.encode(), b'w')
+libc.malloc_info(0, ctypes.c_void_p(fp)); libc.fclose(ctypes.c_void_p(fp))
+print(open(path).read().count('<heap nr='))
+"""
+
+
+def test_a_cpu_engine_caps_its_malloc_arenas(monkeypatch):
+    monkeypatch.delenv("MALLOC_ARENA_MAX", raising=False)
+    capped = _in_a_fresh_process(_ARENAS_AFTER_EIGHT_THREADS.format(arenas=2))
+    glibc_default = _in_a_fresh_process(_ARENAS_AFTER_EIGHT_THREADS.format(arenas=0))
+    assert int(capped.stdout.split()[-1]) <= 2, capped.stderr[-2000:]
+    assert int(glibc_default.stdout.split()[-1]) > 2, glibc_default.stderr[-2000:]

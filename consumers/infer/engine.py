@@ -6,21 +6,46 @@ barrier, so an engine with continuous batching (vLLM) stays saturated. Engines n
 
 from __future__ import annotations
 
+import ctypes
+import os
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import TYPE_CHECKING, Protocol, Sequence
 
 import numpy as np
 
 from vlmstream.queued_engine import (ENGINE_DEAD, ENGINE_STOP, EngineDeadError, QueuedEngine,  # noqa: F401
                                      drop_queued)
 
+if TYPE_CHECKING:
+    from vlmstream.config import InferSettings
 
-def limit_cpu_threads(threads: int, device: str) -> None:
-    """infer.cpu_threads for an engine that computes on the CPU (0 leaves torch's own choice)."""
-    if threads > 0 and device == "cpu":
+
+def limit_cpu_use(settings: InferSettings, device: str) -> None:
+    """infer.cpu_threads and infer.cpu_malloc_arenas for an engine that computes on the CPU (0 leaves each at its
+    own default)."""
+    if device != "cpu":
+        return
+    if settings.cpu_threads > 0:
         import torch
 
-        torch.set_num_threads(threads)
+        torch.set_num_threads(settings.cpu_threads)
+    if settings.cpu_malloc_arenas > 0 and not os.environ.get("MALLOC_ARENA_MAX"):
+        cap_malloc_arenas(settings.cpu_malloc_arenas)
+
+
+M_ARENA_MAX = -8  # glibc's malloc.h
+
+
+def cap_malloc_arenas(arenas: int) -> bool:
+    """At most ``arenas`` glibc malloc arenas from now on in this process, as MALLOC_ARENA_MAX would at its start
+    (arenas made before stay). glibc gives a thread that allocates an arena of its own, up to 8 per core, and each
+    keeps what its thread freed: a long run on the CPU grew by hundreds of MB that way and levelled off with 2
+    (benchmarks/RESULTS.md). False where the C library has no mallopt (not glibc)."""
+    try:
+        libc = ctypes.CDLL(None)
+        return bool(libc.mallopt(ctypes.c_int(M_ARENA_MAX), ctypes.c_int(arenas)))
+    except (OSError, AttributeError):
+        return False
 
 
 class EngineCannotLoadModel(RuntimeError):

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from consumers.infer.engine import (EngineCannotLoadModel, InferenceFailure, InferenceOutput, InferenceRequest,
-                                    limit_cpu_threads)
+                                    limit_cpu_use)
 from consumers.infer.prompts import OutputSchema, with_schema
 from consumers.infer.transformers_engine import TransformersEngine, resolve_dtype
 from vlmstream.config import InferSettings
@@ -37,7 +37,7 @@ class ProcessorEngine(TransformersEngine):
         self.model_id = settings.model or str(model_path)
         self.revision = settings.revision
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        limit_cpu_threads(settings.cpu_threads, self.device)
+        limit_cpu_use(settings, self.device)
         self.dtype = resolve_dtype(settings.dtype, self.device)
         self.batch_size = max(1, settings.batch_size)
         self.step_tokens = None

@@ -21,7 +21,7 @@ from types import SimpleNamespace
 from typing import Sequence
 
 from consumers.infer.engine import (EngineCannotLoadModel, InferenceFailure, InferenceOutput, InferenceRequest,
-                                    QueuedEngine, limit_cpu_threads)
+                                    QueuedEngine, limit_cpu_use)
 from consumers.infer.prompts import OutputSchema, PromptBuilder, with_schema
 from consumers.infer.vision import VisionEncoder, mean_pool_each, patchify_batch, request_problem
 from vlmstream.config import InferSettings
@@ -67,7 +67,7 @@ class TransformersEngine(QueuedEngine):
         self.model_id = settings.model or str(model_path)
         self.revision = settings.revision
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        limit_cpu_threads(settings.cpu_threads, self.device)
+        limit_cpu_use(settings, self.device)
         self.dtype = resolve_dtype(settings.dtype, self.device)
         self.batch_size = max(1, settings.batch_size)
         self.step_tokens = None  # no per-step token budget: a batch is whatever is queued, up to batch_size
