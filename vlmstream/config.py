@@ -245,8 +245,7 @@ class InferSettings(BaseModel):
     cpu_malloc_arenas: int = Field(
         2, ge=0, description="transformers engine on the CPU: most glibc malloc arenas in the inference process (0: "
         "glibc's own, up to 8 per core; MALLOC_ARENA_MAX exported by the user wins). Each thread that allocates may "
-        "take an arena of its own and keep what it freed; with 2 a long run's memory levels off "
-        "(benchmarks/RESULTS.md).")
+        "take an arena of its own and keep what it freed; with 2 long runs grew less (benchmarks/RESULTS.md).")
     session_timeout_ms: int = Field(
         10_000, description="How long a silent (killed) inference consumer keeps its images before the group moves "
         "them to the others (Kafka's default is 45 s). Heartbeats run on kafka-python's IO thread, so a long batch "
