@@ -21,6 +21,9 @@
 #              T4 the Qwen3-VL-8B tower alone, transformers' blocks against the fast ones, with TFLOPS
 #   ab         Qwen2.5-VL-7B at 0.2 MP / 64, embeds, this code (A) against /root/ab-tree (B), in the order A B B A so
 #              that neither side always runs on the colder machine
+#   tower-q3   the Qwen3-VL-8B tower alone at 0.2 MP, 16 and 64 images per forward, transformers' blocks against the
+#              fast ones (eager, compiled, compiled with the torch q/k/v code), then profiles: is the fast blocks' cost
+#              at 0.2 MP a fixed cost per forward (about 3 minutes)
 #   ba         the ab list's first half in the other order, B then A (one pair, for a lease of about 10 minutes)
 #   qwen3-long Qwen3-VL-8B: L1 the pipeline in both modes at 1 MP with 60 s phases; L2 `vllm serve` with 4 and 12 API
 #              servers at 0.2 and 1 MP (8 is in [j]); L3 the tower alone at 0.2 MP with a profile of the fast blocks
@@ -130,6 +133,12 @@ if [ "$LIST" = ab ] || [ "$LIST" = ba ]; then
   else
     printf 'ab\tskipped\t%s\t0\tno /root/ab-tree\n' "$(date +%T)" >> "$RES/jobs.tsv"
   fi
+fi
+
+if [ "$LIST" = tower-q3 ]; then
+  job l4_tower_q3_batches 150 240 python3 benchmarks/gpu/bench_vision_tower.py --model qwen3-vl-8b --imgs /root/imgs \
+    --budgets 256 --batches 16,64 --variants transformers+vllm_fa3,fast-eager+vllm_fa3,fast+vllm_fa3,fast-torchqkv+vllm_fa3 \
+    --seconds 2 --profile-budget 256 --out "$RES/l4_tower_q3_batches.json"
 fi
 
 if [ "$LIST" = qwen3-long ]; then
