@@ -60,16 +60,23 @@ LOCAL_INFER_CPU_THREADS = 1
 
 
 def _as_stage(settings: Any, stage: str) -> Any:
-    """The settings a stage gets: its own login from ``kafka.principals`` when there is one, and no other's; decode
-    started beside inference runs at LOCAL_DECODE_NICENESS unless decode.niceness was set, and an inference engine
-    on the CPU with LOCAL_INFER_CPU_THREADS unless infer.cpu_threads or OMP_NUM_THREADS says otherwise."""
-    update: dict[str, Any] = {"kafka": settings.kafka.as_principal(stage)}
+    """The settings a stage gets when `run` (or `estimate`) starts it on this machine: its own login, and the
+    defaults for stages that share the machine's cores."""
+    return _sharing_cores(settings.model_copy(update={"kafka": settings.kafka.as_principal(stage)}), stage)
+
+
+def _sharing_cores(settings: Any, stage: str) -> Any:
+    """Decode started beside inference runs at LOCAL_DECODE_NICENESS unless decode.niceness was set, and an
+    inference engine on the CPU with LOCAL_INFER_CPU_THREADS unless infer.cpu_threads or OMP_NUM_THREADS says
+    otherwise."""
     if stage == "decode" and "niceness" not in settings.decode.model_fields_set:
-        update["decode"] = settings.decode.model_copy(update={"niceness": LOCAL_DECODE_NICENESS})
+        return settings.model_copy(update={"decode": settings.decode.model_copy(
+            update={"niceness": LOCAL_DECODE_NICENESS})})
     if (stage == "infer" and "cpu_threads" not in settings.infer.model_fields_set
             and not os.environ.get("OMP_NUM_THREADS")):
-        update["infer"] = settings.infer.model_copy(update={"cpu_threads": LOCAL_INFER_CPU_THREADS})
-    return settings.model_copy(update=update)
+        return settings.model_copy(update={"infer": settings.infer.model_copy(
+            update={"cpu_threads": LOCAL_INFER_CPU_THREADS})})
+    return settings
 
 
 # With metrics_port set, each worker process of a run serves its own endpoint: decode on the port, inference on the
