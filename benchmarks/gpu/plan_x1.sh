@@ -31,10 +31,11 @@
 #              infer.embeds_transport=cuda_ipc (image_embeds shared with vLLM's engine on the GPU), I2 the same with
 #              host copies, I3 pixels mode without embeddings (the faster mode in [j])
 #   honesty    H1 `estimate_honesty.py --cases g` with the Qwen2.5-VL-7B config at 0.2 MP / 64: an estimate from a 5%
-#              sample, then the whole job (29,000 documents, about 92,000 images: 21-22 minutes at the 76-87 img/s
-#              steady rates measured in [k] and [l]; 27,000 documents were estimated at 19.9 minutes, too close to
-#              20), stopped 20 s before the plan's end; the whole lease (PLAN_S = the budget left after staging less
-#              about 70 s; the plan needs about 1,570 s). If it fails early, the ipc list runs in the time left
+#              sample, then the whole job (28,000 documents, 88,561 images). The run lasts about 20.1 minutes on a
+#              machine as fast as [l]'s sample (27,000 documents estimated at 19.9 minutes there) and about 22.5 as
+#              [k]'s (65.7 img/s from the command's start); the plan then needs about 1,450-1,600 s. The run stops
+#              20 s before the plan's end; the whole lease (PLAN_S = the budget left after staging less about 60 s).
+#              If it fails early, the ipc list runs in the time left
 #
 # On the device, after unpack_device.sh:
 #   setsid nohup bash benchmarks/gpu/plan_x1.sh /root/res 1500 tower-mps > /root/plan.log 2>&1 < /dev/null &
@@ -84,7 +85,7 @@ if [ "$LIST" = honesty ]; then
   # The job reuses 16 pictures: without this vLLM would serve their repeats from its prefix cache.
   export VLMSTREAM_INFER__ENABLE_PREFIX_CACHING=false
   job h1_honesty 1300 $(( END - $(date +%s) )) python3 benchmarks/estimate_honesty.py --cases g --images /root/imgs \
-    --scale 14.5 --sample-fraction 0.048 --run-options "--model /root/model --max-new-tokens 64" --timeout-s 1600 \
+    --scale 14 --sample-fraction 0.048 --run-options "--model /root/model --max-new-tokens 64" --timeout-s 1600 \
     --deadline $(( END - 20 )) --reports "$RES"
   unset VLMSTREAM_INFER__ENABLE_PREFIX_CACHING
   # If it failed early, the rest of the lease goes to the ipc list below.
