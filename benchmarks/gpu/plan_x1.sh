@@ -31,7 +31,7 @@
 #              infer.embeds_transport=cuda_ipc (image_embeds shared with vLLM's engine on the GPU), I2 the same with
 #              host copies, I3 pixels mode without embeddings (the faster mode in [j])
 #   honesty    H1 `estimate_honesty.py --cases g` with the Qwen2.5-VL-7B config at 0.2 MP / 64: an estimate from a 5%
-#              sample, then the whole job (28,000 documents, 88,561 images). The run lasts about 20.1 minutes on a
+#              sample, then the whole job (28,000 documents, 88,638 images). The run lasts about 20.5 minutes on a
 #              machine as fast as [l]'s sample (27,000 documents estimated at 19.9 minutes there) and about 22.5 as
 #              [k]'s (65.7 img/s from the command's start); the plan then needs about 1,450-1,600 s. The run stops
 #              20 s before the plan's end; the whole lease (PLAN_S = the budget left after staging less about 60 s).
