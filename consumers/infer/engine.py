@@ -36,16 +36,15 @@ def limit_cpu_use(settings: InferSettings, device: str) -> None:
 M_ARENA_MAX = -8  # glibc's malloc.h
 
 
-def cap_malloc_arenas(arenas: int) -> bool:
+def cap_malloc_arenas(arenas: int) -> None:
     """At most ``arenas`` glibc malloc arenas from now on in this process, as MALLOC_ARENA_MAX would at its start
     (arenas made before stay). glibc gives a thread that allocates an arena of its own, up to 8 per core, and each
     keeps what its thread freed: long runs on the CPU grew by hundreds of MB, less with 2 (benchmarks/RESULTS.md).
-    False where the C library has no mallopt (not glibc)."""
+    Nothing where the C library has no mallopt (not glibc): the cap only saves memory."""
     try:
-        libc = ctypes.CDLL(None)
-        return bool(libc.mallopt(ctypes.c_int(M_ARENA_MAX), ctypes.c_int(arenas)))
+        ctypes.CDLL(None).mallopt(ctypes.c_int(M_ARENA_MAX), ctypes.c_int(arenas))
     except (OSError, AttributeError):
-        return False
+        pass
 
 
 class EngineCannotLoadModel(RuntimeError):
