@@ -45,6 +45,9 @@ if not CORPUS.is_dir():
     CORPUS = Path("/work/shared/corpus")
 COMMON = ["--max-new-tokens", "4"]  # both commands' options; --run-options replaces them
 RUN_TIMEOUT_S = 1500
+# What --deadline keeps back from the run: stopping its workers (about 10 s) and reading its topics back, so that
+# a run cut by the deadline still prints its row (how far it got: a bound on the actual).
+DEADLINE_MARGIN_S = 60
 # The jobs link to the corpus's files: decode may read there.
 ENV = {"OMP_NUM_THREADS": "1", "VLMSTREAM_INFER__BATCH_SIZE": "4",
        "VLMSTREAM_DECODE__ALLOWED_ROOTS": json.dumps([str(CORPUS.resolve())])}
@@ -137,11 +140,15 @@ def documents_in(job: Path) -> list[tuple[str, int]]:
     return [(json.loads(line)["doc_id"], len(json.loads(line)["image_uris"])) for line in job.open()]
 
 
-def run_full(job: Path, options: list[str], profile: Path | None = None) -> tuple[float, dict[str, float], dict]:
+def run_full(job: Path, options: list[str], profile: Path | None = None, log: Path | None = None,
+             decode_times: bool = True) -> tuple[float, dict[str, float], dict]:
     """`vlmstream run JOB` on topics and groups of its own: (wall s from start to exit, each document's result time in
     seconds from the start, what decode did: ``decode_costs``). With ``profile`` the inference consumer samples its
-    own memory and CPU there each minute. A run that fails (its --timeout-s passed) gives its wall time with
-    ``decode_costs``'s ``failed`` set to why, so the caller still reports the estimate and what the run reached."""
+    own memory and CPU there each minute; with ``log`` the run's whole progress view is kept there (this script's
+    own output keeps only its end). A run that fails (its --timeout-s passed) gives its wall time with
+    ``decode_costs``'s ``failed`` set to why, so the caller still reports the estimate and what the run reached.
+    ``decode_times=False`` leaves out when each image record was written (reading the images topic back, payloads
+    and all: tens of GB for a GPU-sized job)."""
     from vlmstream.config import load_settings
 
     settings = load_settings()
@@ -155,22 +162,27 @@ def run_full(job: Path, options: list[str], profile: Path | None = None) -> tupl
     if profile is not None:
         env["VLMSTREAM_PROFILE_OUT"] = str(profile)
     started_wall, started = time.time(), time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "vlmstream.cli", "run", str(job), *options, *COMMON,
-                           "--show", "0", "--timeout-s", str(RUN_TIMEOUT_S)], env=env, capture_output=True, text=True)
-    sys.stderr.write(proc.stderr[-6000:])  # its progress lines: where the run spent its time
-    wall = time.monotonic() - started
+    with tempfile.TemporaryFile("w+") if log is None else open(log, "w+") as progress:
+        proc = subprocess.run([sys.executable, "-m", "vlmstream.cli", "run", str(job), *options, *COMMON,
+                               "--show", "0", "--timeout-s", str(RUN_TIMEOUT_S)], env=env, stdout=subprocess.DEVNULL,
+                              stderr=progress, text=True)
+        wall = time.monotonic() - started
+        progress.seek(0)
+        stderr = progress.read()
+    sys.stderr.write(stderr[-6000:])  # its last progress lines: where the run spent its time at the end
     results, failed = _result_times(settings, names["results"], started_wall)
-    costs = decode_costs(settings, names, started_wall)
+    costs = decode_costs(settings, names, started_wall, decode_times)
     if proc.returncode != 0:
-        costs["failed"] = f"run exited {proc.returncode}: {proc.stderr.strip().splitlines()[-1:] or ''}"
+        costs["failed"] = f"run exited {proc.returncode}: {stderr.strip().splitlines()[-1:] or ''}"
     elif failed:
         raise SystemExit(f"{failed} images failed in the full run: the job is not what was estimated")
     return wall, results, costs
 
 
-def decode_costs(settings, names: dict[str, str], started_wall: float) -> dict:
+def decode_costs(settings, names: dict[str, str], started_wall: float, decode_times: bool = True) -> dict:
     """The full run's decode, image by image: each description's decode cost as the estimate reads it (the worker's
-    CPU time, else its wall time) by source URI, and when each image record was written (seconds from the start)."""
+    CPU time, else its wall time) by source URI, and when each image record was written (seconds from the start;
+    empty without ``decode_times``)."""
     from schemas import Description, SchemaError
 
     by_uri: dict[str, list[float]] = {}
@@ -185,7 +197,7 @@ def decode_costs(settings, names: dict[str, str], started_wall: float) -> dict:
         ms = t.get("prepare_cpu_ms", t.get("decode_ms"))  # what the estimate reads
         if ms is not None:
             by_uri.setdefault(d.source_uri or "", []).append(ms)
-    images = read_topic(settings, names["images"])
+    images = read_topic(settings, names["images"]) if decode_times else []
     decoded_at = sorted(r.timestamp / 1000 - started_wall for r in images)
     return {"decode_ms_by_uri": by_uri, "decoded_at": decoded_at, "rows": rows, "failed": None,
             "described_at": sorted(t - started_wall for t, _ in rows),
@@ -308,6 +320,17 @@ def _input_end(full: dict, shared_cores: bool = True) -> float | None:
     return full["decoded_at"][-1] if full["decoded_at"] else None
 
 
+def finish_at_last_rate(described_at: list[float], images: int, stopped_s: float, window_s: float = 60.0
+                        ) -> float | None:
+    """When a run cut short would have ended: its stop, plus the images it had left at the rate of its last minute of
+    descriptions (s from the start; None without a rate). A projection, not a measurement: the row says which."""
+    last = [t for t in described_at if t > described_at[-1] - window_s] if described_at else []
+    if len(last) < 2 or last[-1] <= last[0]:
+        return None
+    rate = (len(last) - 1) / (last[-1] - last[0])
+    return round(stopped_s + (images - len(described_at)) / rate, 1)
+
+
 def run_memory(profile: Path) -> dict | None:
     """The inference consumer's resident memory (MB) each minute of the full run, and its children's (the engine's
     process where there is one), from its self-profile; None without one."""
@@ -366,7 +389,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cases", default="abc")
     parser.add_argument("--scale", type=float, default=1.0, help="Job sizes times this.")
-    parser.add_argument("--reports", help="Keep the estimates' sample reports (--sample-report) in this folder.")
+    parser.add_argument("--reports", help="Keep the estimates' sample reports (--sample-report) and the whole runs' "
+                        "profiles and progress views in this folder.")
     parser.add_argument("--images", help="Folder of the images the jobs link to (default: the test corpus).")
     parser.add_argument("--run-options", help="Options for both `vlmstream estimate` and `vlmstream run` instead "
                         f"of {' '.join(COMMON)!r} (the tiny model on the CPU), e.g. \"--model /root/model "
@@ -374,8 +398,9 @@ def main() -> None:
     parser.add_argument("--sample-fraction", type=float, default=0.1,
                         help="The estimate's sample: this share of the job's images (at least 16).")
     parser.add_argument("--timeout-s", type=int, default=RUN_TIMEOUT_S, help="The full run's limit.")
-    parser.add_argument("--deadline", type=float, help="Unix time by which the full run must stop (a machine's "
-                        "lease): its limit becomes the lesser of --timeout-s and the time left then.")
+    parser.add_argument("--deadline", type=float, help="Unix time by which this script must be done (a machine's "
+                        "lease): the run's limit becomes the lesser of --timeout-s and the time left then, less "
+                        f"{DEADLINE_MARGIN_S} s to stop it and read its results back.")
     parser.add_argument("--diagnose", action="store_true", help="Also hold the estimate's decode costs (per size "
                         "class, per source file, warm-up against steady) against the full run's, in each JSON row.")
     args = parser.parse_args()
@@ -395,21 +420,24 @@ def main() -> None:
             estimate_s = time.monotonic() - t0
             load_between = os.getloadavg()
             if args.deadline:
-                limit_run(min(args.timeout_s, args.deadline - time.time()))
-            profile = (Path(args.reports) if args.reports else root) / f"{case}-run-profile.json"
-            wall, results, full_decode = run_full(job, options, profile)
+                limit_run(min(args.timeout_s, args.deadline - DEADLINE_MARGIN_S - time.time()))
+            out_dir = Path(args.reports) if args.reports else root
+            shared_cores = (predicted.get("cost_kinds") or {}).get("inference") == "cpu"
+            wall, results, full_decode = run_full(job, options, out_dir / f"{case}-run-profile.json",
+                                                  out_dir / f"{case}-run.log", decode_times=args.diagnose or shared_cores)
             load_after = os.getloadavg()
             # The full run as a sustained run: descriptions per minute, the first steady 5 minutes against the last 5
             # (while decode still had documents, on shared cores), and the inference consumer's memory by minute.
             as_sustained = {"sustained": sustained(full_decode["described_at"], input_end=_input_end(
-                full_decode, (predicted.get("cost_kinds") or {}).get("inference") == "cpu")),
-                "memory": run_memory(profile)}
+                full_decode, shared_cores)), "memory": run_memory(out_dir / f"{case}-run-profile.json")}
             if full_decode["failed"]:  # no actual time: say what the run reached by its limit, a bound on it
                 row = {"case": case, "documents": len(docs), "images": images,
                        "predicted_s": predicted["predicted_s"], "low_s": predicted["low_s"],
                        "high_s": predicted["high_s"], "actual_s": None, "run_failed": full_decode["failed"],
                        "stopped_after_s": round(wall, 1), "documents_done": len(results),
-                       "images_described": len(full_decode["described_at"]), **as_sustained}
+                       "images_described": len(full_decode["described_at"]),
+                       "finish_at_last_rate_s": finish_at_last_rate(full_decode["described_at"], images, wall),
+                       **as_sustained}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
                 continue
@@ -446,7 +474,8 @@ def main() -> None:
         if r["actual_s"] is None:
             print(f"| {r['case']} | {r['documents']} | {r['images']} | - | - | {r['predicted_s']:.0f} s "
                   f"({r['low_s']:.0f}-{r['high_s']:.0f}) | stopped after {r['stopped_after_s']:.0f} s with "
-                  f"{r['images_described']} images described | - | - | - | - |")
+                  f"{r['images_described']} images described (at its last minute's rate it would have ended at "
+                  f"{r['finish_at_last_rate_s'] or '?'} s) | - | - | - | - |")
             continue
         naive = f"{r['naive_s']:.0f} s" if r["naive_s"] else "-"
         naive_error = f"{r['naive_error']:+.0%}" if r["naive_error"] is not None else "-"

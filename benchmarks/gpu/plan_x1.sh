@@ -31,10 +31,12 @@
 #              infer.embeds_transport=cuda_ipc (image_embeds shared with vLLM's engine on the GPU), I2 the same with
 #              host copies, I3 pixels mode without embeddings (the faster mode in [j])
 #   honesty    H1 `estimate_honesty.py --cases g` with the Qwen2.5-VL-7B config at 0.2 MP / 64: an estimate from a 5%
-#              sample, then the whole job (28,000 documents, 88,638 images). The run lasts about 20.5 minutes on a
-#              machine as fast as [l]'s sample (27,000 documents estimated at 19.9 minutes there) and about 22.5 as
-#              [k]'s (65.7 img/s from the command's start); the plan then needs about 1,450-1,600 s. The run stops
-#              20 s before the plan's end; the whole lease (PLAN_S = the budget left after staging less about 60 s).
+#              sample, then the whole job (26,000 documents, 82,725 images). In [m] the sample took about 250 s and
+#              the run about 66 img/s with start-up (scale 14 ran 22.6 min and was cut 13 s before its end); at
+#              scale 13 the run lasts about 21.4 minutes there and about 20.5 on a machine as fast as [k]'s. The
+#              run stops 80 s before the plan's end (20 s here, 60 s in the script for stopping it and reading its
+#              results back), so a cut run still prints what it reached; the whole lease (PLAN_S = the budget left
+#              after staging less about 60 s, about 1,600 s).
 #              If it fails early, the ipc list runs in the time left
 #
 # On the device, after unpack_device.sh:
@@ -85,7 +87,7 @@ if [ "$LIST" = honesty ]; then
   # The job reuses 16 pictures: without this vLLM would serve their repeats from its prefix cache.
   export VLMSTREAM_INFER__ENABLE_PREFIX_CACHING=false
   job h1_honesty 1300 $(( END - $(date +%s) )) python3 benchmarks/estimate_honesty.py --cases g --images /root/imgs \
-    --scale 14 --sample-fraction 0.048 --run-options "--model /root/model --max-new-tokens 64" --timeout-s 1600 \
+    --scale 13 --sample-fraction 0.048 --run-options "--model /root/model --max-new-tokens 64" --timeout-s 1600 \
     --deadline $(( END - 20 )) --reports "$RES"
   unset VLMSTREAM_INFER__ENABLE_PREFIX_CACHING
   # If it failed early, the rest of the lease goes to the ipc list below.
