@@ -24,6 +24,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from consumers.infer.fp8 import fp8_supported, fp8_weight, linear
 from consumers.infer.qkv_rotary import rotate, triton_rotate_qkv
 from vlmstream.models.family import ModelFamily
 from vlmstream.models.qwen2_vl import QWEN2_VL
@@ -311,21 +312,25 @@ def _activation_of(act: torch.nn.Module):
             torch.nn.SiLU: _silu}.get(type(act))
 
 
+# The products below go through fp8.linear: torch's own for a bf16/float weight, FP8 for an fp8_weight pair
+# (infer.vision_fp8); under torch.compile the choice is made once, when the function is traced.
+
+
 def _before_attention(x, norm_weight, norm_bias, qkv_weight, qkv_bias, cos, sin, eps: float, heads: int):
     h = _norm(x, norm_weight, norm_bias, eps)
-    q, k, v = torch.nn.functional.linear(h, qkv_weight, qkv_bias).view(x.shape[0], 3, heads, -1).unbind(1)
+    q, k, v = linear(h, qkv_weight, qkv_bias).view(x.shape[0], 3, heads, -1).unbind(1)
     return rotate(q, cos, sin), rotate(k, cos, sin), v.contiguous()
 
 
 def _project(x, norm_weight, norm_bias, qkv_weight, qkv_bias, eps: float):
-    return torch.nn.functional.linear(_norm(x, norm_weight, norm_bias, eps), qkv_weight, qkv_bias)
+    return linear(_norm(x, norm_weight, norm_bias, eps), qkv_weight, qkv_bias)
 
 
 def _after_attention(x, attended, proj_weight, proj_bias, norm_weight, norm_bias, up_weight, up_bias,
                      down_weight, down_bias, eps: float, activation):
-    x = x + torch.nn.functional.linear(attended.reshape(x.shape[0], -1), proj_weight, proj_bias)
-    h = torch.nn.functional.linear(_norm(x, norm_weight, norm_bias, eps), up_weight, up_bias)
-    return x + torch.nn.functional.linear(activation(h), down_weight, down_bias)
+    x = x + linear(attended.reshape(x.shape[0], -1), proj_weight, proj_bias)
+    h = linear(_norm(x, norm_weight, norm_bias, eps), up_weight, up_bias)
+    return x + linear(activation(h), down_weight, down_bias)
 
 
 def _windowed_sdpa(q, k, v, cu_seqlens: torch.Tensor, scale: float) -> torch.Tensor:
@@ -450,14 +455,16 @@ class FastVisionBlocks:
     dim) tensors, or None for the per-window sdpa loop. ``compile_blocks`` compiles the code around the
     attention (CUDA only; a failed compile falls back to eager with a warning). ``qkv_kernel``: how q, k, v are
     split out of the projection and rotated: "triton" (one pass, ``qkv_rotary.py``), "torch" (the compiled
-    elementwise code), "auto" (Triton when the blocks are compiled and Triton imports).
+    elementwise code), "auto" (Triton when the blocks are compiled and Triton imports). ``fp8``: the four matrix
+    products of each block in FP8 (``fp8.py``), their weights quantised once here.
     """
 
     def __init__(self, visual: torch.nn.Module, attention=None, compile_blocks: bool = False,
-                 alignment: int = GEMM_ALIGNMENT, qkv_kernel: str = "auto"):
+                 alignment: int = GEMM_ALIGNMENT, qkv_kernel: str = "auto", fp8: bool = False):
         if qkv_kernel not in ("auto", "triton", "torch"):
             raise ValueError(f"qkv_kernel must be auto, triton or torch, not {qkv_kernel!r}")
         self.attention = attention
+        self.fp8 = fp8
         self.before, self.after, self.project = _before_attention, _after_attention, _project
         if compile_blocks:
             self.before = torch.compile(_before_attention, dynamic=True, fullgraph=True)
@@ -493,17 +500,21 @@ class FastVisionBlocks:
     def _block_forward(self, block: torch.nn.Module, shape: _BlockShape):
         attn = block.attn
         up_weight, up_bias, down_weight = shape.mlp
+        qkv_weight, proj_weight = attn.qkv.weight, attn.proj.weight
+        if self.fp8:
+            qkv_weight, proj_weight, up_weight, down_weight = (
+                fp8_weight(w) for w in (qkv_weight, proj_weight, up_weight, down_weight))
         heads, scale, eps = attn.num_heads, attn.scaling, shape.norm_eps
 
         def forward(hidden_states, cu_seqlens, max_seqlen=None, position_embeddings=None, **_):
             if self.rotate_qkv is not None:
-                qkv = self.project(hidden_states, block.norm1.weight, shape.norm1_bias, attn.qkv.weight,
+                qkv = self.project(hidden_states, block.norm1.weight, shape.norm1_bias, qkv_weight,
                                    attn.qkv.bias, eps)
                 q, k, v = self.rotate_qkv(qkv.view(hidden_states.shape[0], 3, heads, -1),
                                           *(t.float() for t in position_embeddings))
             else:
                 cos, sin = (t.float().unsqueeze(-2) for t in position_embeddings)
-                q, k, v = self.before(hidden_states, block.norm1.weight, shape.norm1_bias, attn.qkv.weight,
+                q, k, v = self.before(hidden_states, block.norm1.weight, shape.norm1_bias, qkv_weight,
                                       attn.qkv.bias, cos, sin, eps, heads)
             if self.attention is None:
                 attended = _windowed_sdpa(q, k, v, cu_seqlens, scale)
@@ -512,7 +523,7 @@ class FastVisionBlocks:
                     max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
                 cu = cu_seqlens.to(torch.int32)
                 attended = self.attention(q, k, v, cu, cu, int(max_seqlen), int(max_seqlen), scale)
-            return self.after(hidden_states, attended, attn.proj.weight, attn.proj.bias, block.norm2.weight,
+            return self.after(hidden_states, attended, proj_weight, attn.proj.bias, block.norm2.weight,
                               shape.norm2_bias, up_weight, up_bias, down_weight, shape.down_bias, eps,
                               shape.activation)
 
@@ -590,14 +601,18 @@ class VisionEncoder:
     grids stacked, and the varlen attention keeps them apart. ``max_patches_per_call`` bounds the activation
     memory of one forward. Each image's output is its ``image_embeds``: the merged tokens, then for a tower with
     DeepStack levels (Qwen3-VL) each level's merged tokens, concatenated on the feature axis.
-    ``family`` defaults to the one whose patch size and merge size the tower's config has.
+    ``family`` defaults to the one whose patch size and merge size the tower's config has. ``fp8``: the fast
+    blocks' matrix products in FP8 (``fp8.py``; on CUDA only where the GPU has FP8, on the CPU in float32 for tests).
     """
 
     def __init__(self, visual: torch.nn.Module, device: torch.device | str = "cpu",
                  dtype: torch.dtype | None = None, attention: str = "auto",
                  max_patches_per_call: int = 65536, linear_patch_embedding: bool = True,
                  fast_blocks: bool = True, compile_blocks: bool = True, family: ModelFamily | None = None,
-                 qkv_kernel: str = "auto"):
+                 qkv_kernel: str = "auto", fp8: bool = False):
+        if fp8 and (not fast_blocks or (torch.device(device).type == "cuda" and not fp8_supported(device))):
+            raise ValueError("infer.vision_fp8 needs the fast vision blocks and a GPU with FP8 (compute capability "
+                             "8.9 or newer): set infer.vision_fp8=false")
         self.family = family or family_of_tower(visual)
         # Qwen2.5-VL's windowed tower: window indices precomputed.
         self.windowed = hasattr(visual, "window_size") and hasattr(visual, "fullatt_block_indexes")
@@ -620,7 +635,7 @@ class VisionEncoder:
         if fast_blocks:  # False only to measure what they are worth
             compile_blocks = compile_blocks and self.device.type == "cuda"
             fast = FastVisionBlocks(self.visual, VARLEN_KERNELS.get(self.attention), compile_blocks,
-                                    qkv_kernel=qkv_kernel)
+                                    qkv_kernel=qkv_kernel, fp8=fp8)
             self.fast = fast if fast.replaced else None
             if compile_blocks and self.fast is not None:
                 self.compiled = self._warm_up_compiled()
