@@ -9,6 +9,7 @@ Variants, side by side in one process on the same images (random weights: same c
                     CUDA; consumers/infer/qkv_rotary.py)
   fast-torchqkv+... the same with the compiled torch code for that step instead of the kernel
   fast-eager+...    FastVisionBlocks without torch.compile
+  fast-fp8+...      fast+..., each block's four matrix products in FP8 (infer.vision_fp8; consumers/infer/fp8.py)
 with attention vllm_fa3 (vLLM's FlashAttention 3), torch_varlen (torch's varlen flash) or sdpa. Each timing covers
 GPU patchify + tower forward + merger for a batch of images, synchronised, after warm-up; it prints ms per image
 and images/s per budget, then torch.profiler tables of where one forward spends its GPU time (transformers'
@@ -144,8 +145,9 @@ def main() -> None:
                 try:
                     encoder = VisionEncoder(tower, device, dtype, attention=attention,
                                             fast_blocks=blocks != "transformers",
-                                            compile_blocks=blocks in ("fast", "fast-torchqkv"),
-                                            qkv_kernel="torch" if blocks == "fast-torchqkv" else "auto")
+                                            compile_blocks=blocks in ("fast", "fast-torchqkv", "fast-fp8"),
+                                            qkv_kernel="torch" if blocks == "fast-torchqkv" else "auto",
+                                            fp8=blocks == "fast-fp8")
                     if device.type == "cuda":
                         torch.cuda.reset_peak_memory_stats()
                     rows[key] = {**achieved(time_encoder(encoder, images, batch, args.seconds), flops_per_image),

@@ -30,6 +30,11 @@
 #   ipc        Qwen3-VL-8B at 0.2 MP and 1 MP / 64, 40 s phases: I1 the pipeline in embeds mode with
 #              infer.embeds_transport=cuda_ipc (image_embeds shared with vLLM's engine on the GPU), I2 the same with
 #              host copies, I3 pixels mode without embeddings (the faster mode in [j])
+#   fp8        the towers' block products in FP8 (infer.vision_fp8) against bf16: F1 the Qwen2.5-VL-7B tower and F2 the
+#              Qwen3-VL-8B tower alone, fast+vllm_fa3 against fast-fp8+vllm_fa3 at 0.2 / 1 / 12.8 MP with TFLOPS;
+#              F3/F4 both towers in FP8 against transformers' full model (cosines, reported: dummy weights); F5 the
+#              Qwen2.5-VL-7B pipeline at 1 MP / 64, embeds, bf16 then FP8 then bf16 (40 s phases); then the
+#              tower-q3 diagnostic (about 17 minutes in all)
 #   honesty    H1 `estimate_honesty.py --cases g` with the Qwen2.5-VL-7B config at 0.2 MP / 64: an estimate from a 5%
 #              sample, then the whole job (26,000 documents, 82,725 images). In [m] the sample took about 250 s and
 #              the run about 66 img/s with start-up (scale 14 ran 22.6 min and was cut 13 s before its end); at
@@ -137,6 +142,23 @@ if [ "$LIST" = ab ] || [ "$LIST" = ba ]; then
   else
     printf 'ab\tskipped\t%s\t0\tno /root/ab-tree\n' "$(date +%T)" >> "$RES/jobs.tsv"
   fi
+fi
+
+if [ "$LIST" = fp8 ]; then
+  [ -e /root/model/config.json ] || python3 benchmarks/gpu/mk_model.py /root/model > "$RES/mk_model.log" 2>&1
+  job f1_tower_fp8_q25 150 240 python3 benchmarks/gpu/bench_vision_tower.py --model /root/model --imgs /root/imgs \
+    --variants fast+vllm_fa3,fast-fp8+vllm_fa3 --seconds 3 --profile-budget '' --out "$RES/f1_tower_fp8_q25.json"
+  job f2_tower_fp8_q3 150 240 python3 benchmarks/gpu/bench_vision_tower.py --model qwen3-vl-8b --imgs /root/imgs \
+    --variants fast+vllm_fa3,fast-fp8+vllm_fa3 --seconds 3 --profile-budget '' --out "$RES/f2_tower_fp8_q3.json"
+  job f3_check_fp8_q25 100 180 python3 benchmarks/gpu/check_tower.py --model qwen2.5-vl-7b --blocks fast-fp8 \
+    --images /root/imgs --n 8 --max-pixels 1003520 --out "$RES/f3_check_fp8_q25.json"
+  job f4_check_fp8_q3 120 200 python3 benchmarks/gpu/check_tower.py --model qwen3-vl-8b --blocks fast-fp8 \
+    --images /root/imgs --n 8 --max-pixels 1003520 --out "$RES/f4_check_fp8_q3.json"
+  F5="$BENCH --model /root/model --budgets 1280 --seconds 40 --stop-after 1.5 --arms pipeline-embeds --profile"
+  job f5a_pipeline_bf16 200 300 $F5 --out "$RES/f5a_pipeline_bf16"
+  job f5b_pipeline_fp8 200 300 env VLMSTREAM_INFER__VISION_FP8=true $F5 --out "$RES/f5b_pipeline_fp8"
+  job f5c_pipeline_bf16 200 300 $F5 --out "$RES/f5c_pipeline_bf16"
+  LIST=tower-q3
 fi
 
 if [ "$LIST" = tower-q3 ]; then
