@@ -42,6 +42,30 @@ def test_ratios_and_tables():
                "budgets": {"256": {"arms": arms, "ratios": bench_report.ratios(arms)}}}
     table = bench_report.markdown(results)
     assert "| pipeline-embeds | 50.0 |" in table and "pipeline-embeds / naive | 2.5" in table
+    # What each arm's throughput costs in CPU: all its processes' cores over its window, per image described.
+    arms["naive"].update(cpu_cores=3.0, front_end_cores=1.0)
+    arms["pipeline-embeds"].update(decode_cores=2.0, infer_cores=1.5, cpu_cores=3.5)
+    table = bench_report.markdown(results)
+    assert "| naive | 20.0 |  |  |  |  | 3.0 | 150.0 |" in table
+    assert "| pipeline-embeds | 50.0 |  |  |  | 2.0 | 3.5 | 70.0 |" in table
+
+
+def test_cpu_of_a_process_tree_counts_its_children(tmp_path):
+    """The cores an arm's processes use (CpuSampler: a process and its descendants) include a busy child's."""
+    import subprocess
+    import time
+
+    busy_child = "import subprocess, sys; subprocess.run([sys.executable, '-c', 'while True: pass'])"
+    proc = subprocess.Popen([sys.executable, "-c", busy_child], start_new_session=True)  # kill_tree kills its group
+    try:
+        sampler = bench_processes.CpuSampler([proc.pid])
+        t0 = time.time()
+        time.sleep(3.5)
+        cores = sampler.cores(t0 + 1, time.time())
+        sampler.stop()
+    finally:
+        bench_processes.kill_tree(proc, grace_s=1)
+    assert cores is not None and 0.5 < cores < 1.5  # the grandchild's spinning core, counted through its parent
 
 
 def test_the_fastest_api_server_count_is_the_serve_arm():

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from bench_processes import (
     BUDGETS, CHAT_PROMPT, GpuSampler, MIN_PIXELS, PROMPT_TEXT, gpu_env, gpu_mem, image_files, kill_tree, log,
-    log_tail, spawn,
+    log_tail, process_cpu_seconds, spawn, tree_cpu_seconds,
 )
 from bench_report import arms_at, save
 
@@ -82,15 +82,20 @@ def offline_worker(args: argparse.Namespace) -> None:
             # batch's rate (measured on the H200: 21.7 vs 31.2, 46 vs 67, 64 vs 100 img/s), hence the 1.4.
             n = int(min(args.max_requests, max(n_cal, 1.4 * n_cal / dt_cal * args.seconds)))
             prompts = [make(i) for i in range(n)]
+            # CPU of this process (vLLM's front end: its processor, tokenizer, output handling) and of its tree (the
+            # engine process too), over the measured batch.
+            own0, tree0 = process_cpu_seconds(os.getpid()), tree_cpu_seconds(os.getpid())
             w0 = time.time()
             dt, outs = run(prompts, kw)
             w1 = time.time()
+            own1, tree1 = process_cpu_seconds(os.getpid()), tree_cpu_seconds(os.getpid())
         finally:
             signal.alarm(0)
         rec = dict(n=len(outs), wall_s=round(dt, 2), img_per_s=round(len(outs) / dt, 2),
                    calibration_img_per_s=round(n_cal / dt_cal, 2),
                    mean_prompt_tokens=round(float(np.mean([len(o.prompt_token_ids) for o in outs])), 1),
-                   gen_tokens=sum(len(o.outputs[0].token_ids) for o in outs), gpu_busy=gpu.busy(w0, w1))
+                   gen_tokens=sum(len(o.outputs[0].token_ids) for o in outs), gpu_busy=gpu.busy(w0, w1),
+                   front_end_cores=round((own1 - own0) / dt, 2), cpu_cores=round((tree1 - tree0) / dt, 2))
         log(f"PHASE budget={budget} arm={name} RESULT {json.dumps(rec)}")
         emit(budget, name, rec)
 

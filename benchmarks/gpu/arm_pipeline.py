@@ -386,6 +386,7 @@ def run_pipeline(args: argparse.Namespace, mode: str, bootstrap: str, out: Path,
                 f"publishing {n_docs} documents")
 
             cpu = CpuSampler([decode.pid])
+            infer_cpu = CpuSampler([p.pid for p in infers])  # each inference consumer and its vLLM engine process
             t_launch = time.time()
             producer = spawn(vlmstream_cmd("produce", "--folder", str(work / f"docs{phase}"), "--per-file",
                                            "--force", "-q"), logp, env, tag=f"produce phase {phase}")
@@ -399,6 +400,7 @@ def run_pipeline(args: argparse.Namespace, mode: str, bootstrap: str, out: Path,
             producer_rc = producer.poll()
             kill_tree(producer, grace_s=2)
             cpu.stop()
+            infer_cpu.stop()
             done = watcher.done_times(measured_prefix)
             published = watcher.published_ms(measured_prefix)
             t0 = min(published) / 1000.0 if published else t_launch
@@ -414,9 +416,12 @@ def run_pipeline(args: argparse.Namespace, mode: str, bootstrap: str, out: Path,
                        first_window_img_per_s=round(first / win, 2), last_window_img_per_s=round(last / win, 2),
                        gpu_busy=gpu.busy(t0, t_end), gpu_busy_first_window=gpu.busy(t0, t0 + win),
                        gpu_busy_last_window=gpu.busy(t_end - win, t_end), decode_cores=cpu.cores(t0, t_end),
+                       infer_cores=infer_cpu.cores(t0, t_end),
                        producer_rc=producer_rc, publish_lag_s=round(t0 - t_launch, 2),
                        other_phase_records=watcher.others_between(t0, t_end, measured_prefix),
                        engine_timings_mean_ms=watcher.mean_timings(measured_prefix))
+            if rec["decode_cores"] is not None and rec["infer_cores"] is not None:
+                rec["cpu_cores"] = round(rec["decode_cores"] + rec["infer_cores"], 2)
             log(f"PHASE pipeline-{mode} budget={budget} RESULT {json.dumps(rec)}")
             on_phase(budget, rec)
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Callable
 
 from bench_processes import (
-    BUDGETS, GpuSampler, HERE, MIN_PIXELS, PROMPT_TEXT, gpu_env, kill_tree, log, log_tail, spawn,
+    BUDGETS, CpuSampler, GpuSampler, HERE, MIN_PIXELS, PROMPT_TEXT, gpu_env, kill_tree, log, log_tail, spawn,
 )
 
 from vlmstream.models.registry import family_of  # (the path is set by bench_processes)
@@ -60,6 +60,7 @@ def run_serve(args: argparse.Namespace, api_servers: int, out: Path, on_phase: C
                           "--min-pixels", str(MIN_PIXELS), "--prompt", PROMPT_TEXT]
             # The log is shared by the server and every client run: this run's RESULT is the one after this offset.
             log_from = logp.stat().st_size
+            cpu = CpuSampler([server.pid])  # the server's processes (API servers, engine), not the clients
             client = spawn(client_cmd, logp, tag=f"serve_client budget {budget}")
             try:
                 client.wait(timeout=args.arm_limit)
@@ -69,12 +70,14 @@ def run_serve(args: argparse.Namespace, api_servers: int, out: Path, on_phase: C
                     raise RuntimeError(f"serve client (budget {budget}) gave no RESULT:\n{log_tail(logp)}")
                 rec = json.loads(res[-1][len("RESULT "):])
                 rec.update(budget=budget, api_servers=api_servers, start_s=start_s,
-                           gpu_busy=gpu.busy(rec["t0"], rec["t0"] + rec["wall_s"]) if "t0" in rec else None)
+                           gpu_busy=gpu.busy(rec["t0"], rec["t0"] + rec["wall_s"]) if "t0" in rec else None,
+                           cpu_cores=cpu.cores(rec["t0"], rec["t0"] + rec["wall_s"]) if "t0" in rec else None)
                 log(f"PHASE serve budget={budget} RESULT {json.dumps(rec)}")
             except Exception as exc:  # noqa: BLE001 - this budget failed; the server may still serve the next
                 traceback.print_exc()
                 rec = {"error": f"{exc!r}"[:3000]}
             finally:
+                cpu.stop()
                 kill_tree(client, grace_s=2)
             on_phase(budget, rec)
             if server.poll() is not None:

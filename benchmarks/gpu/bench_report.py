@@ -55,6 +55,13 @@ def ratios(arms: dict) -> dict:
     return out
 
 
+def cpu_ms_per_image(record: dict) -> float | None:
+    """CPU milliseconds an arm's processes spent per image described (front end, decode, engine process): what its
+    throughput costs in cores, whatever the GPU does."""
+    cores, rate = record.get("cpu_cores"), record.get("img_per_s")
+    return round(cores / rate * 1000, 1) if cores is not None and rate else None
+
+
 def markdown(results: dict) -> str:
     """One table (and one ratio table) per budget."""
     c = results["config"]
@@ -64,8 +71,9 @@ def markdown(results: dict) -> str:
             lines.append("")
         lines += [f"## gpu_bench: budget {budget} ({BUDGETS[budget]} px), {c['max_tokens']} output tokens "
                   f"(ignore_eos), {c['seconds']} s per arm, {c.get('gpu_name') or '?'}",
-                  "", "| arm | img/s | first window | last window | GPU busy | decode cores | n | note |",
-                  "|---|---|---|---|---|---|---|---|"]
+                  "", "| arm | img/s | first window | last window | GPU busy | decode cores | CPU cores, all | "
+                  "CPU ms per image | n | note |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         for name in [*ALL_ARMS, *sorted(set(section["arms"]) - set(ALL_ARMS))]:
             r = section["arms"].get(name)
             if r is None:
@@ -74,7 +82,8 @@ def markdown(results: dict) -> str:
                 last = [ln.strip(" │|'\")") for ln in r["error"].replace("\\n", "\n").splitlines()
                         if len(ln.strip(" │|'\")")) > 3]
                 named = [ln for ln in last if "rror" in ln or "imeout" in ln or "exited" in ln or "not run" in ln]
-                lines.append(f"| {name} | failed | | | | | | {(named or last or ['?'])[-1][:160].replace('|', '/')} |")
+                lines.append(f"| {name} | failed | | | | | | | | "
+                             f"{(named or last or ['?'])[-1][:160].replace('|', '/')} |")
                 continue
             note = []
             if name.startswith("pipeline"):
@@ -96,7 +105,8 @@ def markdown(results: dict) -> str:
             if "mean_prompt_tokens" in r:
                 note.append(f"prompt {r['mean_prompt_tokens']} tok")
             cells = [r.get("img_per_s"), r.get("first_window_img_per_s"), r.get("last_window_img_per_s"),
-                     r.get("gpu_busy"), r.get("decode_cores"), r.get("n", r.get("described", r.get("ok")))]
+                     r.get("gpu_busy"), r.get("decode_cores"), r.get("cpu_cores"), cpu_ms_per_image(r),
+                     r.get("n", r.get("described", r.get("ok")))]
             lines.append(f"| {name} | " + " | ".join("" if v is None else str(v) for v in cells)
                          + f" | {'; '.join(note)} |")
         if section.get("ratios"):
