@@ -34,7 +34,9 @@
 #              Qwen3-VL-8B tower alone, fast+vllm_fa3 against fast-fp8+vllm_fa3 at 0.2 / 1 / 12.8 MP with TFLOPS;
 #              F3/F4 both towers in FP8 against transformers' full model (cosines, reported: dummy weights); F5 the
 #              Qwen2.5-VL-7B pipeline at 1 MP / 64, embeds, bf16 then FP8 then bf16 (40 s phases); then the
-#              tower-q3 diagnostic (about 17 minutes in all)
+#              tower-q3 diagnostic, then the generic list (about 25 minutes in all)
+#   generic    G2 the generic path (Gemma 3 4B config) at 1 MP / 64: naive vLLM against the pipeline (pixels), with
+#              every arm's CPU cores and CPU ms per image (the front-end cores the issue compares)
 #   honesty    H1 `estimate_honesty.py --cases g` with the Qwen2.5-VL-7B config at 0.2 MP / 64: an estimate from a 5%
 #              sample, then the whole job (26,000 documents, 82,725 images). In [m] the sample took about 250 s and
 #              the run about 66 img/s with start-up (scale 14 ran 22.6 min and was cut 13 s before its end); at
@@ -158,13 +160,21 @@ if [ "$LIST" = fp8 ]; then
   job f5a_pipeline_bf16 200 300 $F5 --out "$RES/f5a_pipeline_bf16"
   job f5b_pipeline_fp8 200 300 env VLMSTREAM_INFER__VISION_FP8=true $F5 --out "$RES/f5b_pipeline_fp8"
   job f5c_pipeline_bf16 200 300 $F5 --out "$RES/f5c_pipeline_bf16"
-  LIST=tower-q3
+  LIST=tower-q3; THEN=generic
 fi
 
 if [ "$LIST" = tower-q3 ]; then
   job l4_tower_q3_batches 150 240 python3 benchmarks/gpu/bench_vision_tower.py --model qwen3-vl-8b --imgs /root/imgs \
     --budgets 256 --batches 16,64 --variants transformers+vllm_fa3,fast-eager+vllm_fa3,fast+vllm_fa3,fast-torchqkv+vllm_fa3 \
     --seconds 2 --profile-budget 256 --out "$RES/l4_tower_q3_batches.json"
+  if [ "${THEN:-}" = generic ]; then LIST=generic; fi
+fi
+
+if [ "$LIST" = generic ]; then
+  G3=/root/gemma3-4b
+  [ -e $G3/config.json ] || python3 benchmarks/gpu/mk_model.py $G3 gemma3-4b > "$RES/mk_g3.log" 2>&1
+  job g2_generic_cores 330 450 $BENCH --model $G3 --budgets 1280 --seconds 25 --stop-after 1.5 \
+    --arms naive,pipeline-pixels --out "$RES/g2_generic_cores"
 fi
 
 if [ "$LIST" = qwen3-long ]; then

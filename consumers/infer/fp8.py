@@ -28,6 +28,21 @@ def fp8_supported(device: torch.device | str) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
+def fp8_problem(device: torch.device | str, dtype: torch.dtype) -> str | None:
+    """Why ``linear`` cannot multiply in FP8 on ``device`` (None: it can): no FP8 in the GPU, or a torch whose
+    _scaled_mm does not take per-row scales there (tried once on a small product)."""
+    device = torch.device(device)
+    if device.type == "cuda" and not fp8_supported(device):
+        return f"{torch.cuda.get_device_name(device)} has no FP8 (compute capability 8.9 or newer)"
+    try:
+        x = torch.ones(16, 32, device=device, dtype=dtype)
+        linear(x, fp8_weight(torch.ones(32, 32, device=device, dtype=dtype)), None)
+    except Exception as exc:  # noqa: BLE001 - any failure means the option cannot run here
+        return f"torch {torch.__version__} cannot multiply FP8 with per-row scales here ({type(exc).__name__}: " \
+               f"{str(exc)[:200]})"
+    return None
+
+
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(x in e4m3, each row's scale as a float32 (rows, 1) column): row i is ``q[i] * scale[i]``. The scale maps the
     row's largest magnitude onto e4m3's largest value; a row of zeros keeps a tiny scale, not a division by 0."""

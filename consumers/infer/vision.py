@@ -24,7 +24,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from consumers.infer.fp8 import fp8_supported, fp8_weight, linear
+from consumers.infer.fp8 import fp8_problem, fp8_weight, linear
 from consumers.infer.qkv_rotary import rotate, triton_rotate_qkv
 from vlmstream.models.family import ModelFamily
 from vlmstream.models.qwen2_vl import QWEN2_VL
@@ -610,9 +610,11 @@ class VisionEncoder:
                  max_patches_per_call: int = 65536, linear_patch_embedding: bool = True,
                  fast_blocks: bool = True, compile_blocks: bool = True, family: ModelFamily | None = None,
                  qkv_kernel: str = "auto", fp8: bool = False):
-        if fp8 and (not fast_blocks or (torch.device(device).type == "cuda" and not fp8_supported(device))):
-            raise ValueError("infer.vision_fp8 needs the fast vision blocks and a GPU with FP8 (compute capability "
-                             "8.9 or newer): set infer.vision_fp8=false")
+        if fp8:
+            problem = "it needs the fast vision blocks" if not fast_blocks else fp8_problem(
+                device, dtype or next(visual.parameters()).dtype)
+            if problem:
+                raise ValueError(f"infer.vision_fp8 cannot run: {problem}; set infer.vision_fp8=false")
         self.family = family or family_of_tower(visual)
         # Qwen2.5-VL's windowed tower: window indices precomputed.
         self.windowed = hasattr(visual, "window_size") and hasattr(visual, "fullatt_block_indexes")
