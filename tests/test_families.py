@@ -350,3 +350,26 @@ def test_run_with_each_tiny_model_end_to_end(tiny_dirs, name, topic_names, corpu
         # engine would have refused every image as no multiple of 32 px, and no result would have succeeded.)
         _, rows, columns = embedding.grid_thw
         assert rows * columns * 16 * 16 <= 128 * 32 * 32
+
+
+@pytest.mark.parametrize("name", ["qwen2.5-vl-7b", "qwen3-vl-8b", "qwen3-vl-30b-a3b", "gemma3-4b"])
+def test_each_gpu_models_config_builds_the_model_it_names(tmp_path, name):
+    """The released configs the GPU benchmarks run with dummy weights (consumers/infer/model7b.py): transformers
+    builds each (on the meta device: no memory), the registry finds its family, and a family's tower makes
+    image_embeds of the width vLLM's model takes (the language model's, times 1 + DeepStack levels)."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from consumers.infer.model7b import GPU_MODELS
+
+    folder = GPU_MODELS[name](tmp_path / name)
+    config = AutoConfig.from_pretrained(folder)
+    with torch.device("meta"):
+        model = AutoModelForImageTextToText.from_config(config)
+    family = family_of(folder)
+    if not family.exact_size:
+        assert name == "gemma3-4b" and type(model).__name__ == "Gemma3ForConditionalGeneration"
+        return
+    vision = config.vision_config.to_dict()
+    levels = len(vision.get("deepstack_visual_indexes") or ())
+    assert family.image_embeds_width(vision) == config.text_config.hidden_size * (1 + levels)
+    assert sum(p.numel() for p in model.model.visual.parameters()) > 1e8  # the released tower, not a tiny one

@@ -35,6 +35,9 @@
 #              F3/F4 both towers in FP8 against transformers' full model (cosines, reported: dummy weights); F5 the
 #              Qwen2.5-VL-7B pipeline at 1 MP / 64, embeds, bf16 then FP8 then bf16 (40 s phases); then the
 #              tower-q3 diagnostic, then the generic list (about 25 minutes in all)
+#   moe        Qwen3-VL-30B-A3B's config (the MoE member of the family, dummy weights): M0 our tower (fast blocks)
+#              against transformers' full model (bf16, DeepStack included); M1 at 0.2 MP and 1 MP / 64: naive vLLM,
+#              vLLM given image_embeds (its language model alone), the pipeline in both modes (about 15 minutes)
 #   generic    G2 the generic path (Gemma 3 4B config) at 1 MP / 64: naive vLLM against the pipeline (pixels), with
 #              every arm's CPU cores and CPU ms per image (the front-end cores the issue compares)
 #   honesty    H1 `estimate_honesty.py --cases g` with the Qwen2.5-VL-7B config at 0.2 MP / 64: an estimate from a 5%
@@ -168,6 +171,15 @@ if [ "$LIST" = tower-q3 ]; then
     --budgets 256 --batches 16,64 --variants transformers+vllm_fa3,fast-eager+vllm_fa3,fast+vllm_fa3,fast-torchqkv+vllm_fa3 \
     --seconds 2 --profile-budget 256 --out "$RES/l4_tower_q3_batches.json"
   if [ "${THEN:-}" = generic ]; then LIST=generic; fi
+fi
+
+if [ "$LIST" = moe ]; then
+  QM=/root/qwen3-vl-30b-a3b
+  [ -e $QM/config.json ] || python3 benchmarks/gpu/mk_model.py $QM qwen3-vl-30b-a3b > "$RES/mk_qm.log" 2>&1
+  job m0_check_tower_moe 150 240 python3 benchmarks/gpu/check_tower.py --model qwen3-vl-30b-a3b --images /root/imgs \
+    --n 8 --max-pixels 1003520 --out "$RES/m0_check_tower_moe.json"
+  job m1_moe 720 900 $BENCH --model $QM --budgets 256,1280 --seconds 25 --stop-after 1.5 --profile \
+    --arms naive,ceiling-embeds,pipeline-embeds,pipeline-pixels --out "$RES/m1_moe"
 fi
 
 if [ "$LIST" = generic ]; then

@@ -77,6 +77,37 @@ def write_qwen3vl_8b_config(path: str | Path) -> Path:
     return path
 
 
+# Qwen/Qwen3-VL-30B-A3B-Instruct's config.json: a 48-layer Qwen3 MoE language model (128 experts of width 768, 8 per
+# token, GQA 32/4, head_dim 128, width 2,048) and the 8B's 27-block tower feeding DeepStack at blocks 8, 16 and 24,
+# merged to 2,048: image_embeds 4 x 2048 wide.
+CONFIG_QWEN3_VL_30B_A3B = {
+    "architectures": ["Qwen3VLMoeForConditionalGeneration"], "model_type": "qwen3_vl_moe", "image_token_id": 151655,
+    "video_token_id": 151656, "vision_start_token_id": 151652, "vision_end_token_id": 151653,
+    "tie_word_embeddings": False, "transformers_version": "4.57.0.dev0",
+    "text_config": {
+        "model_type": "qwen3_vl_moe_text", "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 151643,
+        "eos_token_id": 151645, "decoder_sparse_step": 1, "dtype": "bfloat16", "head_dim": 128, "hidden_act": "silu",
+        "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 6144, "max_position_embeddings": 262144,
+        "mlp_only_layers": [], "moe_intermediate_size": 768, "norm_topk_prob": True, "num_attention_heads": 32,
+        "num_experts": 128, "num_experts_per_tok": 8, "num_hidden_layers": 48, "num_key_value_heads": 4,
+        "rms_norm_eps": 1e-6,
+        "rope_scaling": {"mrope_interleaved": True, "mrope_section": [24, 20, 20], "rope_type": "default"},
+        "rope_theta": 5000000, "use_cache": True, "vocab_size": 151936,
+    },
+    "vision_config": {**CONFIG_QWEN3_VL_8B["vision_config"], "model_type": "qwen3_vl_moe", "out_hidden_size": 2048},
+}
+
+
+def write_qwen3vl_30b_a3b_config(path: str | Path) -> Path:
+    """Qwen3-VL-30B-A3B-Instruct's config (the MoE family member) and the 8B's processor settings, no weights."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    _dump(path / "config.json", CONFIG_QWEN3_VL_30B_A3B)
+    write_tokenizer_files(path, chat_template=QWEN3_CHAT_TEMPLATE)
+    write_size_processor_files(path, QWEN3_VL, "Qwen3VLProcessor", 151643)
+    return path
+
+
 # google/gemma-3-4b-it's config.json: a 34-layer Gemma 3 language model (5 sliding-window layers of 1,024 tokens to
 # each global one, GQA 8/4, head_dim 256, vocabulary 262,208) and SigLIP-so400m at 896 px (27 blocks, width 1,152),
 # pooled to 256 image tokens. No family module describes it: it runs the generic path.
@@ -111,4 +142,4 @@ def write_gemma3_4b_config(path: str | Path) -> Path:
 
 
 GPU_MODELS = {"qwen2.5-vl-7b": write_qwen25vl_7b_config, "qwen3-vl-8b": write_qwen3vl_8b_config,
-              "gemma3-4b": write_gemma3_4b_config}
+              "qwen3-vl-30b-a3b": write_qwen3vl_30b_a3b_config, "gemma3-4b": write_gemma3_4b_config}
