@@ -30,12 +30,13 @@ def fp8_supported(device: torch.device | str) -> bool:
 
 def fp8_problem(device: torch.device | str, dtype: torch.dtype) -> str | None:
     """Why ``linear`` cannot multiply in FP8 on ``device`` (None: it can): no FP8 in the GPU, or a torch whose
-    _scaled_mm does not take per-row scales there (tried once on a small product)."""
+    _scaled_mm does not take per-row scales there (tried once on a small product, 20 rows: a tower's token count is
+    a multiple of 4, not of 16)."""
     device = torch.device(device)
     if device.type == "cuda" and not fp8_supported(device):
         return f"{torch.cuda.get_device_name(device)} has no FP8 (compute capability 8.9 or newer)"
     try:
-        x = torch.ones(16, 32, device=device, dtype=dtype)
+        x = torch.ones(20, 32, device=device, dtype=dtype)
         linear(x, fp8_weight(torch.ones(32, 32, device=device, dtype=dtype)), None)
     except Exception as exc:  # noqa: BLE001 - any failure means the option cannot run here
         return f"torch {torch.__version__} cannot multiply FP8 with per-row scales here ({type(exc).__name__}: " \
