@@ -43,12 +43,16 @@ def write_qwen25vl_7b_config(path: str | Path) -> Path:
     return path
 
 
+# What every Qwen3-VL release's config.json has at its top level beside its architecture.
+QWEN3_VL_TOP_LEVEL = {
+    "image_token_id": 151655, "video_token_id": 151656, "vision_start_token_id": 151652,
+    "vision_end_token_id": 151653, "tie_word_embeddings": False, "transformers_version": "4.57.0.dev0",
+}
+
 # Qwen/Qwen3-VL-8B-Instruct's config.json: a 36-layer Qwen3 language model (GQA 32/8, head_dim 128, interleaved
 # M-RoPE) and a 27-block tower whose blocks 8, 16 and 24 feed DeepStack, so image_embeds are 4 x 4096 wide.
 CONFIG_QWEN3_VL_8B = {
-    "architectures": ["Qwen3VLForConditionalGeneration"], "model_type": "qwen3_vl", "image_token_id": 151655,
-    "video_token_id": 151656, "vision_start_token_id": 151652, "vision_end_token_id": 151653,
-    "tie_word_embeddings": False, "transformers_version": "4.57.0.dev0",
+    "architectures": ["Qwen3VLForConditionalGeneration"], "model_type": "qwen3_vl", **QWEN3_VL_TOP_LEVEL,
     "text_config": {
         "model_type": "qwen3_vl_text", "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 151643,
         "eos_token_id": 151645, "dtype": "bfloat16", "head_dim": 128, "hidden_act": "silu", "hidden_size": 4096,
@@ -69,9 +73,15 @@ CONFIG_QWEN3_VL_8B = {
 
 def write_qwen3vl_8b_config(path: str | Path) -> Path:
     """Qwen3-VL-8B-Instruct's config and processor settings (size 65,536 to 16,777,216 px), no weights."""
+    return _write_qwen3vl_folder(path, CONFIG_QWEN3_VL_8B)
+
+
+def _write_qwen3vl_folder(path: str | Path, config: dict) -> Path:
+    """A Qwen3-VL checkpoint folder without weights: ``config``, the synthetic tokenizer and the released processor
+    settings (every Qwen3-VL size shares them)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    _dump(path / "config.json", CONFIG_QWEN3_VL_8B)
+    _dump(path / "config.json", config)
     write_tokenizer_files(path, chat_template=QWEN3_CHAT_TEMPLATE)
     write_size_processor_files(path, QWEN3_VL, "Qwen3VLProcessor", 151643)
     return path
@@ -81,9 +91,7 @@ def write_qwen3vl_8b_config(path: str | Path) -> Path:
 # token, GQA 32/4, head_dim 128, width 2,048) and the 8B's 27-block tower feeding DeepStack at blocks 8, 16 and 24,
 # merged to 2,048: image_embeds 4 x 2048 wide.
 CONFIG_QWEN3_VL_30B_A3B = {
-    "architectures": ["Qwen3VLMoeForConditionalGeneration"], "model_type": "qwen3_vl_moe", "image_token_id": 151655,
-    "video_token_id": 151656, "vision_start_token_id": 151652, "vision_end_token_id": 151653,
-    "tie_word_embeddings": False, "transformers_version": "4.57.0.dev0",
+    "architectures": ["Qwen3VLMoeForConditionalGeneration"], "model_type": "qwen3_vl_moe", **QWEN3_VL_TOP_LEVEL,
     "text_config": {
         "model_type": "qwen3_vl_moe_text", "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 151643,
         "eos_token_id": 151645, "decoder_sparse_step": 1, "dtype": "bfloat16", "head_dim": 128, "hidden_act": "silu",
@@ -100,12 +108,7 @@ CONFIG_QWEN3_VL_30B_A3B = {
 
 def write_qwen3vl_30b_a3b_config(path: str | Path) -> Path:
     """Qwen3-VL-30B-A3B-Instruct's config (the MoE family member) and the 8B's processor settings, no weights."""
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    _dump(path / "config.json", CONFIG_QWEN3_VL_30B_A3B)
-    write_tokenizer_files(path, chat_template=QWEN3_CHAT_TEMPLATE)
-    write_size_processor_files(path, QWEN3_VL, "Qwen3VLProcessor", 151643)
-    return path
+    return _write_qwen3vl_folder(path, CONFIG_QWEN3_VL_30B_A3B)
 
 
 # google/gemma-3-4b-it's config.json: a 34-layer Gemma 3 language model (5 sliding-window layers of 1,024 tokens to
