@@ -193,3 +193,29 @@ def test_tower_flops_match_torchs_count_of_a_real_forward(model_type):
     with torch.no_grad(), sdpa_kernel(SDPBackend.MATH), counter:
         tower(pixels, grid_thw=torch.tensor(grids))
     assert tower_flops(config, grids) == counter.get_total_flops()
+
+
+def test_the_towers_tflops_inside_the_pipeline(tmp_path):
+    """A pipeline phase's tower TFLOPS: the GFLOP of each of the kit's files at the budget (its grid as decode ships
+    it), over the tower's ms per image in the engine; none for a model whose tower is vLLM's (the generic path)."""
+    from PIL import Image
+
+    from consumers.infer.model7b import GPU_MODELS
+    from tower_flops import tower_flops
+    from vlmstream.models.registry import family_of
+
+    files = []
+    for k, size in enumerate([(1200, 800), (640, 480)]):
+        Image.new("RGB", size).save(tmp_path / f"{k}.jpg")
+        files.append(str(tmp_path / f"{k}.jpg"))
+    model = GPU_MODELS["qwen2.5-vl-7b"](tmp_path / "q25")
+    family, config = family_of(model), json.loads((model / "config.json").read_text())
+    budget = bench_processes.BUDGETS["256"]
+    grids = [(1, h // 14, w // 14) for h, w in (family.target_size(800, 1200, bench_processes.MIN_PIXELS, budget),
+                                                 family.target_size(480, 640, bench_processes.MIN_PIXELS, budget))]
+    gflop = arm_pipeline.tower_gflop_per_image(str(model), files, budget)
+    assert gflop == round(tower_flops(config, grids) / 2 / 1e9, 1) and gflop > 100
+    assert arm_pipeline.tower_in_engine(gflop, {"encode_ms_per_image": 4.0}) == {
+        "tower_gflop_per_image": gflop, "tower_tflops_in_engine": round(gflop / 4.0, 1)}
+    assert arm_pipeline.tower_in_engine(gflop, {}) == {}
+    assert arm_pipeline.tower_gflop_per_image(str(GPU_MODELS["gemma3-4b"](tmp_path / "g3")), files, budget) is None

@@ -291,6 +291,40 @@ def runner_stats(log_path: Path) -> dict:
     return out
 
 
+def tower_gflop_per_image(model: str, files: list[str], max_pixels: int) -> float | None:
+    """Our tower's GFLOP per image at this budget (tower_flops.py: matrix products), the mean over the kit's files,
+    which the phase's documents cycle through; None where vLLM runs the tower (the generic path) or tower_flops does
+    not know the family."""
+    from PIL import Image
+    from tower_flops import tower_flops
+
+    from vlmstream.models.registry import family_of
+
+    family = family_of(model)
+    if not family.exact_size:
+        return None
+    config = json.loads((Path(model) / "config.json").read_text())
+    patch = config["vision_config"]["patch_size"]
+    grids = []
+    for name in files:
+        with Image.open(name) as image:
+            height, width = family.target_size(image.size[1], image.size[0], MIN_PIXELS, max_pixels)
+        grids.append((1, height // patch, width // patch))
+    try:
+        return round(tower_flops(config, grids) / len(grids) / 1e9, 1)
+    except (KeyError, ValueError):
+        return None
+
+
+def tower_in_engine(gflop_per_image: float | None, engine_timings_ms: dict) -> dict:
+    """The tower's achieved TFLOPS inside the pipeline: its GFLOP per image over its time per image in the engine
+    (one forward's time shared by the images of its batch, so the GPU time the tower takes there)."""
+    ms = engine_timings_ms.get("encode_ms_per_image")
+    if not gflop_per_image or not ms:
+        return {}
+    return {"tower_gflop_per_image": gflop_per_image, "tower_tflops_in_engine": round(gflop_per_image / ms, 1)}
+
+
 def run_pipeline(args: argparse.Namespace, mode: str, bootstrap: str, out: Path,
                  on_phase: Callable[[str, dict], None]) -> None:
     """One mode (embeds|pixels): topics, watcher and one `vlmstream infer` per GPU are started once; then one phase
@@ -420,6 +454,8 @@ def run_pipeline(args: argparse.Namespace, mode: str, bootstrap: str, out: Path,
                        producer_rc=producer_rc, publish_lag_s=round(t0 - t_launch, 2),
                        other_phase_records=watcher.others_between(t0, t_end, measured_prefix),
                        engine_timings_mean_ms=watcher.mean_timings(measured_prefix))
+            rec.update(tower_in_engine(tower_gflop_per_image(args.model, files, max_pixels),
+                                       rec["engine_timings_mean_ms"]))
             if rec["decode_cores"] is not None and rec["infer_cores"] is not None:
                 rec["cpu_cores"] = round(rec["decode_cores"] + rec["infer_cores"], 2)
             log(f"PHASE pipeline-{mode} budget={budget} RESULT {json.dumps(rec)}")

@@ -90,6 +90,9 @@ def markdown(results: dict) -> str:
                 note.append(f"phase {r.get('phase')}, {r.get('decode_workers')} decode workers, {r.get('gpus')} GPU(s), "
                             f"{'complete' if r.get('complete') else 'INCOMPLETE'}, dead letters {r.get('dead_letters')}, "
                             f"warm-up {r.get('warmup_s')} s")
+                if r.get("tower_tflops_in_engine"):
+                    note.append(f"tower {r['tower_tflops_in_engine']} TFLOPS in the engine "
+                                f"({r['tower_gflop_per_image']} GFLOP per image)")
                 if r.get("other_phase_records"):
                     note.append(f"{r['other_phase_records']} records of other phases in the window")
                 if r.get("prefix_caching"):
