@@ -303,16 +303,16 @@ def tower_gflop_per_image(model: str, files: list[str], max_pixels: int) -> floa
     family = family_of(model)
     if not family.exact_size:
         return None
-    config = json.loads((Path(model) / "config.json").read_text())
-    patch = config["vision_config"]["patch_size"]
-    grids = []
-    for name in files:
-        with Image.open(name) as image:
-            height, width = family.target_size(image.size[1], image.size[0], MIN_PIXELS, max_pixels)
-        grids.append((1, height // patch, width // patch))
-    try:
+    try:  # a figure beside the measurement: never a reason to lose the phase
+        config = json.loads((Path(model) / "config.json").read_text())
+        patch = config["vision_config"]["patch_size"]
+        grids = []
+        for name in files:
+            with Image.open(name) as image:
+                height, width = family.target_size(image.size[1], image.size[0], MIN_PIXELS, max_pixels)
+            grids.append((1, height // patch, width // patch))
         return round(tower_flops(config, grids) / len(grids) / 1e9, 1)
-    except (KeyError, ValueError):
+    except (KeyError, ValueError, OSError):
         return None
 
 
