@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import random
 import signal
 import socket
 from collections import Counter
@@ -102,7 +103,9 @@ def test_good_images_flow_and_each_bad_one_is_a_dead_letter(topic_names, corpus_
     outside.mkdir()
     good = corpus_images(corpus_dir, 4)
     (allowed / "notes.jpg").write_text("this is a text file, not a JPEG\n")
-    (allowed / "corrupt.png").write_bytes(b"\x89PNG\r\n\x1a\n" + os.urandom(4096))
+    # Seeded: a rare draw of random bytes reads as a chunk running past the end (decode_truncated, also a clear
+    # reason, but not the one this test names).
+    (allowed / "corrupt.png").write_bytes(b"\x89PNG\r\n\x1a\n" + random.Random(0).randbytes(4096))
     (outside / "elsewhere.jpg").write_bytes(good[0].read_bytes())
     uris = [str(good[0]), str(allowed / "missing.jpg"), str(good[1]), str(allowed / "corrupt.png"),
             str(allowed / "notes.jpg"), str(good[2]), str(outside / "elsewhere.jpg")]
