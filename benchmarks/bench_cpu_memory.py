@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
+import os
 import random
 import subprocess
 import sys
@@ -33,13 +34,6 @@ VARIANTS = {"arenas2": {}, "mmap1m": {"mmap_threshold": 1 << 20}, "mmap4m": {"mm
             "mmap16m": {"mmap_threshold": 16 << 20}}
 
 
-def rss_mb() -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
-
-
 def child(variant: str, seconds: float, every: float, seed: int) -> None:
     import numpy as np
     import torch
@@ -48,6 +42,7 @@ def child(variant: str, seconds: float, every: float, seed: int) -> None:
     from consumers.infer.tiny_model import default_tiny_model_dir
     from consumers.infer.transformers_engine import TransformersEngine
     from vlmstream.config import InferSettings
+    from vlmstream.profiling import resident_mb
 
     torch.set_num_threads(1)
     cap_malloc_arenas(2)
@@ -76,9 +71,9 @@ def child(variant: str, seconds: float, every: float, seed: int) -> None:
                 got += len(engine.poll(5))
             batches += 1
             if time.monotonic() >= next_reading:
-                readings.append([round(time.monotonic() - started), round(rss_mb())])
+                readings.append([round(time.monotonic() - started), round(resident_mb())])
                 next_reading += every
-        readings.append([round(time.monotonic() - started), round(rss_mb())])
+        readings.append([round(time.monotonic() - started), round(resident_mb())])
     print(json.dumps({"variant": variant, "batches": batches, "rss_mb": readings}), flush=True)
 
 
@@ -95,7 +90,9 @@ def main() -> None:
         return
     procs = [subprocess.Popen([sys.executable, __file__, "--child", v, "--seconds", str(args.seconds),
                                "--every", str(args.every), "--seed", str(args.seed)],
-                              stdout=subprocess.PIPE, text=True, env={"OMP_NUM_THREADS": "1", **_env()})
+                              stdout=subprocess.PIPE, text=True,
+                              env={**{k: v for k, v in os.environ.items() if k != "MALLOC_ARENA_MAX"},
+                                   "OMP_NUM_THREADS": "1"})
              for v in args.variants.split(",")]
     rows = []
     for proc in procs:
@@ -111,12 +108,6 @@ def main() -> None:
         series = [mb for _, mb in r["rss_mb"]]
         print(f"| {r['variant']} | {r['batches']} | {series[0]} | {series[-1]} | {series[-1] - series[0]:+d} | "
               f"{', '.join(map(str, series))} |")
-
-
-def _env() -> dict[str, str]:
-    import os
-
-    return {k: v for k, v in os.environ.items() if k != "MALLOC_ARENA_MAX"}
 
 
 if __name__ == "__main__":
