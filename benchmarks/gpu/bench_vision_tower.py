@@ -12,8 +12,8 @@ Variants, side by side in one process on the same images (random weights: same c
   fast-fp8+...      fast+..., each block's four matrix products in FP8 (infer.vision_fp8; consumers/infer/fp8.py)
 with attention vllm_fa3 (vLLM's FlashAttention 3), torch_varlen (torch's varlen flash) or sdpa. Each timing covers
 GPU patchify + tower forward + merger for a batch of images, synchronised, after warm-up; it prints ms per image
-and images/s per budget, then torch.profiler tables of where one forward spends its GPU time (transformers'
-blocks and the fast ones).
+and images/s per budget with the spread of its timed passes, then torch.profiler tables of where one forward of
+each variant spends its GPU time. ``--rounds 2`` times every variant twice, the second round in reverse order.
 
 Each row says how many blocks ran the fast forward (``fast_blocks``) and whether they were compiled.
 
@@ -73,18 +73,42 @@ def time_encoder(encoder: VisionEncoder, images: list[np.ndarray], batch: int, m
 
     one_pass()  # warm-up: kernels chosen, allocator grown
     synchronize(encoder.device)
-    passes, started = 0, time.perf_counter()
+    pass_ms: list[float] = []
+    started = time.perf_counter()
     while True:
+        begun = time.perf_counter()
         one_pass()
-        passes += 1
         synchronize(encoder.device)
+        pass_ms.append((time.perf_counter() - begun) * 1e3)
         elapsed = time.perf_counter() - started
         if elapsed >= min_seconds:
             break
-    n = passes * len(images)
+    n = len(pass_ms) * len(images)
+    # A clock that is still settling (a compile or a kernel choice finishing late) shows as a first pass far
+    # from the fastest; a steady one as first, fastest and slowest close together.
     return {"ms_per_image": round(elapsed / n * 1e3, 2), "img_per_s": round(n / elapsed, 1), "images": n,
-            "batch": batch, "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1)
+            "batch": batch, "pass_ms_first": round(pass_ms[0], 1), "pass_ms_min": round(min(pass_ms), 1),
+            "pass_ms_max": round(max(pass_ms), 1), "passes": len(pass_ms),
+            "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1)
             if encoder.device.type == "cuda" else None}
+
+
+def make_encoder(tower, device: torch.device, dtype: torch.dtype, variant: str) -> VisionEncoder:
+    """The encoder a variant name (``<blocks>+<attention>``, module docstring) describes."""
+    blocks, attention = variant.split("+")
+    return VisionEncoder(tower, device, dtype, attention=attention, fast_blocks=blocks != "transformers",
+                         compile_blocks=blocks in ("fast", "fast-torchqkv", "fast-fp8"),
+                         qkv_kernel="torch" if blocks == "fast-torchqkv" else "auto", fp8=blocks == "fast-fp8")
+
+
+def in_rounds(variants: list[str], rounds: int) -> list[tuple[str, str]]:
+    """(variant, its key) for each timing: the variants in the order given, then reversed, and so on for
+    ``rounds`` rounds, so that no variant always runs first in the process (keys of later rounds end " r2", ...)."""
+    order: list[tuple[str, str]] = []
+    for r in range(rounds):
+        for v in (variants if r % 2 == 0 else variants[::-1]):
+            order.append((v, v if r == 0 else f"{v} r{r + 1}"))
+    return order
 
 
 def profile_table(encoder: VisionEncoder, images: list[np.ndarray], rows: int = 15) -> str:
@@ -112,6 +136,8 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=4.0, help="Minimum timed seconds per variant and budget.")
     ap.add_argument("--batches", default="", help="comma list of images per forward, each timed (default: what the "
                     "engine batches at each budget; infer.vision_batch_images sets the engine's)")
+    ap.add_argument("--rounds", type=int, default=1, help="time the variants this many times, every other round in "
+                    "reverse order (an order effect shows as a variant's rounds disagreeing)")
     ap.add_argument("--profile-budget", default="1280", help="budget of the profiler tables; empty: none")
     ap.add_argument("--out", default="tower.json")
     ap.add_argument("--device", default="cuda", help="cpu runs the same code in float32 (a plumbing check)")
@@ -135,19 +161,15 @@ def main() -> None:
             [im.shape[0] * im.shape[1] / family.factor ** 2 for im in images])), 1)}
         flops_per_image = tower_flops(config, [(1, im.shape[0] // patch, im.shape[1] // patch) for im in images]) \
             / len(images)
-        for variant in variants:
-            blocks, attention = variant.split("+")
+        for variant, variant_key in in_rounds(variants, args.rounds):
+            attention = variant.split("+")[1]
             if budget == "default" and attention == "sdpa":
-                rows[variant] = {"skipped": "per-window Python loop: minutes per image at 12.8 MP"}
+                rows[variant_key] = {"skipped": "per-window Python loop: minutes per image at 12.8 MP"}
                 continue
             for batch in batches:
-                key = f"{variant} x{batch}" if args.batches else variant
+                key = f"{variant_key} x{batch}" if args.batches else variant_key
                 try:
-                    encoder = VisionEncoder(tower, device, dtype, attention=attention,
-                                            fast_blocks=blocks != "transformers",
-                                            compile_blocks=blocks in ("fast", "fast-torchqkv", "fast-fp8"),
-                                            qkv_kernel="torch" if blocks == "fast-torchqkv" else "auto",
-                                            fp8=blocks == "fast-fp8")
+                    encoder = make_encoder(tower, device, dtype, variant)
                     if device.type == "cuda":
                         torch.cuda.reset_peak_memory_stats()
                     rows[key] = {**achieved(time_encoder(encoder, images, batch, args.seconds), flops_per_image),
@@ -161,12 +183,11 @@ def main() -> None:
     if not budget:
         return
     report["profile"] = {"budget": budget}
-    for blocks in ("transformers", "fast-torchqkv", "fast"):
-        encoder = VisionEncoder(tower, device, dtype, attention="auto", fast_blocks=blocks != "transformers",
-                                qkv_kernel="torch" if blocks == "fast-torchqkv" else "auto")
+    for variant in variants:
+        encoder = make_encoder(tower, device, dtype, variant)
         table = profile_table(encoder, exact_size_images(args.imgs, BATCH[budget], BUDGETS[budget], factor=family.factor))
-        report["profile"][blocks] = {"attention": encoder.attention, "compiled": encoder.compiled, "table": table}
-        print(f"PROFILE {blocks} blocks, budget {budget}, attention {encoder.attention}\n{table}", flush=True)
+        report["profile"][variant] = {"attention": encoder.attention, "compiled": encoder.compiled, "table": table}
+        print(f"PROFILE {variant}, budget {budget}, attention {encoder.attention}\n{table}", flush=True)
     Path(args.out).write_text(json.dumps(report, indent=1))
 
 

@@ -30,6 +30,10 @@
 #   ipc        Qwen3-VL-8B at 0.2 MP and 1 MP / 64, 40 s phases: I1 the pipeline in embeds mode with
 #              infer.embeds_transport=cuda_ipc (image_embeds shared with vLLM's engine on the GPU), I2 the same with
 #              host copies, I3 pixels mode without embeddings (the faster mode in [j])
+#   diagnose   D1 the Qwen3-VL-8B tower at 0.2 and 1 MP, fast (Triton q/k/v) / fast-torchqkv / fast-fp8 in two rounds,
+#              the second in reverse order (is the slow variant at 0.2 MP the variant or its place in the process),
+#              profiles at 0.2 MP; D2 the Qwen2.5-VL-7B tower at 1 MP, bf16 against FP8 with profiles (where FP8's
+#              time goes); then the ipc list (about 22 minutes in all)
 #   fp8        the towers' block products in FP8 (infer.vision_fp8) against bf16: F1 the Qwen2.5-VL-7B tower and F2 the
 #              Qwen3-VL-8B tower alone, fast+vllm_fa3 against fast-fp8+vllm_fa3 at 0.2 / 1 / 12.8 MP with TFLOPS;
 #              F3/F4 both towers in FP8 against transformers' full model (cosines, reported: dummy weights); F5 the
@@ -171,6 +175,19 @@ if [ "$LIST" = tower-q3 ]; then
     --budgets 256 --batches 16,64 --variants transformers+vllm_fa3,fast-eager+vllm_fa3,fast+vllm_fa3,fast-torchqkv+vllm_fa3 \
     --seconds 2 --profile-budget 256 --out "$RES/l4_tower_q3_batches.json"
   if [ "${THEN:-}" = generic ]; then LIST=generic; fi
+fi
+
+if [ "$LIST" = diagnose ]; then
+  # Is the Qwen3-VL tower's slow compiled+Triton variant at 0.2 MP the variant, or the first compiled one in the
+  # process? Two rounds, the second in reverse order, with each timed pass's spread; then where FP8 loses.
+  [ -e /root/model/config.json ] || python3 benchmarks/gpu/mk_model.py /root/model > "$RES/mk_model.log" 2>&1
+  job d1_tower_q3_order 150 240 python3 benchmarks/gpu/bench_vision_tower.py --model qwen3-vl-8b --imgs /root/imgs \
+    --budgets 256,1280 --variants fast+vllm_fa3,fast-torchqkv+vllm_fa3,fast-fp8+vllm_fa3 --rounds 2 --seconds 2 \
+    --profile-budget 256 --out "$RES/d1_tower_q3_order.json"
+  job d2_tower_fp8_profile 90 180 python3 benchmarks/gpu/bench_vision_tower.py --model /root/model --imgs /root/imgs \
+    --budgets 1280 --variants fast+vllm_fa3,fast-fp8+vllm_fa3 --seconds 2 --profile-budget 1280 \
+    --out "$RES/d2_tower_fp8_profile.json"
+  LIST=ipc
 fi
 
 if [ "$LIST" = moe ]; then

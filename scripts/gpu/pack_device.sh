@@ -28,8 +28,9 @@ P="$P --platform manylinux2014_x86_64 --platform manylinux1_x86_64"
   # PyTurboJPEG is published as an sdist only (one pure-Python module): build its wheel here.
   ls pyturbojpeg-*.whl >/dev/null 2>&1 || python3 -m pip wheel -q --no-deps -w . "$(grep -h '^PyTurboJPEG' "$here/deps_vlmstream.txt")" )
 ( cd "$tree/site" && for w in "$work"/whl/*.whl; do unzip -qo "$w" -d .; done
-  # What Qwen2.5-VL on Hopper does not need: FA3 serves both the language model and the vision tower.
-  rm -f vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so vllm/vllm-rs vllm/_moe_C_stable_libtorch.abi3.so
+  # What no model here needs on Hopper: FA3 serves both the language model and the vision tower. The MoE kernels
+  # (_moe_C_stable_libtorch, 47 MB) stay: Qwen3-VL-30B-A3B's router calls torch.ops._moe_C.topk_softmax.
+  rm -f vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so vllm/vllm-rs
   rm -rf vllm/third_party/fmha_sm100 vllm/third_party/deep_gemm/include vllm/third_party/deep_gemm/_C.cpython-31[134]-*.so \
          vllm/entrypoints/serve/instrumentator/static ./*.data
   find . -name __pycache__ -prune -exec rm -rf {} \; )
