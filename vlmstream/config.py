@@ -270,8 +270,8 @@ class InferSettings(BaseModel):
     vision_fp8: bool = Field(
         False, description="vLLM engine, our vision tower: each block's four matrix products in FP8 (e4m3; weights "
         "scaled per output channel, activations per token), on GPUs with FP8 (compute capability 8.9+). Opt-in: "
-        "what it costs in accuracy with a released checkpoint's weights is not measured here (dummy weights only: "
-        "benchmarks/RESULTS.md).")
+        "on an H200 the tower ran slower with it than in bf16, and what it costs in accuracy with a released "
+        "checkpoint's weights is not measured here (dummy weights only: benchmarks/RESULTS.md).")
     embeds_transport: Literal["host", "cuda_ipc"] = Field(
         "host", description="vLLM engine, embeds mode: how image_embeds reach vLLM's engine process. host: copied "
         "off the GPU, each image a CPU tensor of its own, serialised by vLLM. cuda_ipc: left on the GPU and shared "
