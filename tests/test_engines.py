@@ -462,3 +462,17 @@ def test_embeds_reach_vllm_as_host_copies_or_through_cuda_ipc(monkeypatch):
         transport_args(InferSettings(embeds_transport="cuda_ipc", engine_cpu_threads=0), "embeds")
     with pytest.raises(Exception, match="embeds_transport"):
         InferSettings(embeds_transport="shared")
+
+
+def test_the_towers_qkv_kernel_is_a_setting(monkeypatch):
+    """infer.vision_qkv_kernel reaches the settings from the environment (how gpu_bench's arms set it), and a value
+    the tower does not know is refused by the setting's name."""
+    from vlmstream.config import InferSettings
+
+    assert InferSettings().vision_qkv_kernel == "auto"
+    monkeypatch.setenv("VLMSTREAM_INFER__VISION_QKV_KERNEL", "torch")
+    from vlmstream.config import Settings
+
+    assert Settings().infer.vision_qkv_kernel == "torch"
+    with pytest.raises(Exception, match="vision_qkv_kernel"):
+        InferSettings(vision_qkv_kernel="cuda")

@@ -267,6 +267,10 @@ class InferSettings(BaseModel):
     vision_batch_images: int = Field(32, description="vLLM engine: most images per vision-tower forward (also "
                                      "bounded to 65,536 patches).")
     vision_compile: bool = Field(True, description="torch.compile the vision blocks on CUDA (falls back to eager).")
+    vision_qkv_kernel: Literal["auto", "triton", "torch"] = Field(
+        "auto", description="vLLM engine, our vision tower: how each block splits q, k and v out of its projection "
+        "and rotates them. triton: one pass over memory (consumers/infer/qkv_rotary.py); torch: compiled torch code; "
+        "auto: triton where the blocks are compiled and Triton imports.")
     vision_fp8: bool = Field(
         False, description="vLLM engine, our vision tower: each block's four matrix products in FP8 (e4m3; weights "
         "scaled per output channel, activations per token), on GPUs with FP8 (compute capability 8.9+). Opt-in: "

@@ -33,7 +33,7 @@
 #   diagnose   D1 the Qwen3-VL-8B tower at 0.2 and 1 MP, fast (Triton q/k/v) / fast-torchqkv / fast-fp8 in two rounds,
 #              the second in reverse order (is the slow variant at 0.2 MP the variant or its place in the process),
 #              profiles at 0.2 MP; D2 the Qwen2.5-VL-7B tower at 1 MP, bf16 against FP8 with profiles (where FP8's
-#              time goes); then the ipc list (about 22 minutes in all)
+#              time goes); I1, I2 of the ipc list, then D3 = I2 with infer.vision_qkv_kernel=torch (about 22 minutes)
 #   fp8        the towers' block products in FP8 (infer.vision_fp8) against bf16: F1 the Qwen2.5-VL-7B tower and F2 the
 #              Qwen3-VL-8B tower alone, fast+vllm_fa3 against fast-fp8+vllm_fa3 at 0.2 / 1 / 12.8 MP with TFLOPS;
 #              F3/F4 both towers in FP8 against transformers' full model (cosines, reported: dummy weights); F5 the
@@ -187,7 +187,15 @@ if [ "$LIST" = diagnose ]; then
   job d2_tower_fp8_profile 90 180 python3 benchmarks/gpu/bench_vision_tower.py --model /root/model --imgs /root/imgs \
     --budgets 1280 --variants fast+vllm_fa3,fast-fp8+vllm_fa3 --seconds 2 --profile-budget 1280 \
     --out "$RES/d2_tower_fp8_profile.json"
-  LIST=ipc
+  # Qwen3-VL-8B's pipeline at 0.2 and 1 MP, embeds: image_embeds through CUDA IPC, through host copies, and host
+  # copies with the torch q/k/v code in the tower (does D1's difference reach the pipeline).
+  Q3=/root/qwen3-vl-8b
+  [ -e $Q3/config.json ] || python3 benchmarks/gpu/mk_model.py $Q3 qwen3-vl-8b > "$RES/mk_q3.log" 2>&1
+  Q3PIPE="--model $Q3 --budgets 256,1280 --seconds 40 --stop-after 2 --profile --arms pipeline-embeds"
+  job i1_embeds_ipc 330 450 $BENCH $Q3PIPE --embeds-transport cuda_ipc --out "$RES/i1_embeds_ipc"
+  job i2_embeds_host 330 450 $BENCH $Q3PIPE --out "$RES/i2_embeds_host"
+  job d3_embeds_host_torchqkv 330 450 env VLMSTREAM_INFER__VISION_QKV_KERNEL=torch $BENCH $Q3PIPE \
+    --out "$RES/d3_embeds_host_torchqkv"
 fi
 
 if [ "$LIST" = moe ]; then

@@ -211,7 +211,7 @@ class VllmEngine(QueuedEngine):
                 log.warning("no vision weights in %s: the tower is random, embeddings are meaningless", model_path)
             self.encoder = VisionEncoder(tower, "cuda", dtype, attention=vision_attention,
                                          compile_blocks=settings.vision_compile, family=self.family,
-                                         fp8=settings.vision_fp8)
+                                         qkv_kernel=settings.vision_qkv_kernel, fp8=settings.vision_fp8)
             if self.mode == "embeds" and self.encoder.image_embeds_width != self.image_embeds_width:
                 self._engine_loop.shutdown_llm(self.llm)
                 self._engine_loop.stop()
@@ -220,8 +220,10 @@ class VllmEngine(QueuedEngine):
                     f"the vision tower of {self.model_path} makes image_embeds {self.encoder.image_embeds_width} wide "
                     f"({self.encoder.deepstack_levels} DeepStack levels), vLLM's {self.family.name} model takes "
                     f"{self.image_embeds_width}: set infer.mode=pixels to let vLLM run its own tower")
-            log.info("vision tower on cuda, attention=%s, compiled=%s, fp8=%s, image_embeds %d wide",
-                     self.encoder.attention, self.encoder.compiled, settings.vision_fp8, self.encoder.image_embeds_width)
+            log.info("vision tower on cuda, attention=%s, compiled=%s, q/k/v %s, fp8=%s, image_embeds %d wide",
+                     self.encoder.attention, self.encoder.compiled,
+                     "triton" if self.encoder.fast and self.encoder.fast.rotate_qkv else "torch", settings.vision_fp8,
+                     self.encoder.image_embeds_width)
         # High priority: the tower feeds the language model. When both have kernels queued, the tower's go
         # first, so the engine's queue of ready requests does not run dry while it decodes.
         self._stream = torch.cuda.Stream(priority=-1)
