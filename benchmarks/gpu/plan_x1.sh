@@ -39,6 +39,9 @@
 #              F3/F4 both towers in FP8 against transformers' full model (cosines, reported: dummy weights); F5 the
 #              Qwen2.5-VL-7B pipeline at 1 MP / 64, embeds, bf16 then FP8 then bf16 (40 s phases); then the
 #              tower-q3 diagnostic, then the generic list (about 25 minutes in all)
+#   large      Qwen2.5-VL-7B at 12.8 MP / 64, embeds, against `vllm serve` (8 API servers), alternated: X1 serve, X2 the
+#              pipeline, X3 the pipeline under CUDA MPS for 5 minutes (sustained), X4 serve, X5 the pipeline (60-s
+#              phases otherwise; about 21 minutes)
 #   moe        Qwen3-VL-30B-A3B's config (the MoE member of the family, dummy weights): M0 our tower (fast blocks)
 #              against transformers' full model (bf16, DeepStack included); M1 at 0.2 MP and 1 MP / 64: naive vLLM,
 #              vLLM given image_embeds (its language model alone), the pipeline in both modes (about 15 minutes)
@@ -196,6 +199,19 @@ if [ "$LIST" = diagnose ]; then
   job i2_embeds_host 330 450 $BENCH $Q3PIPE --out "$RES/i2_embeds_host"
   job d3_embeds_host_torchqkv 330 450 env VLMSTREAM_INFER__VISION_QKV_KERNEL=torch $BENCH $Q3PIPE \
     --out "$RES/d3_embeds_host_torchqkv"
+fi
+
+if [ "$LIST" = large ]; then
+  # 12.8 MP (the model's default budget: the kit's images at their own size), Qwen2.5-VL-7B, 64 tokens, embeds:
+  # `vllm serve` and the pipeline alternated (serve, pipeline, pipeline under MPS for 5 minutes, serve, pipeline).
+  [ -e /root/model/config.json ] || python3 benchmarks/gpu/mk_model.py /root/model > "$RES/mk_model.log" 2>&1
+  LARGE="$BENCH --model /root/model --budgets default"
+  job x1_serve 200 330 $LARGE --seconds 60 --arms serve --serve-k 8 --out "$RES/x1_serve"
+  job x2_pipeline 220 330 $LARGE --seconds 60 --stop-after 1.5 --arms pipeline-embeds --profile --out "$RES/x2_pipeline"
+  job x3_pipeline_mps_5min 480 620 $LARGE --seconds 300 --stop-after 1.2 --arms pipeline-embeds --profile --mps \
+    --out "$RES/x3_pipeline_mps_5min"
+  job x4_serve 200 330 $LARGE --seconds 60 --arms serve --serve-k 8 --out "$RES/x4_serve"
+  job x5_pipeline 220 330 $LARGE --seconds 60 --stop-after 1.5 --arms pipeline-embeds --profile --out "$RES/x5_pipeline"
 fi
 
 if [ "$LIST" = moe ]; then
