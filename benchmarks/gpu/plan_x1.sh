@@ -40,8 +40,8 @@
 #              Qwen2.5-VL-7B pipeline at 1 MP / 64, embeds, bf16 then FP8 then bf16 (40 s phases); then the
 #              tower-q3 diagnostic, then the generic list (about 25 minutes in all)
 #   large      Qwen2.5-VL-7B at 12.8 MP / 64, embeds, against `vllm serve` (8 API servers), alternated: X1 serve, X2 the
-#              pipeline, X3 the pipeline under CUDA MPS for 5 minutes (sustained), X4 serve, X5 the pipeline (60-s
-#              phases otherwise; about 21 minutes)
+#              pipeline, X3 the pipeline with image_embeds through CUDA IPC, X4 the pipeline under CUDA MPS for 5
+#              minutes (sustained), X5 serve (60-s phases otherwise; about 22 minutes)
 #   moe        Qwen3-VL-30B-A3B's config (the MoE member of the family, dummy weights): M0 our tower (fast blocks)
 #              against transformers' full model (bf16, DeepStack included); M1 at 0.2 MP and 1 MP / 64: naive vLLM,
 #              vLLM given image_embeds (its language model alone), the pipeline in both modes (about 15 minutes)
@@ -203,15 +203,17 @@ fi
 
 if [ "$LIST" = large ]; then
   # 12.8 MP (the model's default budget: the kit's images at their own size), Qwen2.5-VL-7B, 64 tokens, embeds:
-  # `vllm serve` and the pipeline alternated (serve, pipeline, pipeline under MPS for 5 minutes, serve, pipeline).
+  # `vllm serve` and the pipeline alternated. At this size one image's image_embeds are about 117 MB, so X3 hands
+  # them to vLLM's engine through CUDA IPC instead of host copies; X4 runs under MPS for 5 minutes (sustained).
   [ -e /root/model/config.json ] || python3 benchmarks/gpu/mk_model.py /root/model > "$RES/mk_model.log" 2>&1
   LARGE="$BENCH --model /root/model --budgets default"
+  LPIPE="--stop-after 1.5 --arms pipeline-embeds --profile"
   job x1_serve 200 330 $LARGE --seconds 60 --arms serve --serve-k 8 --out "$RES/x1_serve"
-  job x2_pipeline 220 330 $LARGE --seconds 60 --stop-after 1.5 --arms pipeline-embeds --profile --out "$RES/x2_pipeline"
-  job x3_pipeline_mps_5min 480 620 $LARGE --seconds 300 --stop-after 1.2 --arms pipeline-embeds --profile --mps \
-    --out "$RES/x3_pipeline_mps_5min"
-  job x4_serve 200 330 $LARGE --seconds 60 --arms serve --serve-k 8 --out "$RES/x4_serve"
-  job x5_pipeline 220 330 $LARGE --seconds 60 --stop-after 1.5 --arms pipeline-embeds --profile --out "$RES/x5_pipeline"
+  job x2_pipeline 220 330 $LARGE --seconds 60 $LPIPE --out "$RES/x2_pipeline"
+  job x3_pipeline_ipc 220 330 $LARGE --seconds 60 $LPIPE --embeds-transport cuda_ipc --out "$RES/x3_pipeline_ipc"
+  job x4_pipeline_mps_5min 480 620 $LARGE --seconds 300 --stop-after 1.2 --arms pipeline-embeds --profile --mps \
+    --out "$RES/x4_pipeline_mps_5min"
+  job x5_serve 200 330 $LARGE --seconds 60 --arms serve --serve-k 8 --out "$RES/x5_serve"
 fi
 
 if [ "$LIST" = moe ]; then
