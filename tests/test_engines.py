@@ -410,7 +410,7 @@ def test_the_encoder_hands_transformers_the_index_tensors_it_derived_on_the_cpu(
     assert not torch.equal(altered.pooler_output, derived)  # the positions given are the ones used
 
 
-def test_a_batch_leaves_the_gpu_in_one_copy_per_kind_with_the_same_values(monkeypatch):
+def test_pooled_embeddings_leave_in_one_copy_and_each_images_tokens_own_storage(monkeypatch):
     """A batch's pooled embeddings come to the host in one copy (each blocking copy waits for a GPU that the
     language model shares), equal to the one-image definitions, and every image's tokens own their storage (vLLM
     ships a tensor's whole storage, so a view would carry the batch). On CUDA the tokens go by DMA into one pinned
