@@ -63,7 +63,8 @@ def achieved(row: dict, flops_per_image: float) -> dict:
             "share_of_h200_bf16_peak": round(rate / H200_DENSE_BF16_TFLOPS, 3)}
 
 
-def time_encoder(encoder: VisionEncoder, images: list[np.ndarray], batch: int, min_seconds: float) -> dict:
+def pass_over(encoder: VisionEncoder, images: list[np.ndarray], batch: int):
+    """One pass over ``images`` in forwards of ``batch`` images (GPU patchify + tower), as a callable."""
     groups = [images[i:i + batch] for i in range(0, len(images), batch)]
 
     def one_pass():
@@ -71,6 +72,11 @@ def time_encoder(encoder: VisionEncoder, images: list[np.ndarray], batch: int, m
             pixel_values, grid_thw = patchify_batch(g, encoder.device, encoder.dtype, encoder.family)
             encoder.encode_patches(pixel_values, grid_thw)
 
+    return one_pass
+
+
+def time_encoder(encoder: VisionEncoder, images: list[np.ndarray], batch: int, min_seconds: float) -> dict:
+    one_pass = pass_over(encoder, images, batch)
     one_pass()  # warm-up: kernels chosen, allocator grown
     synchronize(encoder.device)
     pass_ms: list[float] = []
@@ -115,19 +121,14 @@ def profile_table(encoder: VisionEncoder, images: list[np.ndarray], batch: int, 
     """Where one pass over ``images`` (forwards of ``batch`` images, as a timed pass runs them) spends its time."""
     from torch.profiler import ProfilerActivity, profile
 
-    groups = [images[i:i + batch] for i in range(0, len(images), batch)]
-
-    def one_pass():
-        for g in groups:
-            pixel_values, grid_thw = patchify_batch(g, encoder.device, encoder.dtype, encoder.family)
-            encoder.encode_patches(pixel_values, grid_thw)
-        synchronize(encoder.device)
-
+    one_pass = pass_over(encoder, images, batch)
     one_pass()
+    synchronize(encoder.device)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if encoder.device.type == "cuda" else [])
     sort_by = "self_cuda_time_total" if encoder.device.type == "cuda" else "self_cpu_time_total"
     with profile(activities=activities) as prof:
         one_pass()
+        synchronize(encoder.device)
     return prof.key_averages().table(sort_by=sort_by, row_limit=rows, max_name_column_width=60)
 
 
