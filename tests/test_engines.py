@@ -440,31 +440,6 @@ def test_pooled_embeddings_leave_in_one_copy_and_each_images_tokens_own_storage(
     assert mean_pool_each([]) == [] and to_host_each([]) == []
 
 
-def test_embeds_reach_vllm_as_host_copies_or_through_cuda_ipc(monkeypatch):
-    """infer.embeds_transport: host gives vLLM CPU tensors of their own; cuda_ipc hands the tower's tensors over as
-    they are (no copy) and turns on vLLM's torch_shm channel, refusing a fork-started engine by the setting's name."""
-    from consumers.infer.vllm_engine import embeds_for_engine, transport_args
-    from vlmstream.config import InferSettings
-
-    batch = torch.arange(6 * 4, dtype=torch.float32).view(6, 4)
-    tokens = list(batch.split([2, 4]))
-    host = embeds_for_engine(tokens, "host")
-    assert all(torch.equal(a, b) and a.untyped_storage().data_ptr() != batch.untyped_storage().data_ptr()
-               for a, b in zip(host, tokens))
-    shared = embeds_for_engine(tokens, "cuda_ipc")
-    assert all(a is b for a, b in zip(shared, tokens))
-
-    assert transport_args(InferSettings(), "embeds") == {}
-    ipc = InferSettings(embeds_transport="cuda_ipc")
-    assert transport_args(ipc, "embeds") == {"mm_tensor_ipc": "torch_shm"}
-    assert transport_args(ipc, "pixels") == {}  # pixels mode hands vLLM images, not tensors of ours
-    monkeypatch.delenv("VLLM_WORKER_MULTIPROC_METHOD", raising=False)
-    with pytest.raises(ValueError, match="infer.engine_cpu_threads"):
-        transport_args(InferSettings(embeds_transport="cuda_ipc", engine_cpu_threads=0), "embeds")
-    with pytest.raises(Exception, match="embeds_transport"):
-        InferSettings(embeds_transport="shared")
-
-
 def test_the_towers_qkv_kernel_is_a_setting(monkeypatch):
     """infer.vision_qkv_kernel reaches the settings from the environment (how gpu_bench's arms set it), and a value
     the tower does not know is refused by the setting's name."""

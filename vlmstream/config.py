@@ -276,12 +276,6 @@ class InferSettings(BaseModel):
         "scaled per output channel, activations per token), on GPUs with FP8 (compute capability 8.9+). Opt-in: "
         "on an H200 the tower ran slower with it than in bf16, and what it costs in accuracy with a released "
         "checkpoint's weights is not measured here (dummy weights only: benchmarks/RESULTS.md).")
-    embeds_transport: Literal["host", "cuda_ipc"] = Field(
-        "host", description="vLLM engine, embeds mode: how image_embeds reach vLLM's engine process. host: copied "
-        "off the GPU, each image a CPU tensor of its own, serialised by vLLM. cuda_ipc: left on the GPU and shared "
-        "with the engine process through CUDA IPC (vLLM's mm_tensor_ipc=torch_shm), no copies; for wide embeds "
-        "(Qwen3-VL's DeepStack levels: 16,384 values per token) the copies are most of the encoder thread's time. "
-        "One engine process only (no tensor or data parallelism).")
     enable_prefix_caching: bool = Field(
         True, description="vLLM prefix caching. Every image is new, so only the shared prompt text is ever reused; "
         "benchmarks turn it off to match offline arms that must (they reuse images).")

@@ -148,8 +148,7 @@ def pipeline_env(tag: str, args: argparse.Namespace, work: Path) -> dict[str, st
                 "VLMSTREAM_INFER__GROUP_ID": f"{tag}-infer",  # decode: a group per phase (run_pipeline)
                 "VLMSTREAM_PRODUCER__STATE_DIR": str(work / "ledger"), "PYTHONUNBUFFERED": "1",
                 # Off like the offline engine and `vllm serve` (they reuse images, so they must run without it).
-                "VLMSTREAM_INFER__ENABLE_PREFIX_CACHING": "true" if args.prefix_caching else "false",
-                "VLMSTREAM_INFER__EMBEDS_TRANSPORT": args.embeds_transport})
+                "VLMSTREAM_INFER__ENABLE_PREFIX_CACHING": "true" if args.prefix_caching else "false"})
     # vLLM scheduler limits for the pipeline's engines: empty = vLLM's own choice (recorded as such).
     for name in ("max_num_seqs", "max_num_batched_tokens"):
         value = getattr(args, name)
@@ -393,7 +392,6 @@ def run_pipeline(args: argparse.Namespace, mode: str, bootstrap: str, out: Path,
                          # From the engines' environment: the flags, or variables exported around the run.
                          "max_num_seqs": env.get("VLMSTREAM_INFER__MAX_NUM_SEQS", "vLLM default"),
                          "max_num_batched_tokens": env.get("VLMSTREAM_INFER__MAX_NUM_BATCHED_TOKENS", "vLLM default"),
-                         "embeds_transport": env.get("VLMSTREAM_INFER__EMBEDS_TRANSPORT"),
                          "max_images_in_flight": env.get("VLMSTREAM_INFER__MAX_IMAGES_IN_FLIGHT", "default"),
                          "vision_batch_images": env.get("VLMSTREAM_INFER__VISION_BATCH_IMAGES", "default"),
                          "engine_cpu_threads": env.get("VLMSTREAM_INFER__ENGINE_CPU_THREADS", "default")}

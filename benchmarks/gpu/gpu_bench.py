@@ -92,8 +92,6 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                     help="Pipeline engines' vLLM max_num_batched_tokens (0: vLLM's choice; 2026-11-30: 16384).")
     ap.add_argument("--progress-every", type=float, default=30.0,
                     help="Pipeline phases append their figures so far to progress.jsonl this often (s).")
-    ap.add_argument("--embeds-transport", choices=["host", "cuda_ipc"], default="host",
-                    help="Pipeline arms: infer.embeds_transport (how embeds mode hands image_embeds to vLLM).")
     ap.add_argument("--mps", action="store_true", help="Run the pipeline arms under a CUDA MPS daemon of their own "
                     "(mps.py: the tower and vLLM's engine then share the GPU instead of time-slicing).")
     ap.add_argument("--serve-k", default="8", help="vllm serve --api-server-count; a comma list (8,12) starts one "
@@ -149,7 +147,6 @@ def main() -> None:
                                 "model": args.model, "prompt": PROMPT_TEXT, "images": len(image_files(args.imgs)),
                                 "workers": args.workers, "gpus": args.gpus, "gpu_ids": args.gpu_ids,
                                 "prefix_caching": args.prefix_caching, "mps": args.mps,
-                                "embeds_transport": args.embeds_transport,
                                 "gpu_name": subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
                                                            capture_output=True, text=True).stdout.strip()
                                 if _has("nvidia-smi") else None},

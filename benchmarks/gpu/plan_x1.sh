@@ -27,21 +27,20 @@
 #   ba         the ab list's first half in the other order, B then A (one pair, for a lease of about 10 minutes)
 #   qwen3-long Qwen3-VL-8B: L1 the pipeline in both modes at 1 MP with 60 s phases; L2 `vllm serve` with 4 and 12 API
 #              servers at 0.2 and 1 MP (8 is in [j]); L3 the tower alone at 0.2 MP with a profile of the fast blocks
-#   ipc        Qwen3-VL-8B at 0.2 MP and 1 MP / 64, 40 s phases: I1 the pipeline in embeds mode with
-#              infer.embeds_transport=cuda_ipc (image_embeds shared with vLLM's engine on the GPU), I2 the same with
-#              host copies, I3 pixels mode without embeddings (the faster mode in [j])
+#   embeds-q3  Qwen3-VL-8B at 0.2 MP and 1 MP / 64, 40 s phases: I2 the pipeline in embeds mode, I3 pixels mode
+#              without embeddings (the faster mode in [j])
 #   diagnose   D1 the Qwen3-VL-8B tower at 0.2 and 1 MP, fast (Triton q/k/v) / fast-torchqkv / fast-fp8 in two rounds,
 #              the second in reverse order (is the slow variant at 0.2 MP the variant or its place in the process),
 #              profiles at 0.2 MP; D2 the Qwen2.5-VL-7B tower at 1 MP, bf16 against FP8 with profiles (where FP8's
-#              time goes); I1, I2 of the ipc list, then D3 = I2 with infer.vision_qkv_kernel=torch (about 22 minutes)
+#              time goes); I2 of the embeds-q3 list, then D3 = I2 with infer.vision_qkv_kernel=torch (about 17 minutes)
 #   fp8        the towers' block products in FP8 (infer.vision_fp8) against bf16: F1 the Qwen2.5-VL-7B tower and F2 the
 #              Qwen3-VL-8B tower alone, fast+vllm_fa3 against fast-fp8+vllm_fa3 at 0.2 / 1 / 12.8 MP with TFLOPS;
 #              F3/F4 both towers in FP8 against transformers' full model (cosines, reported: dummy weights); F5 the
 #              Qwen2.5-VL-7B pipeline at 1 MP / 64, embeds, bf16 then FP8 then bf16 (40 s phases); then the
 #              tower-q3 diagnostic, then the generic list (about 25 minutes in all)
-#   large      Qwen2.5-VL-7B at 12.8 MP / 64, embeds, against `vllm serve` (8 API servers), alternated: X1 serve, X2 the
-#              pipeline, X3 the pipeline with image_embeds through CUDA IPC, X4 the pipeline under CUDA MPS for 5
-#              minutes (sustained), X5 serve (60-s phases otherwise; about 22 minutes)
+#   large      Qwen2.5-VL-7B at 12.8 MP / 64, embeds, against `vllm serve` (8 API servers), alternated: X1 serve and
+#              X2 the pipeline for 60 s each, X4 the pipeline under CUDA MPS and X5 serve for 5 minutes each
+#              (sustained; about 24 minutes)
 #   moe        Qwen3-VL-30B-A3B's config (the MoE member of the family, dummy weights): M0 our tower (fast blocks)
 #              against transformers' full model (bf16, DeepStack included); M1 at 0.2 MP and 1 MP / 64: naive vLLM,
 #              vLLM given image_embeds (its language model alone), the pipeline in both modes (about 15 minutes)
@@ -54,7 +53,7 @@
 #              run stops 80 s before the plan's end (20 s here, 60 s in the script for stopping it and reading its
 #              results back), so a cut run still prints what it reached; the whole lease (PLAN_S = the budget left
 #              after staging less about 60 s, about 1,600 s).
-#              If it fails early, the ipc list runs in the time left
+#              If it fails early, the embeds-q3 list runs in the time left
 #
 # On the device, after unpack_device.sh:
 #   setsid nohup bash benchmarks/gpu/plan_x1.sh /root/res 1500 tower-mps > /root/plan.log 2>&1 < /dev/null &
@@ -107,8 +106,8 @@ if [ "$LIST" = honesty ]; then
     --scale 13 --sample-fraction 0.048 --run-options "--model /root/model --max-new-tokens 64" --timeout-s 1600 \
     --deadline $(( END - 20 )) --reports "$RES"
   unset VLMSTREAM_INFER__ENABLE_PREFIX_CACHING
-  # If it failed early, the rest of the lease goes to the ipc list below.
-  grep -q "^h1_honesty	rc=0" "$RES/jobs.tsv" || LIST=ipc
+  # If it failed early, the rest of the lease goes to the embeds-q3 list below.
+  grep -q "^h1_honesty	rc=0" "$RES/jobs.tsv" || LIST=embeds-q3
 fi
 
 if [ "$LIST" = qwen3 ]; then
@@ -195,7 +194,6 @@ if [ "$LIST" = diagnose ]; then
   Q3=/root/qwen3-vl-8b
   [ -e $Q3/config.json ] || python3 benchmarks/gpu/mk_model.py $Q3 qwen3-vl-8b > "$RES/mk_q3.log" 2>&1
   Q3PIPE="--model $Q3 --budgets 256,1280 --seconds 40 --stop-after 2 --profile --arms pipeline-embeds"
-  job i1_embeds_ipc 330 450 $BENCH $Q3PIPE --embeds-transport cuda_ipc --out "$RES/i1_embeds_ipc"
   job i2_embeds_host 330 450 $BENCH $Q3PIPE --out "$RES/i2_embeds_host"
   job d3_embeds_host_torchqkv 330 450 env VLMSTREAM_INFER__VISION_QKV_KERNEL=torch $BENCH $Q3PIPE \
     --out "$RES/d3_embeds_host_torchqkv"
@@ -203,17 +201,16 @@ fi
 
 if [ "$LIST" = large ]; then
   # 12.8 MP (the model's default budget: the kit's images at their own size), Qwen2.5-VL-7B, 64 tokens, embeds:
-  # `vllm serve` and the pipeline alternated. At this size one image's image_embeds are about 117 MB, so X3 hands
-  # them to vLLM's engine through CUDA IPC instead of host copies; X4 runs under MPS for 5 minutes (sustained).
+  # `vllm serve` and the pipeline alternated; X4 and X5 run 5 minutes each (sustained), X4 under MPS so that the
+  # tower and vLLM's engine share the GPU instead of time-slicing it.
   [ -e /root/model/config.json ] || python3 benchmarks/gpu/mk_model.py /root/model > "$RES/mk_model.log" 2>&1
   LARGE="$BENCH --model /root/model --budgets default"
   LPIPE="--stop-after 1.5 --arms pipeline-embeds --profile"
   job x1_serve 200 330 $LARGE --seconds 60 --arms serve --serve-k 8 --out "$RES/x1_serve"
   job x2_pipeline 220 330 $LARGE --seconds 60 $LPIPE --out "$RES/x2_pipeline"
-  job x3_pipeline_ipc 220 330 $LARGE --seconds 60 $LPIPE --embeds-transport cuda_ipc --out "$RES/x3_pipeline_ipc"
   job x4_pipeline_mps_5min 480 620 $LARGE --seconds 300 --stop-after 1.2 --arms pipeline-embeds --profile --mps \
     --out "$RES/x4_pipeline_mps_5min"
-  job x5_serve 200 330 $LARGE --seconds 60 --arms serve --serve-k 8 --out "$RES/x5_serve"
+  job x5_serve_5min 450 600 $LARGE --seconds 300 --arms serve --serve-k 8 --out "$RES/x5_serve_5min"
 fi
 
 if [ "$LIST" = moe ]; then
@@ -243,11 +240,10 @@ if [ "$LIST" = qwen3-long ]; then
     --variants transformers+vllm_fa3,fast+vllm_fa3 --seconds 3 --profile-budget 256 --out "$RES/l3_tower_profile.json"
 fi
 
-if [ "$LIST" = ipc ]; then
+if [ "$LIST" = embeds-q3 ]; then
   Q3=/root/qwen3-vl-8b
   [ -e $Q3/config.json ] || python3 benchmarks/gpu/mk_model.py $Q3 qwen3-vl-8b > "$RES/mk_q3.log" 2>&1
   Q3PIPE="--model $Q3 --budgets 256,1280 --seconds 40 --stop-after 2 --profile"
-  job i1_embeds_ipc 330 450 $BENCH $Q3PIPE --arms pipeline-embeds --embeds-transport cuda_ipc --out "$RES/i1_embeds_ipc"
   job i2_embeds_host 330 450 $BENCH $Q3PIPE --arms pipeline-embeds --out "$RES/i2_embeds_host"
   job i3_pixels 300 420 $BENCH $Q3PIPE --arms pipeline-pixels --out "$RES/i3_pixels"
 fi

@@ -29,7 +29,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import os
 import time
 from pathlib import Path
 
@@ -69,25 +68,6 @@ def image_embeds_problem(tokens, grid_thw: tuple[int, int, int], family: ModelFa
         return (f"vision tower output {tuple(tokens.shape)} is not the ({rows}, {width}) image_embeds the model takes "
                 f"for grid {tuple(grid_thw)}")
     return None
-
-
-def transport_args(settings: InferSettings, mode: str) -> dict:
-    """vLLM engine arguments for ``infer.embeds_transport``: CUDA IPC needs vLLM's torch_shm tensor channel, which
-    vLLM refuses unless its engine process is spawned (as ``engine_process_threads`` does when
-    ``infer.engine_cpu_threads`` is above 0)."""
-    if mode != "embeds" or settings.embeds_transport != "cuda_ipc":
-        return {}
-    if settings.engine_cpu_threads <= 0 and os.environ.get("VLLM_WORKER_MULTIPROC_METHOD") != "spawn":
-        raise ValueError("infer.embeds_transport=cuda_ipc needs vLLM's engine process spawned: set "
-                         "infer.engine_cpu_threads above 0 (or export VLLM_WORKER_MULTIPROC_METHOD=spawn)")
-    return {"mm_tensor_ipc": "torch_shm"}
-
-
-def embeds_for_engine(tokens: list, transport: str) -> list:
-    """Each image's ``image_embeds`` as vLLM's front end gets them. host: CPU tensors, one copy off the GPU for the
-    batch and a storage of its own per image. cuda_ipc: the tensors as the tower left them, on the GPU (views of the
-    batch: vLLM shares the batch's block with its engine process once, and no byte is copied)."""
-    return to_host_each(tokens) if transport == "host" else list(tokens)
 
 
 class VllmEngine(QueuedEngine):
@@ -132,9 +112,6 @@ class VllmEngine(QueuedEngine):
         self._init_queues()
         self._tasks: set[asyncio.Future] = set()
 
-        transport = transport_args(settings, self.mode)  # a setting that cannot work fails before anything starts
-        self.embeds_transport = settings.embeds_transport if self.mode == "embeds" else "host"
-
         # 1. vLLM first: it sizes its KV cache from the free memory it sees, so our tower loads afterwards
         #    into the (1 - gpu_memory_utilization) share it leaves.
         self._engine_loop = EngineLoop("vllm-loop")
@@ -160,7 +137,6 @@ class VllmEngine(QueuedEngine):
         # on blanks between tokens (seen on the H200 with dummy weights). vLLM 0.26 reads this switch from the
         # engine's config, not from the request's StructuredOutputsParams. It only affects guided requests.
         args["structured_outputs_config"] = StructuredOutputsConfig(backend="guidance", disable_any_whitespace=True)
-        args.update(transport)
         args.update(engine_kwargs or {})
         started = time.perf_counter()
         try:
@@ -195,9 +171,8 @@ class VllmEngine(QueuedEngine):
         self.batch_size = scheduler.max_num_seqs  # what the runner sizes its in-flight window by
         self.step_tokens = scheduler.max_num_batched_tokens
         # gpu_bench reads this line (arm_pipeline.engine_scheduler_limits)
-        log.info("vLLM %s up in %.1fs (mode=%s, embeds_only=%s, embeds_transport=%s, scheduler limits %s)",
-                 self._v.version, self.start_s, self.mode, embeds_only, self.embeds_transport,
-                 {"max_num_seqs": self.batch_size, "max_num_batched_tokens": self.step_tokens})
+        log.info("vLLM %s up in %.1fs (mode=%s, embeds_only=%s, scheduler limits %s)", self._v.version, self.start_s,
+                 self.mode, embeds_only, {"max_num_seqs": self.batch_size, "max_num_batched_tokens": self.step_tokens})
 
         # 2. Our vision tower: always in embeds mode; in pixels mode only when embeddings are published.
         self.encoder: VisionEncoder | None = None
@@ -316,9 +291,7 @@ class VllmEngine(QueuedEngine):
             wanted = [i for i, (r, _) in enumerate(items) if r.want_embedding]
             pooled = dict(zip(wanted, mean_pool_each([tokens[i] for i in wanted], self.encoder.embedding_width)))
             embeddings = [pooled.get(i) for i in range(len(items))]
-            image_embeds = (embeds_for_engine(tokens, self.embeds_transport) if self.mode == "embeds"
-                          else [None] * len(tokens))
-            # Also before a CUDA IPC hand-over: the engine process reads the tensors on streams of its own.
+            image_embeds = to_host_each(tokens) if self.mode == "embeds" else [None] * len(tokens)
             self._stream.synchronize()
         encode_ms = (time.perf_counter() - started) * 1e3
         timings = {"encode_ms": encode_ms, "encode_batch_images": float(len(items))}
