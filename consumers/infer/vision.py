@@ -59,6 +59,19 @@ def _normalizer(device: torch.device, family: ModelFamily) -> PixelNormalizer:
     return _normalizers[key]
 
 
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A CPU tensor on ``device`` without making this thread wait for the GPU. From pageable memory a copy to the
+    GPU is synchronous: it waits until the stream has finished everything queued before it, so each image or index
+    tensor sent before a forward left the GPU idle while this thread prepared the next batch. Staged in page-locked
+    memory first (torch's caching host allocator keeps the block until the copy is done), the copy is queued and
+    this thread goes on."""
+    if device.type != "cuda" or tensor.device.type != "cpu":
+        return tensor.to(device)
+    if not tensor.is_pinned():
+        tensor = tensor.pin_memory()
+    return tensor.to(device, non_blocking=True)
+
+
 def grid_for(height: int, width: int, family: ModelFamily = QWEN2_VL) -> tuple[int, int, int]:
     factor = family.factor
     if height % factor or width % factor:
@@ -87,7 +100,7 @@ def patchify(image: np.ndarray | torch.Tensor, device: torch.device | str = "cpu
     height, width = int(pixels.shape[0]), int(pixels.shape[1])
     _, grid_h, grid_w = grid_for(height, width, family)
     # Move uint8, not float: 4x fewer bytes over PCIe, and the layout shuffle below copies bytes, not floats.
-    pixels = pixels.to(device, non_blocking=True)
+    pixels = to_device(pixels, device)
     p, m, frames = family.patch_size, family.merge_size, family.temporal_patch_size
     blocks = (pixels.view(grid_h // m, m, p, grid_w // m, m, p, 3)
               .permute(0, 3, 1, 4, 6, 2, 5)  # (gh/m, gw/m, m, m, channel, p, p)
@@ -662,7 +675,7 @@ class VisionEncoder:
         """Already patchified input (as the processor or ``patchify_batch`` returns it) -> per-image ``image_embeds``
         (merged tokens, then any DeepStack levels' merged tokens, on the feature axis)."""
         grid_cpu = grid_thw.cpu()  # free when it is there already, as patchify_batch leaves it
-        out = self.visual(pixel_values.to(self.device, self.dtype), grid_thw=grid_cpu.to(self.device),
+        out = self.visual(pixel_values.to(self.device, self.dtype), grid_thw=to_device(grid_cpu, self.device),
                           **self._index_inputs(grid_cpu))
         merged = out.pooler_output if hasattr(out, "pooler_output") else out
         deepstack = list(getattr(out, "deepstack_features", None) or ())
@@ -713,7 +726,7 @@ class VisionEncoder:
                 **self._sequence_inputs(grid_cpu)}
 
     def _there(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor.to(self.device, non_blocking=True)
+        return to_device(tensor, self.device)
 
     def encode(self, images: Sequence[np.ndarray]) -> list[EncodedImage]:
         results: list[EncodedImage] = []
