@@ -3,7 +3,7 @@ synthetic tokenizer with the real special-token ids 151643-151656, no weights) f
 (random weights, same compute): ``consumers/infer/model7b.py``, whose numbers come from the model families
 (vlmstream/models/).
 
-Usage: python3 mk_model.py OUTDIR [qwen2.5-vl-7b | qwen3-vl-8b | qwen3-vl-30b-a3b | gemma3-4b]   (default qwen2.5-vl-7b)
+Usage: python3 mk_model.py OUTDIR [qwen2.5-vl-7b | qwen3-vl-8b | qwen3-vl-30b-a3b | qwen3.5-397b-a17b | gemma3-4b]   (default qwen2.5-vl-7b)
 """
 
 import sys

@@ -43,7 +43,8 @@
 #              (sustained; about 24 minutes)
 #   moe        Qwen3-VL-30B-A3B's config (the MoE member of the family, dummy weights): M0 our tower (fast blocks)
 #              against transformers' full model (bf16, DeepStack included); M1 at 0.2 MP and 1 MP / 64: naive vLLM,
-#              vLLM given image_embeds (its language model alone), the pipeline in both modes (about 15 minutes)
+#              vLLM given image_embeds (its language model alone), the pipeline in both modes; M2 the Qwen3.5 tower
+#              (Qwen3.5-397B-A17B's config) against transformers' full model (about 18 minutes)
 #   generic    G2 the generic path (Gemma 3 4B config) at 1 MP / 64: naive vLLM against the pipeline (pixels), with
 #              every arm's CPU cores and CPU ms per image (the front-end cores the issue compares)
 #   honesty    H1 `estimate_honesty.py --cases g` with the Qwen2.5-VL-7B config at 0.2 MP / 64: an estimate from a 5%
@@ -218,6 +219,8 @@ if [ "$LIST" = moe ]; then
   [ -e $QM/config.json ] || python3 benchmarks/gpu/mk_model.py $QM qwen3-vl-30b-a3b > "$RES/mk_qm.log" 2>&1
   job m0_check_tower_moe 150 240 python3 benchmarks/gpu/check_tower.py --model qwen3-vl-30b-a3b --images /root/imgs \
     --n 8 --max-pixels 1003520 --out "$RES/m0_check_tower_moe.json"
+  job m2_check_tower_qwen35 150 240 python3 benchmarks/gpu/check_tower.py --model qwen3.5-397b-a17b \
+    --images /root/imgs --n 8 --max-pixels 1003520 --out "$RES/m2_check_tower_qwen35.json"
   job m1_moe 720 900 $BENCH --model $QM --budgets 256,1280 --seconds 25 --stop-after 1.5 --profile \
     --arms naive,ceiling-embeds,pipeline-embeds,pipeline-pixels --out "$RES/m1_moe"
 fi

@@ -1,5 +1,6 @@
-"""Qwen2.5-VL-7B-Instruct, Qwen3-VL-8B-Instruct and Gemma 3 4B (the generic path) folders without weights, for GPU
-measurements with vLLM ``load_format="dummy"``.
+"""Qwen2.5-VL-7B-Instruct, Qwen3-VL-8B-Instruct, Qwen3-VL-30B-A3B-Instruct, Qwen3.5-397B-A17B and Gemma 3 4B (the
+generic path) folders without weights, for GPU measurements with vLLM ``load_format="dummy"`` and for the tower
+checks against transformers.
 
 The configs hold the released models' real values, so vLLM allocates, compiles and computes exactly as for
 the real checkpoints; the tokenizer is the tiny model's synthetic one (real special-token ids). Random
@@ -10,10 +11,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from consumers.infer.tiny_model import (QWEN3_CHAT_TEMPLATE, _dump, gemma3_token_ids, model_config_dict,
+from consumers.infer.tiny_model import (QWEN3_5_CHAT_TEMPLATE, QWEN3_5_FIRST_SPECIAL_ID, QWEN3_CHAT_TEMPLATE, _dump, gemma3_token_ids, model_config_dict,
                                         write_gemma3_tokenizer_and_processor, write_processor_files,
                                         write_size_processor_files, write_tokenizer_files)
 from vlmstream.models.qwen2_vl import QWEN2_VL
+from vlmstream.models.qwen3_5 import QWEN3_5
 from vlmstream.models.qwen3_vl import QWEN3_VL
 
 TEXT_CONFIG_7B = {
@@ -111,6 +113,49 @@ def write_qwen3vl_30b_a3b_config(path: str | Path) -> Path:
     return _write_qwen3vl_folder(path, CONFIG_QWEN3_VL_30B_A3B)
 
 
+# Qwen/Qwen3.5-397B-A17B's config.json: a 60-layer hybrid language model (three Gated DeltaNet layers to each gated
+# full-attention one; 512 experts of width 1,024, 10 per token, and a shared expert; width 4,096) and the Qwen3.5
+# tower: Qwen3-VL's 27 blocks of width 1,152 without DeepStack, merged to 4,096. Every Qwen3.5 release shares that
+# tower and differs only in its merger's output width (the language model's), so this is the family's vision part
+# at a released width. The language model is far beyond one GPU: it serves the tower check (check_tower.py cuts the
+# text stack to one layer, which the image features never pass through), not vLLM.
+CONFIG_QWEN3_5_397B_A17B = {
+    "architectures": ["Qwen3_5MoeForConditionalGeneration"], "model_type": "qwen3_5_moe",
+    "image_token_id": 248056, "video_token_id": 248057, "vision_start_token_id": 248053,
+    "vision_end_token_id": 248054, "tie_word_embeddings": False, "transformers_version": "4.57.0.dev0",
+    "text_config": {
+        "model_type": "qwen3_5_moe_text", "attention_bias": False, "attention_dropout": 0.0, "attn_output_gate": True,
+        "dtype": "bfloat16", "eos_token_id": 248044, "full_attention_interval": 4, "head_dim": 256,
+        "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02,
+        "layer_types": ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(60)],
+        "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_num_key_heads": 16,
+        "linear_num_value_heads": 64, "linear_value_head_dim": 128, "max_position_embeddings": 262144,
+        "mlp_only_layers": [], "moe_intermediate_size": 1024, "mtp_num_hidden_layers": 1,
+        "mtp_use_dedicated_embeddings": False, "num_attention_heads": 32, "num_experts": 512,
+        "num_experts_per_tok": 10, "num_hidden_layers": 60, "num_key_value_heads": 2, "rms_norm_eps": 1e-6,
+        "router_aux_loss_coef": 0.001, "shared_expert_intermediate_size": 1024, "use_cache": True,
+        "vocab_size": 248320,
+    },
+    "vision_config": {
+        "model_type": "qwen3_5_moe", "depth": 27, "hidden_act": "gelu_pytorch_tanh", "hidden_size": 1152,
+        "in_channels": 3, "intermediate_size": 4304, "num_heads": 16, "num_position_embeddings": 2304,
+        "out_hidden_size": 4096, "patch_size": QWEN3_5.patch_size, "spatial_merge_size": QWEN3_5.merge_size,
+        "temporal_patch_size": QWEN3_5.temporal_patch_size,
+    },
+}
+
+
+def write_qwen35_397b_a17b_config(path: str | Path) -> Path:
+    """Qwen3.5-397B-A17B's config (the Qwen3.5 tower at a released width) and Qwen3.5's processor settings, no
+    weights; for the tower check only (see above)."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    _dump(path / "config.json", CONFIG_QWEN3_5_397B_A17B)
+    write_tokenizer_files(path, QWEN3_5_FIRST_SPECIAL_ID, chat_template=QWEN3_5_CHAT_TEMPLATE)
+    write_size_processor_files(path, QWEN3_5, "Qwen3VLProcessor", QWEN3_5_FIRST_SPECIAL_ID)
+    return path
+
+
 # google/gemma-3-4b-it's config.json: a 34-layer Gemma 3 language model (5 sliding-window layers of 1,024 tokens to
 # each global one, GQA 8/4, head_dim 256, vocabulary 262,208) and SigLIP-so400m at 896 px (27 blocks, width 1,152),
 # pooled to 256 image tokens. No family module describes it: it runs the generic path.
@@ -145,4 +190,5 @@ def write_gemma3_4b_config(path: str | Path) -> Path:
 
 
 GPU_MODELS = {"qwen2.5-vl-7b": write_qwen25vl_7b_config, "qwen3-vl-8b": write_qwen3vl_8b_config,
-              "qwen3-vl-30b-a3b": write_qwen3vl_30b_a3b_config, "gemma3-4b": write_gemma3_4b_config}
+              "qwen3-vl-30b-a3b": write_qwen3vl_30b_a3b_config, "qwen3.5-397b-a17b": write_qwen35_397b_a17b_config,
+              "gemma3-4b": write_gemma3_4b_config}
