@@ -4,8 +4,10 @@ batching without a barrier, schema violations as values, and vLLM's absence repo
 
 from __future__ import annotations
 
+import importlib
 import json
 import time
+import types
 from pathlib import Path
 
 import numpy as np
@@ -452,3 +454,95 @@ def test_the_towers_qkv_kernel_is_a_setting(monkeypatch):
     assert Settings().infer.vision_qkv_kernel == "torch"
     with pytest.raises(Exception, match="vision_qkv_kernel"):
         InferSettings(vision_qkv_kernel="cuda")
+
+
+class QwenModelLikeVllms:
+    """The part of vLLM's Qwen model classes that engine_tower.install replaces and reads: ``_process_image_input``
+    (vLLM's own tower: here a marker), ``visual`` (its tower, for device and dtype), ``model_config.model`` (the
+    checkpoint) and ``use_data_parallel``."""
+
+    def __init__(self, checkpoint, data_parallel: bool = False):
+        self.visual = torch.nn.Linear(2, 2)
+        self.model_config = types.SimpleNamespace(model=str(checkpoint))
+        self.use_data_parallel = data_parallel
+
+    def _process_image_input(self, image_input):
+        return ("vllm's own tower", image_input["type"])
+
+
+def test_the_engine_tower_takes_pixel_inputs_and_leaves_the_rest_to_vllm(images, model_dir, monkeypatch):
+    """infer.engine_tower: in vLLM's engine process, a Qwen model class's pixel inputs (the processor's
+    pixel_values and grids) go through our encoder, built once from the checkpoint with the settings found in the
+    environment, and give per image what transformers' tower gives; image_embeds inputs and a data-parallel tower keep
+    vLLM's own path. Installing twice wraps once."""
+    from transformers import AutoImageProcessor
+
+    from consumers.infer import engine_tower
+    from consumers.infer.vision import load_vision_tower
+
+    original = QwenModelLikeVllms._process_image_input
+    monkeypatch.setattr(QwenModelLikeVllms, "_process_image_input", original)  # undone after the test
+    assert engine_tower.install([(__name__, "QwenModelLikeVllms"), ("vllm_is_not_here", "Nothing")]) == [
+        "QwenModelLikeVllms"]
+    wrapped = QwenModelLikeVllms._process_image_input
+    assert wrapped is not original and engine_tower.install([(__name__, "QwenModelLikeVllms")])
+    assert QwenModelLikeVllms._process_image_input is wrapped
+
+    processor = AutoImageProcessor.from_pretrained(model_dir)
+    inputs = processor(images=images[:3], do_resize=False, return_tensors="pt")
+    pixel_input = {"type": "pixel_values", "pixel_values": inputs["pixel_values"],
+                   "image_grid_thw": inputs["image_grid_thw"]}
+    tower, _ = load_vision_tower(model_dir, "cpu", torch.float32)
+    with torch.inference_mode():
+        expected = tower(inputs["pixel_values"], grid_thw=inputs["image_grid_thw"]).pooler_output.split(
+            (inputs["image_grid_thw"].prod(-1) // 4).tolist())
+
+    monkeypatch.setenv("VLMSTREAM_INFER__VISION_QKV_KERNEL", "torch")
+    model = QwenModelLikeVllms(model_dir)
+    got = model._process_image_input(pixel_input)
+    assert isinstance(got, tuple) and len(got) == 3
+    for g, e in zip(got, expected, strict=True):
+        torch.testing.assert_close(g, e, atol=1e-4, rtol=1e-4)
+    encoder = engine_tower._encoders[id(model)]
+    assert encoder.fast is not None and not encoder.compiled  # CPU: fast blocks, not compiled
+    model._process_image_input(pixel_input)
+    assert engine_tower._encoders[id(model)] is encoder  # built once
+    report = engine_tower.EngineTowerExtension().vlmstream_tower_report()
+    assert {"fast_blocks": encoder.fast.replaced, "compiled": False, "attention": "sdpa",
+            "image_embeds_width": encoder.image_embeds_width} in report["encoders"]
+
+    embeds_input = {"type": "image_embeds", "image_embeds": torch.zeros(4, 8), "image_grid_thw": torch.ones(1, 3)}
+    assert model._process_image_input(embeds_input) == ("vllm's own tower", "image_embeds")
+    sharded = QwenModelLikeVllms(model_dir, data_parallel=True)
+    assert sharded._process_image_input(pixel_input) == ("vllm's own tower", "pixel_values")
+    assert id(sharded) not in engine_tower._encoders
+    engine_tower._encoders.pop(id(model))
+
+
+def test_the_engine_tower_setting_is_refused_where_it_cannot_run_and_reaches_the_engine_process():
+    """engine_tower_args: off, nothing; in embeds mode or for a generic-path model, refused by the setting's name;
+    on, vLLM's worker extension and the tower's settings for the engine process's environment, which
+    engine_process_env puts there while the engine starts and takes back afterwards."""
+    import os
+
+    from consumers.infer.vllm_engine import ENGINE_TOWER_EXTENSION, engine_tower_args
+    from vlmstream.config import Settings
+    from vlmstream.models.generic import GENERIC
+    from vlmstream.models.qwen2_vl import QWEN2_VL
+    from vlmstream.vllm_process import engine_process_env
+
+    assert engine_tower_args(InferSettings(), "pixels", QWEN2_VL) == ({}, {})
+    on = InferSettings(engine_tower=True, vision_qkv_kernel="torch", vision_compile=False)
+    with pytest.raises(ValueError, match="infer.mode=pixels"):
+        engine_tower_args(on, "embeds", QWEN2_VL)
+    with pytest.raises(ValueError, match="infer.engine_tower=false"):
+        engine_tower_args(on, "pixels", GENERIC)
+    args, env = engine_tower_args(on, "pixels", QWEN2_VL)
+    assert args == {"worker_extension_cls": ENGINE_TOWER_EXTENSION}
+    module, _, name = ENGINE_TOWER_EXTENSION.rpartition(".")
+    assert hasattr(importlib.import_module(module), name)
+    assert "VLMSTREAM_INFER__VISION_COMPILE" not in os.environ
+    with engine_process_env(env):
+        seen = Settings().infer
+        assert (seen.vision_qkv_kernel, seen.vision_compile, seen.vision_fp8) == ("torch", False, False)
+    assert "VLMSTREAM_INFER__VISION_COMPILE" not in os.environ

@@ -276,6 +276,11 @@ class InferSettings(BaseModel):
         "scaled per output channel, activations per token), on GPUs with FP8 (compute capability 8.9+). Opt-in: "
         "on an H200 the tower ran slower with it than in bf16, and what it costs in accuracy with a released "
         "checkpoint's weights is not measured here (dummy weights only: benchmarks/RESULTS.md).")
+    engine_tower: bool = Field(
+        False, description="vLLM engine, pixels mode, Qwen families: our vision tower (the settings above) runs inside "
+        "vLLM's engine process in place of vLLM's own (consumers/infer/engine_tower.py): one CUDA context instead of "
+        "the two that embeds mode time-slices, and no image_embeds crossing processes. The engine holds the tower's "
+        "weights twice. Not yet measured on a GPU.")
     enable_prefix_caching: bool = Field(
         True, description="vLLM prefix caching. Every image is new, so only the shared prompt text is ever reused; "
         "benchmarks turn it off to match offline arms that must (they reuse images).")

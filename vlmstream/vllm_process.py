@@ -33,6 +33,22 @@ def engine_process_threads(threads: int):
             os.environ.pop(name, None)
 
 
+@contextlib.contextmanager
+def engine_process_env(values: dict[str, str]):
+    """Start vLLM's engine process (inside this block) with ``values`` in its environment, this process's own
+    environment as it was afterwards: code of ours that vLLM runs in its engine process reads its settings there."""
+    before = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 INSTALL_HINT = "pip install 'vlmstream[gpu]'"
 
 

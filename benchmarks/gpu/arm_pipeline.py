@@ -394,7 +394,8 @@ def run_pipeline(args: argparse.Namespace, mode: str, bootstrap: str, out: Path,
                          "max_num_batched_tokens": env.get("VLMSTREAM_INFER__MAX_NUM_BATCHED_TOKENS", "vLLM default"),
                          "max_images_in_flight": env.get("VLMSTREAM_INFER__MAX_IMAGES_IN_FLIGHT", "default"),
                          "vision_batch_images": env.get("VLMSTREAM_INFER__VISION_BATCH_IMAGES", "default"),
-                         "engine_cpu_threads": env.get("VLMSTREAM_INFER__ENGINE_CPU_THREADS", "default")}
+                         "engine_cpu_threads": env.get("VLMSTREAM_INFER__ENGINE_CPU_THREADS", "default"),
+                         "engine_tower": env.get("VLMSTREAM_INFER__ENGINE_TOWER", "false")}
 
             # Warm-up: engines started (phase 0), this budget's shapes seen, the new decode fleet in its group and
             # every stage has handled records before the clock starts.

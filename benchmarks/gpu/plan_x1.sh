@@ -41,6 +41,9 @@
 #   large      Qwen2.5-VL-7B at 12.8 MP / 64, embeds, against `vllm serve` (8 API servers), alternated: X1 serve and
 #              X2 the pipeline for 60 s each, X4 the pipeline under CUDA MPS and X5 serve for 5 minutes each
 #              (sustained; about 24 minutes)
+#   engine-tower  infer.engine_tower (our tower in vLLM's engine process, pixels mode), Qwen2.5-VL-7B / 64: E1 at
+#              12.8 MP `vllm serve` (8 API servers, 60 s), then the pipeline in pixels mode with the engine tower for
+#              5 minutes (sustained); E2 at 1 MP the same two for 40 s each, pipeline first (about 20 minutes)
 #   moe        Qwen3-VL-30B-A3B's config (the MoE member of the family, dummy weights): M0 our tower (fast blocks)
 #              against transformers' full model (bf16, DeepStack included); M1 at 0.2 MP and 1 MP / 64: naive vLLM,
 #              vLLM given image_embeds (its language model alone), the pipeline in both modes; M2 the Qwen3.5 tower
@@ -212,6 +215,21 @@ if [ "$LIST" = large ]; then
   job x4_pipeline_mps_5min 480 620 $LARGE --seconds 300 --stop-after 1.2 --arms pipeline-embeds --profile --mps \
     --out "$RES/x4_pipeline_mps_5min"
   job x5_serve_5min 450 600 $LARGE --seconds 300 --arms serve --serve-k 8 --out "$RES/x5_serve_5min"
+fi
+
+if [ "$LIST" = engine-tower ]; then
+  # The engine's log line "vLLM's engine process runs vlmstream's vision tower: {...}" (in each pipeline job's
+  # pipeline-pixels.log) says whether the tower was taken, its fast blocks and whether it compiled.
+  [ -e /root/model/config.json ] || python3 benchmarks/gpu/mk_model.py /root/model > "$RES/mk_model.log" 2>&1
+  ET="env VLMSTREAM_INFER__ENGINE_TOWER=true"
+  job e1_serve 200 330 $BENCH --model /root/model --budgets default --seconds 60 --arms serve --serve-k 8 \
+    --out "$RES/e1_serve"
+  job e1_engine_tower_5min 480 620 $ET $BENCH --model /root/model --budgets default --seconds 300 --stop-after 1.2 \
+    --arms pipeline-pixels --profile --out "$RES/e1_engine_tower_5min"
+  job e2_engine_tower_1mp 200 330 $ET $BENCH --model /root/model --budgets 1280 --seconds 40 --stop-after 1.5 \
+    --arms pipeline-pixels --profile --out "$RES/e2_engine_tower_1mp"
+  job e2_serve_1mp 200 330 $BENCH --model /root/model --budgets 1280 --seconds 40 --arms serve --serve-k 8 \
+    --out "$RES/e2_serve_1mp"
 fi
 
 if [ "$LIST" = moe ]; then

@@ -42,7 +42,8 @@ from consumers.infer.vision import (VisionEncoder, groups_by_patches, load_visio
 from vlmstream.config import InferSettings
 from vlmstream.models.family import ModelFamily
 from vlmstream.models.registry import family_of
-from vlmstream.vllm_process import EngineLoop, EngineUnavailable, engine_process_threads, import_vllm
+from vlmstream.vllm_process import (EngineLoop, EngineUnavailable, engine_process_env, engine_process_threads,
+                                    import_vllm)
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +69,27 @@ def image_embeds_problem(tokens, grid_thw: tuple[int, int, int], family: ModelFa
         return (f"vision tower output {tuple(tokens.shape)} is not the ({rows}, {width}) image_embeds the model takes "
                 f"for grid {tuple(grid_thw)}")
     return None
+
+
+# vLLM imports this class's module in its worker before it builds the model (engine_tower.py says why).
+ENGINE_TOWER_EXTENSION = "consumers.infer.engine_tower.EngineTowerExtension"
+
+
+def engine_tower_args(settings: InferSettings, mode: str, family: ModelFamily) -> tuple[dict, dict[str, str]]:
+    """vLLM engine arguments and the engine process's environment for ``infer.engine_tower`` (both empty when it is
+    off). The engine process reads the tower's settings from its environment (engine_tower.encoder_for)."""
+    if not settings.engine_tower:
+        return {}, {}
+    if mode != "pixels":
+        raise ValueError("infer.engine_tower runs our tower on the pixels vLLM's processor makes: set infer.mode=pixels "
+                         "(embeds mode runs it in this process), or infer.engine_tower=false")
+    if not family.exact_size:
+        raise ValueError(f"infer.engine_tower needs a model of a Qwen family; this one ({family.name}) runs the "
+                         "generic path, where vLLM's own tower is the only one: set infer.engine_tower=false")
+    env = {"VLMSTREAM_INFER__VISION_COMPILE": str(settings.vision_compile).lower(),
+           "VLMSTREAM_INFER__VISION_QKV_KERNEL": settings.vision_qkv_kernel,
+           "VLMSTREAM_INFER__VISION_FP8": str(settings.vision_fp8).lower()}
+    return {"worker_extension_cls": ENGINE_TOWER_EXTENSION}, env
 
 
 class VllmEngine(QueuedEngine):
@@ -137,11 +159,13 @@ class VllmEngine(QueuedEngine):
         # on blanks between tokens (seen on the H200 with dummy weights). vLLM 0.26 reads this switch from the
         # engine's config, not from the request's StructuredOutputsParams. It only affects guided requests.
         args["structured_outputs_config"] = StructuredOutputsConfig(backend="guidance", disable_any_whitespace=True)
+        tower_args, tower_env = engine_tower_args(settings, self.mode, self.family)  # refused before vLLM starts
+        args.update(tower_args)
         args.update(engine_kwargs or {})
         started = time.perf_counter()
         try:
             try:
-                with engine_process_threads(settings.engine_cpu_threads):
+                with engine_process_threads(settings.engine_cpu_threads), engine_process_env(tower_env):
                     self.llm = self._engine_loop.start_llm(self._v, self._v.AsyncEngineArgs(**args))
             except Exception as exc:
                 if not embeds_only:
@@ -167,6 +191,8 @@ class VllmEngine(QueuedEngine):
             self._engine_loop.stop()
             raise
         self.start_s = time.perf_counter() - started
+        if tower_args:
+            self._report_engine_tower()
         scheduler = self.llm.vllm_config.scheduler_config
         self.batch_size = scheduler.max_num_seqs  # what the runner sizes its in-flight window by
         self.step_tokens = scheduler.max_num_batched_tokens
@@ -207,6 +233,24 @@ class VllmEngine(QueuedEngine):
         self._start_worker(self._encode_loop, "vllm-encoder")
 
     # ----------------------------------------------------------------------------- Engine protocol
+
+    def _report_engine_tower(self) -> None:
+        """Log what vLLM's worker says it runs (engine_tower.EngineTowerExtension); refuse an engine that kept vLLM's
+        own tower for every model class, naming the setting."""
+        try:
+            report = self._engine_loop.call(self.llm.collective_rpc("vlmstream_tower_report"), 120)[0]
+        except Exception as exc:  # noqa: BLE001 - whatever went wrong, the engine did not take our tower
+            report = {"installed": [], "error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+        log.info("vLLM's engine process runs vlmstream's vision tower: %s", report)
+        if not report.get("installed"):
+            self._engine_loop.shutdown_llm(self.llm)
+            self._engine_loop.stop()
+            self._engine_loop.reap_children()
+            raise RuntimeError(f"infer.engine_tower: vLLM {self._v.version}'s engine did not take our vision tower "
+                               f"({report}); set infer.engine_tower=false")
+        if not report.get("encoders"):
+            log.warning("vLLM ran no image at start, so the tower in its engine process is built (and compiled) on "
+                        "the first batch")
 
     def close(self) -> None:
         """Stop feeding, shut vLLM's EngineCore down, and make sure no child process outlives us."""

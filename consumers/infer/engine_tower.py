@@ -1,0 +1,108 @@
+"""Our vision tower inside vLLM's engine process (``infer.engine_tower``, pixels mode).
+
+In embeds mode our tower runs in the inference consumer's process: a second CUDA context beside vLLM's, which the
+GPU time-slices against it, and each image's image_embeds cross to vLLM's engine process through host memory (117
+MB for a 12.8 MP Qwen2.5-VL image). On an H200 the tower then took 278 ms per 12.8 MP image inside the pipeline
+against 80-106 ms alone, 178 ms under CUDA MPS (benchmarks/RESULTS.md [o]). In pixels mode vLLM runs its own tower
+module in its engine process. This module puts ours there instead: vLLM imports it in its worker as a worker
+extension (``worker_extension_cls``), before it builds the model, and the import routes each Qwen model class's pixel
+inputs through ``VisionEncoder``. One CUDA context, nothing but the pixels crosses processes, and vLLM's processor
+still normalises and patchifies on the front end as in plain pixels mode.
+
+The encoder is built from the checkpoint's own vision weights (``load_vision_tower``) on the first image batch,
+which vLLM's memory profiling runs at start, so the engine's memory budget includes it; the engine then holds the
+tower twice (vLLM's module, unused, and ours). Its settings are the inference settings as the engine process reads
+them from the environment: ``VllmEngine`` exports the tower's ones there before it starts vLLM.
+
+Nothing here imports vLLM unless vLLM is installed, and nothing in the consumer's own process imports this module.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+import logging
+
+from consumers.infer.vision import VisionEncoder, load_vision_tower
+
+log = logging.getLogger(__name__)
+
+# vLLM's Qwen model classes whose ``_process_image_input(self, image_input)`` runs the tower on pixel inputs. Qwen3-VL
+# MoE and Qwen3.5 (dense and MoE) subclass Qwen3VLForConditionalGeneration and inherit the replaced method.
+MODEL_CLASSES = (
+    ("vllm.model_executor.models.qwen2_vl", "Qwen2VLForConditionalGeneration"),
+    ("vllm.model_executor.models.qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration"),
+    ("vllm.model_executor.models.qwen3_vl", "Qwen3VLForConditionalGeneration"),
+)
+
+# By id of the vLLM model object: one engine process builds one model, but nothing here relies on it.
+_encoders: dict[int, VisionEncoder] = {}
+
+
+def encoder_for(model) -> VisionEncoder:
+    """Our encoder for a vLLM Qwen model: its checkpoint's vision weights, on the device and in the dtype of vLLM's
+    own tower, with the inference settings found in the environment."""
+    from vlmstream.config import Settings
+
+    settings = Settings().infer
+    weights = next(model.visual.parameters())
+    tower, real_weights = load_vision_tower(model.model_config.model, weights.device, weights.dtype)
+    encoder = VisionEncoder(tower, weights.device, weights.dtype, compile_blocks=settings.vision_compile,
+                            qkv_kernel=settings.vision_qkv_kernel, fp8=settings.vision_fp8)
+    log.warning("vlmstream's vision tower runs in vLLM's engine process for %s: %d fast blocks, compiled=%s, "
+                "attention %s, checkpoint weights %s", type(model).__name__,
+                encoder.fast.replaced if encoder.fast else 0, encoder.compiled, encoder.attention,
+                "loaded" if real_weights else "absent (random tower, as vLLM's dummy weights)")
+    return encoder
+
+
+def through_our_tower(original, build=encoder_for):
+    """``original`` (a vLLM model's ``_process_image_input``) with pixel inputs encoded by our tower, built once per
+    model by ``build``. Image embeddings given as input, and towers vLLM shards over GPUs (data-parallel vision
+    encoder), keep vLLM's own path."""
+
+    @functools.wraps(original)
+    def _process_image_input(self, image_input):
+        if image_input["type"] != "pixel_values" or getattr(self, "use_data_parallel", False):
+            return original(self, image_input)
+        encoder = _encoders.get(id(self))
+        if encoder is None:
+            encoder = _encoders[id(self)] = build(self)
+        # vLLM splits its tower's output per image the same way: merged tokens (then DeepStack levels) per image.
+        return tuple(encoder.encode_patches(image_input["pixel_values"], image_input["image_grid_thw"]))
+
+    _process_image_input.vlmstream_tower = True
+    return _process_image_input
+
+
+def install(classes=MODEL_CLASSES) -> list[str]:
+    """Route the pixel inputs of each of ``classes`` (module, class name) through our tower; the names of those that
+    now do. Installing twice changes nothing."""
+    installed = []
+    for module_name, class_name in classes:
+        try:
+            cls = getattr(importlib.import_module(module_name), class_name)
+        except (ImportError, AttributeError) as exc:
+            log.warning("vlmstream engine tower: %s.%s is not there (%s); its model keeps vLLM's tower",
+                        module_name, class_name, exc)
+            continue
+        if not getattr(cls._process_image_input, "vlmstream_tower", False):
+            cls._process_image_input = through_our_tower(cls._process_image_input)
+        installed.append(class_name)
+    return installed
+
+
+class EngineTowerExtension:
+    """vLLM worker extension (``worker_extension_cls``). vLLM imports this module in its worker to find the class,
+    and the import installs the tower; its method, called through ``collective_rpc``, tells the consumer what the
+    worker runs."""
+
+    def vlmstream_tower_report(self) -> dict:
+        return {"installed": list(INSTALLED), "encoders": [
+            {"fast_blocks": e.fast.replaced if e.fast else 0, "compiled": e.compiled, "attention": e.attention,
+             "image_embeds_width": e.image_embeds_width} for e in _encoders.values()]}
+
+
+# Installed on import: the only place vLLM lets a worker run code of ours before it builds its model.
+INSTALLED = install() if importlib.util.find_spec("vllm") is not None else []
