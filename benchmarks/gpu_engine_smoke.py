@@ -3,7 +3,7 @@ weights).
 
 Run on the device (vLLM unpacked per shared/gpu/README.md, PYTHONPATH set):
     python benchmarks/gpu_engine_smoke.py [--model qwen2.5-vl-7b|qwen3-vl-8b] [--images DIR] [--n 64]
-        [--max-pixels 1003520] [--tokens 64] [--modes embeds,pixels] [--out $OUT/engine_smoke.json]
+        [--max-pixels 1003520] [--tokens 64] [--modes embeds,pixels,pixels-engine-tower] [--out $OUT/engine_smoke.json]
 
 What it checks and prints:
 1. embeds mode: images/s through VllmEngine (our GPU patchify + batched tower + vLLM LM), and that, to bf16
@@ -11,7 +11,9 @@ What it checks and prints:
    DeepStack levels included) equal transformers' full model's vision path (processor pixels, sdpa attention)
    with the same tower weights.
 2. guided decoding: with a JSON Schema set, outputs parse and validate (parsed_json is not None).
-3. pixels mode: images/s with vLLM doing its own normalise/patchify/tower on the exact-size arrays.
+3. pixels mode: images/s with vLLM doing its own normalise/patchify/tower on the exact-size arrays; mode
+   ``pixels-engine-tower``: the same with our tower in vLLM's engine process (infer.engine_tower), and what the
+   engine reports it runs.
 Every engine is closed before the next starts; the script exits with os._exit so no thread or EngineCore
 child can keep the device call alive.
 """
@@ -113,7 +115,7 @@ def main() -> None:
     ap.add_argument("--max-pixels", type=int, default=1280 * 28 * 28)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--batch-size", type=int, default=8, help="images per vision-tower forward")
-    ap.add_argument("--modes", default="embeds,pixels")
+    ap.add_argument("--modes", default="embeds,pixels", help="comma list of embeds, pixels, pixels-engine-tower")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "engine_smoke.json"))
     args = ap.parse_args()
 
@@ -138,7 +140,9 @@ def main() -> None:
         try:
             t = time.perf_counter()
             try:
-                engine = VllmEngine(model_dir, settings.model_copy(update={"mode": mode}), load_format="dummy")
+                update = ({"mode": "pixels", "engine_tower": True} if mode == "pixels-engine-tower"
+                          else {"mode": mode})
+                engine = VllmEngine(model_dir, settings.model_copy(update=update), load_format="dummy")
             except Exception as exc:
                 if mode != "embeds":
                     raise
@@ -148,7 +152,8 @@ def main() -> None:
                 engine = VllmEngine(model_dir, settings.model_copy(update={"mode": mode}), load_format="dummy",
                                     embeds_only_engine=False)
             entry: dict = {"start_s": round(time.perf_counter() - t, 1),
-                           "vision_attention": engine.encoder.attention if engine.encoder else None}
+                           "vision_attention": engine.encoder.attention if engine.encoder else None,
+                           "engine_tower": engine.engine_tower_report}
             _, warm_run = run_all(engine, requests_for(warm, args.tokens, f"warm-{mode}-", family=family))
             if warm_run["failed"] and mode == "embeds":
                 # Embedding-only vLLM (no tower of its own) rejected the inputs: measure the bench.py setup.

@@ -41,9 +41,11 @@
 #   large      Qwen2.5-VL-7B at 12.8 MP / 64, embeds, against `vllm serve` (8 API servers), alternated: X1 serve and
 #              X2 the pipeline for 60 s each, X4 the pipeline under CUDA MPS and X5 serve for 5 minutes each
 #              (sustained; about 24 minutes)
-#   engine-tower  infer.engine_tower (our tower in vLLM's engine process, pixels mode), Qwen2.5-VL-7B / 64: E1 at
+#   engine-tower  E0 the Qwen2.5-VL-7B tower alone at 0.2 / 1 / 12.8 MP, two rounds, profile at 12.8 MP, and
+#              gpu_engine_smoke.py in pixels mode with vLLM's tower, then with ours in its engine; then
+#              infer.engine_tower (our tower in vLLM's engine process, pixels mode), Qwen2.5-VL-7B / 64: E1 at
 #              12.8 MP `vllm serve` (8 API servers, 60 s), then the pipeline in pixels mode with the engine tower for
-#              5 minutes (sustained); E2 at 1 MP the same two for 40 s each, pipeline first (about 20 minutes)
+#              5 minutes (sustained); E2 at 1 MP the same two for 40 s each, pipeline first (about 26 minutes)
 #   moe        Qwen3-VL-30B-A3B's config (the MoE member of the family, dummy weights): M0 our tower (fast blocks)
 #              against transformers' full model (bf16, DeepStack included); M1 at 0.2 MP and 1 MP / 64: naive vLLM,
 #              vLLM given image_embeds (its language model alone), the pipeline in both modes; M2 the Qwen3.5 tower
@@ -222,6 +224,14 @@ if [ "$LIST" = engine-tower ]; then
   # pipeline-pixels.log) says whether the tower was taken, its fast blocks and whether it compiled.
   [ -e /root/model/config.json ] || python3 benchmarks/gpu/mk_model.py /root/model > "$RES/mk_model.log" 2>&1
   ET="env VLMSTREAM_INFER__ENGINE_TOWER=true"
+  # The tower alone first: its images and index tensors now reach the GPU through page-locked memory ([o]'s P1 left
+  # the GPU idle a quarter of each 12.8 MP pass); two rounds, and a profile at 12.8 MP.
+  job e0_tower_pinned 150 240 python3 benchmarks/gpu/bench_vision_tower.py --model /root/model --imgs /root/imgs \
+    --budgets 256,1280,default --variants fast+vllm_fa3 --rounds 2 --seconds 3 --profile-budget default \
+    --out "$RES/e0_tower_pinned.json"
+  # Does vLLM's engine take the tower: 32 images at 1 MP through VllmEngine, vLLM's tower then ours.
+  job e0_smoke_engine_tower 200 300 python3 benchmarks/gpu_engine_smoke.py --images /root/imgs --n 32 \
+    --modes pixels,pixels-engine-tower --out "$RES/e0_smoke_engine_tower.json"
   job e1_serve 200 330 $BENCH --model /root/model --budgets default --seconds 60 --arms serve --serve-k 8 \
     --out "$RES/e1_serve"
   job e1_engine_tower_5min 480 620 $ET $BENCH --model /root/model --budgets default --seconds 300 --stop-after 1.2 \

@@ -191,6 +191,7 @@ class VllmEngine(QueuedEngine):
             self._engine_loop.stop()
             raise
         self.start_s = time.perf_counter() - started
+        self.engine_tower_report: dict | None = None  # what vLLM's worker runs, with infer.engine_tower
         if tower_args:
             self._report_engine_tower()
         scheduler = self.llm.vllm_config.scheduler_config
@@ -241,6 +242,7 @@ class VllmEngine(QueuedEngine):
             report = self._engine_loop.call(self.llm.collective_rpc("vlmstream_tower_report"), 120)[0]
         except Exception as exc:  # noqa: BLE001 - whatever went wrong, the engine did not take our tower
             report = {"installed": [], "error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+        self.engine_tower_report = report
         log.info("vLLM's engine process runs vlmstream's vision tower: %s", report)
         if not report.get("installed"):
             self._engine_loop.shutdown_llm(self.llm)
