@@ -655,13 +655,17 @@ class VisionEncoder:
 
     def _warm_up_compiled(self) -> bool:
         """Compile now (tens of seconds, once) rather than inside the first real batch; on any compiler
-        failure run the same blocks eagerly."""
+        failure run the same blocks eagerly. The first forward is of a working size (4,096 patches, a 1 MP image or
+        a batch of small ones): Inductor tunes each generated kernel's launch configuration on its first launch and
+        keeps it for every size after, so a first forward of a few dozen patches would leave the kernels tuned for
+        that. The second, of another size, checks that the compiled code takes any size."""
         factor = self.family.factor
-        image = np.zeros((factor * 4, factor * 6, 3), np.uint8)
+        working = np.zeros((factor * 32, factor * 32, 3), np.uint8)
+        small = np.zeros((factor * 4, factor * 6, 3), np.uint8)
         started = time.perf_counter()
         try:
-            for _ in range(2):
-                self.encode([image, image[: factor * 2]])
+            for batch in ([working], [small, small[: factor * 2]]):
+                self.encode(batch)
             log.info("vision blocks compiled in %.1fs", time.perf_counter() - started)
             return True
         except Exception as exc:  # noqa: BLE001 - an optimisation must never stop the engine
