@@ -225,7 +225,8 @@ if [ "$LIST" = engine-tower ]; then
   [ -e /root/model/config.json ] || python3 benchmarks/gpu/mk_model.py /root/model > "$RES/mk_model.log" 2>&1
   ET="env VLMSTREAM_INFER__ENGINE_TOWER=true"
   # The tower alone first: its images and index tensors now reach the GPU through page-locked memory ([o]'s P1 left
-  # the GPU idle a quarter of each 12.8 MP pass); two rounds, and a profile at 12.8 MP.
+  # the GPU idle a quarter of each 12.8 MP pass), and its compiled kernels are tuned on a 4,096-patch forward. One
+  # variant in two rounds: in [o] (P3) such a process stayed at half speed at 0.2 MP in every round.
   job e0_tower_pinned 150 240 python3 benchmarks/gpu/bench_vision_tower.py --model /root/model --imgs /root/imgs \
     --budgets 256,1280,default --variants fast+vllm_fa3 --rounds 2 --seconds 3 --profile-budget default \
     --out "$RES/e0_tower_pinned.json"
