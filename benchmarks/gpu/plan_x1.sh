@@ -46,6 +46,10 @@
 #              infer.engine_tower (our tower in vLLM's engine process, pixels mode), Qwen2.5-VL-7B / 64: E1 at
 #              12.8 MP `vllm serve` (8 API servers, 60 s), then the pipeline in pixels mode with the engine tower for
 #              5 minutes (sustained); E2 at 1 MP the same two for 40 s each, pipeline first (about 26 minutes)
+#   tower-ab   the Qwen2.5-VL-7B tower alone (fast+vllm_fa3) at 0.2 / 1 / 12.8 MP, this code (A) against /root/ab-tree
+#              (B, a whole older tree as in the ab list), one process each, in the order A B B A A B: the same code
+#              has timed 80 and 106 ms per 12.8 MP image in different processes ([n], [o]), so one pair decides
+#              nothing (about 8 minutes)
 #   moe        Qwen3-VL-30B-A3B's config (the MoE member of the family, dummy weights): M0 our tower (fast blocks)
 #              against transformers' full model (bf16, DeepStack included); M1 at 0.2 MP and 1 MP / 64: naive vLLM,
 #              vLLM given image_embeds (its language model alone), the pipeline in both modes; M2 the Qwen3.5 tower
@@ -241,6 +245,21 @@ if [ "$LIST" = engine-tower ]; then
     --arms pipeline-pixels --profile --out "$RES/e2_engine_tower_1mp"
   job e2_serve_1mp 200 330 $BENCH --model /root/model --budgets 1280 --seconds 40 --arms serve --serve-k 8 \
     --out "$RES/e2_serve_1mp"
+fi
+
+if [ "$LIST" = tower-ab ]; then
+  [ -e /root/model/config.json ] || python3 benchmarks/gpu/mk_model.py /root/model > "$RES/mk_model.log" 2>&1
+  if [ -d /root/ab-tree ]; then
+    cp "$RES/commit.txt" "$RES/a_commit.txt"; cp /root/ab-tree/COMMIT "$RES/b_commit.txt" 2>/dev/null
+    TOWER_ARGS="--model /root/model --imgs /root/imgs --budgets 256,1280,default --variants fast+vllm_fa3 --seconds 3"
+    tower_a() { job "$1" 70 150 python3 benchmarks/gpu/bench_vision_tower.py $TOWER_ARGS --profile-budget '' \
+      --out "$RES/$1.json"; }
+    tower_b() { job "$1" 70 150 env PYTHONPATH=/tmp/site:/root/ab-tree python3 \
+      /root/ab-tree/benchmarks/gpu/bench_vision_tower.py $TOWER_ARGS --profile-budget '' --out "$RES/$1.json"; }
+    tower_a ta1; tower_b tb1; tower_b tb2; tower_a ta2; tower_a ta3; tower_b tb3
+  else
+    printf 'tower-ab\tskipped\t%s\t0\tno /root/ab-tree\n' "$(date +%T)" >> "$RES/jobs.tsv"
+  fi
 fi
 
 if [ "$LIST" = moe ]; then
