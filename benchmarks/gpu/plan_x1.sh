@@ -46,6 +46,8 @@
 #              infer.engine_tower (our tower in vLLM's engine process, pixels mode), Qwen2.5-VL-7B / 64: E1 at
 #              12.8 MP `vllm serve` (8 API servers, 60 s), then the pipeline in pixels mode with the engine tower for
 #              5 minutes (sustained); E2 at 1 MP the same two for 40 s each, pipeline first (about 26 minutes)
+#   engine-tower-q3  Qwen3-VL-8B at 0.2 MP and 1 MP / 64, 40 s phases: the pipeline in pixels mode with our tower in
+#              vLLM's engine (Q1), with vLLM's own (Q2), then `vllm serve` (8 API servers; about 16 minutes)
 #   tower-ab   the Qwen2.5-VL-7B tower alone (fast+vllm_fa3) at 0.2 / 1 / 12.8 MP, this code (A) against /root/ab-tree
 #              (B, a whole older tree as in the ab list), one process each, in the order A B B A A B: the same code
 #              has timed 80 and 106 ms per 12.8 MP image in different processes ([n], [o]), so one pair decides
@@ -245,6 +247,15 @@ if [ "$LIST" = engine-tower ]; then
     --arms pipeline-pixels --profile --out "$RES/e2_engine_tower_1mp"
   job e2_serve_1mp 200 330 $BENCH --model /root/model --budgets 1280 --seconds 40 --arms serve --serve-k 8 \
     --out "$RES/e2_serve_1mp"
+fi
+
+if [ "$LIST" = engine-tower-q3 ]; then
+  Q3=/root/qwen3-vl-8b
+  [ -e $Q3/config.json ] || python3 benchmarks/gpu/mk_model.py $Q3 qwen3-vl-8b > "$RES/mk_q3.log" 2>&1
+  Q3PIX="--model $Q3 --budgets 256,1280 --seconds 40 --stop-after 2 --profile --arms pipeline-pixels"
+  job q1_engine_tower 330 450 env VLMSTREAM_INFER__ENGINE_TOWER=true $BENCH $Q3PIX --out "$RES/q1_engine_tower"
+  job q2_vllm_tower 330 450 $BENCH $Q3PIX --out "$RES/q2_vllm_tower"
+  job q3_serve 200 300 $BENCH --model $Q3 --budgets 256,1280 --seconds 40 --arms serve --serve-k 8 --out "$RES/q3_serve"
 fi
 
 if [ "$LIST" = tower-ab ]; then
