@@ -249,6 +249,33 @@ def test_the_generic_path_caps_at_what_the_processor_keeps(tiny_dirs):
 
 
 
+def test_the_generic_engine_describes_any_size_and_refuses_what_is_no_rgb_image(tiny_dirs):
+    """The transformers engine of the generic path takes an RGB image of any size (its processor resizes) and
+    turns anything else into an invalid_request failure that says what it needs, without failing the batch."""
+    from consumers.infer.engine import InferenceFailure, InferenceOutput, InferenceRequest
+    from consumers.infer.processor_engine import ProcessorEngine
+    from vlmstream.config import InferSettings
+
+    path = tiny_dirs[GENERIC_TINY]
+    engine = ProcessorEngine(path, InferSettings(model=str(path), max_new_tokens=3, batch_size=4), family_of(path))
+    try:
+        rgb = np.random.default_rng(0).integers(0, 256, (37, 61, 3), dtype=np.uint8)
+        engine.submit([InferenceRequest("good", rgb, (1, 1, 1), PROMPT, 3, False),
+                       InferenceRequest("grey", rgb[..., 0], (1, 1, 1), PROMPT, 3, False),
+                       InferenceRequest("float", rgb.astype(np.float32), (1, 1, 1), PROMPT, 3, False)])
+        results: dict = {}
+        deadline = time.monotonic() + 120
+        while len(results) < 3 and time.monotonic() < deadline:
+            results.update((r.request_id, r) for r in engine.poll(1.0))
+    finally:
+        engine.close()
+    assert isinstance(results["good"], InferenceOutput) and results["good"].output_tokens > 0
+    for bad in ("grey", "float"):
+        failure = results[bad]
+        assert isinstance(failure, InferenceFailure) and failure.error_kind == "invalid_request" and not failure.retriable
+        assert "H x W x 3 uint8" in failure.detail
+
+
 def test_the_generic_prompt_is_the_models_own_chat_template(tiny_dirs):
     """vLLM's engine on the generic path prompts with the checkpoint's chat template, whose image marker (Gemma 3's
     <start_of_image>) the model's processor expands; a family's built-in Qwen prompt would carry no image there."""

@@ -14,7 +14,7 @@ import logging
 import time
 from pathlib import Path
 
-from consumers.infer.engine import (EngineCannotLoadModel, InferenceFailure, InferenceOutput, InferenceRequest,
+from consumers.infer.engine import (EngineCannotLoadModel, InferenceOutput, InferenceRequest,
                                     limit_cpu_use)
 from consumers.infer.prompts import OutputSchema, with_schema
 from consumers.infer.transformers_engine import TransformersEngine, resolve_dtype
@@ -81,22 +81,14 @@ class ProcessorEngine(TransformersEngine):
                                                                            add_generation_prompt=True)
         return self._prompts[instruction]
 
-    def _process(self, batch: list[tuple[InferenceRequest, float]]) -> list:
-        results: list = []
-        valid = []
-        for request, submitted in batch:
-            image = request.image
-            if getattr(image, "dtype", None) is None or image.dtype.name != "uint8" or image.ndim != 3 \
-                    or image.shape[2] != 3 or min(image.shape[:2]) < 1:
-                results.append(InferenceFailure(request.request_id, "invalid_request",
-                                                f"image must be an H x W x 3 uint8 RGB array, got "
-                                                f"{type(image).__name__} {getattr(image, 'shape', None)}",
-                                                retriable=False))
-            else:
-                valid.append((request, submitted))
-        if valid:
-            results += self._run_splitting(valid)
-        return results
+    def _request_problem(self, request: InferenceRequest) -> str | None:
+        """Any size will do (the processor resizes); the image must still be RGB pixels."""
+        image = request.image
+        if getattr(image, "dtype", None) is None or image.dtype.name != "uint8" or image.ndim != 3 \
+                or image.shape[2] != 3 or min(image.shape[:2]) < 1:
+            return (f"image must be an H x W x 3 uint8 RGB array, got {type(image).__name__} "
+                    f"{getattr(image, 'shape', None)}")
+        return None
 
     def _run_batch(self, items: list[tuple[InferenceRequest, float]]) -> list:
         torch = self._torch

@@ -115,11 +115,15 @@ class TransformersEngine(QueuedEngine):
 
     # ----------------------------------------------------------------------------- worker thread
 
+    def _request_problem(self, request: InferenceRequest) -> str | None:
+        """Why this engine cannot take the request's image as it is, or None."""
+        return request_problem(request.image, request.grid_thw, self.family)
+
     def _process(self, batch: list[tuple[InferenceRequest, float]]) -> list:
         results: list = []
         valid = []
         for request, submitted in batch:
-            problem = request_problem(request.image, request.grid_thw, self.family)
+            problem = self._request_problem(request)
             if problem:
                 results.append(InferenceFailure(request.request_id, "invalid_request", problem, retriable=False))
             else:
