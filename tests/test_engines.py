@@ -522,14 +522,14 @@ def test_the_engine_tower_takes_pixel_inputs_and_leaves_the_rest_to_vllm(images,
 def test_the_engine_tower_setting_is_refused_where_it_cannot_run_and_reaches_the_engine_process():
     """engine_tower_args: off, nothing; in embeds mode or for a generic-path model, refused by the setting's name;
     on, vLLM's worker extension and the tower's settings for the engine process's environment, which
-    engine_process_env puts there while the engine starts and takes back afterwards."""
+    child_environment puts there while the engine starts and takes back afterwards."""
     import os
 
     from consumers.infer.vllm_engine import ENGINE_TOWER_EXTENSION, engine_tower_args
     from vlmstream.config import Settings
     from vlmstream.models.generic import GENERIC
     from vlmstream.models.qwen2_vl import QWEN2_VL
-    from vlmstream.vllm_process import engine_process_env
+    from vlmstream.vllm_process import child_environment
 
     assert engine_tower_args(InferSettings(), "pixels", QWEN2_VL) == ({}, {})
     on = InferSettings(engine_tower=True, vision_qkv_kernel="torch", vision_compile=False)
@@ -542,7 +542,7 @@ def test_the_engine_tower_setting_is_refused_where_it_cannot_run_and_reaches_the
     module, _, name = ENGINE_TOWER_EXTENSION.rpartition(".")
     assert hasattr(importlib.import_module(module), name)
     assert "VLMSTREAM_INFER__VISION_COMPILE" not in os.environ
-    with engine_process_env(env):
+    with child_environment(env):
         seen = Settings().infer
         assert (seen.vision_qkv_kernel, seen.vision_compile, seen.vision_fp8) == ("torch", False, False)
     assert "VLMSTREAM_INFER__VISION_COMPILE" not in os.environ

@@ -34,9 +34,10 @@ def engine_process_threads(threads: int):
 
 
 @contextlib.contextmanager
-def engine_process_env(values: dict[str, str]):
-    """Start vLLM's engine process (inside this block) with ``values`` in its environment, this process's own
-    environment as it was afterwards: code of ours that vLLM runs in its engine process reads its settings there."""
+def child_environment(values: dict[str, str]):
+    """Processes started inside this block (vLLM's engine process, an MPS client) get ``values`` in their
+    environment; this process's own environment is as it was afterwards. Code of ours that vLLM runs in its engine
+    process reads its settings there."""
     before = {name: os.environ.get(name) for name in values}
     os.environ.update(values)
     try:

@@ -14,6 +14,8 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+from vlmstream.vllm_process import child_environment
+
 CONTROL = "nvidia-cuda-mps-control"
 
 
@@ -38,15 +40,9 @@ def mps_daemon(folder: str | Path = "/tmp/vlmstream-mps"):
         if time.monotonic() > deadline:
             raise RuntimeError(f"MPS control daemon did not open {folder / 'pipe' / 'control'}; see {folder / 'log'}")
         time.sleep(0.1)
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
     try:
-        yield env
+        with child_environment(env):
+            yield env
     finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
         # quit waits for its clients to detach; every engine of the arm has been stopped by now.
         subprocess.run([CONTROL], input="quit\n", text=True, env=full, timeout=60, check=False)

@@ -42,7 +42,7 @@ from consumers.infer.vision import (VisionEncoder, groups_by_patches, load_visio
 from vlmstream.config import InferSettings
 from vlmstream.models.family import ModelFamily
 from vlmstream.models.registry import family_of
-from vlmstream.vllm_process import (EngineLoop, EngineUnavailable, engine_process_env, engine_process_threads,
+from vlmstream.vllm_process import (EngineLoop, EngineUnavailable, child_environment, engine_process_threads,
                                     import_vllm)
 
 log = logging.getLogger(__name__)
@@ -165,7 +165,7 @@ class VllmEngine(QueuedEngine):
         started = time.perf_counter()
         try:
             try:
-                with engine_process_threads(settings.engine_cpu_threads), engine_process_env(tower_env):
+                with engine_process_threads(settings.engine_cpu_threads), child_environment(tower_env):
                     self.llm = self._engine_loop.start_llm(self._v, self._v.AsyncEngineArgs(**args))
             except Exception as exc:
                 if not embeds_only:
