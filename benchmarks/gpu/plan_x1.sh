@@ -51,7 +51,7 @@
 #   tower-ab   the Qwen2.5-VL-7B tower alone (fast+vllm_fa3) at 0.2 / 1 / 12.8 MP, this code (A) against /root/ab-tree
 #              (B, a whole older tree as in the ab list), one process each, in the order A B B A A B: the same code
 #              has timed 80 and 106 ms per 12.8 MP image in different processes ([n], [o]), so one pair decides
-#              nothing (about 8 minutes)
+#              nothing; then C1, C2 both towers against transformers' full model (about 12 minutes)
 #   moe        Qwen3-VL-30B-A3B's config (the MoE member of the family, dummy weights): M0 our tower (fast blocks)
 #              against transformers' full model (bf16, DeepStack included); M1 at 0.2 MP and 1 MP / 64: naive vLLM,
 #              vLLM given image_embeds (its language model alone), the pipeline in both modes; M2 the Qwen3.5 tower
@@ -271,6 +271,11 @@ if [ "$LIST" = tower-ab ]; then
   else
     printf 'tower-ab\tskipped\t%s\t0\tno /root/ab-tree\n' "$(date +%T)" >> "$RES/jobs.tsv"
   fi
+  # The tower as this code runs it against transformers' full model, both families' released configs.
+  job c1_check_tower_q25 100 180 python3 benchmarks/gpu/check_tower.py --model qwen2.5-vl-7b --images /root/imgs \
+    --n 8 --max-pixels 1003520 --out "$RES/c1_check_tower_q25.json"
+  job c2_check_tower_q3 120 200 python3 benchmarks/gpu/check_tower.py --model qwen3-vl-8b --images /root/imgs \
+    --n 8 --max-pixels 1003520 --out "$RES/c2_check_tower_q3.json"
 fi
 
 if [ "$LIST" = moe ]; then
