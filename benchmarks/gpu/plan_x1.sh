@@ -30,7 +30,7 @@
 #   embeds-q3  Qwen3-VL-8B at 0.2 MP and 1 MP / 64, 40 s phases: I2 the pipeline in embeds mode, I3 pixels mode
 #              without embeddings (the faster mode in [j])
 #   diagnose   D1 the Qwen3-VL-8B tower at 0.2 and 1 MP, fast (Triton q/k/v) / fast-torchqkv / fast-fp8 in two rounds,
-#              the second in reverse order (is the slow variant at 0.2 MP the variant or its place in the process),
+#              the second in reverse order (in [o] a process's first compiled variant ran at half speed at 0.2 MP),
 #              profiles at 0.2 MP; D2 the Qwen2.5-VL-7B tower at 1 MP, bf16 against FP8 with profiles (where FP8's
 #              time goes); I2 of the embeds-q3 list, then D3 = I2 with infer.vision_qkv_kernel=torch (about 17 minutes)
 #   fp8        the towers' block products in FP8 (infer.vision_fp8) against bf16: F1 the Qwen2.5-VL-7B tower and F2 the
@@ -192,8 +192,8 @@ if [ "$LIST" = tower-q3 ]; then
 fi
 
 if [ "$LIST" = diagnose ]; then
-  # Is the Qwen3-VL tower's slow compiled+Triton variant at 0.2 MP the variant, or the first compiled one in the
-  # process? Two rounds, the second in reverse order, with each timed pass's spread; then where FP8 loses.
+  # In [o] a process's first compiled variant of the Qwen3-VL tower ran at half speed at 0.2 MP until a second one
+  # was compiled. Two rounds, the second in reverse order, with each timed pass's spread; then where FP8 loses.
   [ -e /root/model/config.json ] || python3 benchmarks/gpu/mk_model.py /root/model > "$RES/mk_model.log" 2>&1
   job d1_tower_q3_order 150 240 python3 benchmarks/gpu/bench_vision_tower.py --model qwen3-vl-8b --imgs /root/imgs \
     --budgets 256,1280 --variants fast+vllm_fa3,fast-torchqkv+vllm_fa3,fast-fp8+vllm_fa3 --rounds 2 --seconds 2 \
