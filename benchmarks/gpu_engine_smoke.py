@@ -12,8 +12,9 @@ What it checks and prints:
    with the same tower weights.
 2. guided decoding: with a JSON Schema set, outputs parse and validate (parsed_json is not None).
 3. pixels mode: images/s with vLLM doing its own normalise/patchify/tower on the exact-size arrays; mode
-   ``pixels-engine-tower``: the same with our tower in vLLM's engine process (infer.engine_tower), and what the
-   engine reports it runs.
+   ``pixels-engine-tower``: the same with our tower in vLLM's engine process (infer.engine_tower), what the
+   engine reports it runs, and with embeds mode in the same run the share of images whose text equals embeds
+   mode's (the same seeded tower and language model: equal texts say the engine ran our tower).
 Every engine is closed before the next starts; the script exits with os._exit so no thread or EngineCore
 child can keep the device call alive.
 """
@@ -135,6 +136,7 @@ def main() -> None:
     settings = InferSettings(max_new_tokens=args.tokens, ignore_eos=True, batch_size=args.batch_size,
                              max_model_len=20480, gpu_memory_utilization=0.85, publish_embeddings=True)
 
+    texts: dict[str, list] = {}
     for mode in args.modes.split(","):
         engine = None
         try:
@@ -166,6 +168,7 @@ def main() -> None:
             entry["embeds_only_engine"] = "embeds_only_error" not in report if mode == "embeds" else None
             want = mode == "embeds"  # pixels mode: pure vLLM path, no extra tower pass
             results, entry["run"] = run_all(engine, requests_for(images, args.tokens, f"{mode}-", want, family))
+            texts[mode] = [getattr(results.get(f"{mode}-{i}/0"), "text", None) for i in range(len(images))]
             first = next(iter(results.values()))
             entry["timings_ms_first"] = {k: round(v, 1) for k, v in getattr(first, "timings_ms", {}).items()}
             print("RESULT", mode, json.dumps(entry), flush=True)
@@ -215,6 +218,19 @@ def main() -> None:
             if engine is not None:
                 engine.close()
         Path(args.out).write_text(json.dumps(report, indent=1, default=str))
+    if "embeds" in texts and "pixels-engine-tower" in texts:
+        # Same language model (vLLM's dummy weights are seeded per parameter) and, for a folder without weights, the
+        # same seeded random tower (load_vision_tower) in this process and in vLLM's: equal texts say the engine ran
+        # our tower. vLLM's own tower has other random weights, so its texts differ. Random weights make near-ties
+        # in the logits, so a few texts may differ by bf16 rounding (the pixels are normalised on the GPU for embeds
+        # and by vLLM's processor for pixels).
+        pairs = list(zip(texts["embeds"], texts["pixels-engine-tower"]))
+        report["engine_tower_same_text_as_embeds"] = round(sum(a == b for a, b in pairs) / len(pairs), 3)
+        if "pixels" in texts:
+            pairs = list(zip(texts["embeds"], texts["pixels"]))
+            report["vllm_tower_same_text_as_embeds"] = round(sum(a == b for a, b in pairs) / len(pairs), 3)
+        print("RESULT engine-tower-texts", json.dumps({k: v for k, v in report.items() if "same_text" in k}),
+              flush=True)
     if "embeds" in report and "pixels" in report:
         report["embeds_over_pixels"] = round(report["embeds"]["run"]["img_per_s"] / report["pixels"]["run"]["img_per_s"], 2)
     Path(args.out).write_text(json.dumps(report, indent=1, default=str))

@@ -42,7 +42,7 @@
 #              X2 the pipeline for 60 s each, X4 the pipeline under CUDA MPS and X5 serve for 5 minutes each
 #              (sustained; about 24 minutes)
 #   engine-tower  E0 the Qwen2.5-VL-7B tower alone at 0.2 / 1 / 12.8 MP, two rounds, profile at 12.8 MP, and
-#              gpu_engine_smoke.py in pixels mode with vLLM's tower, then with ours in its engine; then
+#              gpu_engine_smoke.py in embeds mode, then in pixels mode with our tower in vLLM's engine (same texts?); then
 #              infer.engine_tower (our tower in vLLM's engine process, pixels mode), Qwen2.5-VL-7B / 64: E1 at
 #              12.8 MP `vllm serve` (8 API servers, 60 s), then the pipeline in pixels mode with the engine tower for
 #              5 minutes (sustained); E2 at 1 MP the same two for 40 s each, pipeline first (about 26 minutes)
@@ -236,9 +236,10 @@ if [ "$LIST" = engine-tower ]; then
   job e0_tower_pinned 150 240 python3 benchmarks/gpu/bench_vision_tower.py --model /root/model --imgs /root/imgs \
     --budgets 256,1280,default --variants fast+vllm_fa3 --rounds 2 --seconds 3 --profile-budget default \
     --out "$RES/e0_tower_pinned.json"
-  # Does vLLM's engine take the tower: 32 images at 1 MP through VllmEngine, vLLM's tower then ours.
-  job e0_smoke_engine_tower 200 300 python3 benchmarks/gpu_engine_smoke.py --images /root/imgs --n 32 \
-    --modes pixels,pixels-engine-tower --out "$RES/e0_smoke_engine_tower.json"
+  # Does vLLM's engine take the tower: 16 images at 1 MP through VllmEngine in embeds mode (our tower here), then in
+  # pixels mode with our tower in vLLM's engine; equal texts (same seeded tower and language model) say it ran ours.
+  job e0_smoke_engine_tower 250 360 python3 benchmarks/gpu_engine_smoke.py --images /root/imgs --n 16 \
+    --modes embeds,pixels-engine-tower --out "$RES/e0_smoke_engine_tower.json"
   job e1_serve 200 330 $BENCH --model /root/model --budgets default --seconds 60 --arms serve --serve-k 8 \
     --out "$RES/e1_serve"
   job e1_engine_tower_5min 480 620 $ET $BENCH --model /root/model --budgets default --seconds 300 --stop-after 1.2 \
