@@ -59,16 +59,25 @@ def _normalizer(device: torch.device, family: ModelFamily) -> PixelNormalizer:
     return _normalizers[key]
 
 
+_pinning = True  # until the host refuses page-locked memory once
+
+
 def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A CPU tensor on ``device`` without making this thread wait for the GPU. From pageable memory a copy to the
     GPU is synchronous: it waits until the stream has finished everything queued before it, so each image or index
     tensor sent before a forward left the GPU idle while this thread prepared the next batch. Staged in page-locked
     memory first (torch's caching host allocator keeps the block until the copy is done), the copy is queued and
     this thread goes on."""
+    global _pinning
     if device.type != "cuda" or tensor.device.type != "cpu":
         return tensor.to(device)
-    if not tensor.is_pinned():
-        tensor = tensor.pin_memory()
+    if _pinning and not tensor.is_pinned():
+        try:
+            tensor = tensor.pin_memory()
+        except RuntimeError as exc:  # a host that cannot lock more memory: slower copies, not failed images
+            _pinning = False
+            log.warning("page-locked memory unavailable (%s); copies to the GPU wait for it from now on", exc)
+            return tensor.to(device)
     return tensor.to(device, non_blocking=True)
 
 
