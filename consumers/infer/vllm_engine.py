@@ -233,8 +233,6 @@ class VllmEngine(QueuedEngine):
         # 3. The encoder thread feeds vLLM.
         self._start_worker(self._encode_loop, "vllm-encoder")
 
-    # ----------------------------------------------------------------------------- Engine protocol
-
     def _report_engine_tower(self) -> None:
         """Log what vLLM's worker says it runs (engine_tower.EngineTowerExtension); refuse an engine that kept vLLM's
         own tower for every model class, naming the setting."""
@@ -253,6 +251,8 @@ class VllmEngine(QueuedEngine):
         if not report.get("encoders"):
             log.warning("vLLM ran no image at start, so the tower in its engine process is built (and compiled) on "
                         "the first batch")
+
+    # ----------------------------------------------------------------------------- Engine protocol
 
     def close(self) -> None:
         """Stop feeding, shut vLLM's EngineCore down, and make sure no child process outlives us."""
