@@ -546,3 +546,25 @@ def test_the_engine_tower_setting_is_refused_where_it_cannot_run_and_reaches_the
         seen = Settings().infer
         assert (seen.vision_qkv_kernel, seen.vision_compile, seen.vision_fp8) == ("torch", False, False)
     assert "VLMSTREAM_INFER__VISION_COMPILE" not in os.environ
+
+
+def test_a_host_that_refuses_page_locked_memory_gets_plain_copies_from_then_on(monkeypatch, caplog):
+    """vision._page_locked: what the allocation makes while the host gives page-locked memory; once it refuses,
+    None (the callers then copy through pageable memory), said once, and the allocation is never tried again."""
+    from consumers.infer import vision
+
+    monkeypatch.setattr(vision, "_pinning", True)
+    assert vision._page_locked(lambda: "pinned") == "pinned"
+    calls = []
+
+    def refuse():
+        calls.append(1)
+        raise RuntimeError("cudaHostAlloc: out of memory")
+
+    with caplog.at_level("WARNING", logger=vision.__name__):
+        assert vision._page_locked(refuse) is None
+        assert vision._page_locked(refuse) is None
+        assert vision._page_locked(lambda: "pinned") is None
+    assert calls == [1]
+    assert sum("page-locked memory unavailable" in r.getMessage() for r in caplog.records) == 1
+    assert vision.to_device(torch.ones(2), torch.device("cpu")).tolist() == [1.0, 1.0]

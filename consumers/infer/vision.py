@@ -62,23 +62,33 @@ def _normalizer(device: torch.device, family: ModelFamily) -> PixelNormalizer:
 _pinning = True  # until the host refuses page-locked memory once
 
 
+def _page_locked(make):
+    """``make()``, which allocates page-locked memory, or None where the host refuses it: said once, and never
+    asked again, so that copies get slower rather than batches failing."""
+    global _pinning
+    if not _pinning:
+        return None
+    try:
+        return make()
+    except RuntimeError as exc:
+        _pinning = False
+        log.warning("page-locked memory unavailable (%s); copies between host and GPU wait for the GPU from now on",
+                    exc)
+        return None
+
+
 def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A CPU tensor on ``device`` without making this thread wait for the GPU. From pageable memory a copy to the
     GPU is synchronous: it waits until the stream has finished everything queued before it, so each image or index
     tensor sent before a forward left the GPU idle while this thread prepared the next batch. Staged in page-locked
     memory first (torch's caching host allocator keeps the block until the copy is done), the copy is queued and
     this thread goes on."""
-    global _pinning
     if device.type != "cuda" or tensor.device.type != "cpu":
         return tensor.to(device)
-    if _pinning and not tensor.is_pinned():
-        try:
-            tensor = tensor.pin_memory()
-        except RuntimeError as exc:  # a host that cannot lock more memory: slower copies, not failed images
-            _pinning = False
-            log.warning("page-locked memory unavailable (%s); copies to the GPU wait for it from now on", exc)
-            return tensor.to(device)
-    return tensor.to(device, non_blocking=True)
+    staged = tensor if tensor.is_pinned() else _page_locked(tensor.pin_memory)
+    if staged is None:
+        return tensor.to(device)
+    return staged.to(device, non_blocking=True)
 
 
 def grid_for(height: int, width: int, family: ModelFamily = QWEN2_VL) -> tuple[int, int, int]:
@@ -606,7 +616,10 @@ def to_host_each(tokens: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         # this thread's core (a pageable copy is the driver's memcpy through a staging buffer, and a copy of the
         # batch split into clones is a CPU memcpy of every byte: 117 MB per 12.8 MP Qwen2.5-VL image, 32 MB per
         # 1 MP Qwen3-VL one with its DeepStack levels). torch's caching host allocator reuses the pinned blocks.
-        hosts = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tokens]
+        hosts = []
+        for t in tokens:
+            host = _page_locked(lambda t=t: torch.empty(t.shape, dtype=t.dtype, pin_memory=True))
+            hosts.append(torch.empty(t.shape, dtype=t.dtype) if host is None else host)
         for host, t in zip(hosts, tokens):
             host.copy_(t, non_blocking=True)
         torch.cuda.current_stream(tokens[0].device).synchronize()
