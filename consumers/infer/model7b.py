@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from consumers.infer.tiny_model import (QWEN3_5_CHAT_TEMPLATE, QWEN3_5_FIRST_SPECIAL_ID, QWEN3_CHAT_TEMPLATE, _dump, gemma3_token_ids, model_config_dict,
+from consumers.infer.tiny_model import (FIRST_SPECIAL_ID, QWEN3_5_CHAT_TEMPLATE, QWEN3_5_FIRST_SPECIAL_ID,
+                                        QWEN3_CHAT_TEMPLATE, _dump, gemma3_token_ids, model_config_dict,
                                         write_gemma3_tokenizer_and_processor, write_processor_files,
                                         write_size_processor_files, write_tokenizer_files)
 from vlmstream.models.qwen2_vl import QWEN2_VL
@@ -78,14 +79,16 @@ def write_qwen3vl_8b_config(path: str | Path) -> Path:
     return _write_qwen3vl_folder(path, CONFIG_QWEN3_VL_8B)
 
 
-def _write_qwen3vl_folder(path: str | Path, config: dict) -> Path:
-    """A Qwen3-VL checkpoint folder without weights: ``config``, the synthetic tokenizer and the released processor
-    settings (every Qwen3-VL size shares them)."""
+def _write_qwen3vl_folder(path: str | Path, config: dict, family=QWEN3_VL,
+                          first_special_id: int = FIRST_SPECIAL_ID, chat_template: str = QWEN3_CHAT_TEMPLATE) -> Path:
+    """A Qwen3-VL-layout checkpoint folder without weights: ``config``, the synthetic tokenizer with the family's
+    special-token ids and chat template, and the released processor settings (every size of a family shares
+    them; Qwen3.5's are Qwen3-VL's)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     _dump(path / "config.json", config)
-    write_tokenizer_files(path, chat_template=QWEN3_CHAT_TEMPLATE)
-    write_size_processor_files(path, QWEN3_VL, "Qwen3VLProcessor", 151643)
+    write_tokenizer_files(path, first_special_id, chat_template=chat_template)
+    write_size_processor_files(path, family, "Qwen3VLProcessor", first_special_id)
     return path
 
 
@@ -148,12 +151,8 @@ CONFIG_QWEN3_5_397B_A17B = {
 def write_qwen35_397b_a17b_config(path: str | Path) -> Path:
     """Qwen3.5-397B-A17B's config (the Qwen3.5 tower at a released width) and Qwen3.5's processor settings, no
     weights; for the tower check only (see above)."""
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    _dump(path / "config.json", CONFIG_QWEN3_5_397B_A17B)
-    write_tokenizer_files(path, QWEN3_5_FIRST_SPECIAL_ID, chat_template=QWEN3_5_CHAT_TEMPLATE)
-    write_size_processor_files(path, QWEN3_5, "Qwen3VLProcessor", QWEN3_5_FIRST_SPECIAL_ID)
-    return path
+    return _write_qwen3vl_folder(path, CONFIG_QWEN3_5_397B_A17B, QWEN3_5, QWEN3_5_FIRST_SPECIAL_ID,
+                                 QWEN3_5_CHAT_TEMPLATE)
 
 
 # google/gemma-3-4b-it's config.json: a 34-layer Gemma 3 language model (5 sliding-window layers of 1,024 tokens to
