@@ -2,8 +2,8 @@
 
 In embeds mode our tower runs in the inference consumer's process: a second CUDA context beside vLLM's, which the
 GPU time-slices against it, and each image's image_embeds cross to vLLM's engine process through host memory (117
-MB for a 12.8 MP Qwen2.5-VL image). On an H200 the tower then took 278 ms per 12.8 MP image inside the pipeline
-against 80-106 ms alone, 178 ms under CUDA MPS (benchmarks/RESULTS.md [o]). In pixels mode vLLM runs its own tower
+MB for a 12.8 MP Qwen2.5-VL image). Inside the pipeline the tower then takes several times as long per image as
+alone (benchmarks/RESULTS.md, with and without CUDA MPS). In pixels mode vLLM runs its own tower
 module in its engine process. This module puts ours there instead: vLLM imports it in its worker as a worker
 extension (``worker_extension_cls``), before it builds the model, and the import routes each Qwen model class's pixel
 inputs through ``VisionEncoder``. One CUDA context, nothing but the pixels crosses processes, and vLLM's processor
