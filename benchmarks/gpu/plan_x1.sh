@@ -45,7 +45,8 @@
 #              gpu_engine_smoke.py in embeds mode, then in pixels mode with our tower in vLLM's engine (same texts?); then
 #              infer.engine_tower (our tower in vLLM's engine process, pixels mode), Qwen2.5-VL-7B / 64: E1 at
 #              12.8 MP `vllm serve` (8 API servers, 60 s), then the pipeline in pixels mode with the engine tower for
-#              5 minutes (sustained); E2 at 1 MP the same two for 40 s each, pipeline first (about 26 minutes)
+#              5 minutes (sustained); E2 at 1 MP the same two for 40 s each, pipeline first (about 26 minutes);
+#              C1 and M2 of the tower-ab and moe lists in any time left. If the smoke job fails, the moe list runs instead
 #   engine-tower-q3  Qwen3-VL-8B at 0.2 MP and 1 MP / 64, 40 s phases: the pipeline in pixels mode with our tower in
 #              vLLM's engine (Q1), with vLLM's own (Q2), then `vllm serve` (8 API servers; about 16 minutes)
 #   tower-ab   the Qwen2.5-VL-7B tower alone (fast+vllm_fa3) at 0.2 / 1 / 12.8 MP, this code (A) against /root/ab-tree
@@ -240,6 +241,12 @@ if [ "$LIST" = engine-tower ]; then
   # pixels mode with our tower in vLLM's engine; equal texts (same seeded tower and language model) say it ran ours.
   job e0_smoke_engine_tower 250 360 python3 benchmarks/gpu_engine_smoke.py --images /root/imgs --n 16 \
     --modes embeds,pixels-engine-tower --out "$RES/e0_smoke_engine_tower.json"
+fi
+if [ "$LIST" = engine-tower ] && ! grep -q "^e0_smoke_engine_tower	rc=0" "$RES/jobs.tsv"; then
+  # The engine did not take the tower: the lease goes to the moe list's checks and MoE pipeline instead.
+  LIST=moe
+fi
+if [ "$LIST" = engine-tower ]; then
   job e1_serve 200 330 $BENCH --model /root/model --budgets default --seconds 60 --arms serve --serve-k 8 \
     --out "$RES/e1_serve"
   job e1_engine_tower_5min 480 620 $ET $BENCH --model /root/model --budgets default --seconds 300 --stop-after 1.2 \
@@ -248,6 +255,11 @@ if [ "$LIST" = engine-tower ]; then
     --arms pipeline-pixels --profile --out "$RES/e2_engine_tower_1mp"
   job e2_serve_1mp 200 330 $BENCH --model /root/model --budgets 1280 --seconds 40 --arms serve --serve-k 8 \
     --out "$RES/e2_serve_1mp"
+  # In any time left: the towers against transformers' full model (each skipped when it would overrun).
+  job c1_check_tower_q25 100 180 python3 benchmarks/gpu/check_tower.py --model qwen2.5-vl-7b --images /root/imgs \
+    --n 8 --max-pixels 1003520 --out "$RES/c1_check_tower_q25.json"
+  job m2_check_tower_qwen35 150 240 python3 benchmarks/gpu/check_tower.py --model qwen3.5-397b-a17b \
+    --images /root/imgs --n 8 --max-pixels 1003520 --out "$RES/m2_check_tower_qwen35.json"
 fi
 
 if [ "$LIST" = engine-tower-q3 ]; then
