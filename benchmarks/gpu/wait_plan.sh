@@ -1,10 +1,16 @@
 #!/usr/bin/env bash
-# In a device command while plan_x2.sh runs in the background: wait up to SECONDS for it to finish, then copy its
+# In a device command while plan_x1.sh or plan_x2.sh runs in the background: wait up to SECONDS for it to finish, then copy its
 # results folder to $OUT as one archive (the device returns at most 8 files) and print where each job stands.
 #   bash benchmarks/gpu/wait_plan.sh /root/res 540
 RES=${1:-/root/res}
 WAIT_S=${2:-540}
 deadline=$(( $(date +%s) + WAIT_S ))
+# A machine held idle past the device's idle release comes back fresh, without the plan: say so at once instead of
+# waiting out SECONDS of device time for results that no longer exist.
+if [ ! -e "$RES/jobs.tsv" ] && ! pgrep -f "[p]lan_x[12].sh" > /dev/null; then
+  echo "NO PLAN on this machine ($RES has no jobs.tsv and no plan runs): it is a fresh one; stage and start again"
+  exit 3
+fi
 while [ ! -e "$RES/DONE" ] && (( $(date +%s) < deadline )); do sleep 5; done
 [ -e "$RES/DONE" ] && echo "PLAN DONE at $(cat "$RES/DONE")" || echo "PLAN RUNNING at $(date +%T)"
 cat "$RES/jobs.tsv" 2>/dev/null
