@@ -510,6 +510,7 @@ def test_the_engine_tower_takes_pixel_inputs_and_leaves_the_rest_to_vllm(images,
     report = engine_tower.EngineTowerExtension().vlmstream_tower_report()
     assert {"fast_blocks": encoder.fast.replaced, "compiled": False, "attention": "sdpa",
             "image_embeds_width": encoder.image_embeds_width} in report["encoders"]
+    assert report["clock"] == {"forwards": 0, "images": 0, "gpu_ms": 0.0}  # CPU tensors: no CUDA events to time
 
     embeds_input = {"type": "image_embeds", "image_embeds": torch.zeros(4, 8), "image_grid_thw": torch.ones(1, 3)}
     assert model._process_image_input(embeds_input) == ("vllm's own tower", "image_embeds")
@@ -568,3 +569,39 @@ def test_a_host_that_refuses_page_locked_memory_gets_plain_copies_from_then_on(m
     assert calls == [1]
     assert sum("page-locked memory unavailable" in r.getMessage() for r in caplog.records) == 1
     assert vision.to_device(torch.ones(2), torch.device("cpu")).tolist() == [1.0, 1.0]
+
+
+class StepEvent:
+    """A CUDA event's part that TowerClock uses, on a clock the test moves: recorded at the time it is recorded,
+    passed (query) once the test says the GPU got there."""
+    now_ms = 0.0
+    reached_ms = 0.0
+
+    def record(self):
+        self.at = StepEvent.now_ms
+
+    def query(self):
+        return self.at <= StepEvent.reached_ms
+
+    def elapsed_time(self, other):
+        return other.at - self.at
+
+
+def test_the_engine_tower_clock_counts_a_forward_once_the_gpu_has_passed_it():
+    """engine_tower.TowerClock: each forward's GPU time from its two events, counted only after the GPU passed the
+    second (nothing waits), in the order the forwards ran."""
+    from consumers.infer.engine_tower import TowerClock
+
+    clock = TowerClock(event=StepEvent)
+    StepEvent.now_ms, StepEvent.reached_ms = 0.0, -1.0
+    first = clock.start()
+    StepEvent.now_ms = 30.0
+    clock.stop(first, images=2)
+    second = clock.start()
+    StepEvent.now_ms = 50.0
+    clock.stop(second, images=1)
+    assert clock.totals() == {"forwards": 0, "images": 0, "gpu_ms": 0.0}  # the GPU has passed neither yet
+    StepEvent.reached_ms = 30.0
+    assert clock.totals() == {"forwards": 1, "images": 2, "gpu_ms": 30.0}
+    StepEvent.reached_ms = 50.0
+    assert clock.totals() == {"forwards": 2, "images": 3, "gpu_ms": 50.0}

@@ -219,3 +219,19 @@ def test_the_towers_tflops_inside_the_pipeline(tmp_path):
         "tower_gflop_per_image": gflop, "tower_tflops_in_engine": round(gflop / 4.0, 1)}
     assert arm_pipeline.tower_in_engine(gflop, {}) == {}
     assert arm_pipeline.tower_gflop_per_image(str(GPU_MODELS["gemma3-4b"](tmp_path / "g3")), files, budget) is None
+
+
+def test_the_towers_ms_per_image_from_either_place_it_runs():
+    """The watcher's mean tower time per image: embeds mode's forward time shared by its batch, or, with the tower in
+    vLLM's engine process (infer.engine_tower), the GPU ms per image the engine's clock gave; each timing averaged over
+    the records that carry it."""
+    import threading
+
+    watcher = object.__new__(arm_pipeline.TopicWatcher)  # its Kafka reader is not what is under test
+    watcher._lock, watcher._timings = threading.Lock(), {}
+    watcher._add_timings("a_", json.dumps({"timings_ms": {"encode_ms": 40.0, "encode_batch_images": 4.0}}).encode())
+    watcher._add_timings("a_", json.dumps({"timings_ms": {"encode_ms": 30.0, "encode_batch_images": 1.0}}).encode())
+    watcher._add_timings("b_", json.dumps({"timings_ms": {"generate_ms": 900.0, "encode_ms_per_image": 82.5}}).encode())
+    watcher._add_timings("b_", json.dumps({"timings_ms": {"generate_ms": 700.0}}).encode())  # before the first reading
+    assert watcher.mean_timings("a_") == {"encode_ms": 35.0, "encode_ms_per_image": 20.0}
+    assert watcher.mean_timings("b_") == {"generate_ms": 800.0, "encode_ms_per_image": 82.5}

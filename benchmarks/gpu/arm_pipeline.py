@@ -55,7 +55,7 @@ class TopicWatcher:
         self._done_at: dict[str, dict[str, float]] = {}
         self._dead: dict[str, int] = {}
         self._arrivals: list[tuple[float, str]] = []  # every description and dead letter: (time here, prefix)
-        self._timings: dict[str, dict[str, float]] = {}  # per prefix: sums of the descriptions' timings_ms
+        self._timings: dict[str, dict[str, tuple[float, int]]] = {}  # per prefix and timing: (sum, count)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -89,21 +89,22 @@ class TopicWatcher:
             timings = json.loads(value or b"{}").get("timings_ms") or {}
         except ValueError:
             return
-        sums = self._timings.setdefault(prefix, {"n": 0.0})
-        sums["n"] += 1
-        for key in ("queue_ms", "generate_ms", "encode_ms"):
-            if key in timings:
-                sums[key] = sums.get(key, 0.0) + timings[key]
-        if timings.get("encode_batch_images"):  # one tower forward per batch: its time shared by the batch
-            sums["encode_ms_per_image"] = (sums.get("encode_ms_per_image", 0.0)
-                                           + timings["encode_ms"] / timings["encode_batch_images"])
+        found = {key: timings[key] for key in ("queue_ms", "generate_ms", "encode_ms") if key in timings}
+        if "encode_ms_per_image" in timings:  # infer.engine_tower: the tower's GPU ms per image in vLLM's engine
+            found["encode_ms_per_image"] = timings["encode_ms_per_image"]
+        elif timings.get("encode_batch_images"):  # one tower forward per batch: its time shared by the batch
+            found["encode_ms_per_image"] = timings["encode_ms"] / timings["encode_batch_images"]
+        sums = self._timings.setdefault(prefix, {})
+        for key, ms in found.items():  # (sum, count): a timing some records lack is averaged over those with it
+            total, n = sums.get(key, (0.0, 0))
+            sums[key] = (total + ms, n + 1)
 
     def mean_timings(self, prefix: str) -> dict[str, float]:
-        """Mean of each timing over the described documents of prefix (engine time per image: where it goes)."""
+        """Mean of each timing over the described documents of prefix that carry it (engine time per image: where it
+        goes)."""
         with self._lock:
             sums = dict(self._timings.get(prefix, {}))
-        n = sums.pop("n", 0)
-        return {k: round(v / n, 1) for k, v in sums.items()} if n else {}
+        return {key: round(total / n, 1) for key, (total, n) in sums.items()}
 
     def finished(self, prefix: str) -> int:
         """Documents of prefix with a description or a dead letter."""

@@ -19,6 +19,7 @@ Nothing here imports vLLM unless vLLM is installed, and nothing in the consumer'
 
 from __future__ import annotations
 
+import collections
 import functools
 import importlib
 import importlib.util
@@ -38,6 +39,48 @@ MODEL_CLASSES = (
 
 # By id of the vLLM model object: one engine process builds one model, but nothing here relies on it.
 _encoders: dict[int, VisionEncoder] = {}
+
+
+class TowerClock:
+    """The GPU time of the tower's forwards in this process, from a pair of CUDA events around each: a forward is
+    counted once the GPU has passed its second event, so nothing here waits for the GPU. Without it the tower's share
+    of a pipeline's GPU time in the engine process could only be guessed from the language model's time alone."""
+
+    def __init__(self, event=None):
+        self._event = event  # the CUDA event class; found on the first forward (tests give their own)
+        self._pending: collections.deque = collections.deque()
+        self.forwards = 0
+        self.images = 0
+        self.gpu_ms = 0.0
+
+    def start(self):
+        if self._event is None:
+            import torch
+
+            self._event = functools.partial(torch.cuda.Event, enable_timing=True)
+        started = self._event()
+        started.record()
+        return started
+
+    def stop(self, started, images: int) -> None:
+        ended = self._event()
+        ended.record()
+        self._pending.append((started, ended, images))
+        self._collect()
+
+    def totals(self) -> dict:
+        self._collect()
+        return {"forwards": self.forwards, "images": self.images, "gpu_ms": round(self.gpu_ms, 1)}
+
+    def _collect(self) -> None:
+        while self._pending and self._pending[0][1].query():
+            started, ended, images = self._pending.popleft()
+            self.forwards += 1
+            self.images += images
+            self.gpu_ms += started.elapsed_time(ended)
+
+
+CLOCK = TowerClock()
 
 
 def encoder_for(model) -> VisionEncoder:
@@ -69,8 +112,13 @@ def through_our_tower(original, build=encoder_for):
         encoder = _encoders.get(id(self))
         if encoder is None:
             encoder = _encoders[id(self)] = build(self)
+        pixel_values, grid_thw = image_input["pixel_values"], image_input["image_grid_thw"]
+        started = CLOCK.start() if pixel_values.is_cuda else None
         # vLLM splits its tower's output per image the same way: merged tokens (then DeepStack levels) per image.
-        return tuple(encoder.encode_patches(image_input["pixel_values"], image_input["image_grid_thw"]))
+        per_image = tuple(encoder.encode_patches(pixel_values, grid_thw))
+        if started is not None:
+            CLOCK.stop(started, len(per_image))
+        return per_image
 
     _process_image_input.vlmstream_tower = True
     return _process_image_input
@@ -96,12 +144,12 @@ def install(classes=MODEL_CLASSES) -> list[str]:
 class EngineTowerExtension:
     """vLLM worker extension (``worker_extension_cls``). vLLM imports this module in its worker to find the class,
     and the import installs the tower; its method, called through ``collective_rpc``, tells the consumer what the
-    worker runs."""
+    worker runs and how much GPU time the tower's forwards have taken so far."""
 
     def vlmstream_tower_report(self) -> dict:
         return {"installed": list(INSTALLED), "encoders": [
             {"fast_blocks": e.fast.replaced if e.fast else 0, "compiled": e.compiled, "attention": e.attention,
-             "image_embeds_width": e.image_embeds_width} for e in _encoders.values()]}
+             "image_embeds_width": e.image_embeds_width} for e in _encoders.values()], "clock": CLOCK.totals()}
 
 
 # Installed on import: the only place vLLM lets a worker run code of ours before it builds its model.

@@ -73,6 +73,7 @@ def image_embeds_problem(tokens, grid_thw: tuple[int, int, int], family: ModelFa
 
 # vLLM imports this class's module in its worker before it builds the model (engine_tower.py says why).
 ENGINE_TOWER_EXTENSION = "consumers.infer.engine_tower.EngineTowerExtension"
+ENGINE_TOWER_CLOCK_S = 10.0  # how often the consumer reads the engine tower's GPU time (a utility call between steps)
 
 
 def engine_tower_args(settings: InferSettings, mode: str, family: ModelFamily) -> tuple[dict, dict[str, str]]:
@@ -192,8 +193,13 @@ class VllmEngine(QueuedEngine):
             raise
         self.start_s = time.perf_counter() - started
         self.engine_tower_report: dict | None = None  # what vLLM's worker runs, with infer.engine_tower
+        # With infer.engine_tower: the tower's GPU ms per image in vLLM's engine process over the last clock reading,
+        # put in each result's timings as encode_ms_per_image (what embeds mode reports for the tower it runs here).
+        self.engine_tower_ms_per_image: float | None = None
+        self._tower_watch = None
         if tower_args:
             self._report_engine_tower()
+            self._tower_watch = self._engine_loop.submit(self._watch_engine_tower())
         scheduler = self.llm.vllm_config.scheduler_config
         self.batch_size = scheduler.max_num_seqs  # what the runner sizes its in-flight window by
         self.step_tokens = scheduler.max_num_batched_tokens
@@ -252,12 +258,41 @@ class VllmEngine(QueuedEngine):
             log.warning("vLLM ran no image at start, so the tower in its engine process is built (and compiled) on "
                         "the first batch")
 
+    async def _watch_engine_tower(self) -> None:
+        """Read the engine tower's clock (engine_tower.TowerClock) every ENGINE_TOWER_CLOCK_S: its GPU ms per image
+        since the last reading becomes engine_tower_ms_per_image."""
+        last = None
+        while True:
+            await asyncio.sleep(ENGINE_TOWER_CLOCK_S)
+            try:
+                clock = (await self.llm.collective_rpc("vlmstream_tower_report"))[0]["clock"]
+            except Exception as exc:  # noqa: BLE001 - a clock that cannot be read only leaves the timing out
+                log.warning("the engine tower's clock could not be read (%s: %s); its timings stay out of results",
+                            type(exc).__name__, str(exc)[:200])
+                return
+            if last is not None and clock["images"] > last["images"]:
+                self.engine_tower_ms_per_image = round(
+                    (clock["gpu_ms"] - last["gpu_ms"]) / (clock["images"] - last["images"]), 2)
+            last = clock
+
+    def _log_engine_tower_clock(self) -> None:
+        self._tower_watch.cancel()
+        try:
+            clock = self._engine_loop.call(self.llm.collective_rpc("vlmstream_tower_report"), 10)[0]["clock"]
+        except Exception as exc:  # noqa: BLE001 - only a closing log line is lost
+            log.warning("the engine tower's clock could not be read at close: %s", exc)
+            return
+        log.info("vlmstream's vision tower in vLLM's engine process: %d images in %d forwards, %.1f GPU ms per image",
+                 clock["images"], clock["forwards"], clock["gpu_ms"] / max(1, clock["images"]))
+
     # ----------------------------------------------------------------------------- Engine protocol
 
     def close(self) -> None:
         """Stop feeding, shut vLLM's EngineCore down, and make sure no child process outlives us."""
         if not self._stop_worker():
             return
+        if self._tower_watch is not None:
+            self._log_engine_tower_clock()
         try:
             self._engine_loop.shutdown_llm(self.llm)
         except Exception as exc:
@@ -377,8 +412,10 @@ class VllmEngine(QueuedEngine):
                 self._dead = RuntimeError("vLLM aborted a request: the engine is shutting down")
                 self._outbox.put(_DEAD)
                 return
-            result = self._output(request, final, embedding,
-                                  {**timings, "generate_ms": (time.perf_counter() - started) * 1e3})
+            timings = {**timings, "generate_ms": (time.perf_counter() - started) * 1e3}
+            if self.engine_tower_ms_per_image is not None:
+                timings["encode_ms_per_image"] = self.engine_tower_ms_per_image
+            result = self._output(request, final, embedding, timings)
         except asyncio.CancelledError:
             raise
         except self._v.DeadError as exc:
