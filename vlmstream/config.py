@@ -281,7 +281,8 @@ class InferSettings(BaseModel):
         "vLLM's engine process in place of vLLM's own (consumers/infer/engine_tower.py): one CUDA context instead of "
         "the two that embeds mode time-slices, and no image_embeds crossing processes. The engine holds the tower's "
         "weights twice, and vLLM's scheduler decides how many images share a forward (vision_batch_images does not "
-        "apply). Not yet measured on a GPU.")
+        "apply). With publish_embeddings the consumer runs the tower again for them. At 12.8 MP on an H200 it was no "
+        "faster than vllm serve (benchmarks/RESULTS.md [p]).")
     enable_prefix_caching: bool = Field(
         True, description="vLLM prefix caching. Every image is new, so only the shared prompt text is ever reused; "
         "benchmarks turn it off to match offline arms that must (they reuse images).")
