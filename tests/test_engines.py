@@ -533,6 +533,11 @@ def test_the_engine_tower_setting_is_refused_where_it_cannot_run_and_reaches_the
     from vlmstream.vllm_process import child_environment
 
     assert engine_tower_args(InferSettings(), "pixels", QWEN2_VL) == ({}, {})
+    clocked = InferSettings(tower_clock=True)
+    args, env = engine_tower_args(clocked, "pixels", QWEN2_VL)  # vLLM's own tower, clocked
+    assert args == {"worker_extension_cls": ENGINE_TOWER_EXTENSION} and env["VLMSTREAM_INFER__ENGINE_TOWER"] == "false"
+    with pytest.raises(ValueError, match="infer.tower_clock=false"):
+        engine_tower_args(clocked, "embeds", QWEN2_VL)
     on = InferSettings(engine_tower=True, vision_qkv_kernel="torch", vision_compile=False)
     with pytest.raises(ValueError, match="infer.mode=pixels"):
         engine_tower_args(on, "embeds", QWEN2_VL)
@@ -545,7 +550,8 @@ def test_the_engine_tower_setting_is_refused_where_it_cannot_run_and_reaches_the
     assert "VLMSTREAM_INFER__VISION_COMPILE" not in os.environ
     with child_environment(env):
         seen = Settings().infer
-        assert (seen.vision_qkv_kernel, seen.vision_compile, seen.vision_fp8) == ("torch", False, False)
+        assert (seen.engine_tower, seen.vision_qkv_kernel, seen.vision_compile, seen.vision_fp8) == (
+            True, "torch", False, False)
     assert "VLMSTREAM_INFER__VISION_COMPILE" not in os.environ
 
 
@@ -605,3 +611,35 @@ def test_the_engine_tower_clock_counts_a_forward_once_the_gpu_has_passed_it():
     assert clock.totals() == {"forwards": 1, "images": 2, "gpu_ms": 30.0}
     StepEvent.reached_ms = 50.0
     assert clock.totals() == {"forwards": 2, "images": 3, "gpu_ms": 50.0}
+
+
+def test_the_tower_clock_alone_times_vllms_own_tower_on_the_gpu(monkeypatch):
+    """infer.tower_clock without infer.engine_tower: vLLM's own _process_image_input runs unchanged, and each of its
+    forwards on pixel inputs on the GPU is counted by the clock with its images; other inputs are not."""
+    from consumers.infer import engine_tower
+
+    clock = engine_tower.TowerClock(event=StepEvent)
+    monkeypatch.setattr(engine_tower, "CLOCK", clock)
+    monkeypatch.setattr(QwenModelLikeVllms, "_process_image_input", QwenModelLikeVllms._process_image_input)
+    assert engine_tower.install([(__name__, "QwenModelLikeVllms")], wrap=engine_tower.timed_tower) == [
+        "QwenModelLikeVllms"]
+    model = object.__new__(QwenModelLikeVllms)
+    on_gpu = {"type": "pixel_values", "pixel_values": types.SimpleNamespace(is_cuda=True)}
+    StepEvent.now_ms, StepEvent.reached_ms = 100.0, 1e9
+    assert model._process_image_input(on_gpu) == ("vllm's own tower", "pixel_values")  # two "images"
+    assert model._process_image_input({"type": "pixel_values", "pixel_values": torch.zeros(1)})[0] == (
+        "vllm's own tower")
+    assert model._process_image_input({"type": "image_embeds", "image_embeds": torch.zeros(1)})[1] == "image_embeds"
+    assert clock.totals() == {"forwards": 1, "images": 2, "gpu_ms": 0.0}
+
+
+def test_the_engine_process_picks_its_tower_from_the_settings_it_was_given(monkeypatch):
+    """What engine_tower's import installs: our tower where VllmEngine exported infer.engine_tower=true to the engine
+    process, else vLLM's own with the clock (infer.tower_clock); no model class where vLLM is not installed."""
+    from consumers.infer import engine_tower
+
+    monkeypatch.setattr(engine_tower.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setenv("VLMSTREAM_INFER__ENGINE_TOWER", "true")
+    assert engine_tower._installed_on_import() == ("vlmstream", [])
+    monkeypatch.setenv("VLMSTREAM_INFER__ENGINE_TOWER", "false")
+    assert engine_tower._installed_on_import() == ("vllm", [])

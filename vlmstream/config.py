@@ -283,6 +283,11 @@ class InferSettings(BaseModel):
         "weights twice, and vLLM's scheduler decides how many images share a forward (vision_batch_images does not "
         "apply). With publish_embeddings the consumer runs the tower again for them. At 12.8 MP on an H200 it was no "
         "faster than vllm serve (benchmarks/RESULTS.md [p]).")
+    tower_clock: bool = Field(
+        False, description="vLLM engine, pixels mode, Qwen families: time the vision tower's forwards in vLLM's engine "
+        "process with CUDA events (no waiting) and put its GPU ms per image in each result's timings_ms as "
+        "encode_ms_per_image: vLLM's own tower, or ours with engine_tower (which always has the clock). For "
+        "comparing the two towers where they run.")
     enable_prefix_caching: bool = Field(
         True, description="vLLM prefix caching. Every image is new, so only the shared prompt text is ever reused; "
         "benchmarks turn it off to match offline arms that must (they reuse images).")

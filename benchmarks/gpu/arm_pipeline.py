@@ -90,7 +90,7 @@ class TopicWatcher:
         except ValueError:
             return
         found = {key: timings[key] for key in ("queue_ms", "generate_ms", "encode_ms") if key in timings}
-        if "encode_ms_per_image" in timings:  # infer.engine_tower: the tower's GPU ms per image in vLLM's engine
+        if "encode_ms_per_image" in timings:  # infer.engine_tower / tower_clock: the tower's GPU ms per image there
             found["encode_ms_per_image"] = timings["encode_ms_per_image"]
         elif timings.get("encode_batch_images"):  # one tower forward per batch: its time shared by the batch
             found["encode_ms_per_image"] = timings["encode_ms"] / timings["encode_batch_images"]
@@ -396,7 +396,8 @@ def run_pipeline(args: argparse.Namespace, mode: str, bootstrap: str, out: Path,
                          "max_images_in_flight": env.get("VLMSTREAM_INFER__MAX_IMAGES_IN_FLIGHT", "default"),
                          "vision_batch_images": env.get("VLMSTREAM_INFER__VISION_BATCH_IMAGES", "default"),
                          "engine_cpu_threads": env.get("VLMSTREAM_INFER__ENGINE_CPU_THREADS", "default"),
-                         "engine_tower": env.get("VLMSTREAM_INFER__ENGINE_TOWER", "false")}
+                         "engine_tower": env.get("VLMSTREAM_INFER__ENGINE_TOWER", "false"),
+                         "tower_clock": env.get("VLMSTREAM_INFER__TOWER_CLOCK", "false")}
 
             # Warm-up: engines started (phase 0), this budget's shapes seen, the new decode fleet in its group and
             # every stage has handled records before the clock starts.

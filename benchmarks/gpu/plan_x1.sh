@@ -41,12 +41,12 @@
 #   large      Qwen2.5-VL-7B at 12.8 MP / 64, embeds, against `vllm serve` (8 API servers), alternated: X1 serve and
 #              X2 the pipeline for 60 s each, X4 the pipeline under CUDA MPS and X5 serve for 5 minutes each
 #              (sustained; about 24 minutes)
-#   engine-tower  E0 the Qwen2.5-VL-7B tower alone at 0.2 / 1 / 12.8 MP, two rounds, profile at 12.8 MP, and
-#              gpu_engine_smoke.py in embeds mode, then in pixels mode with our tower in vLLM's engine (same texts?); then
-#              infer.engine_tower (our tower in vLLM's engine process, pixels mode), Qwen2.5-VL-7B / 64: E1 at
-#              12.8 MP `vllm serve` (8 API servers, 60 s), then the pipeline in pixels mode with the engine tower for
-#              5 minutes (sustained); E2 at 1 MP the same two for 40 s each, pipeline first (about 26 minutes);
-#              C1 and M2 of the tower-ab and moe lists in any time left. If the smoke job fails, the moe list runs instead
+#   engine-tower  infer.engine_tower (our tower in vLLM's engine process, pixels mode), Qwen2.5-VL-7B / 64, with the
+#              tower's GPU ms per image there from its clock: E1 at 12.8 MP `vllm serve` (8 API servers), the pipeline
+#              in pixels mode with our tower in the engine, then with vLLM's own clocked the same way (infer.tower_clock;
+#              60 s each); E2 at 1 MP the same three (40 s); C1 and M2 of the tower-ab and moe lists in any time left
+#              (about 25 minutes)
+#   engine-tower-smoke  gpu_engine_smoke.py: embeds mode, then pixels mode with our tower in vLLM's engine (same texts?)
 #   engine-tower-q3  Qwen3-VL-8B at 0.2 MP and 1 MP / 64, 40 s phases: the pipeline in pixels mode with our tower in
 #              vLLM's engine (Q1), with vLLM's own (Q2), then `vllm serve` (8 API servers; about 16 minutes)
 #   tower-ab   the Qwen2.5-VL-7B tower alone (fast+vllm_fa3) at 0.2 / 1 / 12.8 MP, this code (A) against /root/ab-tree
@@ -227,32 +227,23 @@ if [ "$LIST" = large ]; then
 fi
 
 if [ "$LIST" = engine-tower ]; then
-  # The engine's log line "vLLM's engine process runs vlmstream's vision tower: {...}" (in each pipeline job's
-  # pipeline-pixels.log) says whether the tower was taken, its fast blocks and whether it compiled.
+  # Each pipeline job's pipeline-pixels.log says whether vLLM's engine took the tower ("vLLM's engine process runs
+  # vlmstream's vision tower: {...}") and, at its end, the tower's GPU ms per image there (its clock); the phase
+  # record's tower_tflops_in_engine comes from that clock. [p] found the pipeline at 12.8 MP no faster than serve
+  # with it: this list says whether the tower or the rest of the engine's step takes the time, at 12.8 and 1 MP.
   [ -e /root/model/config.json ] || python3 benchmarks/gpu/mk_model.py /root/model > "$RES/mk_model.log" 2>&1
   ET="env VLMSTREAM_INFER__ENGINE_TOWER=true"
-  # The tower alone first: its images and index tensors now reach the GPU through page-locked memory ([o]'s P1 left
-  # the GPU idle a quarter of each 12.8 MP pass), and its compiled kernels are tuned on a 4,096-patch forward. One
-  # variant in two rounds: in [o] (P3) such a process stayed at half speed at 0.2 MP in every round.
-  job e0_tower_pinned 150 240 python3 benchmarks/gpu/bench_vision_tower.py --model /root/model --imgs /root/imgs \
-    --budgets 256,1280,default --variants fast+vllm_fa3 --rounds 2 --seconds 3 --profile-budget default \
-    --out "$RES/e0_tower_pinned.json"
-  # Does vLLM's engine take the tower: 16 images at 1 MP through VllmEngine in embeds mode (our tower here), then in
-  # pixels mode with our tower in vLLM's engine; equal texts (same seeded tower and language model) say it ran ours.
-  job e0_smoke_engine_tower 250 360 python3 benchmarks/gpu_engine_smoke.py --images /root/imgs --n 16 \
-    --modes embeds,pixels-engine-tower --out "$RES/e0_smoke_engine_tower.json"
-fi
-if [ "$LIST" = engine-tower ] && ! grep -q "^e0_smoke_engine_tower	rc=0" "$RES/jobs.tsv"; then
-  # The engine did not take the tower: the lease goes to the moe list's checks and MoE pipeline instead.
-  LIST=moe
-fi
-if [ "$LIST" = engine-tower ]; then
+  VT="env VLMSTREAM_INFER__TOWER_CLOCK=true"  # vLLM's own tower, clocked the same way
   job e1_serve 200 330 $BENCH --model /root/model --budgets default --seconds 60 --arms serve --serve-k 8 \
     --out "$RES/e1_serve"
-  job e1_engine_tower_5min 480 620 $ET $BENCH --model /root/model --budgets default --seconds 300 --stop-after 1.2 \
-    --arms pipeline-pixels --profile --out "$RES/e1_engine_tower_5min"
+  job e1_engine_tower 220 330 $ET $BENCH --model /root/model --budgets default --seconds 60 --stop-after 1.5 \
+    --arms pipeline-pixels --profile --out "$RES/e1_engine_tower"
+  job e1_vllm_tower 220 330 $VT $BENCH --model /root/model --budgets default --seconds 60 --stop-after 1.5 \
+    --arms pipeline-pixels --profile --out "$RES/e1_vllm_tower"
   job e2_engine_tower_1mp 200 330 $ET $BENCH --model /root/model --budgets 1280 --seconds 40 --stop-after 1.5 \
     --arms pipeline-pixels --profile --out "$RES/e2_engine_tower_1mp"
+  job e2_vllm_tower_1mp 200 330 $VT $BENCH --model /root/model --budgets 1280 --seconds 40 --stop-after 1.5 \
+    --arms pipeline-pixels --profile --out "$RES/e2_vllm_tower_1mp"
   job e2_serve_1mp 200 330 $BENCH --model /root/model --budgets 1280 --seconds 40 --arms serve --serve-k 8 \
     --out "$RES/e2_serve_1mp"
   # In any time left: the towers against transformers' full model (each skipped when it would overrun).
@@ -260,6 +251,14 @@ if [ "$LIST" = engine-tower ]; then
     --n 8 --max-pixels 1003520 --out "$RES/c1_check_tower_q25.json"
   job m2_check_tower_qwen35 150 240 python3 benchmarks/gpu/check_tower.py --model qwen3.5-397b-a17b \
     --images /root/imgs --n 8 --max-pixels 1003520 --out "$RES/m2_check_tower_qwen35.json"
+fi
+
+if [ "$LIST" = engine-tower-smoke ]; then
+  # Does vLLM's engine take the tower: 16 images at 1 MP through VllmEngine in embeds mode (our tower here), then in
+  # pixels mode with our tower in vLLM's engine; equal texts (same seeded tower and language model) say it ran ours
+  # ([p]: 1.0).
+  job e0_smoke_engine_tower 250 360 python3 benchmarks/gpu_engine_smoke.py --images /root/imgs --n 16 \
+    --modes embeds,pixels-engine-tower --out "$RES/e0_smoke_engine_tower.json"
 fi
 
 if [ "$LIST" = engine-tower-q3 ]; then

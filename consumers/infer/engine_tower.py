@@ -1,4 +1,5 @@
-"""Our vision tower inside vLLM's engine process (``infer.engine_tower``, pixels mode).
+"""Our vision tower inside vLLM's engine process (``infer.engine_tower``, pixels mode), or a clock on vLLM's own
+(``infer.tower_clock``).
 
 In embeds mode our tower runs in the inference consumer's process: a second CUDA context beside vLLM's, which the
 GPU time-slices against it, and each image's image_embeds cross to vLLM's engine process through host memory (117
@@ -13,6 +14,10 @@ The encoder is built from the checkpoint's own vision weights (``load_vision_tow
 which vLLM's memory profiling runs at start, so the engine's memory budget includes it; the engine then holds the
 tower twice (vLLM's module, unused, and ours). Its settings are the inference settings as the engine process reads
 them from the environment: ``VllmEngine`` exports the tower's ones there before it starts vLLM.
+
+Either way a clock of CUDA events around each tower forward (``TowerClock``) counts the tower's GPU time there. With
+``infer.tower_clock`` and without ``infer.engine_tower`` the import wraps vLLM's own tower in that clock alone, so that
+the two towers can be compared where they run, inside the engine's step.
 
 Nothing here imports vLLM unless vLLM is installed, and nothing in the consumer's own process imports this module.
 """
@@ -112,21 +117,33 @@ def through_our_tower(original, build=encoder_for):
         encoder = _encoders.get(id(self))
         if encoder is None:
             encoder = _encoders[id(self)] = build(self)
-        pixel_values, grid_thw = image_input["pixel_values"], image_input["image_grid_thw"]
-        started = CLOCK.start() if pixel_values.is_cuda else None
         # vLLM splits its tower's output per image the same way: merged tokens (then DeepStack levels) per image.
-        per_image = tuple(encoder.encode_patches(pixel_values, grid_thw))
+        return tuple(encoder.encode_patches(image_input["pixel_values"], image_input["image_grid_thw"]))
+
+    timed = timed_tower(_process_image_input)
+    timed.vlmstream_tower = "vlmstream"
+    return timed
+
+
+def timed_tower(process_image_input):
+    """``process_image_input`` with each forward on pixel inputs on the GPU timed by CLOCK."""
+
+    @functools.wraps(process_image_input)
+    def _process_image_input(self, image_input):
+        pixel_values = image_input.get("pixel_values") if image_input["type"] == "pixel_values" else None
+        started = CLOCK.start() if pixel_values is not None and pixel_values.is_cuda else None
+        per_image = process_image_input(self, image_input)
         if started is not None:
             CLOCK.stop(started, len(per_image))
         return per_image
 
-    _process_image_input.vlmstream_tower = True
+    _process_image_input.vlmstream_tower = "vllm"
     return _process_image_input
 
 
-def install(classes=MODEL_CLASSES) -> list[str]:
-    """Route the pixel inputs of each of ``classes`` (module, class name) through our tower; the names of those that
-    now do. Installing twice changes nothing."""
+def install(classes=MODEL_CLASSES, wrap=through_our_tower) -> list[str]:
+    """Route the pixel inputs of each of ``classes`` (module, class name) through ``wrap`` (our tower, or
+    ``timed_tower``: vLLM's own, clocked); the names of those that now do. Installing twice changes nothing."""
     installed = []
     for module_name, class_name in classes:
         try:
@@ -135,8 +152,8 @@ def install(classes=MODEL_CLASSES) -> list[str]:
             log.warning("vlmstream engine tower: %s.%s is not there (%s); its model keeps vLLM's tower",
                         module_name, class_name, exc)
             continue
-        if not getattr(cls._process_image_input, "vlmstream_tower", False):
-            cls._process_image_input = through_our_tower(cls._process_image_input)
+        if not getattr(cls._process_image_input, "vlmstream_tower", None):
+            cls._process_image_input = wrap(cls._process_image_input)
         installed.append(class_name)
     return installed
 
@@ -147,10 +164,21 @@ class EngineTowerExtension:
     worker runs and how much GPU time the tower's forwards have taken so far."""
 
     def vlmstream_tower_report(self) -> dict:
-        return {"installed": list(INSTALLED), "encoders": [
+        return {"installed": list(INSTALLED), "tower": TOWER, "encoders": [
             {"fast_blocks": e.fast.replaced if e.fast else 0, "compiled": e.compiled, "attention": e.attention,
              "image_embeds_width": e.image_embeds_width} for e in _encoders.values()], "clock": CLOCK.totals()}
 
 
+def _installed_on_import() -> tuple[str, list[str]]:
+    """Which tower this engine process runs ("vlmstream" or "vllm", from the settings VllmEngine exported to it)
+    and the model classes it is installed in."""
+    from vlmstream.config import Settings
+
+    tower = "vlmstream" if Settings().infer.engine_tower else "vllm"
+    if importlib.util.find_spec("vllm") is None:
+        return tower, []
+    return tower, install(wrap=through_our_tower if tower == "vlmstream" else timed_tower)
+
+
 # Installed on import: the only place vLLM lets a worker run code of ours before it builds its model.
-INSTALLED = install() if importlib.util.find_spec("vllm") is not None else []
+TOWER, INSTALLED = _installed_on_import()

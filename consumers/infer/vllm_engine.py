@@ -77,17 +77,20 @@ ENGINE_TOWER_CLOCK_S = 10.0  # how often the consumer reads the engine tower's G
 
 
 def engine_tower_args(settings: InferSettings, mode: str, family: ModelFamily) -> tuple[dict, dict[str, str]]:
-    """vLLM engine arguments and the engine process's environment for ``infer.engine_tower`` (both empty when it is
-    off). The engine process reads the tower's settings from its environment (engine_tower.encoder_for)."""
-    if not settings.engine_tower:
+    """vLLM engine arguments and the engine process's environment for ``infer.engine_tower`` or ``infer.tower_clock``
+    (both empty when both are off). The engine process reads the tower's settings from its environment
+    (engine_tower.encoder_for)."""
+    if not (settings.engine_tower or settings.tower_clock):
         return {}, {}
+    name = "infer.engine_tower" if settings.engine_tower else "infer.tower_clock"
     if mode != "pixels":
-        raise ValueError("infer.engine_tower runs our tower on the pixels vLLM's processor makes: set infer.mode=pixels "
-                         "(embeds mode runs it in this process), or infer.engine_tower=false")
+        raise ValueError(f"{name} works on the pixels vLLM's processor makes: set infer.mode=pixels "
+                         f"(embeds mode runs our tower in this process), or {name}=false")
     if not family.exact_size:
-        raise ValueError(f"infer.engine_tower needs a model of a Qwen family; this one ({family.name}) runs the "
-                         "generic path, where vLLM's own tower is the only one: set infer.engine_tower=false")
-    env = {"VLMSTREAM_INFER__VISION_COMPILE": str(settings.vision_compile).lower(),
+        raise ValueError(f"{name} needs a model of a Qwen family; this one ({family.name}) runs the generic path: "
+                         f"set {name}=false")
+    env = {"VLMSTREAM_INFER__ENGINE_TOWER": str(settings.engine_tower).lower(),
+           "VLMSTREAM_INFER__VISION_COMPILE": str(settings.vision_compile).lower(),
            "VLMSTREAM_INFER__VISION_QKV_KERNEL": settings.vision_qkv_kernel,
            "VLMSTREAM_INFER__VISION_FP8": str(settings.vision_fp8).lower()}
     return {"worker_extension_cls": ENGINE_TOWER_EXTENSION}, env
@@ -193,8 +196,8 @@ class VllmEngine(QueuedEngine):
             raise
         self.start_s = time.perf_counter() - started
         self.engine_tower_report: dict | None = None  # what vLLM's worker runs, with infer.engine_tower
-        # With infer.engine_tower: the tower's GPU ms per image in vLLM's engine process over the last clock reading,
-        # put in each result's timings as encode_ms_per_image (what embeds mode reports for the tower it runs here).
+        # With infer.engine_tower or tower_clock: the tower's GPU ms per image in vLLM's engine process over the last
+        # clock reading, in each result's timings as encode_ms_per_image (what embeds mode reports for its tower).
         self.engine_tower_ms_per_image: float | None = None
         self._tower_watch = None
         if tower_args:
@@ -240,21 +243,22 @@ class VllmEngine(QueuedEngine):
         self._start_worker(self._encode_loop, "vllm-encoder")
 
     def _report_engine_tower(self) -> None:
-        """Log what vLLM's worker says it runs (engine_tower.EngineTowerExtension); refuse an engine that kept vLLM's
-        own tower for every model class, naming the setting."""
+        """Log what vLLM's worker says it runs (engine_tower.EngineTowerExtension); refuse an engine where no model
+        class took it, naming the setting."""
         try:
             report = self._engine_loop.call(self.llm.collective_rpc("vlmstream_tower_report"), 120)[0]
         except Exception as exc:  # noqa: BLE001 - whatever went wrong, the engine did not take our tower
             report = {"installed": [], "error": f"{type(exc).__name__}: {str(exc)[:300]}"}
         self.engine_tower_report = report
-        log.info("vLLM's engine process runs vlmstream's vision tower: %s", report)
+        log.info("vLLM's engine process runs vlmstream's vision tower: %s", report)  # gpu_bench reads this line
+        name = "infer.engine_tower" if self.settings.engine_tower else "infer.tower_clock"
         if not report.get("installed"):
             self._engine_loop.shutdown_llm(self.llm)
             self._engine_loop.stop()
             self._engine_loop.reap_children()
-            raise RuntimeError(f"infer.engine_tower: vLLM {self._v.version}'s engine did not take our vision tower "
-                               f"({report}); set infer.engine_tower=false")
-        if not report.get("encoders"):
+            raise RuntimeError(f"{name}: vLLM {self._v.version}'s engine did not take vlmstream's tower wrapper "
+                               f"({report}); set {name}=false")
+        if self.settings.engine_tower and not report.get("encoders"):
             log.warning("vLLM ran no image at start, so the tower in its engine process is built (and compiled) on "
                         "the first batch")
 
@@ -282,8 +286,9 @@ class VllmEngine(QueuedEngine):
         except Exception as exc:  # noqa: BLE001 - only a closing log line is lost
             log.warning("the engine tower's clock could not be read at close: %s", exc)
             return
-        log.info("vlmstream's vision tower in vLLM's engine process: %d images in %d forwards, %.1f GPU ms per image",
-                 clock["images"], clock["forwards"], clock["gpu_ms"] / max(1, clock["images"]))
+        log.info("the vision tower in vLLM's engine process (%s): %d images in %d forwards, %.1f GPU ms per image",
+                 "vlmstream's" if self.settings.engine_tower else "vLLM's own", clock["images"], clock["forwards"],
+                 clock["gpu_ms"] / max(1, clock["images"]))
 
     # ----------------------------------------------------------------------------- Engine protocol
 
