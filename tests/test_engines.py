@@ -503,10 +503,10 @@ def test_the_engine_tower_takes_pixel_inputs_and_leaves_the_rest_to_vllm(images,
     assert isinstance(got, tuple) and len(got) == 3
     for g, e in zip(got, expected, strict=True):
         torch.testing.assert_close(g, e, atol=1e-4, rtol=1e-4)
-    encoder = engine_tower._encoders[id(model)]
+    encoder = engine_tower._encoders[model]
     assert encoder.fast is not None and not encoder.compiled  # CPU: fast blocks, not compiled
     model._process_image_input(pixel_input)
-    assert engine_tower._encoders[id(model)] is encoder  # built once
+    assert engine_tower._encoders[model] is encoder  # built once
     report = engine_tower.EngineTowerExtension().vlmstream_tower_report()
     assert {"fast_blocks": encoder.fast.replaced, "compiled": False, "attention": "sdpa",
             "image_embeds_width": encoder.image_embeds_width} in report["encoders"]
@@ -516,8 +516,8 @@ def test_the_engine_tower_takes_pixel_inputs_and_leaves_the_rest_to_vllm(images,
     assert model._process_image_input(embeds_input) == ("vllm's own tower", "image_embeds")
     sharded = QwenModelLikeVllms(model_dir, data_parallel=True)
     assert sharded._process_image_input(pixel_input) == ("vllm's own tower", "pixel_values")
-    assert id(sharded) not in engine_tower._encoders
-    engine_tower._encoders.pop(id(model))
+    assert sharded not in engine_tower._encoders
+    engine_tower._encoders.pop(model)
 
 
 def test_the_engine_tower_setting_is_refused_where_it_cannot_run_and_reaches_the_engine_process():

@@ -29,6 +29,7 @@ import functools
 import importlib
 import importlib.util
 import logging
+import weakref
 
 from consumers.infer.vision import VisionEncoder, load_vision_tower
 
@@ -42,8 +43,9 @@ MODEL_CLASSES = (
     ("vllm.model_executor.models.qwen3_vl", "Qwen3VLForConditionalGeneration"),
 )
 
-# By id of the vLLM model object: one engine process builds one model, but nothing here relies on it.
-_encoders: dict[int, VisionEncoder] = {}
+# Per vLLM model object, held weakly: one engine process builds one model, but nothing here relies on it, and a model
+# that goes takes its encoder with it.
+_encoders: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 class TowerClock:
@@ -114,9 +116,9 @@ def through_our_tower(original, build=encoder_for):
     def _process_image_input(self, image_input):
         if image_input["type"] != "pixel_values" or getattr(self, "use_data_parallel", False):
             return original(self, image_input)
-        encoder = _encoders.get(id(self))
+        encoder = _encoders.get(self)
         if encoder is None:
-            encoder = _encoders[id(self)] = build(self)
+            encoder = _encoders[self] = build(self)
         # vLLM splits its tower's output per image the same way: merged tokens (then DeepStack levels) per image.
         return tuple(encoder.encode_patches(image_input["pixel_values"], image_input["image_grid_thw"]))
 
