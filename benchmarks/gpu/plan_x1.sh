@@ -101,12 +101,9 @@ if [ "$LIST" = tower-mps ]; then
   job t1_tower 150 240 python3 benchmarks/gpu/bench_vision_tower.py --model /root/model --imgs /root/imgs \
     --variants fast+vllm_fa3 --seconds 3 --profile-budget default --out "$RES/t1_tower.json"
   job a1_this 300 420 $BENCH --model /root/model --budgets 256,1280 $PIPE --out "$RES/a1_this"
-  if [ -d /root/ab-tree ]; then
-    cp "$RES/commit.txt" "$RES/a_commit.txt"; cp /root/ab-tree/COMMIT "$RES/b_commit.txt" 2>/dev/null
-    job b1_before 240 360 env PYTHONPATH=/tmp/site:/root/ab-tree python3 /root/ab-tree/benchmarks/gpu/gpu_bench.py \
+  if ab_tree_ready b1_before; then
+    job b1_before 240 360 $IN_AB_TREE/benchmarks/gpu/gpu_bench.py \
       --imgs /root/imgs --max-tokens 64 --gpu-ids 0 --model /root/model --budgets 256 $PIPE --out "$RES/b1_before"
-  else
-    printf 'b1_before\tskipped\t%s\t0\tno /root/ab-tree\n' "$(date +%T)" >> "$RES/jobs.tsv"
   fi
   job m1_mps 300 420 $BENCH --model /root/model --budgets 256,1280 $PIPE --mps --out "$RES/m1_mps"
 fi
@@ -157,14 +154,11 @@ fi
 
 if [ "$LIST" = ab ] || [ "$LIST" = ba ]; then
   [ -e /root/model/config.json ] || python3 benchmarks/gpu/mk_model.py /root/model > "$RES/mk_model.log" 2>&1
-  cp "$RES/commit.txt" "$RES/a_commit.txt"; cp /root/ab-tree/COMMIT "$RES/b_commit.txt" 2>/dev/null
-  ab_b() { job "$1" 240 360 env PYTHONPATH=/tmp/site:/root/ab-tree python3 /root/ab-tree/benchmarks/gpu/gpu_bench.py \
+  ab_b() { job "$1" 240 360 $IN_AB_TREE/benchmarks/gpu/gpu_bench.py \
     --imgs /root/imgs --max-tokens 64 --gpu-ids 0 --model /root/model --budgets 256 $PIPE --out "$RES/$1"; }
   ab_a() { job "$1" 240 360 $BENCH --model /root/model --budgets 256 $PIPE --out "$RES/$1"; }
-  if [ -d /root/ab-tree ]; then
+  if ab_tree_ready ab; then
     if [ "$LIST" = ba ]; then ab_b b1_before; ab_a a1_this; else ab_a a1_this; ab_b b1_before; ab_b b2_before; ab_a a2_this; fi
-  else
-    printf 'ab\tskipped\t%s\t0\tno /root/ab-tree\n' "$(date +%T)" >> "$RES/jobs.tsv"
   fi
 fi
 
@@ -272,16 +266,13 @@ fi
 
 if [ "$LIST" = tower-ab ]; then
   [ -e /root/model/config.json ] || python3 benchmarks/gpu/mk_model.py /root/model > "$RES/mk_model.log" 2>&1
-  if [ -d /root/ab-tree ]; then
-    cp "$RES/commit.txt" "$RES/a_commit.txt"; cp /root/ab-tree/COMMIT "$RES/b_commit.txt" 2>/dev/null
+  if ab_tree_ready tower-ab; then
     TOWER_ARGS="--model /root/model --imgs /root/imgs --budgets 256,1280,default --variants fast+vllm_fa3 --seconds 3"
     tower_a() { job "$1" 70 150 python3 benchmarks/gpu/bench_vision_tower.py $TOWER_ARGS --profile-budget '' \
       --out "$RES/$1.json"; }
-    tower_b() { job "$1" 70 150 env PYTHONPATH=/tmp/site:/root/ab-tree python3 \
-      /root/ab-tree/benchmarks/gpu/bench_vision_tower.py $TOWER_ARGS --profile-budget '' --out "$RES/$1.json"; }
+    tower_b() { job "$1" 70 150 $IN_AB_TREE/benchmarks/gpu/bench_vision_tower.py $TOWER_ARGS --profile-budget '' \
+      --out "$RES/$1.json"; }
     tower_a ta1; tower_b tb1; tower_b tb2; tower_a ta2; tower_a ta3; tower_b tb3
-  else
-    printf 'tower-ab\tskipped\t%s\t0\tno /root/ab-tree\n' "$(date +%T)" >> "$RES/jobs.tsv"
   fi
   # The tower as this code runs it against transformers' full model, both families' released configs.
   job c1_check_tower_q25 100 180 python3 benchmarks/gpu/check_tower.py --model qwen2.5-vl-7b --images /root/imgs \
