@@ -3,7 +3,8 @@ weights).
 
 Run on the device (vLLM unpacked per shared/gpu/README.md, PYTHONPATH set):
     python benchmarks/gpu_engine_smoke.py [--model qwen2.5-vl-7b|qwen3-vl-8b] [--images DIR] [--n 64]
-        [--max-pixels 1003520] [--tokens 64] [--modes embeds,pixels,pixels-engine-tower] [--out $OUT/engine_smoke.json]
+        [--max-pixels 1003520] [--tokens 64] [--modes embeds,pixels,pixels-engine-tower,embeds-engine-tower]
+        [--out $OUT/engine_smoke.json]
 
 What it checks and prints:
 1. embeds mode: images/s through VllmEngine (our GPU patchify + batched tower + vLLM LM), and that, to bf16
@@ -14,7 +15,9 @@ What it checks and prints:
 3. pixels mode: images/s with vLLM doing its own normalise/patchify/tower on the exact-size arrays; mode
    ``pixels-engine-tower``: the same with our tower in vLLM's engine process (infer.engine_tower), what the
    engine reports it runs, and with embeds mode in the same run the share of images whose text equals embeds
-   mode's (the same seeded tower and language model: equal texts say the engine ran our tower).
+   mode's (the same seeded tower and language model: equal texts say the engine ran our tower); mode
+   ``embeds-engine-tower``: embeds mode with our tower in vLLM's engine, the decoded images sent there as pixel rows
+   (consumers/infer/pixel_rows.py), compared the same way.
 Every engine is closed before the next starts; the script exits with os._exit so no thread or EngineCore
 child can keep the device call alive.
 """
@@ -116,7 +119,8 @@ def main() -> None:
     ap.add_argument("--max-pixels", type=int, default=1280 * 28 * 28)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--batch-size", type=int, default=8, help="images per vision-tower forward")
-    ap.add_argument("--modes", default="embeds,pixels", help="comma list of embeds, pixels, pixels-engine-tower")
+    ap.add_argument("--modes", default="embeds,pixels",
+                    help="comma list of embeds, pixels, pixels-engine-tower, embeds-engine-tower")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "engine_smoke.json"))
     args = ap.parse_args()
 
@@ -142,8 +146,8 @@ def main() -> None:
         try:
             t = time.perf_counter()
             try:
-                update = ({"mode": "pixels", "engine_tower": True} if mode == "pixels-engine-tower"
-                          else {"mode": mode})
+                base, _, tower_in_engine = mode.partition("-")
+                update = {"mode": base, "engine_tower": tower_in_engine == "engine-tower"}
                 engine = VllmEngine(model_dir, settings.model_copy(update=update), load_format="dummy")
             except Exception as exc:
                 if mode != "embeds":
@@ -218,17 +222,16 @@ def main() -> None:
             if engine is not None:
                 engine.close()
         Path(args.out).write_text(json.dumps(report, indent=1, default=str))
-    if "embeds" in texts and "pixels-engine-tower" in texts:
-        # Same language model (vLLM's dummy weights are seeded per parameter) and, for a folder without weights, the
-        # same seeded random tower (load_vision_tower) in this process and in vLLM's: equal texts say the engine ran
-        # our tower. vLLM's own tower has other random weights, so its texts differ. Random weights make near-ties
-        # in the logits, so a few texts may differ by bf16 rounding (the pixels are normalised on the GPU for embeds
-        # and by vLLM's processor for pixels).
-        pairs = list(zip(texts["embeds"], texts["pixels-engine-tower"]))
-        report["engine_tower_same_text_as_embeds"] = round(sum(a == b for a, b in pairs) / len(pairs), 3)
-        if "pixels" in texts:
-            pairs = list(zip(texts["embeds"], texts["pixels"]))
-            report["vllm_tower_same_text_as_embeds"] = round(sum(a == b for a, b in pairs) / len(pairs), 3)
+    # Same language model (vLLM's dummy weights are seeded per parameter) and, for a folder without weights, the same
+    # seeded random tower (load_vision_tower) in this process and in vLLM's: equal texts say the engine ran our
+    # tower. vLLM's own tower (mode pixels) has other random weights, so its texts differ. Random weights make
+    # near-ties in the logits, so a few texts may differ by bf16 rounding (the pixels are normalised on the GPU for
+    # embeds and by vLLM's processor for pixels).
+    for other in ("pixels-engine-tower", "embeds-engine-tower", "pixels"):
+        if "embeds" in texts and other in texts:
+            pairs = list(zip(texts["embeds"], texts[other]))
+            report[f"{other}_same_text_as_embeds"] = round(sum(a == b for a, b in pairs) / len(pairs), 3)
+    if any("same_text" in k for k in report):
         print("RESULT engine-tower-texts", json.dumps({k: v for k, v in report.items() if "same_text" in k}),
               flush=True)
     if "embeds" in report and "pixels" in report:

@@ -458,13 +458,16 @@ def test_the_towers_qkv_kernel_is_a_setting(monkeypatch):
 
 class QwenModelLikeVllms:
     """The part of vLLM's Qwen model classes that engine_tower.install replaces and reads: ``_process_image_input``
-    (vLLM's own tower: here a marker), ``visual`` (its tower, for device and dtype), ``model_config.model`` (the
-    checkpoint) and ``use_data_parallel``."""
+    (vLLM's own tower: here a marker), ``parameters()`` (for the device), ``model_config.model`` and ``.dtype`` (the
+    checkpoint, the model's dtype) and ``use_data_parallel``."""
 
     def __init__(self, checkpoint, data_parallel: bool = False):
-        self.visual = torch.nn.Linear(2, 2)
-        self.model_config = types.SimpleNamespace(model=str(checkpoint))
+        self.language_model = torch.nn.Linear(2, 2)
+        self.model_config = types.SimpleNamespace(model=str(checkpoint), dtype=torch.float32)
         self.use_data_parallel = data_parallel
+
+    def parameters(self):
+        return self.language_model.parameters()
 
     def _process_image_input(self, image_input):
         return ("vllm's own tower", image_input["type"])
@@ -505,6 +508,14 @@ def test_the_engine_tower_takes_pixel_inputs_and_leaves_the_rest_to_vllm(images,
         torch.testing.assert_close(g, e, atol=1e-4, rtol=1e-4)
     encoder = engine_tower._encoders[model]
     assert encoder.fast is not None and not encoder.compiled  # CPU: fast blocks, not compiled
+    # embeds mode with the tower in the engine: the decoded images' own bytes as uint8 image_embeds rows.
+    from consumers.infer import pixel_rows
+
+    rows = torch.cat([pixel_rows.pack(np.asarray(image), tuple(grid), encoder.family)
+                      for image, grid in zip(images[:3], inputs["image_grid_thw"].tolist())])
+    rows_input = {"type": "image_embeds", "image_embeds": rows, "image_grid_thw": inputs["image_grid_thw"]}
+    for g, e in zip(model._process_image_input(rows_input), expected, strict=True):
+        torch.testing.assert_close(g, e, atol=1e-4, rtol=1e-4)
     model._process_image_input(pixel_input)
     assert engine_tower._encoders[model] is encoder  # built once
     report = engine_tower.EngineTowerExtension().vlmstream_tower_report()
@@ -521,9 +532,10 @@ def test_the_engine_tower_takes_pixel_inputs_and_leaves_the_rest_to_vllm(images,
 
 
 def test_the_engine_tower_setting_is_refused_where_it_cannot_run_and_reaches_the_engine_process():
-    """engine_tower_args: off, nothing; in embeds mode or for a generic-path model, refused by the setting's name;
-    on, vLLM's worker extension and the tower's settings for the engine process's environment, which
-    child_environment puts there while the engine starts and takes back afterwards."""
+    """engine_tower_args: off, nothing; for a generic-path model refused by the setting's name, as is tower_clock in
+    embeds mode; engine_tower in either mode, and tower_clock in pixels mode, vLLM's worker extension and the tower's
+    settings for the engine process's environment, which child_environment puts there while the engine starts and
+    takes back afterwards."""
     import os
 
     from consumers.infer.vllm_engine import ENGINE_TOWER_EXTENSION, engine_tower_args
@@ -536,11 +548,10 @@ def test_the_engine_tower_setting_is_refused_where_it_cannot_run_and_reaches_the
     clocked = InferSettings(tower_clock=True)
     args, env = engine_tower_args(clocked, "pixels", QWEN2_VL)  # vLLM's own tower, clocked
     assert args == {"worker_extension_cls": ENGINE_TOWER_EXTENSION} and env["VLMSTREAM_INFER__ENGINE_TOWER"] == "false"
-    with pytest.raises(ValueError, match="infer.tower_clock=false"):
+    with pytest.raises(ValueError, match="infer.tower_clock=false"):  # embeds mode gives vLLM no tower to time
         engine_tower_args(clocked, "embeds", QWEN2_VL)
     on = InferSettings(engine_tower=True, vision_qkv_kernel="torch", vision_compile=False)
-    with pytest.raises(ValueError, match="infer.mode=pixels"):
-        engine_tower_args(on, "embeds", QWEN2_VL)
+    assert engine_tower_args(on, "embeds", QWEN2_VL)[0] == {"worker_extension_cls": ENGINE_TOWER_EXTENSION}
     with pytest.raises(ValueError, match="infer.engine_tower=false"):
         engine_tower_args(on, "pixels", GENERIC)
     args, env = engine_tower_args(on, "pixels", QWEN2_VL)
@@ -643,3 +654,31 @@ def test_the_engine_process_picks_its_tower_from_the_settings_it_was_given(monke
     assert engine_tower._installed_on_import() == ("vlmstream", [])
     monkeypatch.setenv("VLMSTREAM_INFER__ENGINE_TOWER", "false")
     assert engine_tower._installed_on_import() == ("vllm", [])
+
+
+def test_pixel_rows_carry_an_exact_size_image_to_the_engine_and_back_unchanged():
+    """pixel_rows: an exact-size image's bytes as one row per merged visual token (the rows vLLM splits image_embeds
+    by), shared with the image; several images' rows, concatenated as vLLM batches them, come back as the same
+    images. A wrong size or dtype is refused, naming what was expected."""
+    from consumers.infer import pixel_rows
+    from vlmstream.models.qwen2_vl import QWEN2_VL
+    from vlmstream.models.qwen3_vl import QWEN3_VL
+
+    rng = np.random.default_rng(0)
+    for family in (QWEN2_VL, QWEN3_VL):
+        f = family.factor
+        images = [rng.integers(0, 256, (h * f, w * f, 3), dtype=np.uint8) for h, w in ((2, 3), (5, 1), (1, 1))]
+        grids = [family.grid_thw(image.shape[0], image.shape[1]) for image in images]
+        packed = [pixel_rows.pack(image, grid, family) for image, grid in zip(images, grids)]
+        for image, grid, rows in zip(images, grids, packed):
+            assert rows.shape == (family.visual_tokens(grid), pixel_rows.row_width(family)) and rows.dtype == torch.uint8
+            assert rows.data_ptr() == torch.from_numpy(image).data_ptr()  # no copy
+        back = pixel_rows.unpack(torch.cat(packed), torch.tensor(grids), family)
+        assert [b.numpy().tobytes() for b in back] == [image.tobytes() for image in images]
+        assert pixel_rows.are_pixel_rows({"type": "image_embeds", "image_embeds": torch.cat(packed)})
+    assert not pixel_rows.are_pixel_rows({"type": "image_embeds", "image_embeds": torch.zeros(2, 8)})
+    assert pixel_rows.row_width(QWEN2_VL) == 2352 and pixel_rows.row_width(QWEN3_VL) == 3072
+    with pytest.raises(ValueError, match="expected a 28 x 28 x 3 uint8"):
+        pixel_rows.pack(np.zeros((28, 28, 3), np.float32), (1, 2, 2), QWEN2_VL)
+    with pytest.raises(ValueError, match=r"expected uint8 \(1, 2352\)"):
+        pixel_rows.unpack(torch.zeros(2, 2352, dtype=torch.uint8), torch.tensor([[1, 2, 2]]), QWEN2_VL)

@@ -277,12 +277,14 @@ class InferSettings(BaseModel):
         "on an H200 the tower ran slower with it than in bf16, and what it costs in accuracy with a released "
         "checkpoint's weights is not measured here (dummy weights only: benchmarks/RESULTS.md).")
     engine_tower: bool = Field(
-        False, description="vLLM engine, pixels mode, Qwen families: our vision tower (the settings above) runs inside "
-        "vLLM's engine process in place of vLLM's own (consumers/infer/engine_tower.py): one CUDA context instead of "
-        "the two that embeds mode time-slices, and no image_embeds crossing processes. The engine holds the tower's "
-        "weights twice, and vLLM's scheduler decides how many images share a forward (vision_batch_images does not "
-        "apply). With publish_embeddings the consumer runs the tower again for them. At 12.8 MP on an H200 it was no "
-        "faster than vllm serve (benchmarks/RESULTS.md [p]).")
+        False, description="vLLM engine, Qwen families: our vision tower (the settings above) runs inside vLLM's "
+        "engine process (consumers/infer/engine_tower.py): one CUDA context instead of the two that embeds mode "
+        "otherwise time-slices. In embeds mode the decoded images go there as they are, uint8 bytes passed as "
+        "image_embeds rows (consumers/infer/pixel_rows.py: an eighth of vLLM's float32 pixels, no processor on the "
+        "CPU); in pixels mode vLLM's processor makes the pixels and the engine holds the tower twice. vLLM's "
+        "scheduler decides how many images share a forward (vision_batch_images does not apply). With "
+        "publish_embeddings the consumer runs the tower again for them. In pixels mode at 12.8 MP on an H200 it was "
+        "no faster than vllm serve (benchmarks/RESULTS.md [p]); embeds mode with it is not yet measured on a GPU.")
     tower_clock: bool = Field(
         False, description="vLLM engine, pixels mode, Qwen families: time the vision tower's forwards in vLLM's engine "
         "process with CUDA events (no waiting) and put its GPU ms per image in each result's timings_ms as "

@@ -41,14 +41,16 @@
 #   large      Qwen2.5-VL-7B at 12.8 MP / 64, embeds, against `vllm serve` (8 API servers), alternated: X1 serve and
 #              X2 the pipeline for 60 s each, X4 the pipeline under CUDA MPS and X5 serve for 5 minutes each
 #              (sustained; about 24 minutes)
-#   engine-tower  infer.engine_tower (our tower in vLLM's engine process, pixels mode), Qwen2.5-VL-7B / 64, with the
-#              tower's GPU ms per image there from its clock: E1 at 12.8 MP `vllm serve` (8 API servers), the pipeline
-#              in pixels mode with our tower in the engine, then with vLLM's own clocked the same way (infer.tower_clock;
-#              60 s each); E2 at 1 MP the same three (40 s); C1 and M2 of the tower-ab and moe lists in any time left
-#              (about 25 minutes)
-#   engine-tower-smoke  gpu_engine_smoke.py: embeds mode, then pixels mode with our tower in vLLM's engine (same texts?)
-#   engine-tower-q3  Qwen3-VL-8B at 0.2 MP and 1 MP / 64, 40 s phases: the pipeline in pixels mode with our tower in
-#              vLLM's engine (Q1), with vLLM's own (Q2), then `vllm serve` (8 API servers; about 16 minutes)
+#   engine-tower  infer.engine_tower (our tower in vLLM's engine process), Qwen2.5-VL-7B / 64, with the tower's GPU ms
+#              per image there from its clock: E0 gpu_engine_smoke.py, embeds mode against embeds mode with the tower
+#              in the engine (pixel rows: same texts?); E1 at 12.8 MP `vllm serve` (8 API servers), the pipeline in
+#              embeds mode with the tower in the engine (pixel rows), in pixels mode with it (60 s each); E2 at 1 MP
+#              the rows pipeline and serve (40 s); then E1 with vLLM's own tower clocked (infer.tower_clock), C1 and
+#              M2 of the tower-ab and moe lists in any time left (about 25 minutes)
+#   engine-tower-smoke  gpu_engine_smoke.py: embeds mode, then pixels mode with our tower in vLLM's engine (same texts?
+#              [p]: 1.0)
+#   engine-tower-q3  Qwen3-VL-8B at 0.2 MP and 1 MP / 64, 40 s phases, our tower in vLLM's engine: the pipeline in
+#              embeds mode (pixel rows; Q1), in pixels mode (Q2), then `vllm serve` (8 API servers; about 16 minutes)
 #   tower-ab   the Qwen2.5-VL-7B tower alone (fast+vllm_fa3) at 0.2 / 1 / 12.8 MP, this code (A) against /root/ab-tree
 #              (B, a whole older tree as in the ab list), one process each, in the order A B B A A B: the same code
 #              has timed 80 and 106 ms per 12.8 MP image in different processes ([n], [o]), so one pair decides
@@ -221,25 +223,29 @@ if [ "$LIST" = large ]; then
 fi
 
 if [ "$LIST" = engine-tower ]; then
-  # Each pipeline job's pipeline-pixels.log says whether vLLM's engine took the tower ("vLLM's engine process runs
+  # Each pipeline job's pipeline-*.log says whether vLLM's engine took the tower ("vLLM's engine process runs
   # vlmstream's vision tower: {...}") and, at its end, the tower's GPU ms per image there (its clock); the phase
-  # record's tower_tflops_in_engine comes from that clock. [p] found the pipeline at 12.8 MP no faster than serve
-  # with it: this list says whether the tower or the rest of the engine's step takes the time, at 12.8 and 1 MP.
+  # record's tower_tflops_in_engine comes from that clock. [p] found the pipeline at 12.8 MP in pixels mode with our
+  # tower in the engine no faster than serve; embeds mode with it sends the decoded images there as uint8 pixel rows
+  # (an eighth of the float32 pixels, no processor on the CPU).
   [ -e /root/model/config.json ] || python3 benchmarks/gpu/mk_model.py /root/model > "$RES/mk_model.log" 2>&1
   ET="env VLMSTREAM_INFER__ENGINE_TOWER=true"
   VT="env VLMSTREAM_INFER__TOWER_CLOCK=true"  # vLLM's own tower, clocked the same way
+  # Does the engine take pixel rows: the same 16 images at 1 MP, embeds mode with our tower here, then in the engine.
+  job e0_smoke_rows 200 330 python3 benchmarks/gpu_engine_smoke.py --images /root/imgs --n 16 \
+    --modes embeds,embeds-engine-tower --out "$RES/e0_smoke_rows.json"
   job e1_serve 200 330 $BENCH --model /root/model --budgets default --seconds 60 --arms serve --serve-k 8 \
     --out "$RES/e1_serve"
+  job e1_rows 220 330 $ET $BENCH --model /root/model --budgets default --seconds 60 --stop-after 1.5 \
+    --arms pipeline-embeds --profile --out "$RES/e1_rows"
   job e1_engine_tower 220 330 $ET $BENCH --model /root/model --budgets default --seconds 60 --stop-after 1.5 \
     --arms pipeline-pixels --profile --out "$RES/e1_engine_tower"
-  job e1_vllm_tower 220 330 $VT $BENCH --model /root/model --budgets default --seconds 60 --stop-after 1.5 \
-    --arms pipeline-pixels --profile --out "$RES/e1_vllm_tower"
-  job e2_engine_tower_1mp 200 330 $ET $BENCH --model /root/model --budgets 1280 --seconds 40 --stop-after 1.5 \
-    --arms pipeline-pixels --profile --out "$RES/e2_engine_tower_1mp"
-  job e2_vllm_tower_1mp 200 330 $VT $BENCH --model /root/model --budgets 1280 --seconds 40 --stop-after 1.5 \
-    --arms pipeline-pixels --profile --out "$RES/e2_vllm_tower_1mp"
+  job e2_rows_1mp 200 330 $ET $BENCH --model /root/model --budgets 1280 --seconds 40 --stop-after 1.5 \
+    --arms pipeline-embeds --profile --out "$RES/e2_rows_1mp"
   job e2_serve_1mp 200 330 $BENCH --model /root/model --budgets 1280 --seconds 40 --arms serve --serve-k 8 \
     --out "$RES/e2_serve_1mp"
+  job e1_vllm_tower 220 330 $VT $BENCH --model /root/model --budgets default --seconds 60 --stop-after 1.5 \
+    --arms pipeline-pixels --profile --out "$RES/e1_vllm_tower"
   # In any time left: the towers against transformers' full model (each skipped when it would overrun).
   job c1_check_tower_q25 100 180 python3 benchmarks/gpu/check_tower.py --model qwen2.5-vl-7b --images /root/imgs \
     --n 8 --max-pixels 1003520 --out "$RES/c1_check_tower_q25.json"
@@ -258,9 +264,12 @@ fi
 if [ "$LIST" = engine-tower-q3 ]; then
   Q3=/root/qwen3-vl-8b
   [ -e $Q3/config.json ] || python3 benchmarks/gpu/mk_model.py $Q3 qwen3-vl-8b > "$RES/mk_q3.log" 2>&1
-  Q3PIX="--model $Q3 --budgets 256,1280 --seconds 40 --stop-after 2 --profile --arms pipeline-pixels"
-  job q1_engine_tower 330 450 env VLMSTREAM_INFER__ENGINE_TOWER=true $BENCH $Q3PIX --out "$RES/q1_engine_tower"
-  job q2_vllm_tower 330 450 $BENCH $Q3PIX --out "$RES/q2_vllm_tower"
+  Q3P="--model $Q3 --budgets 256,1280 --seconds 40 --stop-after 2 --profile"
+  # Embeds mode with the tower in the engine sends 3,072 bytes per visual token (pixel rows) where image_embeds with
+  # three DeepStack levels take 32,768: the cost that put embeds mode behind pixels mode for this model in [j].
+  job q1_rows 330 450 env VLMSTREAM_INFER__ENGINE_TOWER=true $BENCH $Q3P --arms pipeline-embeds --out "$RES/q1_rows"
+  job q2_engine_tower 330 450 env VLMSTREAM_INFER__ENGINE_TOWER=true $BENCH $Q3P --arms pipeline-pixels \
+    --out "$RES/q2_engine_tower"
   job q3_serve 200 300 $BENCH --model $Q3 --budgets 256,1280 --seconds 40 --arms serve --serve-k 8 --out "$RES/q3_serve"
 fi
 

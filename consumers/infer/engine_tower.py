@@ -1,19 +1,19 @@
-"""Our vision tower inside vLLM's engine process (``infer.engine_tower``, pixels mode), or a clock on vLLM's own
+"""Our vision tower inside vLLM's engine process (``infer.engine_tower``), or a clock on vLLM's own
 (``infer.tower_clock``).
 
-In embeds mode our tower runs in the inference consumer's process: a second CUDA context beside vLLM's, which the
-GPU time-slices against it, and each image's image_embeds cross to vLLM's engine process through host memory (117
-MB for a 12.8 MP Qwen2.5-VL image). Inside the pipeline the tower then takes several times as long per image as
-alone (benchmarks/RESULTS.md, with and without CUDA MPS). In pixels mode vLLM runs its own tower
-module in its engine process. This module puts ours there instead: vLLM imports it in its worker as a worker
-extension (``worker_extension_cls``), before it builds the model, and the import routes each Qwen model class's pixel
-inputs through ``VisionEncoder``. One CUDA context, nothing but the pixels crosses processes, and vLLM's processor
-still normalises and patchifies on the front end as in plain pixels mode.
+Without it, embeds mode runs our tower in the inference consumer's process: a second CUDA context beside vLLM's,
+which the GPU time-slices against it, and each image's image_embeds cross to vLLM's engine process through host
+memory (117 MB for a 12.8 MP Qwen2.5-VL image). Pixels mode runs vLLM's own tower in its engine process. This module
+puts ours there instead: vLLM imports it in its worker as a worker extension (``worker_extension_cls``), before it
+builds the model, and the import routes each Qwen model class's pixel inputs through ``VisionEncoder``, in one CUDA
+context. In pixels mode those inputs are vLLM's processor's pixel_values (normalised and patchified on the CPU, in
+float32); in embeds mode they are the decoded image itself, its uint8 bytes passed as image_embeds rows
+(``pixel_rows``), which vLLM's processor passes through and this module patchifies on the GPU.
 
-The encoder is built from the checkpoint's own vision weights (``load_vision_tower``) on the first image batch,
-which vLLM's memory profiling runs at start, so the engine's memory budget includes it; the engine then holds the
-tower twice (vLLM's module, unused, and ours). Its settings are the inference settings as the engine process reads
-them from the environment: ``VllmEngine`` exports the tower's ones there before it starts vLLM.
+The encoder is built from the checkpoint's own vision weights (``load_vision_tower``) on the first image batch. In
+pixels mode the engine holds the tower twice (vLLM's module, unused, and ours); an embeds-mode engine has none of
+its own. Its settings are the inference settings as the engine process reads them from the environment:
+``VllmEngine`` exports the tower's ones there before it starts vLLM.
 
 Either way a clock of CUDA events around each tower forward (``TowerClock``) counts the tower's GPU time there. With
 ``infer.tower_clock`` and without ``infer.engine_tower`` the import wraps vLLM's own tower in that clock alone, so that
@@ -31,7 +31,8 @@ import importlib.util
 import logging
 import weakref
 
-from consumers.infer.vision import VisionEncoder, load_vision_tower
+from consumers.infer import pixel_rows
+from consumers.infer.vision import VisionEncoder, load_vision_tower, patchify_batch
 
 log = logging.getLogger(__name__)
 
@@ -96,9 +97,12 @@ def encoder_for(model) -> VisionEncoder:
     from vlmstream.config import Settings
 
     settings = Settings().infer
-    weights = next(model.visual.parameters())
-    tower, real_weights = load_vision_tower(model.model_config.model, weights.device, weights.dtype)
-    encoder = VisionEncoder(tower, weights.device, weights.dtype, compile_blocks=settings.vision_compile,
+    # vLLM's own tower may be a placeholder on the meta device (an engine started for image_embeds only): the
+    # device is the language model's, the dtype the model's.
+    device = next(p.device for p in model.parameters() if p.device.type != "meta")
+    dtype = model.model_config.dtype
+    tower, real_weights = load_vision_tower(model.model_config.model, device, dtype)
+    encoder = VisionEncoder(tower, device, dtype, compile_blocks=settings.vision_compile,
                             qkv_kernel=settings.vision_qkv_kernel, fp8=settings.vision_fp8)
     log.warning("vlmstream's vision tower runs in vLLM's engine process for %s: %d fast blocks, compiled=%s, "
                 "attention %s, checkpoint weights %s", type(model).__name__,
@@ -109,18 +113,26 @@ def encoder_for(model) -> VisionEncoder:
 
 def through_our_tower(original, build=encoder_for):
     """``original`` (a vLLM model's ``_process_image_input``) with pixel inputs encoded by our tower, built once per
-    model by ``build``. Image embeddings given as input, and towers vLLM shards over GPUs (data-parallel vision
-    encoder), keep vLLM's own path."""
+    model by ``build``: vLLM's processor's pixel_values, or the decoded image itself as pixel rows (uint8
+    image_embeds, ``pixel_rows``), patchified here on the GPU. Image embeddings given as input, and pixel_values
+    for a tower vLLM shards over GPUs (data-parallel vision encoder), keep vLLM's own path."""
 
     @functools.wraps(original)
     def _process_image_input(self, image_input):
-        if image_input["type"] != "pixel_values" or getattr(self, "use_data_parallel", False):
+        rows = pixel_rows.are_pixel_rows(image_input)
+        if not rows and (image_input["type"] != "pixel_values" or getattr(self, "use_data_parallel", False)):
             return original(self, image_input)
         encoder = _encoders.get(self)
         if encoder is None:
             encoder = _encoders[self] = build(self)
+        grid_thw = image_input["image_grid_thw"]
+        if rows:
+            images = pixel_rows.unpack(image_input["image_embeds"], grid_thw, encoder.family)
+            pixel_values, grid_thw = patchify_batch(images, encoder.device, encoder.dtype, encoder.family)
+        else:
+            pixel_values = image_input["pixel_values"]
         # vLLM splits its tower's output per image the same way: merged tokens (then DeepStack levels) per image.
-        return tuple(encoder.encode_patches(image_input["pixel_values"], image_input["image_grid_thw"]))
+        return tuple(encoder.encode_patches(pixel_values, grid_thw))
 
     timed = timed_tower(_process_image_input)
     timed.vlmstream_tower = "vlmstream"
@@ -128,12 +140,14 @@ def through_our_tower(original, build=encoder_for):
 
 
 def timed_tower(process_image_input):
-    """``process_image_input`` with each forward on pixel inputs on the GPU timed by CLOCK."""
+    """``process_image_input`` with each forward on pixel inputs (pixel_values or pixel rows) on the GPU timed by
+    CLOCK."""
 
     @functools.wraps(process_image_input)
     def _process_image_input(self, image_input):
-        pixel_values = image_input.get("pixel_values") if image_input["type"] == "pixel_values" else None
-        started = CLOCK.start() if pixel_values is not None and pixel_values.is_cuda else None
+        pixels = (image_input["pixel_values"] if image_input["type"] == "pixel_values"
+                  else image_input["image_embeds"] if pixel_rows.are_pixel_rows(image_input) else None)
+        started = CLOCK.start() if pixels is not None and pixels.is_cuda else None
         per_image = process_image_input(self, image_input)
         if started is not None:
             CLOCK.stop(started, len(per_image))

@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 
 
+from consumers.infer import pixel_rows
 from consumers.infer.engine import ENGINE_DEAD as _DEAD
 from consumers.infer.engine import (InferenceFailure, InferenceOutput, InferenceRequest,
                                     QueuedEngine)
@@ -83,9 +84,9 @@ def engine_tower_args(settings: InferSettings, mode: str, family: ModelFamily) -
     if not (settings.engine_tower or settings.tower_clock):
         return {}, {}
     name = "infer.engine_tower" if settings.engine_tower else "infer.tower_clock"
-    if mode != "pixels":
-        raise ValueError(f"{name} works on the pixels vLLM's processor makes: set infer.mode=pixels "
-                         f"(embeds mode runs our tower in this process), or {name}=false")
+    if mode != "pixels" and not settings.engine_tower:
+        raise ValueError("infer.tower_clock times vLLM's own tower, which only pixels mode runs: set infer.mode=pixels, "
+                         "or infer.tower_clock=false")
     if not family.exact_size:
         raise ValueError(f"{name} needs a model of a Qwen family; this one ({family.name}) runs the generic path: "
                          f"set {name}=false")
@@ -118,6 +119,9 @@ class VllmEngine(QueuedEngine):
                                     "(set infer.engine=transformers to run on CPU)")
         self._torch = torch
         self.settings = settings
+        # Where embeds mode runs our tower: here, shipping image_embeds to vLLM, or (infer.engine_tower) in vLLM's
+        # engine process, shipping the decoded image there as pixel rows (consumers/infer/pixel_rows.py).
+        self._tower_in_engine = self.mode == "embeds" and settings.engine_tower
         self.model_path = str(model_path)
         self.model_id = settings.model or self.model_path
         self.revision = settings.revision
@@ -215,7 +219,7 @@ class VllmEngine(QueuedEngine):
         self.tower_has_real_weights = False
         self.image_embeds_width = (expected_image_embeds_width(self.llm.vllm_config.model_config.hf_config)
                                    if self.family.exact_size else None)
-        if self.family.exact_size and (self.mode == "embeds" or settings.publish_embeddings):
+        if self.family.exact_size and (self._embeds_here() or settings.publish_embeddings):
             dtype = torch.bfloat16
             tower, self.tower_has_real_weights = load_vision_tower(self.model_path, "cuda", dtype)
             if not self.tower_has_real_weights and load_format != "dummy":
@@ -223,7 +227,7 @@ class VllmEngine(QueuedEngine):
             self.encoder = VisionEncoder(tower, "cuda", dtype, attention=vision_attention,
                                          compile_blocks=settings.vision_compile, family=self.family,
                                          qkv_kernel=settings.vision_qkv_kernel, fp8=settings.vision_fp8)
-            if self.mode == "embeds" and self.encoder.image_embeds_width != self.image_embeds_width:
+            if self._embeds_here() and self.encoder.image_embeds_width != self.image_embeds_width:
                 self._engine_loop.shutdown_llm(self.llm)
                 self._engine_loop.stop()
                 self._engine_loop.reap_children()
@@ -261,6 +265,10 @@ class VllmEngine(QueuedEngine):
         if self.settings.engine_tower and not report.get("encoders"):
             log.warning("vLLM ran no image at start, so the tower in its engine process is built (and compiled) on "
                         "the first batch")
+
+    def _embeds_here(self) -> bool:
+        """Whether this process makes the image_embeds vLLM gets (embeds mode, tower not in vLLM's engine)."""
+        return self.mode == "embeds" and not self._tower_in_engine
 
     async def _watch_engine_tower(self) -> None:
         """Read the engine tower's clock (engine_tower.TowerClock) every ENGINE_TOWER_CLOCK_S: its GPU ms per image
@@ -329,7 +337,7 @@ class VllmEngine(QueuedEngine):
                 self._outbox.put(InferenceFailure(request.request_id, "invalid_request", problem, retriable=False))
             else:
                 valid.append((request, submitted))
-        need_tower = [(r, s) for r, s in valid if self.mode == "embeds" or (r.want_embedding and self.encoder)]
+        need_tower = [(r, s) for r, s in valid if self._embeds_here() or (r.want_embedding and self.encoder)]
         tower_ids = {id(r) for r, _ in need_tower}
         self._dispatch([(r, s) for r, s in valid if id(r) not in tower_ids], {})
         for group in groups_by_patches(need_tower, _patches, self.encoder.max_patches_per_call if need_tower else 1):
@@ -345,8 +353,12 @@ class VllmEngine(QueuedEngine):
                 continue
             image_embeds, embedding, timings = result if result else (None, None, {})
             timings = {"queue_ms": (time.perf_counter() - submitted) * 1e3 - timings.get("encode_ms", 0.0), **timings}
-            mm_item = ({"image_embeds": image_embeds, "image_grid_thw": self._torch.tensor([list(request.grid_thw)])}
-                       if self.mode == "embeds" else request.image)
+            if self.mode == "pixels":
+                mm_item = request.image
+            else:  # image_embeds from our tower here, or the image's own bytes for our tower in the engine
+                rows = (pixel_rows.pack(request.image, request.grid_thw, self.family) if self._tower_in_engine
+                        else image_embeds)
+                mm_item = {"image_embeds": rows, "image_grid_thw": self._torch.tensor([list(request.grid_thw)])}
             future = self._engine_loop.submit(
                 self._generate(request, mm_item, embedding if request.want_embedding else None, timings))
             self._tasks.add(future)
@@ -377,7 +389,7 @@ class VllmEngine(QueuedEngine):
             wanted = [i for i, (r, _) in enumerate(items) if r.want_embedding]
             pooled = dict(zip(wanted, mean_pool_each([tokens[i] for i in wanted], self.encoder.embedding_width)))
             embeddings = [pooled.get(i) for i in range(len(items))]
-            image_embeds = to_host_each(tokens) if self.mode == "embeds" else [None] * len(tokens)
+            image_embeds = to_host_each(tokens) if self._embeds_here() else [None] * len(tokens)
             self._stream.synchronize()
         encode_ms = (time.perf_counter() - started) * 1e3
         timings = {"encode_ms": encode_ms, "encode_batch_images": float(len(items))}
