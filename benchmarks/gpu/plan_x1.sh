@@ -223,8 +223,8 @@ if [ "$LIST" = large ]; then
 fi
 
 if [ "$LIST" = engine-tower ]; then
-  # Each pipeline job's pipeline-*.log says whether vLLM's engine took the tower ("vLLM's engine process runs
-  # vlmstream's vision tower: {...}") and, at its end, the tower's GPU ms per image there (its clock); the phase
+  # Each pipeline job's pipeline-*.log says whether vLLM's engine took the tower ("vLLM's engine process,
+  # vlmstream's tower wrapper: {...}") and, at its end, the tower's GPU ms per image there (its clock); the phase
   # record's tower_tflops_in_engine comes from that clock. [p] found the pipeline at 12.8 MP in pixels mode with our
   # tower in the engine no faster than serve; embeds mode with it sends the decoded images there as uint8 pixel rows
   # (an eighth of the float32 pixels, no processor on the CPU).

@@ -254,7 +254,7 @@ class VllmEngine(QueuedEngine):
         except Exception as exc:  # noqa: BLE001 - whatever went wrong, the engine did not take our tower
             report = {"installed": [], "error": f"{type(exc).__name__}: {str(exc)[:300]}"}
         self.engine_tower_report = report
-        log.info("vLLM's engine process runs vlmstream's vision tower: %s", report)  # gpu_bench reads this line
+        log.info("vLLM's engine process, vlmstream's tower wrapper: %s", report)  # plan_x1.sh's readers look for it
         name = "infer.engine_tower" if self.settings.engine_tower else "infer.tower_clock"
         if not report.get("installed"):
             self._engine_loop.shutdown_llm(self.llm)
