@@ -15,30 +15,43 @@ IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".png", ".webp", ".gif", ".tif", 
                               ".jpf", ".jpx", ".heic", ".heif", ".avif", ".pbm", ".pgm", ".ppm", ".pnm", ".qoi"})
 
 
-def _image_files(root: Path, *, recursive: bool, unreadable: list[OSError] | None = None) -> list[Path]:
+def _is_image_name(name: str) -> bool:
+    return os.path.splitext(name)[1].lower() in IMAGE_EXTENSIONS
+
+
+def _image_files(root: Path, *, recursive: bool, unreadable: list[OSError] | None = None,
+                 skipped: list[Path] | None = None) -> list[Path]:
     """Image files below root. A folder that cannot be listed is added to ``unreadable`` (os.walk would skip it
-    without a word, and its document would go out without its images)."""
+    without a word, and its document would go out without its images); a visible file of another type to
+    ``skipped``, when given, so that the caller can say what it left out."""
     found: list[Path] = []
     for dirpath, dirnames, filenames in os.walk(root, onerror=None if unreadable is None else unreadable.append):
         dirnames[:] = [d for d in dirnames if not d.startswith(".")] if recursive else []
-        found.extend(Path(dirpath, f) for f in filenames
-                     if not f.startswith(".") and os.path.splitext(f)[1].lower() in IMAGE_EXTENSIONS)
+        for f in filenames:
+            if f.startswith("."):
+                continue
+            if _is_image_name(f):
+                found.append(Path(dirpath, f))
+            elif skipped is not None:
+                skipped.append(Path(dirpath, f))
     return found
 
 
-def folder_groups(root: str | Path, *, per_file: bool = False) -> dict[str, list[Path] | OSError]:
+def folder_groups(root: str | Path, *, per_file: bool = False,
+                  skipped: list[Path] | None = None) -> dict[str, list[Path] | OSError]:
     """doc_id -> image files, in natural order, or the error that kept a folder of it from being listed.
 
     Default: each subfolder of ``root`` (images found recursively) is one document and each image file
     directly in ``root`` is a document of its own, so a folder without subfolders is per-file already.
     ``per_file``: every image file anywhere below ``root`` is one document. Ids are relative paths; a folder
-    that cannot be listed is reported under its own.
+    that cannot be listed is reported under its own. Visible files of a type not in IMAGE_EXTENSIONS are added
+    to ``skipped`` when it is given; hidden files and folders are skipped without a word.
     """
     root = Path(root).absolute()
     groups: dict[str, list[Path] | OSError] = {}
     if per_file:
         unreadable: list[OSError] = []
-        for path in _image_files(root, recursive=True, unreadable=unreadable):
+        for path in _image_files(root, recursive=True, unreadable=unreadable, skipped=skipped):
             groups[path.relative_to(root).as_posix()] = [path]
         for error in unreadable:
             groups[Path(error.filename).relative_to(root).as_posix() + "/"] = error
@@ -48,17 +61,27 @@ def folder_groups(root: str | Path, *, per_file: bool = False) -> dict[str, list
                 continue
             if entry.is_dir():
                 unreadable = []
-                files = _image_files(Path(entry.path), recursive=True, unreadable=unreadable)
+                files = _image_files(Path(entry.path), recursive=True, unreadable=unreadable, skipped=skipped)
                 if unreadable:
                     groups[entry.name] = unreadable[0]
                 elif files:
                     groups[entry.name] = files
-            elif os.path.splitext(entry.name)[1].lower() in IMAGE_EXTENSIONS:
+            elif _is_image_name(entry.name):
                 groups[entry.name] = [Path(entry.path)]
+            elif skipped is not None:
+                skipped.append(Path(entry.path))
     for files in groups.values():
         if isinstance(files, list):
             files.sort(key=lambda p: natural_key(p.relative_to(root).as_posix()))
     return dict(sorted(groups.items(), key=lambda kv: natural_key(kv[0])))
+
+
+def skipped_files_line(skipped: list[Path], root: str | Path, shown: int = 3) -> str:
+    """One line for the files a folder scan left out for their type: how many, and the first few by name."""
+    names = ", ".join(Path(p).relative_to(Path(root).absolute()).as_posix() for p in sorted(skipped)[:shown])
+    more = f" and {len(skipped) - shown} more" if len(skipped) > shown else ""
+    return (f"{len(skipped)} file{'s' if len(skipped) != 1 else ''} left out, not of an image type vlmstream reads "
+            f"(by name): {names}{more}")
 
 
 def page_uris(path: Path) -> list[str]:
@@ -94,7 +117,9 @@ def folder_document(root: Path, doc_id: str, files: list[Path] | OSError) -> Doc
                          doc_id.encode("utf-8", "surrogateescape"), doc_id)
 
 
-def scan_folder(root: str | Path, *, per_file: bool = False) -> Iterator[DocumentRef | Rejection]:
+def scan_folder(root: str | Path, *, per_file: bool = False,
+                skipped: list[Path] | None = None) -> Iterator[DocumentRef | Rejection]:
+    """``folder_groups``' documents (or rejections); files of other types are added to ``skipped`` when given."""
     root = Path(root).absolute()
-    for doc_id, files in folder_groups(root, per_file=per_file).items():
+    for doc_id, files in folder_groups(root, per_file=per_file, skipped=skipped).items():
         yield folder_document(root, doc_id, files)

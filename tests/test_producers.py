@@ -15,7 +15,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from producers.folder import folder_groups, scan_folder
+from producers.folder import folder_groups, scan_folder, skipped_files_line
 from producers.items import IDLE, Rejection, natural_key
 from producers.json_document import parse_json_line
 from producers.manifest import read_manifest
@@ -134,6 +134,23 @@ def test_folder_groups_subfolders_and_loose_files(tmp_path: Path) -> None:
                                                                            "book/sub/p1.png"]
     assert sorted(folder_groups(tmp_path, per_file=True)) == ["book/p10.jpg", "book/p2.jpg", "book/sub/p1.png",
                                                               "loose.webp"]
+
+
+def test_a_folder_scan_says_which_files_it_left_out_for_their_type(tmp_path: Path) -> None:
+    """Visible files of a type the decode stage does not read are collected for the caller to name, both ways of
+    grouping, in subfolders and loose; hidden ones are not (they are skipped on purpose)."""
+    for name in ("book/p1.jpg", "book/notes.txt", "drawing.svg", "loose.png", "empty/readme.md", ".hidden/x.pdf",
+                 ".DS_Store"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_bytes(b"not checked here")
+    for per_file in (False, True):
+        skipped: list[Path] = []
+        docs = list(scan_folder(tmp_path, per_file=per_file, skipped=skipped))
+        assert len(docs) == 2
+        assert sorted(p.relative_to(tmp_path).as_posix() for p in skipped) == [
+            "book/notes.txt", "drawing.svg", "empty/readme.md"]
+        assert skipped_files_line(skipped, tmp_path, shown=2) == (
+            "3 files left out, not of an image type vlmstream reads (by name): book/notes.txt, drawing.svg and 1 more")
 
 
 def test_folder_sources_pick_every_format_the_decode_stage_reads(tmp_path: Path) -> None:

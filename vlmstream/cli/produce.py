@@ -43,7 +43,7 @@ def produce(
     Exit 1: the broker did not acknowledge a send; that document goes out on the next run.
     Exit 2: bad usage.
     """
-    from producers.folder import scan_folder
+    from producers.folder import scan_folder, skipped_files_line
     from producers.manifest import read_manifest
     from producers.publisher import publish_documents
     from producers.stdin import read_lines
@@ -75,11 +75,12 @@ def produce(
     stop = threading.Event()
     _stop_on_signals(stop, console)
     items: Iterator[Any]
+    skipped: list[Path] = []  # a one-shot folder scan's files of other types, said at the end
     if manifest is not None:
         items = follow_jsonl(manifest, stop=stop, max_seconds=max_seconds) if watch else read_manifest(manifest)
     elif folder is not None:
         items = (watch_folder(folder, per_file=per_file, settle_s=settle_s, stop=stop, max_seconds=max_seconds)
-                 if watch else scan_folder(folder, per_file=per_file))
+                 if watch else scan_folder(folder, per_file=per_file, skipped=skipped))
     else:
         items = read_lines(sys.stdin.buffer, stop=stop)
 
@@ -103,6 +104,8 @@ def produce(
         console.print(f"[red]fatal:[/] {exc}")
         raise typer.Exit(1) from None
     console.print(summary.render(), highlight=False, markup=False, soft_wrap=True)
+    if skipped:
+        console.print(skipped_files_line(skipped, folder), highlight=False, markup=False, soft_wrap=True)
     sys.stdout.write(orjson.dumps(summary.as_dict()).decode() + "\n")
     if not summary.ok:
         raise typer.Exit(1)
