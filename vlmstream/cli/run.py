@@ -192,7 +192,7 @@ def run(
     from kafka.errors import KafkaError
     from rich.markup import escape
 
-    from producers.folder import IMAGE_EXTENSIONS, scan_folder
+    from producers.folder import IMAGE_EXTENSIONS, scan_folder, skipped_files_line
     from producers.publisher import publish_documents
     from schemas import DeadLetter, Description, DocumentRef, DocumentResult, DocumentSummary, SchemaError
     from vlmstream.cli.backlog import LiveView, RateMemory, RememberedRate, StageProbe, measure_backlog
@@ -220,8 +220,11 @@ def run(
         raise typer.BadParameter(f"{folder} is not a folder or a manifest file")
     else:
         # Read before anything starts: an empty or mistyped folder needs no broker, model or workers to say so.
-        items = list(scan_folder(folder, per_file=per_file))
+        skipped: list[Path] = []
+        items = list(scan_folder(folder, per_file=per_file, skipped=skipped))
         image_roots = [str(folder)]
+        if skipped:
+            console.print(f"[yellow]{escape(skipped_files_line(skipped, folder))}[/]")
     if not items:
         extensions = " ".join(sorted(IMAGE_EXTENSIONS))
         raise typer.BadParameter(f"{folder} holds no image files (looked for {extensions}, in it and its "
@@ -377,6 +380,11 @@ def run(
                     elif shown == show:
                         shown += 1
                         console.print("[dim](further descriptions not shown; --show to change)[/]")
+        # The live view once more, at the end: a run shorter than PROGRESS_EVERY_S would otherwise show none, and a
+        # longer one would end on a line up to that old.
+        console.print(_progress_line(view, started, len(expected & results.keys()), len(expected), images_described,
+                                     images_expected, dead_letters, earlier_dead_letters),
+                      markup=False, highlight=False)
         watcher.close()
         rate = probe.infer_rate(window_s=float("inf"))
         if rate:
