@@ -119,6 +119,42 @@ def test_our_tower_equals_the_full_models_image_features(tiny_dirs, name):
 
 
 @pytest.mark.parametrize("name", FAMILIES)
+def test_the_engine_tower_turns_each_familys_pixel_rows_into_the_full_models_image_features(tiny_dirs, name):
+    """infer.engine_tower in embeds mode: two decoded images' bytes as pixel rows, concatenated as vLLM batches
+    image_embeds, through the patched ``_process_image_input`` give per image what transformers' full model gives
+    (merged tokens and, for Qwen3-VL, every DeepStack level), for each family's patch size."""
+    from transformers import AutoImageProcessor, AutoModelForImageTextToText
+
+    from consumers.infer import engine_tower, pixel_rows
+    from consumers.infer.vision import VisionEncoder, load_vision_tower
+
+    path = tiny_dirs[name]
+    family = family_of(path)
+    model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+    images = _images(family.factor)
+    reference = AutoImageProcessor.from_pretrained(path)(images=images, do_resize=False, return_tensors="pt")
+    with torch.inference_mode():
+        features = model.model.get_image_features(reference["pixel_values"], reference["image_grid_thw"])
+    sizes = (reference["image_grid_thw"].prod(-1) // family.merge_size ** 2).tolist()
+    expected = torch.cat([torch.cat(features.pooler_output),
+                          *(getattr(features, "deepstack_features", None) or [])], -1).split(sizes)
+
+    class VllmModel:  # what the patched method reads of vLLM's model: nothing but this flag, with build given
+        use_data_parallel = False
+
+    tower, _ = load_vision_tower(path, "cpu", torch.float32)
+    process = engine_tower.through_our_tower(lambda self, image_input: "vLLM's own path",
+                                             build=lambda _: VisionEncoder(tower, "cpu", torch.float32))
+    rows = torch.cat([pixel_rows.pack(image, tuple(grid), family)
+                      for image, grid in zip(images, reference["image_grid_thw"].tolist())])
+    got = process(VllmModel(), {"type": "image_embeds", "image_embeds": rows,
+                                "image_grid_thw": reference["image_grid_thw"]})
+    assert len(got) == len(expected)
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
 def test_fast_blocks_compute_what_the_towers_own_blocks_compute(tiny_dirs, name, interpreted_triton):
     """Each family's LayerNorm tower with our fused blocks against the same tower running transformers' blocks, on
     three images of different sizes in one forward, DeepStack levels included: as the encoder installs them (the
