@@ -518,7 +518,14 @@ def test_the_engine_tower_takes_pixel_inputs_and_leaves_the_rest_to_vllm(images,
         torch.testing.assert_close(g, e, atol=1e-4, rtol=1e-4)
     model._process_image_input(pixel_input)
     assert engine_tower._encoders[model] is encoder  # built once
-    report = engine_tower.EngineTowerExtension().vlmstream_tower_report()
+    worker = engine_tower.EngineTowerExtension()
+    worker.model_runner = types.SimpleNamespace(get_model=lambda: model)  # vLLM's worker holds its runner
+    report = worker.vlmstream_tower_report()
+    assert report["model"] == {"class": "QwenModelLikeVllms", "wrapped": True}
+    # A model of a class the wrapper is not in (VllmEngine then refuses to start), or no model to ask about.
+    worker.model_runner = types.SimpleNamespace(get_model=lambda: torch.nn.Linear(2, 2))
+    assert engine_tower.model_takes_it(worker) == {"class": "Linear", "wrapped": False}
+    assert engine_tower.model_takes_it(object())["wrapped"] is False
     assert {"fast_blocks": encoder.fast.replaced, "compiled": False, "attention": "sdpa",
             "image_embeds_width": encoder.image_embeds_width} in report["encoders"]
     assert report["clock"] == {"forwards": 0, "images": 0, "gpu_ms": 0.0}  # CPU tensors: no CUDA events to time

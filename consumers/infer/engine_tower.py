@@ -174,13 +174,25 @@ def install(classes=MODEL_CLASSES, wrap=through_our_tower) -> list[str]:
     return installed
 
 
+def model_takes_it(worker) -> dict:
+    """The class of the model vLLM's worker built, and whether its image inputs go through our wrapper: a class
+    installed above, or one inheriting from it. Without that, pixel rows would reach vLLM's own method as if they were
+    embeddings."""
+    try:
+        model = worker.model_runner.get_model()
+    except Exception as exc:  # noqa: BLE001 - no model to ask about is an answer too
+        return {"class": None, "wrapped": False, "error": f"{type(exc).__name__}: {exc}"[:300]}
+    method = getattr(type(model), "_process_image_input", None)
+    return {"class": type(model).__name__, "wrapped": bool(getattr(method, "vlmstream_tower", None))}
+
+
 class EngineTowerExtension:
     """vLLM worker extension (``worker_extension_cls``). vLLM imports this module in its worker to find the class,
     and the import installs the tower; its method, called through ``collective_rpc``, tells the consumer what the
     worker runs and how much GPU time the tower's forwards have taken so far."""
 
     def vlmstream_tower_report(self) -> dict:
-        return {"installed": list(INSTALLED), "tower": TOWER, "encoders": [
+        return {"installed": list(INSTALLED), "tower": TOWER, "model": model_takes_it(self), "encoders": [
             {"fast_blocks": e.fast.replaced if e.fast else 0, "compiled": e.compiled, "attention": e.attention,
              "image_embeds_width": e.image_embeds_width} for e in _encoders.values()], "clock": CLOCK.totals()}
 

@@ -256,12 +256,12 @@ class VllmEngine(QueuedEngine):
         self.engine_tower_report = report
         log.info("vLLM's engine process, vlmstream's tower wrapper: %s", report)  # plan_x1.sh's readers look for it
         name = "infer.engine_tower" if self.settings.engine_tower else "infer.tower_clock"
-        if not report.get("installed"):
+        if not report.get("installed") or not report.get("model", {}).get("wrapped"):
             self._engine_loop.shutdown_llm(self.llm)
             self._engine_loop.stop()
             self._engine_loop.reap_children()
-            raise RuntimeError(f"{name}: vLLM {self._v.version}'s engine did not take vlmstream's tower wrapper "
-                               f"({report}); set {name}=false")
+            raise RuntimeError(f"{name}: the model vLLM {self._v.version} built does not take vlmstream's tower "
+                               f"wrapper ({report}); set {name}=false")
         if self.settings.engine_tower and not report.get("encoders"):
             log.warning("vLLM ran no image at start, so the tower in its engine process is built (and compiled) on "
                         "the first batch")
