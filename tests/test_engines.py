@@ -525,6 +525,8 @@ def test_the_engine_tower_takes_pixel_inputs_and_leaves_the_rest_to_vllm(images,
     # A model of a class the wrapper is not in (VllmEngine then refuses to start), or no model to ask about.
     worker.model_runner = types.SimpleNamespace(get_model=lambda: torch.nn.Linear(2, 2))
     assert engine_tower.model_takes_it(worker) == {"class": "Linear", "wrapped": False}
+    worker.model_runner = types.SimpleNamespace(get_model=lambda: types.SimpleNamespace(unwrap=lambda: model))
+    assert engine_tower.model_takes_it(worker)["wrapped"] is True  # through a CUDA graph wrapper
     assert engine_tower.model_takes_it(object())["wrapped"] is False
     assert {"fast_blocks": encoder.fast.replaced, "compiled": False, "attention": "sdpa",
             "image_embeds_width": encoder.image_embeds_width} in report["encoders"]
