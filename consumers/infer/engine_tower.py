@@ -180,7 +180,7 @@ def model_takes_it(worker) -> dict:
     embeddings."""
     try:
         model = worker.model_runner.get_model()
-        while hasattr(model, "unwrap"):  # a CUDA graph wrapper around it (vLLM's runners unwrap some, not all)
+        if hasattr(model, "unwrap"):  # a CUDA graph wrapper around it (vLLM's runners unwrap some, not all)
             model = model.unwrap()
     except Exception as exc:  # noqa: BLE001 - no model to ask about is an answer too
         return {"class": None, "wrapped": False, "error": f"{type(exc).__name__}: {exc}"[:300]}
