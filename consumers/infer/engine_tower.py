@@ -115,7 +115,8 @@ def through_our_tower(original, build=encoder_for):
     """``original`` (a vLLM model's ``_process_image_input``) with pixel inputs encoded by our tower, built once per
     model by ``build``: vLLM's processor's pixel_values, or the decoded image itself as pixel rows (uint8
     image_embeds, ``pixel_rows``), patchified here on the GPU. Image embeddings given as input, and pixel_values
-    for a tower vLLM shards over GPUs (data-parallel vision encoder), keep vLLM's own path."""
+    for a tower vLLM shards over GPUs (data-parallel vision encoder), keep vLLM's own path. Each forward is timed
+    by CLOCK; building the encoder (loading and compiling it, on the first batch) is not."""
 
     @functools.wraps(original)
     def _process_image_input(self, image_input):
@@ -125,36 +126,44 @@ def through_our_tower(original, build=encoder_for):
         encoder = _encoders.get(self)
         if encoder is None:
             encoder = _encoders[self] = build(self)
-        grid_thw = image_input["image_grid_thw"]
-        if rows:
-            images = pixel_rows.unpack(image_input["image_embeds"], grid_thw, encoder.family)
-            pixel_values, grid_thw = patchify_batch(images, encoder.device, encoder.dtype, encoder.family)
-        else:
-            pixel_values = image_input["pixel_values"]
-        # vLLM splits its tower's output per image the same way: merged tokens (then DeepStack levels) per image.
-        return tuple(encoder.encode_patches(pixel_values, grid_thw))
 
-    timed = timed_tower(_process_image_input)
-    timed.vlmstream_tower = "vlmstream"
-    return timed
+        def encode():
+            grid_thw = image_input["image_grid_thw"]
+            if rows:
+                images = pixel_rows.unpack(image_input["image_embeds"], grid_thw, encoder.family)
+                pixel_values, grid_thw = patchify_batch(images, encoder.device, encoder.dtype, encoder.family)
+            else:
+                pixel_values = image_input["pixel_values"]
+            # vLLM splits its tower's output per image the same way: merged tokens (then DeepStack levels) per
+            # image.
+            return tuple(encoder.encode_patches(pixel_values, grid_thw))
+
+        return _clocked(image_input["image_embeds" if rows else "pixel_values"], encode)
+
+    _process_image_input.vlmstream_tower = "vlmstream"
+    return _process_image_input
 
 
 def timed_tower(process_image_input):
-    """``process_image_input`` with each forward on pixel inputs (pixel_values or pixel rows) on the GPU timed by
-    CLOCK."""
+    """``process_image_input`` (vLLM's own) with each forward on pixel_values timed by CLOCK."""
 
     @functools.wraps(process_image_input)
     def _process_image_input(self, image_input):
-        pixels = (image_input["pixel_values"] if image_input["type"] == "pixel_values"
-                  else image_input["image_embeds"] if pixel_rows.are_pixel_rows(image_input) else None)
-        started = CLOCK.start() if pixels is not None and pixels.is_cuda else None
-        per_image = process_image_input(self, image_input)
-        if started is not None:
-            CLOCK.stop(started, len(per_image))
-        return per_image
+        if image_input["type"] != "pixel_values":
+            return process_image_input(self, image_input)
+        return _clocked(image_input["pixel_values"], lambda: process_image_input(self, image_input))
 
     _process_image_input.vlmstream_tower = "vllm"
     return _process_image_input
+
+
+def _clocked(pixels, forward):
+    """``forward()``'s per-image outputs, its GPU time counted by CLOCK when its pixels are on the GPU."""
+    started = CLOCK.start() if pixels.is_cuda else None
+    per_image = forward()
+    if started is not None:
+        CLOCK.stop(started, len(per_image))
+    return per_image
 
 
 def install(classes=MODEL_CLASSES, wrap=through_our_tower) -> list[str]:
