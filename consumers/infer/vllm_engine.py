@@ -77,13 +77,18 @@ ENGINE_TOWER_EXTENSION = "consumers.infer.engine_tower.EngineTowerExtension"
 ENGINE_TOWER_CLOCK_S = 10.0  # how often the consumer reads the engine tower's GPU time (a utility call between steps)
 
 
+def tower_setting(settings: InferSettings) -> str:
+    """The setting that put vlmstream's wrapper in vLLM's engine, for messages that name what would change it."""
+    return "infer.engine_tower" if settings.engine_tower else "infer.tower_clock"
+
+
 def engine_tower_args(settings: InferSettings, mode: str, family: ModelFamily) -> tuple[dict, dict[str, str]]:
     """vLLM engine arguments and the engine process's environment for ``infer.engine_tower`` or ``infer.tower_clock``
     (both empty when both are off). The engine process reads the tower's settings from its environment
     (engine_tower.encoder_for)."""
     if not (settings.engine_tower or settings.tower_clock):
         return {}, {}
-    name = "infer.engine_tower" if settings.engine_tower else "infer.tower_clock"
+    name = tower_setting(settings)
     if mode != "pixels" and not settings.engine_tower:
         raise ValueError("infer.tower_clock times vLLM's own tower, which only pixels mode runs: set infer.mode=pixels, "
                          "or infer.tower_clock=false")
@@ -250,12 +255,12 @@ class VllmEngine(QueuedEngine):
         """Log what vLLM's worker says it runs (engine_tower.EngineTowerExtension); refuse an engine where no model
         class took it, naming the setting."""
         try:
-            report = self._engine_loop.call(self.llm.collective_rpc("vlmstream_tower_report"), 120)[0]
+            report = self._engine_loop.call(self._tower_report(), 120)
         except Exception as exc:  # noqa: BLE001 - whatever went wrong, the engine did not take our tower
             report = {"installed": [], "error": f"{type(exc).__name__}: {str(exc)[:300]}"}
         self.engine_tower_report = report
         log.info("vLLM's engine process, vlmstream's tower wrapper: %s", report)  # plan_x1.sh's readers look for it
-        name = "infer.engine_tower" if self.settings.engine_tower else "infer.tower_clock"
+        name = tower_setting(self.settings)
         if not report.get("installed") or not report.get("model", {}).get("wrapped"):
             self._engine_loop.shutdown_llm(self.llm)
             self._engine_loop.stop()
@@ -270,6 +275,10 @@ class VllmEngine(QueuedEngine):
         """Whether this process makes the image_embeds vLLM gets (embeds mode, tower not in vLLM's engine)."""
         return self.mode == "embeds" and not self._tower_in_engine
 
+    async def _tower_report(self) -> dict:
+        """What the wrapper in vLLM's worker reports (engine_tower.EngineTowerExtension): one worker, one GPU."""
+        return (await self.llm.collective_rpc("vlmstream_tower_report"))[0]
+
     async def _watch_engine_tower(self) -> None:
         """Read the engine tower's clock (engine_tower.TowerClock) every ENGINE_TOWER_CLOCK_S: its GPU ms per image
         since the last reading becomes engine_tower_ms_per_image."""
@@ -277,7 +286,7 @@ class VllmEngine(QueuedEngine):
         while True:
             await asyncio.sleep(ENGINE_TOWER_CLOCK_S)
             try:
-                clock = (await self.llm.collective_rpc("vlmstream_tower_report"))[0]["clock"]
+                clock = (await self._tower_report())["clock"]
             except Exception as exc:  # noqa: BLE001 - a clock that cannot be read only leaves the timing out
                 log.warning("the engine tower's clock could not be read (%s: %s); its timings stay out of results",
                             type(exc).__name__, str(exc)[:200])
@@ -290,7 +299,7 @@ class VllmEngine(QueuedEngine):
     def _log_engine_tower_clock(self) -> None:
         self._tower_watch.cancel()
         try:
-            clock = self._engine_loop.call(self.llm.collective_rpc("vlmstream_tower_report"), 10)[0]["clock"]
+            clock = self._engine_loop.call(self._tower_report(), 10)["clock"]
         except Exception as exc:  # noqa: BLE001 - only a closing log line is lost
             log.warning("the engine tower's clock could not be read at close: %s", exc)
             return
