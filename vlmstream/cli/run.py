@@ -327,16 +327,19 @@ def run(
         dead_letters = 0
         earlier_dead_letters = 0  # of documents this run did not publish: earlier work its workers took first
         next_progress = time.monotonic() + PROGRESS_EVERY_S
+
+        def show_progress() -> None:
+            console.print(_progress_line(view, started, len(expected & results.keys()), len(expected),
+                                         images_described, images_expected, dead_letters, earlier_dead_letters),
+                          markup=False, highlight=False)
+
         def condensing() -> set[str]:  # documents whose answer is still to come (none without a description)
             return {d for d, r in results.items() if r.succeeded} - condensed if condense else set()
 
         while expected - results.keys() or condensing():
             if time.monotonic() >= next_progress:
                 next_progress = time.monotonic() + PROGRESS_EVERY_S
-                console.print(_progress_line(view, started, len(expected & results.keys()), len(expected),
-                                             images_described, images_expected, dead_letters,
-                                             earlier_dead_letters),
-                              markup=False, highlight=False)
+                show_progress()
             if timeout_s is not None and time.monotonic() - started > timeout_s:
                 console.print(f"[red]timeout after {timeout_s:.0f}s[/]")
                 raise typer.Exit(1)
@@ -382,9 +385,7 @@ def run(
                         console.print("[dim](further descriptions not shown; --show to change)[/]")
         # The live view once more, at the end: a run shorter than PROGRESS_EVERY_S would otherwise show none, and a
         # longer one would end on a line up to that old.
-        console.print(_progress_line(view, started, len(expected & results.keys()), len(expected), images_described,
-                                     images_expected, dead_letters, earlier_dead_letters),
-                      markup=False, highlight=False)
+        show_progress()
         watcher.close()
         rate = probe.infer_rate(window_s=float("inf"))
         if rate:
