@@ -41,12 +41,13 @@
 #   large      Qwen2.5-VL-7B at 12.8 MP / 64, embeds, against `vllm serve` (8 API servers), alternated: X1 serve and
 #              X2 the pipeline for 60 s each, X4 the pipeline under CUDA MPS and X5 serve for 5 minutes each
 #              (sustained; about 24 minutes)
-#   engine-tower  infer.engine_tower (our tower in vLLM's engine process), Qwen2.5-VL-7B / 64, with the tower's GPU ms
-#              per image there from its clock: E0 gpu_engine_smoke.py, embeds mode against embeds mode with the tower
-#              in the engine (pixel rows: same texts?); E1 at 12.8 MP `vllm serve` (8 API servers), the pipeline in
-#              embeds mode with the tower in the engine (pixel rows), in pixels mode with it (60 s each); E2 at 1 MP
-#              the rows pipeline and serve (40 s); then E1 with vLLM's own tower clocked (infer.tower_clock), C1 and
-#              M2 of the tower-ab and moe lists in any time left (about 25 minutes)
+#   engine-tower  infer.engine_tower (our tower in vLLM's engine process), 64 tokens, with the tower's GPU ms per
+#              image there from its clock: E0 gpu_engine_smoke.py, embeds mode against embeds mode with the tower in
+#              the engine (pixel rows: same texts?); Qwen2.5-VL-7B at 12.8 MP (60 s): E1 the pipeline in embeds mode
+#              with the tower in the engine (pixel rows), then `vllm serve` (8 API servers); at 1 MP (40 s): E2 the
+#              same pair; Qwen3-VL-8B at 1 MP (40 s): Q1 the rows pipeline, then serve; in any time left E1 in
+#              pixels mode with vLLM's own tower clocked (infer.tower_clock), C1 and M2 of the tower-ab and moe lists
+#              (about 27 minutes; the jobs that decide the most come first)
 #   engine-tower-smoke  gpu_engine_smoke.py: embeds mode, then pixels mode with our tower in vLLM's engine (same texts?
 #              [p]: 1.0)
 #   engine-tower-q3  Qwen3-VL-8B at 0.2 MP and 1 MP / 64, 40 s phases, our tower in vLLM's engine: the pipeline in
@@ -226,27 +227,33 @@ if [ "$LIST" = engine-tower ]; then
   # Each pipeline job's pipeline-*.log says whether vLLM's engine took the tower ("vLLM's engine process,
   # vlmstream's tower wrapper: {...}") and, at its end, the tower's GPU ms per image there (its clock); the phase
   # record's tower_tflops_in_engine comes from that clock. [p] found the pipeline at 12.8 MP in pixels mode with our
-  # tower in the engine no faster than serve; embeds mode with it sends the decoded images there as uint8 pixel rows
-  # (an eighth of the float32 pixels, no processor on the CPU).
+  # tower in the engine no faster than serve (2.75 img/s, float32 pixels); embeds mode with it sends the decoded
+  # images there as uint8 pixel rows (an eighth of those bytes, no processor on the CPU).
   [ -e /root/model/config.json ] || python3 benchmarks/gpu/mk_model.py /root/model > "$RES/mk_model.log" 2>&1
+  Q3=/root/qwen3-vl-8b
+  [ -e $Q3/config.json ] || python3 benchmarks/gpu/mk_model.py $Q3 qwen3-vl-8b > "$RES/mk_q3.log" 2>&1
   ET="env VLMSTREAM_INFER__ENGINE_TOWER=true"
   VT="env VLMSTREAM_INFER__TOWER_CLOCK=true"  # vLLM's own tower, clocked the same way
   # Does the engine take pixel rows: the same 16 images at 1 MP, embeds mode with our tower here, then in the engine.
   job e0_smoke_rows 200 330 python3 benchmarks/gpu_engine_smoke.py --images /root/imgs --n 16 \
     --modes embeds,embeds-engine-tower --out "$RES/e0_smoke_rows.json"
-  job e1_serve 200 330 $BENCH --model /root/model --budgets default --seconds 60 --arms serve --serve-k 8 \
-    --out "$RES/e1_serve"
   job e1_rows 220 330 $ET $BENCH --model /root/model --budgets default --seconds 60 --stop-after 1.5 \
     --arms pipeline-embeds --profile --out "$RES/e1_rows"
-  job e1_engine_tower 220 330 $ET $BENCH --model /root/model --budgets default --seconds 60 --stop-after 1.5 \
-    --arms pipeline-pixels --profile --out "$RES/e1_engine_tower"
-  job e2_rows_1mp 200 330 $ET $BENCH --model /root/model --budgets 1280 --seconds 40 --stop-after 1.5 \
+  job e1_serve 200 330 $BENCH --model /root/model --budgets default --seconds 60 --arms serve --serve-k 8 \
+    --out "$RES/e1_serve"
+  job e2_rows_1mp 180 330 $ET $BENCH --model /root/model --budgets 1280 --seconds 40 --stop-after 1.5 \
     --arms pipeline-embeds --profile --out "$RES/e2_rows_1mp"
-  job e2_serve_1mp 200 330 $BENCH --model /root/model --budgets 1280 --seconds 40 --arms serve --serve-k 8 \
+  job e2_serve_1mp 180 330 $BENCH --model /root/model --budgets 1280 --seconds 40 --arms serve --serve-k 8 \
     --out "$RES/e2_serve_1mp"
+  # Qwen3-VL-8B: [j] tied serve at 1 MP (24.27 against 24.30 img/s); its image_embeds with three DeepStack levels
+  # take 32,768 bytes per visual token, its pixel rows 3,072.
+  job q1_rows_1mp 200 330 $ET $BENCH --model $Q3 --budgets 1280 --seconds 40 --stop-after 1.5 \
+    --arms pipeline-embeds --profile --out "$RES/q1_rows_1mp"
+  job q1_serve_1mp 180 300 $BENCH --model $Q3 --budgets 1280 --seconds 40 --arms serve --serve-k 8 \
+    --out "$RES/q1_serve_1mp"
+  # In any time left (each skipped when it would overrun).
   job e1_vllm_tower 220 330 $VT $BENCH --model /root/model --budgets default --seconds 60 --stop-after 1.5 \
     --arms pipeline-pixels --profile --out "$RES/e1_vllm_tower"
-  # In any time left: the towers against transformers' full model (each skipped when it would overrun).
   job c1_check_tower_q25 100 180 python3 benchmarks/gpu/check_tower.py --model qwen2.5-vl-7b --images /root/imgs \
     --n 8 --max-pixels 1003520 --out "$RES/c1_check_tower_q25.json"
   job m2_check_tower_qwen35 150 240 python3 benchmarks/gpu/check_tower.py --model qwen3.5-397b-a17b \
