@@ -37,7 +37,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks" / "gpu"))
 
-from benchmarks.images import exact_size_images  # noqa: E402 - after the path insert
+from benchmarks.images import exact_size_images, source_images  # noqa: E402 - after the path insert
 from consumers.infer.model7b import GPU_MODELS  # noqa: E402
 from consumers.infer.vision import VisionEncoder, load_vision_tower, patchify_batch  # noqa: E402
 from vlmstream.models.registry import family_of  # noqa: E402
@@ -73,6 +73,13 @@ def pass_over(encoder: VisionEncoder, images: list[np.ndarray], batch: int):
             encoder.encode_patches(pixel_values, grid_thw)
 
     return one_pass
+
+
+def images_per_budget(asked: str, folder: str, largest_batch: int) -> int:
+    """--images as a count: 'all' is every image source_images finds in the folder."""
+    if asked == "all":
+        return len(source_images(folder))
+    return int(asked) if asked else 2 * largest_batch
 
 
 def time_encoder(encoder: VisionEncoder, images: list[np.ndarray], batch: int, min_seconds: float) -> dict:
@@ -142,6 +149,10 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=4.0, help="Minimum timed seconds per variant and budget.")
     ap.add_argument("--batches", default="", help="comma list of images per forward, each timed (default: what the "
                     "engine batches at each budget; infer.vision_batch_images sets the engine's)")
+    ap.add_argument("--images", default="", help="images timed at each budget: a count (the folder's first, by name, "
+                    "repeated to fill), or 'all': every image of the folder, the mix gpu_bench's documents cycle "
+                    "through, so that GFLOP per image and TFLOPS compare with its tower_tflops_in_engine (default: "
+                    "twice the largest batch)")
     ap.add_argument("--rounds", type=int, default=1, help="time the variants this many times, every other round in "
                     "reverse order (an order effect shows as a variant's rounds disagreeing)")
     ap.add_argument("--profile-budget", default="1280", help="budget of the profiler tables; empty: none")
@@ -162,7 +173,8 @@ def main() -> None:
                     "torch": torch.__version__, "budgets": {}}
     for budget in args.budgets.split(","):
         batches = [int(b) for b in args.batches.split(",")] if args.batches else [BATCH[budget]]
-        images = exact_size_images(args.imgs, max(batches) * 2, BUDGETS[budget], factor=family.factor)
+        images = exact_size_images(args.imgs, images_per_budget(args.images, args.imgs, max(batches)), BUDGETS[budget],
+                                   factor=family.factor)
         rows = report["budgets"][budget] = {"mean_visual_tokens": round(float(np.mean(
             [im.shape[0] * im.shape[1] / family.factor ** 2 for im in images])), 1)}
         flops_per_image = tower_flops(config, [(1, im.shape[0] // patch, im.shape[1] // patch) for im in images]) \

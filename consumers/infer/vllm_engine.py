@@ -301,7 +301,9 @@ class VllmEngine(QueuedEngine):
         try:
             clock = self._engine_loop.call(self._tower_report(), 10)["clock"]
         except Exception as exc:  # noqa: BLE001 - only a closing log line is lost
-            log.warning("the engine tower's clock could not be read at close: %s", exc)
+            # A stop by signal reaches vLLM's engine process too: it may be gone before this reading.
+            log.warning("the engine tower's clock could not be read at close (%s: %s)", type(exc).__name__,
+                        str(exc)[:200])
             return
         log.info("the vision tower in vLLM's engine process (%s): %d images in %d forwards, %.1f GPU ms per image",
                  "vlmstream's" if self.settings.engine_tower else "vLLM's own", clock["images"], clock["forwards"],
