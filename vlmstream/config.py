@@ -283,8 +283,8 @@ class InferSettings(BaseModel):
         "image_embeds rows (consumers/infer/pixel_rows.py: an eighth of vLLM's float32 pixels, no processor on the "
         "CPU); in pixels mode vLLM's processor makes the pixels and the engine holds the tower twice. vLLM's "
         "scheduler decides how many images share a forward (vision_batch_images does not apply). With "
-        "publish_embeddings the consumer runs the tower again for them. In pixels mode at 12.8 MP on an H200 it was "
-        "no faster than vllm serve (benchmarks/RESULTS.md [p]); embeds mode with it is not yet measured on a GPU.")
+        "publish_embeddings the consumer runs the tower again for them, so it is off by default; for descriptions "
+        "without embeddings, embeds mode with it is the fastest path measured on an H200 (benchmarks/RESULTS.md [q]).")
     tower_clock: bool = Field(
         False, description="vLLM engine, pixels mode, Qwen families: time the vision tower's forwards in vLLM's engine "
         "process with CUDA events (no waiting) and put its GPU ms per image in each result's timings_ms as "
