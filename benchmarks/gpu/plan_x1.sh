@@ -48,6 +48,13 @@
 #              same pair; Qwen3-VL-8B at 1 MP (40 s): Q1 the rows pipeline, then serve; in any time left E1 in
 #              pixels mode with vLLM's own tower clocked (infer.tower_clock), C1 and M2 of the tower-ab and moe lists
 #              (about 27 minutes; the jobs that decide the most come first)
+#   rows-long  Qwen2.5-VL-7B / 64, embeds mode with our tower in vLLM's engine (pixel rows) against `vllm serve`
+#              (8 API servers), one after another: R1 the pipeline and R2 serve at 12.8 MP for 5 minutes each
+#              (sustained), then R3 and R4 the same pair at 1 MP for 60 s (about 25 minutes)
+#   rows-q3    Qwen3-VL-8B at 0.2 MP and 1 MP / 64, 40 s phases, one lease: S1 the rows pipeline (embeds with our
+#              tower in vLLM's engine), S2 `vllm serve` (8 API servers), S3 naive vLLM and vLLM given image_embeds
+#              (its language model alone), S4 the pipeline in pixels mode with our tower in the engine (about 22
+#              minutes)
 #   engine-tower-smoke  gpu_engine_smoke.py: embeds mode, then pixels mode with our tower in vLLM's engine (same texts?
 #              [p]: 1.0)
 #   engine-tower-q3  Qwen3-VL-8B at 0.2 MP and 1 MP / 64, 40 s phases, our tower in vLLM's engine: the pipeline in
@@ -258,6 +265,30 @@ if [ "$LIST" = engine-tower ]; then
     --n 8 --max-pixels 1003520 --out "$RES/c1_check_tower_q25.json"
   job m2_check_tower_qwen35 150 240 python3 benchmarks/gpu/check_tower.py --model qwen3.5-397b-a17b \
     --images /root/imgs --n 8 --max-pixels 1003520 --out "$RES/m2_check_tower_qwen35.json"
+fi
+
+if [ "$LIST" = rows-long ]; then
+  # [q] measured the rows pipeline at 1.14x serve at 12.8 MP in 60-s phases; the issue asks for five minutes.
+  [ -e /root/model/config.json ] || python3 benchmarks/gpu/mk_model.py /root/model > "$RES/mk_model.log" 2>&1
+  ROWS="env VLMSTREAM_INFER__ENGINE_TOWER=true $BENCH --model /root/model --arms pipeline-embeds --profile"
+  job r1_rows_5min 480 620 $ROWS --budgets default --seconds 300 --stop-after 1.2 --out "$RES/r1_rows_5min"
+  job r2_serve_5min 470 600 $BENCH --model /root/model --budgets default --seconds 300 --arms serve --serve-k 8 \
+    --out "$RES/r2_serve_5min"
+  job r3_rows_1mp 200 330 $ROWS --budgets 1280 --seconds 60 --stop-after 1.5 --out "$RES/r3_rows_1mp"
+  job r4_serve_1mp 200 330 $BENCH --model /root/model --budgets 1280 --seconds 60 --arms serve --serve-k 8 \
+    --out "$RES/r4_serve_1mp"
+fi
+
+if [ "$LIST" = rows-q3 ]; then
+  Q3=/root/qwen3-vl-8b
+  [ -e $Q3/config.json ] || python3 benchmarks/gpu/mk_model.py $Q3 qwen3-vl-8b > "$RES/mk_q3.log" 2>&1
+  Q3B="$BENCH --model $Q3 --budgets 256,1280 --seconds 40"
+  ET="env VLMSTREAM_INFER__ENGINE_TOWER=true"
+  job s1_rows 330 450 $ET $Q3B --stop-after 1.5 --profile --arms pipeline-embeds --out "$RES/s1_rows"
+  job s2_serve 250 360 $Q3B --arms serve --serve-k 8 --out "$RES/s2_serve"
+  job s3_naive_lm 330 450 $Q3B --arms naive,ceiling-embeds --out "$RES/s3_naive_lm"
+  job s4_engine_tower_pixels 330 450 $ET $Q3B --stop-after 1.5 --profile --arms pipeline-pixels \
+    --out "$RES/s4_engine_tower_pixels"
 fi
 
 if [ "$LIST" = engine-tower-smoke ]; then
