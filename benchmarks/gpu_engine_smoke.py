@@ -17,7 +17,8 @@ What it checks and prints:
    engine reports it runs, and with embeds mode in the same run the share of images whose text equals embeds
    mode's (the same seeded tower and language model: equal texts say the engine ran our tower); mode
    ``embeds-engine-tower``: embeds mode with our tower in vLLM's engine, the decoded images sent there as pixel rows
-   (consumers/infer/pixel_rows.py), compared the same way.
+   (consumers/infer/pixel_rows.py), compared the same way, and its embeddings, which vLLM's engine kept for the
+   consumer (engine_tower.EmbeddingTap), against embeds mode's (cosine per image).
 Every engine is closed before the next starts; the script exits with os._exit so no thread or EngineCore
 child can keep the device call alive.
 """
@@ -141,6 +142,7 @@ def main() -> None:
                              max_model_len=20480, gpu_memory_utilization=0.85, publish_embeddings=True)
 
     texts: dict[str, list] = {}
+    embeddings: dict[str, list] = {}
     for mode in args.modes.split(","):
         engine = None
         try:
@@ -170,9 +172,11 @@ def main() -> None:
                                     embeds_only_engine=False)
                 run_all(engine, requests_for(warm, args.tokens, f"warm2-{mode}-", family=family))
             entry["embeds_only_engine"] = "embeds_only_error" not in report if mode == "embeds" else None
-            want = mode == "embeds"  # pixels mode: pure vLLM path, no extra tower pass
+            # pixels mode: pure vLLM path, no extra tower pass; embeds-engine-tower: the engine keeps them
+            want = mode in ("embeds", "embeds-engine-tower")
             results, entry["run"] = run_all(engine, requests_for(images, args.tokens, f"{mode}-", want, family))
             texts[mode] = [getattr(results.get(f"{mode}-{i}/0"), "text", None) for i in range(len(images))]
+            embeddings[mode] = [getattr(results.get(f"{mode}-{i}/0"), "embedding", None) for i in range(len(images))]
             first = next(iter(results.values()))
             entry["timings_ms_first"] = {k: round(v, 1) for k, v in getattr(first, "timings_ms", {}).items()}
             print("RESULT", mode, json.dumps(entry), flush=True)
@@ -231,6 +235,17 @@ def main() -> None:
         if "embeds" in texts and other in texts:
             pairs = list(zip(texts["embeds"], texts[other]))
             report[f"{other}_same_text_as_embeds"] = round(sum(a == b for a, b in pairs) / len(pairs), 3)
+    if "embeds" in embeddings and "embeds-engine-tower" in embeddings:
+        pairs = [(a.astype(np.float32), b.astype(np.float32))
+                 for a, b in zip(embeddings["embeds"], embeddings["embeds-engine-tower"])
+                 if a is not None and b is not None]
+        cos = [float(np.dot(a, b) / (np.linalg.norm(a) * np.linalg.norm(b) + 1e-12)) for a, b in pairs]
+        report["embeds-engine-tower_embeddings_vs_embeds"] = {
+            "images": len(images), "with_embedding": sum(e is not None for e in embeddings["embeds-engine-tower"]),
+            "min_cosine": round(min(cos), 6) if cos else None,
+            "pass": bool(cos and len(pairs) == len(images) and min(cos) > 0.999)}
+        print("RESULT engine-tower-embeddings", json.dumps(report["embeds-engine-tower_embeddings_vs_embeds"]),
+              flush=True)
     if any("same_text" in k for k in report):
         print("RESULT engine-tower-texts", json.dumps({k: v for k, v in report.items() if "same_text" in k}),
               flush=True)

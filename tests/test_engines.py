@@ -516,6 +516,20 @@ def test_the_engine_tower_takes_pixel_inputs_and_leaves_the_rest_to_vllm(images,
     rows_input = {"type": "image_embeds", "image_embeds": rows, "image_grid_thw": inputs["image_grid_thw"]}
     for g, e in zip(model._process_image_input(rows_input), expected, strict=True):
         torch.testing.assert_close(g, e, atol=1e-4, rtol=1e-4)
+    # With embeddings published the rows carry tags, and the engine keeps each image's embedding under its tag
+    # for the consumer: the family's embedding (the mean of the merged tokens), each given once.
+    tags = [7, 2**40 + 3, 12]
+    tagged = torch.cat([pixel_rows.pack(np.asarray(image), tuple(grid), encoder.family, tag)
+                        for image, grid, tag in zip(images[:3], inputs["image_grid_thw"].tolist(), tags)])
+    tagged_input = {"type": "image_embeds", "image_embeds": tagged, "image_grid_thw": inputs["image_grid_thw"]}
+    for g, e in zip(model._process_image_input(tagged_input), expected, strict=True):
+        torch.testing.assert_close(g, e, atol=1e-4, rtol=1e-4)
+    kept = engine_tower.TAP.take(tags + [99])
+    assert sorted(kept) == sorted(tags)  # 99 was never kept
+    for tag, e in zip(tags, expected):
+        got_embedding = np.frombuffer(kept[tag], dtype=np.float16)
+        np.testing.assert_allclose(got_embedding, e[:, :encoder.embedding_width].mean(0).numpy(), atol=2e-3, rtol=2e-3)
+    assert engine_tower.TAP.take(tags) == {}
     model._process_image_input(pixel_input)
     assert engine_tower._encoders[model] is encoder  # built once
     worker = engine_tower.EngineTowerExtension()
@@ -531,6 +545,8 @@ def test_the_engine_tower_takes_pixel_inputs_and_leaves_the_rest_to_vllm(images,
     assert {"fast_blocks": encoder.fast.replaced, "compiled": False, "attention": "sdpa",
             "image_embeds_width": encoder.image_embeds_width} in report["encoders"]
     assert report["clock"] == {"forwards": 0, "images": 0, "gpu_ms": 0.0}  # CPU tensors: no CUDA events to time
+    assert report["embeddings"]["taken"] >= 3 and report["embeddings"]["waiting"] == 0
+    assert worker.vlmstream_take_embeddings([7]) == {}
 
     embeds_input = {"type": "image_embeds", "image_embeds": torch.zeros(4, 8), "image_grid_thw": torch.ones(1, 3)}
     assert model._process_image_input(embeds_input) == ("vllm's own tower", "image_embeds")
@@ -689,5 +705,72 @@ def test_pixel_rows_carry_an_exact_size_image_to_the_engine_and_back_unchanged()
     assert pixel_rows.row_width(QWEN2_VL) == 2352 and pixel_rows.row_width(QWEN3_VL) == 3072
     with pytest.raises(ValueError, match="expected a 28 x 28 x 3 uint8"):
         pixel_rows.pack(np.zeros((28, 28, 3), np.float32), (1, 2, 2), QWEN2_VL)
+    # Tagged rows (embeddings published): a copy, TAG_BYTES wider, the tag in the first row; the same images back.
+    for family in (QWEN2_VL, QWEN3_VL):
+        f = family.factor
+        images = [rng.integers(0, 256, (h * f, w * f, 3), dtype=np.uint8) for h, w in ((2, 3), (5, 1), (1, 1))]
+        grids = [family.grid_thw(image.shape[0], image.shape[1]) for image in images]
+        tags = [1, 2**63 + 5, 0xABCDEF]
+        packed = [pixel_rows.pack(image, grid, family, tag) for image, grid, tag in zip(images, grids, tags)]
+        width = pixel_rows.row_width(family)
+        for image, grid, rows in zip(images, grids, packed):
+            assert rows.shape == (family.visual_tokens(grid), width + pixel_rows.TAG_BYTES)
+            assert not rows[1:, width:].any()  # the tag sits in the first row only
+        rows = torch.cat(packed)
+        back = pixel_rows.unpack(rows, torch.tensor(grids), family)
+        assert [b.numpy().tobytes() for b in back] == [image.tobytes() for image in images]
+        assert pixel_rows.tag_values(pixel_rows.tags(rows, torch.tensor(grids), family)) == tags
+        assert pixel_rows.tags(torch.cat([pixel_rows.pack(i, g, family) for i, g in zip(images, grids)]),
+                               torch.tensor(grids), family) is None
     with pytest.raises(ValueError, match=r"expected uint8 \(1, 2352\)"):
         pixel_rows.unpack(torch.zeros(2, 2352, dtype=torch.uint8), torch.tensor([[1, 2, 2]]), QWEN2_VL)
+
+
+def test_the_embedding_tap_keeps_each_tagged_image_once_and_the_newest_when_full():
+    """EmbeddingTap (vLLM's engine process): each forward's embeddings are the mean of the first ``width`` columns of
+    each image's tokens (Qwen3-VL's DeepStack levels left out), kept by tag, each taken once; past ``keep`` the
+    oldest go, counted as dropped."""
+    from consumers.infer import engine_tower, pixel_rows
+
+    def tag_bytes(*tags):
+        return torch.from_numpy(np.array(tags, dtype="<u8").view(np.uint8).reshape(len(tags), pixel_rows.TAG_BYTES))
+
+    tap = engine_tower.EmbeddingTap(keep=3)
+    tokens = [torch.arange(24, dtype=torch.float32).reshape(4, 6) + i for i in range(4)]
+    tap.put(tag_bytes(10, 11), tokens[:2], width=2)
+    tap.put(tag_bytes(12, 13), tokens[2:], width=2)
+    assert tap.take([11]) == {11: np.array([9.0 + 1, 10.0 + 1], np.float16).tobytes()}  # mean of rows, columns 0-1
+    assert tap.take([10]) == {}  # the oldest of four, one too many for keep=3
+    assert sorted(tap.take([12, 13, 11])) == [12, 13]
+    assert tap.totals() == {"kept": 4, "taken": 3, "dropped": 1, "waiting": 0}
+
+
+def test_engine_embeddings_are_taken_for_all_waiting_requests_in_few_calls():
+    """EngineEmbeddings (the consumer's side): requests that finish together share one call to vLLM's engine; a tag
+    the engine kept nothing for gives None; a failed call fails the requests that waited on it, and the next call
+    serves the next ones."""
+    import asyncio
+
+    from consumers.infer.vllm_engine import EngineEmbeddings
+
+    calls = []
+
+    async def fetch(tags):
+        calls.append(sorted(tags))
+        await asyncio.sleep(0.01)
+        if 666 in tags:
+            raise RuntimeError("engine gone")
+        return {t: np.full(4, t, np.float16).tobytes() for t in tags if t != 3}
+
+    async def main():
+        taps = EngineEmbeddings(fetch)
+        got = await asyncio.gather(*(taps.take(t) for t in (1, 2, 3)))
+        later = await asyncio.gather(taps.take(4), return_exceptions=True)
+        failed = await asyncio.gather(taps.take(666), return_exceptions=True)
+        after = await taps.take(5)
+        return got, later, failed, after
+
+    got, later, failed, after = asyncio.run(main())
+    assert [None if g is None else g.tolist() for g in got] == [[1.0] * 4, [2.0] * 4, None]
+    assert calls[0] == [1, 2, 3] and later[0].tolist() == [4.0] * 4
+    assert isinstance(failed[0], RuntimeError) and after.tolist() == [5.0] * 4

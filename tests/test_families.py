@@ -152,6 +152,20 @@ def test_the_engine_tower_turns_each_familys_pixel_rows_into_the_full_models_ima
     assert len(got) == len(expected)
     for g, e in zip(got, expected):
         torch.testing.assert_close(g, e, atol=1e-5, rtol=1e-5)
+    # Tagged rows (embeddings published): the same features, and each image's embedding kept in the engine for
+    # the consumer is the family's: the mean of the full model's merged tokens, DeepStack left out.
+    tags = [31, 32]
+    tagged = torch.cat([pixel_rows.pack(image, tuple(grid), family, tag)
+                        for image, grid, tag in zip(images, reference["image_grid_thw"].tolist(), tags)])
+    got = process(VllmModel(), {"type": "image_embeds", "image_embeds": tagged,
+                                "image_grid_thw": reference["image_grid_thw"]})
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, atol=1e-5, rtol=1e-5)
+    kept = engine_tower.TAP.take(tags)
+    assert sorted(kept) == tags
+    for tag, pooled in zip(tags, features.pooler_output):
+        np.testing.assert_allclose(np.frombuffer(kept[tag], dtype=np.float16).astype(np.float32),
+                                   pooled.mean(0).numpy(), atol=2e-3, rtol=2e-3)
 
 
 @pytest.mark.parametrize("name", FAMILIES)

@@ -283,8 +283,10 @@ class InferSettings(BaseModel):
         "image_embeds rows (consumers/infer/pixel_rows.py: an eighth of vLLM's float32 pixels, no processor on the "
         "CPU); in pixels mode vLLM's processor makes the pixels and the engine holds the tower twice. vLLM's "
         "scheduler decides how many images share a forward (vision_batch_images does not apply). With "
-        "publish_embeddings the consumer runs the tower again for them, so it is off by default; for descriptions "
-        "without embeddings, embeds mode with it is the fastest path measured on an H200 (benchmarks/RESULTS.md [q]).")
+        "publish_embeddings, embeds mode tags each image's rows and the engine keeps its embedding for the consumer "
+        "(one tower pass for both); pixels mode runs our tower a second time in the consumer for them. Embeds mode "
+        "with it, without embeddings, is the fastest path measured on an H200 (benchmarks/RESULTS.md [q]); with "
+        "them it is not yet measured on a GPU, so it is off by default.")
     tower_clock: bool = Field(
         False, description="vLLM engine, pixels mode, Qwen families: time the vision tower's forwards in vLLM's engine "
         "process with CUDA events (no waiting) and put its GPU ms per image in each result's timings_ms as "

@@ -364,12 +364,12 @@ def run_pipeline(args: argparse.Namespace, mode: str, bootstrap: str, out: Path,
             infers.append(spawn(vlmstream_cmd("infer", "--engine", args.engine, "--mode", mode, "--model", args.model,
                                               "--max-new-tokens", str(args.max_tokens), "--ignore-eos",
                                               "--prompt", PROMPT_TEXT,
-                                              # Where vLLM's engine runs the tower (pixels mode, or
-                                              # infer.engine_tower) the consumer has no embeddings of its own:
-                                              # publishing them would cost a second vision pass, so it runs without
-                                              # (embeds mode with the tower here keeps them).
-                                              *(["--no-embeddings"] if mode == "pixels" or env.get(
-                                                  "VLMSTREAM_INFER__ENGINE_TOWER") == "true" else [])),
+                                              # Pixels mode has no embeddings from the tower that serves the
+                                              # language model: publishing them would cost a second vision pass,
+                                              # so it runs without. Embeds mode publishes them, from the tower here
+                                              # or (infer.engine_tower) from the one in vLLM's engine, which keeps
+                                              # them for the consumer.
+                                              *(["--no-embeddings"] if mode == "pixels" else [])),
                                 logp, genv, tag=f"infer gpu{g}"))
 
         for phase, budget in enumerate(args.budgets):

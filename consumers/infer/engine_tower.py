@@ -19,6 +19,10 @@ Either way a clock of CUDA events around each tower forward (``TowerClock``) cou
 ``infer.tower_clock`` and without ``infer.engine_tower`` the import wraps vLLM's own tower in that clock alone, so that
 the two towers can be compared where they run, inside the engine's step.
 
+With embeddings published, embeds mode's pixel rows carry a tag per image (``pixel_rows.pack``), and the engine keeps
+each tagged image's embedding until the consumer takes it (``EmbeddingTap``): the tower runs once per image for both
+the description and the embedding.
+
 Nothing here imports vLLM unless vLLM is installed, and nothing in the consumer's own process imports this module.
 """
 
@@ -91,6 +95,76 @@ class TowerClock:
 CLOCK = TowerClock()
 
 
+class EmbeddingTap:
+    """The embedding of each tagged image the tower encoded here (``pixel_rows`` tags), kept until the consumer takes
+    it by its tag (``take``, through ``collective_rpc``). Without it, the consumer would run the tower a second time
+    for the embeddings topic.
+
+    An image's embedding is the family's (``VisionEncoder.embedding_width``: the mean of the main merger's tokens,
+    DeepStack levels left out), in float16. Each forward's embeddings and tags reach the host by one non-blocking
+    copy into page-locked memory, with an event that ``take`` waits on (long passed by then): the engine's step never
+    waits for the GPU here. At most ``keep`` embeddings wait; the oldest go first (those of requests the consumer
+    never asks about, such as aborted ones), counted in ``dropped``."""
+
+    def __init__(self, keep: int = 8192):
+        self.keep = keep
+        self._pending: collections.deque = collections.deque()  # (event or None, tags, embeddings) per forward
+        self._ready: collections.OrderedDict = collections.OrderedDict()  # tag -> float16 bytes
+        self.kept = 0
+        self.taken = 0
+        self.dropped = 0
+
+    def put(self, tag_bytes, tokens, width: int) -> None:
+        """``tag_bytes`` (n, TAG_BYTES) uint8 and the n images' tokens, on one device."""
+        import torch
+
+        embeddings = torch.stack([t[:, :width].float().mean(0) for t in tokens]).to(torch.float16)
+        tag_bytes = tag_bytes.contiguous()
+        event = None
+        if embeddings.is_cuda:
+            host_embeddings = torch.empty(embeddings.shape, dtype=embeddings.dtype, pin_memory=True)
+            host_tags = torch.empty(tag_bytes.shape, dtype=tag_bytes.dtype, pin_memory=True)
+            host_embeddings.copy_(embeddings, non_blocking=True)
+            host_tags.copy_(tag_bytes, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            embeddings, tag_bytes = host_embeddings, host_tags
+        self._pending.append((event, tag_bytes, embeddings))
+        self.kept += len(tokens)
+
+    def take(self, tags: list[int]) -> dict[int, bytes]:
+        """The float16 bytes of the embedding of each of ``tags`` kept here, each given once; tags not kept are left
+        out."""
+        self._settle(wait=False)
+        if any(tag not in self._ready for tag in tags):
+            self._settle(wait=True)
+        found = {tag: self._ready.pop(tag) for tag in tags if tag in self._ready}
+        self.taken += len(found)
+        return found
+
+    def totals(self) -> dict:
+        return {"kept": self.kept, "taken": self.taken, "dropped": self.dropped,
+                "waiting": len(self._ready) + sum(len(e) for _, _, e in self._pending)}
+
+    def _settle(self, wait: bool) -> None:
+        """Move the forwards whose copies are done (all of them with ``wait``) from pending to ready."""
+        while self._pending:
+            event, tag_bytes, embeddings = self._pending[0]
+            if event is not None and not wait and not event.query():
+                return
+            if event is not None:
+                event.synchronize()
+            self._pending.popleft()
+            for tag, row in zip(pixel_rows.tag_values(tag_bytes), embeddings.numpy()):
+                self._ready[tag] = row.tobytes()
+            while len(self._ready) > self.keep:
+                self._ready.popitem(last=False)
+                self.dropped += 1
+
+
+TAP = EmbeddingTap()
+
+
 def encoder_for(model) -> VisionEncoder:
     """Our encoder for a vLLM Qwen model: its checkpoint's vision weights, on the device and in the dtype of vLLM's
     own tower, with the inference settings found in the environment."""
@@ -129,14 +203,19 @@ def through_our_tower(original, build=encoder_for):
 
         def encode():
             grid_thw = image_input["image_grid_thw"]
+            tag_bytes = None
             if rows:
                 images = pixel_rows.unpack(image_input["image_embeds"], grid_thw, encoder.family)
+                tag_bytes = pixel_rows.tags(image_input["image_embeds"], grid_thw, encoder.family)
                 pixel_values, grid_thw = patchify_batch(images, encoder.device, encoder.dtype, encoder.family)
             else:
                 pixel_values = image_input["pixel_values"]
             # vLLM splits its tower's output per image the same way: merged tokens (then DeepStack levels) per
             # image.
-            return tuple(encoder.encode_patches(pixel_values, grid_thw))
+            per_image = tuple(encoder.encode_patches(pixel_values, grid_thw))
+            if tag_bytes is not None:
+                TAP.put(tag_bytes, per_image, encoder.embedding_width)
+            return per_image
 
         return _clocked(image_input["image_embeds" if rows else "pixel_values"], encode)
 
@@ -199,13 +278,18 @@ def model_takes_it(worker) -> dict:
 
 class EngineTowerExtension:
     """vLLM worker extension (``worker_extension_cls``). vLLM imports this module in its worker to find the class,
-    and the import installs the tower; its method, called through ``collective_rpc``, tells the consumer what the
-    worker runs and how much GPU time the tower's forwards have taken so far."""
+    and the import installs the tower; its methods, called through ``collective_rpc``, tell the consumer what the
+    worker runs and how much GPU time the tower's forwards have taken so far, and hand it the embeddings kept for
+    it."""
 
     def vlmstream_tower_report(self) -> dict:
         return {"installed": list(INSTALLED), "tower": TOWER, "model": model_takes_it(self), "encoders": [
             {"fast_blocks": e.fast.replaced if e.fast else 0, "compiled": e.compiled, "attention": e.attention,
-             "image_embeds_width": e.image_embeds_width} for e in _encoders.values()], "clock": CLOCK.totals()}
+             "image_embeds_width": e.image_embeds_width} for e in _encoders.values()], "clock": CLOCK.totals(),
+            "embeddings": TAP.totals()}
+
+    def vlmstream_take_embeddings(self, tags: list[int]) -> dict[int, bytes]:
+        return TAP.take(tags)
 
 
 def _installed_on_import() -> tuple[str, list[str]]:

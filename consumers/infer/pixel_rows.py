@@ -8,6 +8,11 @@ split per image by the grid (``image_grid_thw``), with no check of the rows' wid
 bytes per merged token (2,352 for Qwen2/2.5-VL, 3,072 for Qwen3-VL), so its bytes, viewed as that many rows, travel
 to the engine as image_embeds without a copy: an eighth of the float32 pixels, with no processor work on the CPU.
 The engine side (``engine_tower``) views the rows as the image again and patchifies it on the GPU.
+
+With embeddings published, each image's rows carry ``TAG_BYTES`` more columns, the first row's holding a number the
+consumer chose (the others zero): the engine keeps the image's embedding under it, and the consumer asks for it
+by it (``engine_tower.EmbeddingTap``). vLLM splits the rows per image by their count alone, so the wider rows reach
+the model as they left. Tagged rows are a copy of the image, untagged ones its own memory.
 """
 
 from __future__ import annotations
@@ -23,27 +28,53 @@ def row_width(family: ModelFamily) -> int:
     return family.merge_size ** 2 * family.patch_size ** 2 * 3
 
 
-def pack(image: np.ndarray, grid_thw: tuple[int, int, int], family: ModelFamily) -> torch.Tensor:
+TAG_BYTES = 8  # one little-endian unsigned 64-bit number per image
+
+
+def pack(image: np.ndarray, grid_thw: tuple[int, int, int], family: ModelFamily, tag: int | None = None) -> torch.Tensor:
     """One exact-size H x W x 3 uint8 image (its grid ``grid_thw``) -> its bytes as (visual tokens, row_width) uint8
-    rows, sharing the image's memory."""
+    rows, sharing the image's memory; with ``tag``, (visual tokens, row_width + TAG_BYTES) rows, a copy, the tag in
+    the first row's last columns."""
     _, grid_h, grid_w = grid_thw
     height, width = grid_h * family.patch_size, grid_w * family.patch_size
     if image.dtype != np.uint8 or image.shape != (height, width, 3):
         raise ValueError(f"expected a {height} x {width} x 3 uint8 image for grid {tuple(grid_thw)}, got {image.dtype} "
                          f"{image.shape}")
-    return torch.from_numpy(np.ascontiguousarray(image)).view(-1, row_width(family))
+    rows = torch.from_numpy(np.ascontiguousarray(image)).view(-1, row_width(family))
+    if tag is None:
+        return rows
+    tagged = torch.zeros((rows.shape[0], row_width(family) + TAG_BYTES), dtype=torch.uint8)
+    tagged[:, :row_width(family)] = rows
+    tagged[0, row_width(family):] = torch.from_numpy(np.array([tag], dtype="<u8").view(np.uint8))
+    return tagged
 
 
 def unpack(rows: torch.Tensor, grid_thw: torch.Tensor, family: ModelFamily) -> list[torch.Tensor]:
     """The rows of one or more images, concatenated as vLLM batches them, with their (n, 3) grids -> each image as
-    H x W x 3 uint8, on the rows' device (views, no copy)."""
+    H x W x 3 uint8, on the rows' device (views of untagged rows; tagged ones are copied without their tags)."""
     grids = grid_thw.tolist()
     tokens = [t * h * w // family.merge_size ** 2 for t, h, w in grids]
-    if rows.dtype != torch.uint8 or rows.shape != (sum(tokens), row_width(family)):
+    width = row_width(family)
+    if rows.dtype != torch.uint8 or rows.shape[0] != sum(tokens) or rows.shape[1] not in (width, width + TAG_BYTES):
         raise ValueError(f"pixel rows of {rows.dtype} {tuple(rows.shape)} do not fit grids {grids}: expected uint8 "
-                         f"({sum(tokens)}, {row_width(family)})")
-    return [part.reshape(h * family.patch_size, w * family.patch_size, 3)
+                         f"({sum(tokens)}, {width}) or, tagged, ({sum(tokens)}, {width + TAG_BYTES})")
+    return [part[:, :width].reshape(h * family.patch_size, w * family.patch_size, 3)
             for part, (_, h, w) in zip(rows.split(tokens), grids)]
+
+
+def tags(rows: torch.Tensor, grid_thw: torch.Tensor, family: ModelFamily) -> torch.Tensor | None:
+    """Each image's tag as (n, TAG_BYTES) uint8 on the rows' device (read on the host with ``tag_values``), or None
+    for untagged rows."""
+    if rows.shape[1] != row_width(family) + TAG_BYTES:
+        return None
+    tokens = [t * h * w // family.merge_size ** 2 for t, h, w in grid_thw.tolist()]
+    firsts = torch.tensor([0] + tokens[:-1], device=rows.device).cumsum(0)
+    return rows[firsts, row_width(family):]
+
+
+def tag_values(tag_bytes: torch.Tensor) -> list[int]:
+    """(n, TAG_BYTES) uint8 on the host -> the n numbers."""
+    return np.ascontiguousarray(tag_bytes.numpy()).view("<u8").ravel().tolist()
 
 
 def are_pixel_rows(image_input: dict) -> bool:

@@ -10,6 +10,9 @@ Two modes:
   a wrong width fails inside vLLM's engine process, not on this request. vLLM's single front-end process never
   touches pixels, which is its wall (see shared/gpu/README.md). The embedding for the embeddings topic
   is the mean of the main merger's part of the same tower output the language model reads.
+  With ``infer.engine_tower`` the tower runs in vLLM's engine process instead (engine_tower.py): the image travels
+  there as pixel rows (pixel_rows.py), tagged when embeddings are published, and the engine keeps each tagged
+  image's embedding until this side takes it (``EngineEmbeddings``), so one tower pass serves both.
 - ``pixels``: vLLM gets the uint8 array and does its own normalise/patchify/tower; processor kwargs make
   its resize a no-op. Embeddings, if asked for, cost a separate pass of our tower. The generic path
   (vlmstream/models/generic.py: a model no family module describes) runs only in this mode: the image, decoded,
@@ -31,6 +34,8 @@ import itertools
 import logging
 import time
 from pathlib import Path
+
+import numpy as np
 
 
 from consumers.infer import pixel_rows
@@ -75,6 +80,41 @@ def image_embeds_problem(tokens, grid_thw: tuple[int, int, int], family: ModelFa
 # vLLM imports this class's module in its worker before it builds the model (engine_tower.py says why).
 ENGINE_TOWER_EXTENSION = "consumers.infer.engine_tower.EngineTowerExtension"
 ENGINE_TOWER_CLOCK_S = 10.0  # how often the consumer reads the engine tower's GPU time (a utility call between steps)
+
+
+class EngineEmbeddings:
+    """The embeddings vLLM's engine process keeps for the pixel rows' tags (engine_tower.EmbeddingTap), taken for
+    every request that finished meanwhile in one utility call, not one call per image: the engine answers such calls
+    between its steps. ``fetch(tags)`` is that call (``collective_rpc("vlmstream_take_embeddings")``)."""
+
+    def __init__(self, fetch):
+        self._fetch = fetch
+        self._waiting: dict[int, asyncio.Future] = {}
+        self._taking: asyncio.Task | None = None
+
+    async def take(self, tag: int):
+        """The float16 embedding kept under ``tag``, or None if the engine kept none."""
+        future = asyncio.get_running_loop().create_future()
+        self._waiting[tag] = future
+        if self._taking is None or self._taking.done():
+            self._taking = asyncio.ensure_future(self._take_waiting())
+        return await future
+
+    async def _take_waiting(self) -> None:
+        # One call for every tag that waits, again for those that came while a call ran: no tag is left waiting.
+        while self._waiting:
+            waiting, self._waiting = self._waiting, {}
+            try:
+                found = await self._fetch(list(waiting))
+            except Exception as exc:  # noqa: BLE001 - each waiting request fails with the call's error
+                for future in waiting.values():
+                    if not future.done():
+                        future.set_exception(exc)
+                continue
+            for tag, future in waiting.items():
+                if not future.done():
+                    kept = found.get(tag)
+                    future.set_result(None if kept is None else np.frombuffer(kept, dtype=np.float16))
 
 
 def tower_setting(settings: InferSettings) -> str:
@@ -127,6 +167,10 @@ class VllmEngine(QueuedEngine):
         # Where embeds mode runs our tower: here, shipping image_embeds to vLLM, or (infer.engine_tower) in vLLM's
         # engine process, shipping the decoded image there as pixel rows (consumers/infer/pixel_rows.py).
         self._tower_in_engine = self.mode == "embeds" and settings.engine_tower
+        # Then the engine also keeps each image's embedding, found by the tag its pixel rows carry.
+        self._embeddings_from_engine = self._tower_in_engine and settings.publish_embeddings
+        self._tags = itertools.count(1)
+        self._engine_embeddings: EngineEmbeddings | None = None
         self.model_path = str(model_path)
         self.model_id = settings.model or self.model_path
         self.revision = settings.revision
@@ -212,6 +256,8 @@ class VllmEngine(QueuedEngine):
         if tower_args:
             self._report_engine_tower()
             self._tower_watch = self._engine_loop.submit(self._watch_engine_tower())
+        if self._embeddings_from_engine:
+            self._engine_embeddings = EngineEmbeddings(self._take_engine_embeddings)
         scheduler = self.llm.vllm_config.scheduler_config
         self.batch_size = scheduler.max_num_seqs  # what the runner sizes its in-flight window by
         self.step_tokens = scheduler.max_num_batched_tokens
@@ -219,12 +265,14 @@ class VllmEngine(QueuedEngine):
         log.info("vLLM %s up in %.1fs (mode=%s, embeds_only=%s, scheduler limits %s)", self._v.version, self.start_s,
                  self.mode, embeds_only, {"max_num_seqs": self.batch_size, "max_num_batched_tokens": self.step_tokens})
 
-        # 2. Our vision tower: always in embeds mode; in pixels mode only when embeddings are published.
+        # 2. Our vision tower here: in embeds mode unless it runs in vLLM's engine; in pixels mode only when
+        #    embeddings are published.
         self.encoder: VisionEncoder | None = None
         self.tower_has_real_weights = False
         self.image_embeds_width = (expected_image_embeds_width(self.llm.vllm_config.model_config.hf_config)
                                    if self.family.exact_size else None)
-        if self.family.exact_size and (self._embeds_here() or settings.publish_embeddings):
+        if self.family.exact_size and (self._embeds_here() or (settings.publish_embeddings
+                                                                and not self._embeddings_from_engine)):
             dtype = torch.bfloat16
             tower, self.tower_has_real_weights = load_vision_tower(self.model_path, "cuda", dtype)
             if not self.tower_has_real_weights and load_format != "dummy":
@@ -279,6 +327,9 @@ class VllmEngine(QueuedEngine):
         """What the wrapper in vLLM's worker reports (engine_tower.EngineTowerExtension): one worker, one GPU."""
         return (await self.llm.collective_rpc("vlmstream_tower_report"))[0]
 
+    async def _take_engine_embeddings(self, tags: list[int]) -> dict[int, bytes]:
+        return (await self.llm.collective_rpc("vlmstream_take_embeddings", args=(tags,)))[0]
+
     async def _watch_engine_tower(self) -> None:
         """Read the engine tower's clock (engine_tower.TowerClock) every ENGINE_TOWER_CLOCK_S: its GPU ms per image
         since the last reading becomes engine_tower_ms_per_image."""
@@ -299,15 +350,17 @@ class VllmEngine(QueuedEngine):
     def _log_engine_tower_clock(self) -> None:
         self._tower_watch.cancel()
         try:
-            clock = self._engine_loop.call(self._tower_report(), 10)["clock"]
+            report = self._engine_loop.call(self._tower_report(), 10)
+            clock = report["clock"]
         except Exception as exc:  # noqa: BLE001 - only a closing log line is lost
             # A stop by signal reaches vLLM's engine process too: it may be gone before this reading.
             log.warning("the engine tower's clock could not be read at close (%s: %s)", type(exc).__name__,
                         str(exc)[:200])
             return
-        log.info("the vision tower in vLLM's engine process (%s): %d images in %d forwards, %.1f GPU ms per image",
+        log.info("the vision tower in vLLM's engine process (%s): %d images in %d forwards, %.1f GPU ms per image; "
+                 "embeddings kept there for this process: %s",
                  "vlmstream's" if self.settings.engine_tower else "vLLM's own", clock["images"], clock["forwards"],
-                 clock["gpu_ms"] / max(1, clock["images"]))
+                 clock["gpu_ms"] / max(1, clock["images"]), report.get("embeddings"))
 
     # ----------------------------------------------------------------------------- Engine protocol
 
@@ -364,14 +417,18 @@ class VllmEngine(QueuedEngine):
                 continue
             image_embeds, embedding, timings = result if result else (None, None, {})
             timings = {"queue_ms": (time.perf_counter() - submitted) * 1e3 - timings.get("encode_ms", 0.0), **timings}
+            tag = None  # under which vLLM's engine keeps this image's embedding
             if self.mode == "pixels":
                 mm_item = request.image
             else:  # image_embeds from our tower here, or the image's own bytes for our tower in the engine
-                rows = (pixel_rows.pack(request.image, request.grid_thw, self.family) if self._tower_in_engine
-                        else image_embeds)
+                if self._tower_in_engine:
+                    tag = next(self._tags) if self._embeddings_from_engine and request.want_embedding else None
+                    rows = pixel_rows.pack(request.image, request.grid_thw, self.family, tag)
+                else:
+                    rows = image_embeds
                 mm_item = {"image_embeds": rows, "image_grid_thw": self._torch.tensor([list(request.grid_thw)])}
             future = self._engine_loop.submit(
-                self._generate(request, mm_item, embedding if request.want_embedding else None, timings))
+                self._generate(request, mm_item, embedding if request.want_embedding else None, timings, tag))
             self._tasks.add(future)
             future.add_done_callback(self._tasks.discard)
 
@@ -415,7 +472,8 @@ class VllmEngine(QueuedEngine):
 
     # ----------------------------------------------------------------------------- asyncio side
 
-    async def _generate(self, request: InferenceRequest, mm_item, embedding, timings: dict) -> None:
+    async def _generate(self, request: InferenceRequest, mm_item, embedding, timings: dict,
+                        embedding_tag: int | None = None) -> None:
         # A retried request reuses its request_id; vLLM needs ids unique among live requests.
         engine_request_id = f"{request.request_id}#{next(self._ids)}"
         prompt = {"prompt": self.prompts.prompt(request.prompt), "multi_modal_data": {"image": mm_item},
@@ -443,7 +501,16 @@ class VllmEngine(QueuedEngine):
             timings = {**timings, "generate_ms": (time.perf_counter() - started) * 1e3}
             if self.engine_tower_ms_per_image is not None:
                 timings["encode_ms_per_image"] = self.engine_tower_ms_per_image
-            result = self._output(request, final, embedding, timings)
+            if embedding_tag is not None:
+                embedding = await self._engine_embeddings.take(embedding_tag)
+            if embedding_tag is not None and embedding is None:
+                # Never published without its embedding: the runner retries the image (a new tag, a new pass).
+                result = InferenceFailure(request.request_id, "inference_error",
+                                          "vLLM's engine process kept no embedding for this image (infer.engine_tower "
+                                          "with infer.publish_embeddings); set infer.engine_tower=false to make "
+                                          "embeddings in this process")
+            else:
+                result = self._output(request, final, embedding, timings)
         except asyncio.CancelledError:
             raise
         except self._v.DeadError as exc:
