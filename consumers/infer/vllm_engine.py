@@ -37,7 +37,6 @@ from pathlib import Path
 
 import numpy as np
 
-
 from consumers.infer import pixel_rows
 from consumers.infer.engine import ENGINE_DEAD as _DEAD
 from consumers.infer.engine import (InferenceFailure, InferenceOutput, InferenceRequest,
