@@ -106,7 +106,7 @@ class EmbeddingTap:
     waits for the GPU here. At most ``keep`` embeddings wait; the oldest go first (those of requests the consumer
     never asks about, such as aborted ones), counted in ``dropped``."""
 
-    def __init__(self, keep: int = 8192):
+    def __init__(self, keep: int = 32768):  # far above the images in flight (infer.max_images_in_flight)
         self.keep = keep
         self._pending: collections.deque = collections.deque()  # (event or None, tags, embeddings) per forward
         self._ready: collections.OrderedDict = collections.OrderedDict()  # tag -> float16 bytes

@@ -31,7 +31,8 @@ def row_width(family: ModelFamily) -> int:
 TAG_BYTES = 8  # one little-endian unsigned 64-bit number per image
 
 
-def pack(image: np.ndarray, grid_thw: tuple[int, int, int], family: ModelFamily, tag: int | None = None) -> torch.Tensor:
+def pack(image: np.ndarray, grid_thw: tuple[int, int, int], family: ModelFamily,
+         tag: int | None = None) -> torch.Tensor:
     """One exact-size H x W x 3 uint8 image (its grid ``grid_thw``) -> its bytes as (visual tokens, row_width) uint8
     rows, sharing the image's memory; with ``tag``, (visual tokens, row_width + TAG_BYTES) rows, a copy, the tag in
     the first row's last columns."""
