@@ -44,8 +44,9 @@ def pack(image: np.ndarray, grid_thw: tuple[int, int, int], family: ModelFamily,
     rows = torch.from_numpy(np.ascontiguousarray(image)).view(-1, row_width(family))
     if tag is None:
         return rows
-    tagged = torch.zeros((rows.shape[0], row_width(family) + TAG_BYTES), dtype=torch.uint8)
+    tagged = torch.empty((rows.shape[0], row_width(family) + TAG_BYTES), dtype=torch.uint8)
     tagged[:, :row_width(family)] = rows
+    tagged[:, row_width(family):] = 0
     tagged[0, row_width(family):] = torch.from_numpy(np.array([tag], dtype="<u8").view(np.uint8))
     return tagged
 
