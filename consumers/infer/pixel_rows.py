@@ -70,8 +70,9 @@ def tags(rows: torch.Tensor, grid_thw: torch.Tensor, family: ModelFamily) -> tor
     if rows.shape[1] != row_width(family) + TAG_BYTES:
         return None
     tokens = [t * h * w // family.merge_size ** 2 for t, h, w in grid_thw.tolist()]
-    firsts = torch.tensor([0] + tokens[:-1], device=rows.device).cumsum(0)
-    return rows[firsts, row_width(family):]
+    firsts = np.cumsum([0] + tokens[:-1]).tolist()
+    # Slices at Python offsets: an index tensor would be copied to the GPU, and a plain copy there waits for it.
+    return torch.stack([rows[first, row_width(family):] for first in firsts])
 
 
 def tag_values(tag_bytes: torch.Tensor) -> list[int]:
