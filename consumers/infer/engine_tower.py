@@ -36,7 +36,8 @@ import logging
 import weakref
 
 from consumers.infer import pixel_rows
-from consumers.infer.vision import VisionEncoder, load_vision_tower, patchify_batch
+from consumers.infer.vision import (VisionEncoder, load_vision_tower, mean_pooled, patchify_batch,
+                                    to_host_later)
 
 log = logging.getLogger(__name__)
 
@@ -116,20 +117,8 @@ class EmbeddingTap:
 
     def put(self, tag_bytes, tokens, width: int) -> None:
         """``tag_bytes`` (n, TAG_BYTES) uint8 and the n images' tokens, on one device."""
-        import torch
-
-        embeddings = torch.stack([t[:, :width].float().mean(0) for t in tokens]).to(torch.float16)
-        tag_bytes = tag_bytes.contiguous()
-        event = None
-        if embeddings.is_cuda:
-            host_embeddings = torch.empty(embeddings.shape, dtype=embeddings.dtype, pin_memory=True)
-            host_tags = torch.empty(tag_bytes.shape, dtype=tag_bytes.dtype, pin_memory=True)
-            host_embeddings.copy_(embeddings, non_blocking=True)
-            host_tags.copy_(tag_bytes, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-            embeddings, tag_bytes = host_embeddings, host_tags
-        self._pending.append((event, tag_bytes, embeddings))
+        (tag_bytes, embeddings), copied = to_host_later([tag_bytes, mean_pooled(tokens, width)])
+        self._pending.append((copied, tag_bytes, embeddings))
         self.kept += len(tokens)
 
     def take(self, tags: list[int]) -> dict[int, bytes]:

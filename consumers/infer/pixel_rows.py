@@ -51,11 +51,16 @@ def pack(image: np.ndarray, grid_thw: tuple[int, int, int], family: ModelFamily,
     return tagged
 
 
+def _tokens(grid_thw: torch.Tensor, family: ModelFamily) -> list[int]:
+    """Rows per image: its merged visual tokens."""
+    return [t * h * w // family.merge_size ** 2 for t, h, w in grid_thw.tolist()]
+
+
 def unpack(rows: torch.Tensor, grid_thw: torch.Tensor, family: ModelFamily) -> list[torch.Tensor]:
     """The rows of one or more images, concatenated as vLLM batches them, with their (n, 3) grids -> each image as
     H x W x 3 uint8, on the rows' device (views of untagged rows; tagged ones are copied without their tags)."""
     grids = grid_thw.tolist()
-    tokens = [t * h * w // family.merge_size ** 2 for t, h, w in grids]
+    tokens = _tokens(grid_thw, family)
     width = row_width(family)
     if rows.dtype != torch.uint8 or rows.shape[0] != sum(tokens) or rows.shape[1] not in (width, width + TAG_BYTES):
         raise ValueError(f"pixel rows of {rows.dtype} {tuple(rows.shape)} do not fit grids {grids}: expected uint8 "
@@ -69,8 +74,7 @@ def tags(rows: torch.Tensor, grid_thw: torch.Tensor, family: ModelFamily) -> tor
     for untagged rows."""
     if rows.shape[1] != row_width(family) + TAG_BYTES:
         return None
-    tokens = [t * h * w // family.merge_size ** 2 for t, h, w in grid_thw.tolist()]
-    firsts = np.cumsum([0] + tokens[:-1]).tolist()
+    firsts = np.cumsum([0] + _tokens(grid_thw, family)[:-1]).tolist()
     # Slices at Python offsets: an index tensor would be copied to the GPU, and a plain copy there waits for it.
     return torch.stack([rows[first, row_width(family):] for first in firsts])
 

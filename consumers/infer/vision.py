@@ -597,34 +597,48 @@ def mean_pool(tokens: torch.Tensor, width: int | None = None) -> np.ndarray:
     return tokens[:, :width].float().mean(0).to(torch.float16).cpu().numpy()
 
 
+def mean_pooled(tokens: Sequence[torch.Tensor], width: int | None = None) -> torch.Tensor:
+    """``mean_pool`` of each image's tokens as one (images, width) float16 tensor, on the tokens' device."""
+    return torch.stack([t[:, :width].float().mean(0) for t in tokens]).to(torch.float16)
+
+
 def mean_pool_each(tokens: Sequence[torch.Tensor], width: int | None = None) -> list[np.ndarray]:
     """``mean_pool`` of each image's tokens, brought to the host in one copy. Each copy from the GPU waits for it,
     and on a GPU shared with the language model every wait can last the other context's turn: one per batch, not
     one per image."""
     if not tokens:
         return []
-    return list(torch.stack([t[:, :width].float().mean(0) for t in tokens]).to(torch.float16).cpu().numpy())
+    return list(mean_pooled(tokens, width).cpu().numpy())
+
+
+def to_host_later(tensors: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], torch.cuda.Event | None]:
+    """Each tensor as a CPU tensor with storage of its own, the copies started without waiting for the GPU: they
+    are readable once the returned event has passed (None: CPU tensors, copied already)."""
+    if not tensors or not tensors[0].is_cuda:
+        return [t.clone(memory_format=torch.contiguous_format) for t in tensors], None
+    # One page-locked tensor per input, each filled by the GPU's DMA: no byte passes through this thread's core (a
+    # pageable copy is the driver's memcpy through a staging buffer, and a copy of a batch split into clones is a
+    # CPU memcpy of every byte: 117 MB per 12.8 MP Qwen2.5-VL image, 32 MB per 1 MP Qwen3-VL one with its
+    # DeepStack levels). torch's caching host allocator reuses the pinned blocks.
+    hosts = []
+    for t in tensors:
+        host = _page_locked(lambda t=t: torch.empty(t.shape, dtype=t.dtype, pin_memory=True))
+        hosts.append(torch.empty(t.shape, dtype=t.dtype) if host is None else host)
+    for host, t in zip(hosts, tensors):
+        host.copy_(t, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(tensors[0].device))
+    return hosts, event
 
 
 def to_host_each(tokens: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Each image's tokens as a CPU tensor with storage of its own. Own storage because vLLM's front end serialises
-    each tensor with its whole storage: a view into the batch would ship the batch once per image."""
-    if not tokens:
-        return []
-    if tokens[0].is_cuda:
-        # One page-locked tensor per image, each filled by the GPU's DMA, then one wait: no byte passes through
-        # this thread's core (a pageable copy is the driver's memcpy through a staging buffer, and a copy of the
-        # batch split into clones is a CPU memcpy of every byte: 117 MB per 12.8 MP Qwen2.5-VL image, 32 MB per
-        # 1 MP Qwen3-VL one with its DeepStack levels). torch's caching host allocator reuses the pinned blocks.
-        hosts = []
-        for t in tokens:
-            host = _page_locked(lambda t=t: torch.empty(t.shape, dtype=t.dtype, pin_memory=True))
-            hosts.append(torch.empty(t.shape, dtype=t.dtype) if host is None else host)
-        for host, t in zip(hosts, tokens):
-            host.copy_(t, non_blocking=True)
-        torch.cuda.current_stream(tokens[0].device).synchronize()
-        return hosts
-    return [t.clone(memory_format=torch.contiguous_format) for t in tokens]
+    """Each image's tokens as a CPU tensor with storage of its own (``to_host_later``), after one wait. Own storage
+    because vLLM's front end serialises each tensor with its whole storage: a view into the batch would ship the
+    batch once per image."""
+    hosts, copied = to_host_later(tokens)
+    if copied is not None:
+        copied.synchronize()
+    return hosts
 
 
 class VisionEncoder:
