@@ -167,9 +167,9 @@ class VllmEngine(QueuedEngine):
         # engine process, shipping the decoded image there as pixel rows (consumers/infer/pixel_rows.py).
         self._tower_in_engine = self.mode == "embeds" and settings.engine_tower
         # Then the engine also keeps each image's embedding, found by the tag its pixel rows carry.
-        self._embeddings_from_engine = self._tower_in_engine and settings.publish_embeddings
+        self._engine_embeddings = (EngineEmbeddings(self._take_engine_embeddings)
+                                   if self._tower_in_engine and settings.publish_embeddings else None)
         self._tags = itertools.count(1)
-        self._engine_embeddings: EngineEmbeddings | None = None
         self.model_path = str(model_path)
         self.model_id = settings.model or self.model_path
         self.revision = settings.revision
@@ -255,8 +255,6 @@ class VllmEngine(QueuedEngine):
         if tower_args:
             self._report_engine_tower()
             self._tower_watch = self._engine_loop.submit(self._watch_engine_tower())
-        if self._embeddings_from_engine:
-            self._engine_embeddings = EngineEmbeddings(self._take_engine_embeddings)
         scheduler = self.llm.vllm_config.scheduler_config
         self.batch_size = scheduler.max_num_seqs  # what the runner sizes its in-flight window by
         self.step_tokens = scheduler.max_num_batched_tokens
@@ -271,7 +269,7 @@ class VllmEngine(QueuedEngine):
         self.image_embeds_width = (expected_image_embeds_width(self.llm.vllm_config.model_config.hf_config)
                                    if self.family.exact_size else None)
         if self.family.exact_size and (self._embeds_here() or (settings.publish_embeddings
-                                                                and not self._embeddings_from_engine)):
+                                                                and self._engine_embeddings is None)):
             dtype = torch.bfloat16
             tower, self.tower_has_real_weights = load_vision_tower(self.model_path, "cuda", dtype)
             if not self.tower_has_real_weights and load_format != "dummy":
@@ -421,7 +419,7 @@ class VllmEngine(QueuedEngine):
                 mm_item = request.image
             else:  # image_embeds from our tower here, or the image's own bytes for our tower in the engine
                 if self._tower_in_engine:
-                    tag = next(self._tags) if self._embeddings_from_engine and request.want_embedding else None
+                    tag = next(self._tags) if self._engine_embeddings and request.want_embedding else None
                     rows = pixel_rows.pack(request.image, request.grid_thw, self.family, tag)
                 else:
                     rows = image_embeds
