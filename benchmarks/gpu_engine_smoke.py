@@ -80,6 +80,10 @@ def run_all(engine, requests, timeout_s=400.0):
                          first_failure=repr(failed[0])[:300] if failed else None)
 
 
+def cosine(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.dot(a, b) / (np.linalg.norm(a) * np.linalg.norm(b) + 1e-12))
+
+
 def reference_embeddings(model_dir, tower_state, images):
     """transformers' own path: the checkpoint's image processor (do_resize=False) -> full model's
     get_image_features (sdpa), with our tower's weights. The language model is cut to one layer: the vision path
@@ -203,8 +207,7 @@ def main() -> None:
                 ref = reference_embeddings(model_dir, tower_state, check)
                 ref_means, ref_embeds = [r[0] for r in ref], [r[1] for r in ref]
                 diffs = [float(np.max(np.abs(g - r)) / (np.max(np.abs(r)) + 1e-6)) for g, r in zip(got, ref_means)]
-                cos = [float(np.dot(g, r) / (np.linalg.norm(g) * np.linalg.norm(r) + 1e-12))
-                       for g, r in zip(got, ref_means)]
+                cos = [cosine(g, r) for g, r in zip(got, ref_means)]
                 # Per visual token of image_embeds: cosine of ours against transformers' (every DeepStack column).
                 token_cos = [float(np.min(np.sum(g * r, -1) / (np.linalg.norm(g, axis=-1) * np.linalg.norm(r, axis=-1)
                                                               + 1e-12)))
@@ -239,7 +242,7 @@ def main() -> None:
         pairs = [(a.astype(np.float32), b.astype(np.float32))
                  for a, b in zip(embeddings["embeds"], embeddings["embeds-engine-tower"])
                  if a is not None and b is not None]
-        cos = [float(np.dot(a, b) / (np.linalg.norm(a) * np.linalg.norm(b) + 1e-12)) for a, b in pairs]
+        cos = [cosine(a, b) for a, b in pairs]
         report["embeds-engine-tower_embeddings_vs_embeds"] = {
             "images": len(images), "with_embedding": sum(e is not None for e in embeddings["embeds-engine-tower"]),
             "min_cosine": round(min(cos), 6) if cos else None,

@@ -49,11 +49,13 @@ def source_images(folder: str | Path | None):
     return bases
 
 
-def exact_size_images(folder: str | Path | None, n: int, max_pixels: int, factor: int = 28) -> list[np.ndarray]:
-    """``factor``: the model family's (28 for Qwen2/2.5-VL, 32 for Qwen3-VL and Qwen3.5)."""
+def exact_size_images(folder: str | Path | None, n: int | None, max_pixels: int, factor: int = 28) -> list[np.ndarray]:
+    """``factor``: the model family's (28 for Qwen2/2.5-VL, 32 for Qwen3-VL and Qwen3.5); ``n`` None: one of each
+    source image."""
     from PIL import Image
 
     bases = source_images(folder)
+    n = len(bases) if n is None else n
     sized = []
     for base in bases[:n]:
         h, w = smart_resize(base.size[1], base.size[0], factor=factor, max_pixels=max_pixels)

@@ -37,7 +37,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks" / "gpu"))
 
-from benchmarks.images import exact_size_images, source_images  # noqa: E402 - after the path insert
+from benchmarks.images import exact_size_images  # noqa: E402 - after the path insert
 from consumers.infer.model7b import GPU_MODELS  # noqa: E402
 from consumers.infer.vision import VisionEncoder, load_vision_tower, patchify_batch  # noqa: E402
 from vlmstream.models.registry import family_of  # noqa: E402
@@ -75,10 +75,10 @@ def pass_over(encoder: VisionEncoder, images: list[np.ndarray], batch: int):
     return one_pass
 
 
-def images_per_budget(asked: str, folder: str, largest_batch: int) -> int:
-    """--images as a count: 'all' is every image source_images finds in the folder."""
+def images_per_budget(asked: str, largest_batch: int) -> int | None:
+    """--images as exact_size_images' count: None for 'all', one of each image of the folder."""
     if asked == "all":
-        return len(source_images(folder))
+        return None
     return int(asked) if asked else 2 * largest_batch
 
 
@@ -173,7 +173,7 @@ def main() -> None:
                     "torch": torch.__version__, "budgets": {}}
     for budget in args.budgets.split(","):
         batches = [int(b) for b in args.batches.split(",")] if args.batches else [BATCH[budget]]
-        images = exact_size_images(args.imgs, images_per_budget(args.images, args.imgs, max(batches)), BUDGETS[budget],
+        images = exact_size_images(args.imgs, images_per_budget(args.images, max(batches)), BUDGETS[budget],
                                    factor=family.factor)
         rows = report["budgets"][budget] = {"mean_visual_tokens": round(float(np.mean(
             [im.shape[0] * im.shape[1] / family.factor ** 2 for im in images])), 1)}
