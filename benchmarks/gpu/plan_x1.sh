@@ -61,6 +61,9 @@
 #              tower in vLLM's engine), S2 `vllm serve` (8 API servers), S3 naive vLLM and vLLM given image_embeds
 #              (its language model alone), S4 the pipeline in pixels mode with our tower in the engine (about 22
 #              minutes)
+#   small-q3   the Qwen2.5-VL-7B tower alone at 0.2 MP, each variant in a process of its own with profiles (TS1
+#              fast, TS2 torch q/k/v, TS3 eager, TS4 /root/ab-tree's fast, TS5 fast again; about 4 minutes), then
+#              the rows-q3 list (about 26 minutes in all)
 #   engine-tower-smoke  gpu_engine_smoke.py: embeds mode, then pixels mode with our tower in vLLM's engine (same texts?
 #              [p]: 1.0)
 #   engine-tower-q3  Qwen3-VL-8B at 0.2 MP and 1 MP / 64, 40 s phases, our tower in vLLM's engine: the pipeline in
@@ -317,6 +320,25 @@ print('true' if r.get('embeds-engine-tower_embeddings_vs_embeds', {}).get('pass'
     job tb2 70 150 $IN_AB_TREE/benchmarks/gpu/bench_vision_tower.py $TOWER_ARGS --profile-budget '' --out "$RES/tb2.json"
     job ta2 70 150 python3 benchmarks/gpu/bench_vision_tower.py $TOWER_ARGS --profile-budget '' --out "$RES/ta2.json"
   fi
+fi
+
+if [ "$LIST" = small-q3 ]; then
+  # [r]: at 0.2 MP this code's tower alone took 11-12 ms per image against 3f19f77's 4.2-4.7, in every process, while
+  # it was faster at 1 and 12.8 MP. Which part makes it slow: each variant in a process of its own (the order effect
+  # of [o] cannot mix them), the profile's CPU table saying where the launching thread's time goes.
+  [ -e /root/model/config.json ] || python3 benchmarks/gpu/mk_model.py /root/model > "$RES/mk_model.log" 2>&1
+  SMALL="--model /root/model --imgs /root/imgs --budgets 256 --seconds 3 --profile-budget 256"
+  job ts1_fast 45 120 python3 benchmarks/gpu/bench_vision_tower.py $SMALL --variants fast+vllm_fa3 --out "$RES/ts1.json"
+  job ts2_torchqkv 45 120 python3 benchmarks/gpu/bench_vision_tower.py $SMALL --variants fast-torchqkv+vllm_fa3 \
+    --out "$RES/ts2.json"
+  job ts3_eager 30 120 python3 benchmarks/gpu/bench_vision_tower.py $SMALL --variants fast-eager+vllm_fa3 \
+    --out "$RES/ts3.json"
+  if ab_tree_ready ts4_b; then
+    job ts4_b 45 120 $IN_AB_TREE/benchmarks/gpu/bench_vision_tower.py $SMALL --variants fast+vllm_fa3 \
+      --out "$RES/ts4.json"
+  fi
+  job ts5_fast 45 120 python3 benchmarks/gpu/bench_vision_tower.py $SMALL --variants fast+vllm_fa3 --out "$RES/ts5.json"
+  LIST=rows-q3
 fi
 
 if [ "$LIST" = rows-q3 ]; then
