@@ -62,7 +62,8 @@
 #              (its language model alone), S4 the pipeline in pixels mode with our tower in the engine (about 22
 #              minutes)
 #   small-q3   the Qwen2.5-VL-7B tower alone at 0.2 MP, each variant in a process of its own with profiles (TS1
-#              fast, TS2 torch q/k/v, TS3 eager, TS4 /root/ab-tree's fast, TS5 fast again; about 4 minutes), then
+#              fast, TS2 torch q/k/v, TS3 eager, TS4 /root/ab-tree's fast, TS5 fast again, TS6 fast and torch q/k/v
+#              in one process, twice each; about 5 minutes), then
 #              the rows-q3 list (about 26 minutes in all)
 #   engine-tower-smoke  gpu_engine_smoke.py: embeds mode, then pixels mode with our tower in vLLM's engine (same texts?
 #              [p]: 1.0)
@@ -338,6 +339,9 @@ if [ "$LIST" = small-q3 ]; then
       --out "$RES/ts4.json"
   fi
   job ts5_fast 45 120 python3 benchmarks/gpu/bench_vision_tower.py $SMALL --variants fast+vllm_fa3 --out "$RES/ts5.json"
+  # [o] P2: once a second variant had been compiled in the process, both ran at full speed. Still so at this code?
+  job ts6_both 60 150 python3 benchmarks/gpu/bench_vision_tower.py $SMALL --variants fast+vllm_fa3,fast-torchqkv+vllm_fa3 \
+    --rounds 2 --out "$RES/ts6.json"
   LIST=rows-q3
 fi
 
