@@ -105,7 +105,10 @@ def time_encoder(encoder: VisionEncoder, images: list[np.ndarray], batch: int, m
             "batch": batch, "pass_ms_first": round(pass_ms[0], 1), "pass_ms_min": round(min(pass_ms), 1),
             "pass_ms_max": round(max(pass_ms), 1), "passes": len(pass_ms),
             "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1)
-            if encoder.device.type == "cuda" else None}
+            if encoder.device.type == "cuda" else None,
+            # Wall-clock bounds, to line the timing up with what else ran on the host then.
+            "timed_from": time.strftime("%H:%M:%S", time.localtime(time.time() - elapsed)),
+            "timed_to": time.strftime("%H:%M:%S")}
 
 
 def make_encoder(tower, device: torch.device, dtype: torch.dtype, variant: str) -> VisionEncoder:

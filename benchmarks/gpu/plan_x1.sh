@@ -330,6 +330,8 @@ if [ "$LIST" = small-q3 ]; then
   # where the launching thread's time goes. A pipeline has one encoder per process: the first.
   [ -e /root/model/config.json ] || python3 benchmarks/gpu/mk_model.py /root/model > "$RES/mk_model.log" 2>&1
   SMALL="--model /root/model --imgs /root/imgs --budgets 256 --seconds 3 --profile-budget 256"
+  # Who else uses the host's cores while TS1 compiles and times (Inductor's compile workers?): a snapshot every 4 s.
+  ( for _ in $(seq 20); do sleep 4; echo "== $(date +%T)"; top -b -n 1 -w 200 | head -22; done > "$RES/ts1_top.txt" 2>&1 ) &
   job ts1_fast 45 120 python3 benchmarks/gpu/bench_vision_tower.py $SMALL --variants fast+vllm_fa3 --out "$RES/ts1.json"
   job ts2_torchqkv 45 120 python3 benchmarks/gpu/bench_vision_tower.py $SMALL --variants fast-torchqkv+vllm_fa3 \
     --out "$RES/ts2.json"
