@@ -63,8 +63,9 @@
 #              minutes)
 #   small-q3   the Qwen2.5-VL-7B tower alone at 0.2 MP, each variant in a process of its own with profiles (TS1
 #              fast, TS2 torch q/k/v, TS3 eager, TS4 /root/ab-tree's fast, TS5 fast twice in one process, TS6 fast
-#              and torch q/k/v in one process, twice each; about 5 minutes), then
-#              the rows-q3 list (about 26 minutes in all)
+#              and torch q/k/v in one process, twice each, TS7 fast compiled without Inductor's worker pool; about 7
+#              minutes), then
+#              the rows-q3 list (about 29 minutes in all: with PLAN_S 1600, S4 does not fit)
 #   engine-tower-smoke  gpu_engine_smoke.py: embeds mode, then pixels mode with our tower in vLLM's engine (same texts?
 #              [p]: 1.0)
 #   engine-tower-q3  Qwen3-VL-8B at 0.2 MP and 1 MP / 64, 40 s phases, our tower in vLLM's engine: the pipeline in
@@ -347,6 +348,9 @@ if [ "$LIST" = small-q3 ]; then
   # [o] P2: once a second variant had been compiled in the process, both ran at full speed. Still so at this code?
   job ts6_both 60 150 python3 benchmarks/gpu/bench_vision_tower.py $SMALL --variants fast+vllm_fa3,fast-torchqkv+vllm_fa3 \
     --rounds 2 --out "$RES/ts6.json"
+  # The same, with Inductor compiling in this process (no pool of compile workers left beside the timing).
+  job ts7_one_compile_thread 100 240 env TORCHINDUCTOR_COMPILE_THREADS=1 python3 benchmarks/gpu/bench_vision_tower.py \
+    $SMALL --variants fast+vllm_fa3 --out "$RES/ts7.json"
   LIST=rows-q3
 fi
 
