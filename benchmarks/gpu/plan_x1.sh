@@ -64,8 +64,7 @@
 #   small-q3   the Qwen2.5-VL-7B tower alone at 0.2 MP, each variant in a process of its own with profiles (TS1
 #              fast, TS2 torch q/k/v, TS3 eager, TS4 /root/ab-tree's fast, TS5 fast twice in one process, TS6 fast
 #              and torch q/k/v in one process, twice each, TS7 fast compiled without Inductor's worker pool; about 7
-#              minutes), then
-#              the rows-q3 list (about 29 minutes in all: with PLAN_S 1600, S4 does not fit)
+#              minutes), then the rows-q3 list (about 29 minutes in all: with PLAN_S 1600, S4 does not fit)
 #   engine-tower-smoke  gpu_engine_smoke.py: embeds mode, then pixels mode with our tower in vLLM's engine (same texts?
 #              [p]: 1.0)
 #   engine-tower-q3  Qwen3-VL-8B at 0.2 MP and 1 MP / 64, 40 s phases, our tower in vLLM's engine: the pipeline in
