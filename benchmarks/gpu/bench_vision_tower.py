@@ -183,11 +183,10 @@ def main() -> None:
     variants = args.variants.split(",")
     report: dict = {"gpu": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                     "torch": torch.__version__, "budgets": {}}
-    # The encoder timed first at the profile budget, per variant, profiled again when it is still the latest made:
-    # its table then shows the state that was timed, without another compile. Every encoder installs its forwards
-    # on the shared tower's blocks, so once a later one exists a fresh encoder is profiled instead.
-    timed_at_profile_budget: dict[str, VisionEncoder] = {}
-    latest = None
+    # (variant, encoder) of the latest encoder made, while it is one timed at the profile budget: profiled again, its
+    # table shows the state that was timed, without another compile. Every encoder installs its forwards on the
+    # shared tower's blocks, so only the latest one made can be profiled as it was timed.
+    timed_latest: tuple[str, VisionEncoder] | None = None
     for budget in args.budgets.split(","):
         batches = [int(b) for b in args.batches.split(",")] if args.batches else [BATCH[budget]]
         images = exact_size_images(args.imgs, images_per_budget(args.images, max(batches)), BUDGETS[budget],
@@ -204,14 +203,15 @@ def main() -> None:
             for batch in batches:
                 key = f"{variant_key} x{batch}" if args.batches else variant_key
                 try:
-                    encoder = latest = make_encoder(tower, device, dtype, variant)
+                    timed_latest = None
+                    encoder = make_encoder(tower, device, dtype, variant)
                     if device.type == "cuda":
                         torch.cuda.reset_peak_memory_stats()
                     rows[key] = {**achieved(time_encoder(encoder, images, batch, args.seconds), flops_per_image),
                                  "fast_blocks": encoder.fast.replaced if encoder.fast else 0,
                                  "compiled": encoder.compiled}
                     if budget == args.profile_budget and batch == BATCH[budget]:
-                        timed_at_profile_budget.setdefault(variant, encoder)
+                        timed_latest = (variant, encoder)
                 except Exception as exc:  # noqa: BLE001 - one variant failing must not hide the others
                     rows[key] = {"error": repr(exc)[:400]}
                 print("RESULT", budget, key, json.dumps(rows[key]), flush=True)
@@ -221,14 +221,14 @@ def main() -> None:
         return
     report["profile"] = {"budget": budget}
     for variant in variants:
-        encoder = timed_at_profile_budget.get(variant)
-        if encoder is None or encoder is not latest:
-            encoder = latest = make_encoder(tower, device, dtype, variant)
+        timed = timed_latest is not None and timed_latest[0] == variant
+        encoder = timed_latest[1] if timed else make_encoder(tower, device, dtype, variant)
+        timed_latest = None
         # The timed passes' images (twice a batch), so that the table accounts for what a timed pass spends.
         table = profile_table(encoder, exact_size_images(args.imgs, BATCH[budget] * 2, BUDGETS[budget],
                                                          factor=family.factor), BATCH[budget])
         report["profile"][variant] = {"attention": encoder.attention, "compiled": encoder.compiled,
-                                      "timed_encoder": encoder is timed_at_profile_budget.get(variant),
+                                      "timed_encoder": timed,
                                       "table": table}
         print(f"PROFILE {variant}, budget {budget}, attention {encoder.attention}\n{table}", flush=True)
     Path(args.out).write_text(json.dumps(report, indent=1))

@@ -330,26 +330,24 @@ if [ "$LIST" = small-q3 ]; then
   # where the launching thread's time goes. A pipeline has one encoder per process: the first.
   [ -e /root/model/config.json ] || python3 benchmarks/gpu/mk_model.py /root/model > "$RES/mk_model.log" 2>&1
   SMALL="--model /root/model --imgs /root/imgs --budgets 256 --seconds 3 --profile-budget 256"
+  TOWER_SMALL="python3 benchmarks/gpu/bench_vision_tower.py $SMALL"
   # Who else uses the host's cores while TS1 compiles and times (Inductor's compile workers?): a snapshot every 4 s.
-  ( for _ in $(seq 20); do sleep 4; echo "== $(date +%T)"; top -b -n 1 -w 200 | head -22; done > "$RES/ts1_top.txt" 2>&1 ) &
-  job ts1_fast 45 120 python3 benchmarks/gpu/bench_vision_tower.py $SMALL --variants fast+vllm_fa3 --out "$RES/ts1.json"
-  job ts2_torchqkv 45 120 python3 benchmarks/gpu/bench_vision_tower.py $SMALL --variants fast-torchqkv+vllm_fa3 \
-    --out "$RES/ts2.json"
-  job ts3_eager 30 120 python3 benchmarks/gpu/bench_vision_tower.py $SMALL --variants fast-eager+vllm_fa3 \
-    --out "$RES/ts3.json"
+  ( for _ in $(seq 20); do sleep 4; echo "== $(date +%T)"; top -b -n 1 -w 200 | head -22; done \
+    > "$RES/ts1_top.txt" 2>&1 ) &
+  job ts1_fast 45 120 $TOWER_SMALL --variants fast+vllm_fa3 --out "$RES/ts1.json"
+  job ts2_torchqkv 45 120 $TOWER_SMALL --variants fast-torchqkv+vllm_fa3 --out "$RES/ts2.json"
+  job ts3_eager 30 120 $TOWER_SMALL --variants fast-eager+vllm_fa3 --out "$RES/ts3.json"
   if ab_tree_ready ts4_b; then
     job ts4_b 45 120 $IN_AB_TREE/benchmarks/gpu/bench_vision_tower.py $SMALL --variants fast+vllm_fa3 \
       --out "$RES/ts4.json"
   fi
   # [p]: at 0.2 MP the second encoder of the same variant in one process ran three times as fast as the first.
-  job ts5_fast_twice 60 150 python3 benchmarks/gpu/bench_vision_tower.py $SMALL --variants fast+vllm_fa3 --rounds 2 \
-    --out "$RES/ts5.json"
+  job ts5_fast_twice 60 150 $TOWER_SMALL --variants fast+vllm_fa3 --rounds 2 --out "$RES/ts5.json"
   # [o] P2: once a second variant had been compiled in the process, both ran at full speed. Still so at this code?
-  job ts6_both 60 150 python3 benchmarks/gpu/bench_vision_tower.py $SMALL --variants fast+vllm_fa3,fast-torchqkv+vllm_fa3 \
-    --rounds 2 --out "$RES/ts6.json"
+  job ts6_both 60 150 $TOWER_SMALL --variants fast+vllm_fa3,fast-torchqkv+vllm_fa3 --rounds 2 --out "$RES/ts6.json"
   # The same, with Inductor compiling in this process (no pool of compile workers left beside the timing).
-  job ts7_one_compile_thread 100 240 env TORCHINDUCTOR_COMPILE_THREADS=1 python3 benchmarks/gpu/bench_vision_tower.py \
-    $SMALL --variants fast+vllm_fa3 --out "$RES/ts7.json"
+  job ts7_one_compile_thread 100 240 env TORCHINDUCTOR_COMPILE_THREADS=1 $TOWER_SMALL --variants fast+vllm_fa3 \
+    --out "$RES/ts7.json"
   LIST=rows-q3
 fi
 
