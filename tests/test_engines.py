@@ -130,6 +130,21 @@ def test_fast_vision_blocks_compute_what_transformers_blocks_compute(images, mod
         torch.testing.assert_close(g, e, atol=1e-5, rtol=1e-4)
 
 
+def test_compiled_vision_blocks_compile_in_this_process(model_dir, monkeypatch):
+    """Every function the fast blocks compile asks Inductor to compile in this process: a pool of compile workers
+    starting beside the tower held the host's cores and slowed the tower threefold (vision.IN_PROCESS_COMPILE)."""
+    from consumers.infer import vision
+
+    asked = []
+    monkeypatch.setattr(vision.torch, "compile", lambda fn, **kw: asked.append((fn, kw)) or fn)
+    tower, _ = vision.load_vision_tower(model_dir, "cpu", torch.float32)
+    blocks = vision.FastVisionBlocks(tower, attention=None, compile_blocks=True, qkv_kernel="torch")
+    vision.FastVisionBlocks.remove(tower)
+    assert {fn for fn, _ in asked} == {vision._before_attention, vision._after_attention, vision._project}
+    assert all(kw["options"]["compile_threads"] == 1 and kw["dynamic"] and kw["fullgraph"] for _, kw in asked)
+    assert blocks.before is vision._before_attention  # what the stand-in returned: the blocks call the compiled code
+
+
 def test_triton_qkv_kernel_splits_and_rotates_as_the_torch_code_does(interpreted_triton):
     rotate_qkv = interpreted_triton.triton_rotate_qkv()
     torch.manual_seed(0)

@@ -471,6 +471,19 @@ def _block_shape(block: torch.nn.Module, alignment: int) -> _BlockShape | str:
     return f"its MLP ({type(mlp).__name__}) has neither gate/up/down nor fc1/fc2 projections"
 
 
+# Inductor compiles in this process, not in its pool of compile workers. A process's first Triton compile starts that
+# pool, one worker per core (16 on the H200 host), and the tower timed right after its compile then ran three times
+# slower at 0.2 MP (9.8 against 3.1 ms per image, benchmarks/RESULTS.md [s]) with every core of the host busy: at that
+# budget the tower is bound by the one thread that launches its kernels. Compiled in this process it ran at full speed
+# from its first pass, and compiled no slower. The option holds for every later recompile of these functions too.
+IN_PROCESS_COMPILE = {"compile_threads": 1}
+
+
+def compiled_in_process(fn):
+    """``fn`` compiled by torch.compile for any tensor sizes, as one graph, Inductor compiling in this process."""
+    return torch.compile(fn, dynamic=True, fullgraph=True, options=IN_PROCESS_COMPILE)
+
+
 _reported_shapes: set[str] = set()
 
 
@@ -499,9 +512,8 @@ class FastVisionBlocks:
         self.fp8 = fp8
         self.before, self.after, self.project = _before_attention, _after_attention, _project
         if compile_blocks:
-            self.before = torch.compile(_before_attention, dynamic=True, fullgraph=True)
-            self.after = torch.compile(_after_attention, dynamic=True, fullgraph=True)
-            self.project = torch.compile(_project, dynamic=True, fullgraph=True)
+            self.before, self.after, self.project = (compiled_in_process(f)
+                                                     for f in (_before_attention, _after_attention, _project))
         self.rotate_qkv = None
         if qkv_kernel == "triton" or (qkv_kernel == "auto" and compile_blocks):
             self.rotate_qkv = triton_rotate_qkv()
