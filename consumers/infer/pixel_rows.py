@@ -41,14 +41,17 @@ def pack(image: np.ndarray, grid_thw: tuple[int, int, int], family: ModelFamily,
     if image.dtype != np.uint8 or image.shape != (height, width, 3):
         raise ValueError(f"expected a {height} x {width} x 3 uint8 image for grid {tuple(grid_thw)}, got {image.dtype} "
                          f"{image.shape}")
-    rows = torch.from_numpy(np.ascontiguousarray(image)).view(-1, row_width(family))
+    width = row_width(family)
+    rows = np.ascontiguousarray(image).reshape(-1, width)
     if tag is None:
-        return rows
-    tagged = torch.empty((rows.shape[0], row_width(family) + TAG_BYTES), dtype=torch.uint8)
-    tagged[:, :row_width(family)] = rows
-    tagged[:, row_width(family):] = 0
-    tagged[0, row_width(family):] = torch.from_numpy(np.array([tag], dtype="<u8").view(np.uint8))
-    return tagged
+        return torch.from_numpy(rows)
+    # The copy in numpy, on this thread: torch's copy of an image this size wakes its pool of CPU threads (one per
+    # core), which then spin waiting for more work. At 0.2 MP that held about six of the H200 host's cores in the
+    # inference process (benchmarks/RESULTS.md [s]; pixels mode, which packs nothing, used under one).
+    tagged = np.zeros((rows.shape[0], width + TAG_BYTES), dtype=np.uint8)
+    tagged[:, :width] = rows
+    tagged[0, width:] = np.array([tag], dtype="<u8").view(np.uint8)
+    return torch.from_numpy(tagged)
 
 
 def _tokens(grid_thw: torch.Tensor, family: ModelFamily) -> list[int]:
