@@ -46,8 +46,8 @@ def pack(image: np.ndarray, grid_thw: tuple[int, int, int], family: ModelFamily,
     if tag is None:
         return torch.from_numpy(rows)
     # The copy in numpy, on this thread: torch's copy of an image this size wakes its pool of CPU threads (one per
-    # core), which then spin waiting for more work. At 0.2 MP that held about six of the H200 host's cores in the
-    # inference process (benchmarks/RESULTS.md [s]; pixels mode, which packs nothing, used under one).
+    # core), which then spin waiting for more work. At 0.2 MP the consumer used about six of the H200 host's cores
+    # that way (benchmarks/RESULTS.md [s]); in pixels mode, which packs nothing, under one.
     tagged = np.zeros((rows.shape[0], width + TAG_BYTES), dtype=np.uint8)
     tagged[:, :width] = rows
     tagged[0, width:] = np.array([tag], dtype="<u8").view(np.uint8)
