@@ -88,3 +88,15 @@ def interpreted_triton(monkeypatch):
     qkv_rotary.triton_rotate_qkv.cache_clear()
     yield qkv_rotary
     qkv_rotary.triton_rotate_qkv.cache_clear()
+
+
+@pytest.fixture
+def interpreted_silu_gate(monkeypatch):
+    """The Triton gated-MLP kernel built for Triton's CPU interpreter (the same kernel source the GPU compiles)."""
+    pytest.importorskip("triton")
+    from consumers.infer import gated_silu
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    gated_silu.triton_silu_gate.cache_clear()
+    yield gated_silu
+    gated_silu.triton_silu_gate.cache_clear()

@@ -140,7 +140,8 @@ def test_compiled_vision_blocks_compile_in_this_process(model_dir, monkeypatch):
     tower, _ = vision.load_vision_tower(model_dir, "cpu", torch.float32)
     blocks = vision.FastVisionBlocks(tower, attention=None, compile_blocks=True, qkv_kernel="torch")
     vision.FastVisionBlocks.remove(tower)
-    assert {fn for fn, _ in asked} == {vision._before_attention, vision._after_attention, vision._project}
+    assert {fn for fn, _ in asked} == {vision._before_attention, vision._after_attention, vision._project,
+                                       vision._up_projection}
     assert all(kw["options"]["compile_threads"] == 1 and kw["dynamic"] and kw["fullgraph"] for _, kw in asked)
     assert blocks.before is vision._before_attention  # what the stand-in returned: the blocks call the compiled code
 
@@ -175,6 +176,37 @@ def test_fast_vision_blocks_with_the_triton_qkv_kernel_compute_transformers_outp
         blocks = FastVisionBlocks(tower, attention=None, qkv_kernel="triton")
         assert blocks.rotate_qkv is not None
         got = tower(pixel_values, grid_thw=grid_thw).pooler_output
+        FastVisionBlocks.remove(tower)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
+
+
+def test_triton_silu_gate_kernel_computes_what_the_torch_code_does(interpreted_silu_gate):
+    silu_gate = interpreted_silu_gate.triton_silu_gate()
+    torch.manual_seed(0)
+    # Widths and row counts that fill no block exactly (the masks), and Qwen2.5-VL-7B's padded width.
+    for tokens, width in ((37, 100), (16, 128), (5, 3456)):
+        gate_up = torch.randn(tokens, 2 * width) * 4
+        got = silu_gate(gate_up, block_tokens=16, block_width=64)
+        assert got.shape == (tokens, width) and got.is_contiguous()
+        torch.testing.assert_close(got, interpreted_silu_gate.silu_gate_torch(gate_up), atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="contiguous"):
+        silu_gate(torch.randn(4, 10).t())
+
+
+def test_fast_vision_blocks_with_the_triton_mlp_kernel_compute_transformers_output(interpreted_silu_gate, images,
+                                                                                   model_dir):
+    from consumers.infer.vision import FastVisionBlocks, load_vision_tower, patchify_batch
+
+    tower, _ = load_vision_tower(model_dir, "cpu", torch.float32)
+    pixel_values, grid_thw = patchify_batch(images[:2])
+    with torch.inference_mode():
+        expected = tower(pixel_values, grid_thw=grid_thw).pooler_output
+        blocks = FastVisionBlocks(tower, attention=None, mlp_kernel="triton")
+        assert blocks.silu_gate is not None and blocks.replaced == len(tower.blocks)
+        calls, kernel = [], blocks.silu_gate
+        blocks.silu_gate = lambda gate_up: calls.append(gate_up.shape) or kernel(gate_up)
+        got = tower(pixel_values, grid_thw=grid_thw).pooler_output
+        assert len(calls) == len(tower.blocks)  # every block's MLP went through the kernel
         FastVisionBlocks.remove(tower)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
 
@@ -590,7 +622,7 @@ def test_the_engine_tower_setting_is_refused_where_it_cannot_run_and_reaches_the
     assert args == {"worker_extension_cls": ENGINE_TOWER_EXTENSION} and env["VLMSTREAM_INFER__ENGINE_TOWER"] == "false"
     with pytest.raises(ValueError, match="infer.tower_clock=false"):  # embeds mode gives vLLM no tower to time
         engine_tower_args(clocked, "embeds", QWEN2_VL)
-    on = InferSettings(engine_tower=True, vision_qkv_kernel="torch", vision_compile=False)
+    on = InferSettings(engine_tower=True, vision_qkv_kernel="torch", vision_compile=False, vision_mlp_kernel="triton")
     assert engine_tower_args(on, "embeds", QWEN2_VL)[0] == {"worker_extension_cls": ENGINE_TOWER_EXTENSION}
     with pytest.raises(ValueError, match="infer.engine_tower=false"):
         engine_tower_args(on, "pixels", GENERIC)
@@ -601,8 +633,8 @@ def test_the_engine_tower_setting_is_refused_where_it_cannot_run_and_reaches_the
     assert "VLMSTREAM_INFER__VISION_COMPILE" not in os.environ
     with child_environment(env):
         seen = Settings().infer
-        assert (seen.engine_tower, seen.vision_qkv_kernel, seen.vision_compile, seen.vision_fp8) == (
-            True, "torch", False, False)
+        assert (seen.engine_tower, seen.vision_qkv_kernel, seen.vision_compile, seen.vision_fp8,
+                seen.vision_mlp_kernel) == (True, "torch", False, False, "triton")
     assert "VLMSTREAM_INFER__VISION_COMPILE" not in os.environ
 
 

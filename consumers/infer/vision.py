@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from consumers.infer.fp8 import fp8_problem, fp8_weight, linear
+from consumers.infer.gated_silu import triton_silu_gate
 from consumers.infer.qkv_rotary import rotate, triton_rotate_qkv
 from vlmstream.models.family import ModelFamily
 from vlmstream.models.qwen2_vl import QWEN2_VL
@@ -360,9 +361,14 @@ def _project(x, norm_weight, norm_bias, qkv_weight, qkv_bias, eps: float):
 
 def _after_attention(x, attended, proj_weight, proj_bias, norm_weight, norm_bias, up_weight, up_bias,
                      down_weight, down_bias, eps: float, activation):
-    x = x + linear(attended.reshape(x.shape[0], -1), proj_weight, proj_bias)
-    h = linear(_norm(x, norm_weight, norm_bias, eps), up_weight, up_bias)
+    x, h = _up_projection(x, attended, proj_weight, proj_bias, norm_weight, norm_bias, up_weight, up_bias, eps)
     return x + linear(activation(h), down_weight, down_bias)
+
+
+def _up_projection(x, attended, proj_weight, proj_bias, norm_weight, norm_bias, up_weight, up_bias, eps: float):
+    """The block after its attention up to the MLP's activation: (residual stream, the MLP's first projection)."""
+    x = x + linear(attended.reshape(x.shape[0], -1), proj_weight, proj_bias)
+    return x, linear(_norm(x, norm_weight, norm_bias, eps), up_weight, up_bias)
 
 
 def _windowed_sdpa(q, k, v, cu_seqlens: torch.Tensor, scale: float) -> torch.Tensor:
@@ -500,25 +506,36 @@ class FastVisionBlocks:
     dim) tensors, or None for the per-window sdpa loop. ``compile_blocks`` compiles the code around the
     attention (CUDA only; a failed compile falls back to eager with a warning). ``qkv_kernel``: how q, k, v are
     split out of the projection and rotated: "triton" (one pass, ``qkv_rotary.py``), "torch" (the compiled
-    elementwise code), "auto" (Triton when the blocks are compiled and Triton imports). ``fp8``: the four matrix
-    products of each block in FP8 (``fp8.py``), their weights quantised once here.
+    elementwise code), "auto" (Triton when the blocks are compiled and Triton imports). ``mlp_kernel``: how a gated
+    MLP's ``silu(gate) * up`` runs: "torch" (the compiled elementwise code, in one compiled call with the matrix
+    products around it) or "triton" (one pass, ``gated_silu.py``, between a compiled call for the code before it and
+    the down projection; blocks with another activation keep the compiled code). ``fp8``: the four matrix products of
+    each block in FP8 (``fp8.py``), their weights quantised once here.
     """
 
     def __init__(self, visual: torch.nn.Module, attention=None, compile_blocks: bool = False,
-                 alignment: int = GEMM_ALIGNMENT, qkv_kernel: str = "auto", fp8: bool = False):
+                 alignment: int = GEMM_ALIGNMENT, qkv_kernel: str = "auto", fp8: bool = False,
+                 mlp_kernel: str = "torch"):
         if qkv_kernel not in ("auto", "triton", "torch"):
             raise ValueError(f"qkv_kernel must be auto, triton or torch, not {qkv_kernel!r}")
+        if mlp_kernel not in ("triton", "torch"):
+            raise ValueError(f"mlp_kernel must be triton or torch, not {mlp_kernel!r}")
         self.attention = attention
         self.fp8 = fp8
-        self.before, self.after, self.project = _before_attention, _after_attention, _project
+        self.before, self.after, self.project, self.up = _before_attention, _after_attention, _project, _up_projection
         if compile_blocks:
-            self.before, self.after, self.project = (compiled_in_process(f)
-                                                     for f in (_before_attention, _after_attention, _project))
+            self.before, self.after, self.project, self.up = (
+                compiled_in_process(f) for f in (_before_attention, _after_attention, _project, _up_projection))
         self.rotate_qkv = None
         if qkv_kernel == "triton" or (qkv_kernel == "auto" and compile_blocks):
             self.rotate_qkv = triton_rotate_qkv()
             if self.rotate_qkv is None and qkv_kernel == "triton":
                 raise RuntimeError("qkv_kernel='triton' needs Triton, which cannot be imported here")
+        self.silu_gate = None
+        if mlp_kernel == "triton":
+            self.silu_gate = triton_silu_gate()
+            if self.silu_gate is None:
+                raise RuntimeError("mlp_kernel='triton' needs Triton, which cannot be imported here")
         self.replaced = 0
         for block in visual.blocks:
             shape = _block_shape(block, alignment)
@@ -538,8 +555,8 @@ class FastVisionBlocks:
             block.__dict__.pop("forward", None)
 
     def use_eager(self) -> None:
-        self.before, self.after, self.project = _before_attention, _after_attention, _project
-        self.rotate_qkv = None
+        self.before, self.after, self.project, self.up = _before_attention, _after_attention, _project, _up_projection
+        self.rotate_qkv = self.silu_gate = None
 
     def _block_forward(self, block: torch.nn.Module, shape: _BlockShape):
         attn = block.attn
@@ -567,6 +584,10 @@ class FastVisionBlocks:
                     max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
                 cu = cu_seqlens.to(torch.int32)
                 attended = self.attention(q, k, v, cu, cu, int(max_seqlen), int(max_seqlen), scale)
+            if self.silu_gate is not None and shape.activation is _silu_gate:
+                x, h = self.up(hidden_states, attended, proj_weight, attn.proj.bias, block.norm2.weight,
+                               shape.norm2_bias, up_weight, up_bias, eps)
+                return x + linear(self.silu_gate(h), down_weight, shape.down_bias)
             return self.after(hidden_states, attended, proj_weight, attn.proj.bias, block.norm2.weight,
                               shape.norm2_bias, up_weight, up_bias, down_weight, shape.down_bias, eps,
                               shape.activation)
@@ -662,13 +683,14 @@ class VisionEncoder:
     DeepStack levels (Qwen3-VL) each level's merged tokens, concatenated on the feature axis.
     ``family`` defaults to the one whose patch size and merge size the tower's config has. ``fp8``: the fast
     blocks' matrix products in FP8 (``fp8.py``; on CUDA only where the GPU has FP8, on the CPU in float32 for tests).
+    ``qkv_kernel`` and ``mlp_kernel``: as ``FastVisionBlocks`` takes them.
     """
 
     def __init__(self, visual: torch.nn.Module, device: torch.device | str = "cpu",
                  dtype: torch.dtype | None = None, attention: str = "auto",
                  max_patches_per_call: int = 65536, linear_patch_embedding: bool = True,
                  fast_blocks: bool = True, compile_blocks: bool = True, family: ModelFamily | None = None,
-                 qkv_kernel: str = "auto", fp8: bool = False):
+                 qkv_kernel: str = "auto", fp8: bool = False, mlp_kernel: str = "torch"):
         if fp8:
             problem = "it needs the fast vision blocks" if not fast_blocks else fp8_problem(
                 device, dtype or next(visual.parameters()).dtype)
@@ -696,7 +718,7 @@ class VisionEncoder:
         if fast_blocks:  # False only to measure what they are worth
             compile_blocks = compile_blocks and self.device.type == "cuda"
             fast = FastVisionBlocks(self.visual, VARLEN_KERNELS.get(self.attention), compile_blocks,
-                                    qkv_kernel=qkv_kernel, fp8=fp8)
+                                    qkv_kernel=qkv_kernel, fp8=fp8, mlp_kernel=mlp_kernel)
             self.fast = fast if fast.replaced else None
             if compile_blocks and self.fast is not None:
                 self.compiled = self._warm_up_compiled()

@@ -137,6 +137,7 @@ def engine_tower_args(settings: InferSettings, mode: str, family: ModelFamily) -
     env = {"VLMSTREAM_INFER__ENGINE_TOWER": str(settings.engine_tower).lower(),
            "VLMSTREAM_INFER__VISION_COMPILE": str(settings.vision_compile).lower(),
            "VLMSTREAM_INFER__VISION_QKV_KERNEL": settings.vision_qkv_kernel,
+           "VLMSTREAM_INFER__VISION_MLP_KERNEL": settings.vision_mlp_kernel,
            "VLMSTREAM_INFER__VISION_FP8": str(settings.vision_fp8).lower()}
     return {"worker_extension_cls": ENGINE_TOWER_EXTENSION}, env
 
@@ -276,7 +277,8 @@ class VllmEngine(QueuedEngine):
                 log.warning("no vision weights in %s: the tower is random, embeddings are meaningless", model_path)
             self.encoder = VisionEncoder(tower, "cuda", dtype, attention=vision_attention,
                                          compile_blocks=settings.vision_compile, family=self.family,
-                                         qkv_kernel=settings.vision_qkv_kernel, fp8=settings.vision_fp8)
+                                         qkv_kernel=settings.vision_qkv_kernel, fp8=settings.vision_fp8,
+                                         mlp_kernel=settings.vision_mlp_kernel)
             if self._embeds_here() and self.encoder.image_embeds_width != self.image_embeds_width:
                 self._engine_loop.shutdown_llm(self.llm)
                 self._engine_loop.stop()

@@ -1,0 +1,64 @@
+"""The gated MLP's activation, ``silu(gate) * up`` over the merged gate/up projection, in one pass over memory
+(Triton, CUDA).
+
+Qwen2.5-VL's vision blocks project to gate and up in one matrix product (``vision._merged_mlp``), so the activation
+reads (tokens, 2 x width) and writes (tokens, width). Compiled by Inductor into the code around it, that kernel ran
+at about a third of the H200's memory bandwidth: 10.9% of the tower's GPU time at 12.8 MP, more than any kernel but
+the matrix products and the attention (benchmarks/RESULTS.md [o], 511 us a call for 860 MB moved). This kernel reads
+each tile of gate and up once, as rows of the merged projection, and writes the tile once. Same arithmetic as the
+compiled code: float32, rounded once to the input type.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+
+
+def silu_gate_torch(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` with gate the first half of the last axis and up the second: the reference, and the
+    path off CUDA."""
+    gate, up = gate_up.chunk(2, -1)
+    return torch.nn.functional.silu(gate) * up
+
+
+def build_kernel():
+    """The Triton kernel, built on first use (Triton is imported only where a CUDA tower runs; tests build it under
+    TRITON_INTERPRET=1 on the CPU)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def silu_gate_kernel(gate_up_ptr, out_ptr, tokens, WIDTH: tl.constexpr, BLOCK_T: tl.constexpr,
+                         BLOCK_W: tl.constexpr):
+        # One program: BLOCK_T rows by BLOCK_W columns of the output. Within a row the columns are contiguous in
+        # gate, in up and in the output, so every load and store moves whole 16-byte vectors.
+        t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)[:, None]
+        w = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)[None, :]
+        mask = (t < tokens) & (w < WIDTH)
+        row = t.to(tl.int64) * (2 * WIDTH) + w
+        gate = tl.load(gate_up_ptr + row, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(gate_up_ptr + row + WIDTH, mask=mask, other=0.0).to(tl.float32)
+        out = gate / (1.0 + tl.exp(-gate)) * up
+        tl.store(out_ptr + t.to(tl.int64) * WIDTH + w, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+    def silu_gate(gate_up: torch.Tensor, block_tokens: int = 16, block_width: int = 128) -> torch.Tensor:
+        if gate_up.dim() != 2 or gate_up.shape[1] % 2 or not gate_up.is_contiguous():
+            raise ValueError(f"gate_up must be a contiguous (tokens, 2 x width) tensor, got {tuple(gate_up.shape)}")
+        tokens, width = gate_up.shape[0], gate_up.shape[1] // 2
+        out = torch.empty(tokens, width, dtype=gate_up.dtype, device=gate_up.device)
+        grid = (triton.cdiv(tokens, block_tokens), triton.cdiv(width, block_width))
+        silu_gate_kernel[grid](gate_up, out, tokens, WIDTH=width, BLOCK_T=block_tokens, BLOCK_W=block_width)
+        return out
+
+    return silu_gate
+
+
+@lru_cache(maxsize=1)
+def triton_silu_gate():
+    """The kernel's launcher, or None where Triton cannot be imported."""
+    try:
+        return build_kernel()
+    except ImportError:
+        return None
