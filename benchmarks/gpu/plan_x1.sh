@@ -67,10 +67,10 @@
 #              minutes), then the rows-q3 list (about 29 minutes in all: with PLAN_S 1600, S4 does not fit)
 #   fixcheck   the vision blocks compiled in-process ([s]: the first encoder of a process ran three times slower at
 #              0.2 MP while Inductor's compile workers started): F1/F2 the Qwen2.5-VL-7B tower alone at 0.2 / 1 /
-#              12.8 MP, this code (with and without the gated MLP's Triton kernel) then /root/ab-tree; Qwen3-VL-8B at 0.2 / 1 MP in 120-s phases: Q2 pixels mode with
-#              our tower in vLLM's engine, Q3 `vllm serve` (8 API servers); Qwen2.5-VL-7B at 0.2 MP / 64: P1 this
-#              code's pipeline (embeds), P2 /root/ab-tree's, P3 `vllm serve` (about 28 minutes: with PLAN_S 1570 the
-#              last jobs may not fit)
+#              12.8 MP, this code (with and without the gated MLP's Triton kernel) then /root/ab-tree; Qwen3-VL-8B
+#              at 0.2 / 1 MP in 100-s phases: Q2 pixels mode with our tower in vLLM's engine, Q3 `vllm serve` (8 API
+#              servers); Qwen2.5-VL-7B at 0.2 MP / 64: P1 this code's pipeline (embeds), P2 /root/ab-tree's, P3
+#              `vllm serve` (about 25 minutes)
 #   engine-tower-smoke  gpu_engine_smoke.py: embeds mode, then pixels mode with our tower in vLLM's engine (same texts?
 #              [p]: 1.0)
 #   engine-tower-q3  Qwen3-VL-8B at 0.2 MP and 1 MP / 64, 40 s phases, our tower in vLLM's engine: the pipeline in
@@ -362,26 +362,26 @@ if [ "$LIST" = fixcheck ]; then
   TOWER_ARGS="--model /root/model --imgs /root/imgs --budgets 256,1280,default --variants fast+vllm_fa3 --seconds 3"
   # F1's profile at 12.8 MP: where the tower's time goes now ([o]: elementwise kernels a fifth of it). Beside this
   # code's default, the gated MLP's Triton kernel (infer.vision_mlp_kernel=triton), two rounds in reverse order.
-  job f1_tower_a 130 240 python3 benchmarks/gpu/bench_vision_tower.py $TOWER_ARGS --rounds 2 \
+  job f1_tower_a 100 240 python3 benchmarks/gpu/bench_vision_tower.py $TOWER_ARGS --rounds 2 \
     --variants fast+vllm_fa3,fast-tritonmlp+vllm_fa3 --profile-budget default --out "$RES/f1_tower_a.json"
   if ab_tree_ready f2_tower_b; then
-    job f2_tower_b 70 150 $IN_AB_TREE/benchmarks/gpu/bench_vision_tower.py $TOWER_ARGS --profile-budget '' \
+    job f2_tower_b 50 150 $IN_AB_TREE/benchmarks/gpu/bench_vision_tower.py $TOWER_ARGS --profile-budget '' \
       --out "$RES/f2_tower_b.json"
   fi
   # [s]: a phase's first window ran at a fraction of its last (each request spends some 10 s in the engine), so 40-s
-  # phases understate a pipeline that holds more requests in flight than serve does; 120-s phases here.
+  # phases understate a pipeline that holds more requests in flight than serve does; 100-s phases here.
   Q3=/root/qwen3-vl-8b
   [ -e $Q3/config.json ] || python3 benchmarks/gpu/mk_model.py $Q3 qwen3-vl-8b > "$RES/mk_q3.log" 2>&1
-  job q2_engine_tower_pixels 360 540 env VLMSTREAM_INFER__ENGINE_TOWER=true $BENCH --model $Q3 --budgets 256,1280 \
-    --seconds 120 --stop-after 1.5 --profile --arms pipeline-pixels --out "$RES/q2_engine_tower_pixels"
-  job q3_serve 380 540 $BENCH --model $Q3 --budgets 256,1280 --seconds 120 --arms serve --serve-k 8 \
+  job q2_engine_tower_pixels 330 540 env VLMSTREAM_INFER__ENGINE_TOWER=true $BENCH --model $Q3 --budgets 256,1280 \
+    --seconds 100 --stop-after 1.5 --profile --arms pipeline-pixels --out "$RES/q2_engine_tower_pixels"
+  job q3_serve 340 540 $BENCH --model $Q3 --budgets 256,1280 --seconds 100 --arms serve --serve-k 8 \
     --out "$RES/q3_serve"
   if ab_tree_ready p2_before; then
     job p1_this 240 360 $BENCH --model /root/model --budgets 256 $PIPE --out "$RES/p1_this"
     job p2_before 240 360 $IN_AB_TREE/benchmarks/gpu/gpu_bench.py --imgs /root/imgs --max-tokens 64 --gpu-ids 0 \
       --model /root/model --budgets 256 $PIPE --out "$RES/p2_before"
   fi
-  job p3_serve 200 300 $BENCH --model /root/model --budgets 256 --seconds 40 --arms serve --serve-k 8 \
+  job p3_serve 180 300 $BENCH --model /root/model --budgets 256 --seconds 40 --arms serve --serve-k 8 \
     --out "$RES/p3_serve"
 fi
 
