@@ -6,6 +6,7 @@ Every test that uses a broker fixture is marked `kafka` here, so `-m "not kafka"
 
 from __future__ import annotations
 
+import importlib
 import os
 import uuid
 from pathlib import Path
@@ -78,25 +79,24 @@ def engine():
     instance.close()
 
 
+def _interpreted(monkeypatch, module: str, launcher: str):
+    """A Triton kernel's module with its launcher built for Triton's CPU interpreter (the same kernel source the GPU
+    compiles), the launcher's cache emptied before and after."""
+    pytest.importorskip("triton")
+    kernels = importlib.import_module(f"consumers.infer.{module}")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    getattr(kernels, launcher).cache_clear()
+    yield kernels
+    getattr(kernels, launcher).cache_clear()
+
+
 @pytest.fixture
 def interpreted_triton(monkeypatch):
-    """The Triton q/k/v kernel built for Triton's CPU interpreter (the same kernel source the GPU compiles)."""
-    pytest.importorskip("triton")
-    from consumers.infer import qkv_rotary
-
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    qkv_rotary.triton_rotate_qkv.cache_clear()
-    yield qkv_rotary
-    qkv_rotary.triton_rotate_qkv.cache_clear()
+    """The Triton q/k/v kernel's module (``qkv_rotary``), built for the CPU interpreter."""
+    yield from _interpreted(monkeypatch, "qkv_rotary", "triton_rotate_qkv")
 
 
 @pytest.fixture
 def interpreted_silu_gate(monkeypatch):
-    """The Triton gated-MLP kernel built for Triton's CPU interpreter (the same kernel source the GPU compiles)."""
-    pytest.importorskip("triton")
-    from consumers.infer import gated_silu
-
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    gated_silu.triton_silu_gate.cache_clear()
-    yield gated_silu
-    gated_silu.triton_silu_gate.cache_clear()
+    """The Triton gated-MLP kernel's module (``gated_silu``), built for the CPU interpreter."""
+    yield from _interpreted(monkeypatch, "gated_silu", "triton_silu_gate")

@@ -165,21 +165,6 @@ def test_triton_qkv_kernel_splits_and_rotates_as_the_torch_code_does(interpreted
         rotate_qkv(torch.zeros(4, 2, 2, 8), torch.zeros(4, 8), torch.zeros(4, 8))
 
 
-def test_fast_vision_blocks_with_the_triton_qkv_kernel_compute_transformers_output(interpreted_triton, images,
-                                                                                    model_dir):
-    from consumers.infer.vision import FastVisionBlocks, load_vision_tower, patchify_batch
-
-    tower, _ = load_vision_tower(model_dir, "cpu", torch.float32)
-    pixel_values, grid_thw = patchify_batch(images[:2])
-    with torch.inference_mode():
-        expected = tower(pixel_values, grid_thw=grid_thw).pooler_output
-        blocks = FastVisionBlocks(tower, attention=None, qkv_kernel="triton")
-        assert blocks.rotate_qkv is not None
-        got = tower(pixel_values, grid_thw=grid_thw).pooler_output
-        FastVisionBlocks.remove(tower)
-    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
-
-
 def test_triton_silu_gate_kernel_computes_what_the_torch_code_does(interpreted_silu_gate):
     silu_gate = interpreted_silu_gate.triton_silu_gate()
     torch.manual_seed(0)
@@ -193,20 +178,25 @@ def test_triton_silu_gate_kernel_computes_what_the_torch_code_does(interpreted_s
         silu_gate(torch.randn(4, 10).t())
 
 
-def test_fast_vision_blocks_with_the_triton_mlp_kernel_compute_transformers_output(interpreted_silu_gate, images,
-                                                                                   model_dir):
+@pytest.mark.parametrize("setting, kernel, fixture", [("qkv_kernel", "rotate_qkv", "interpreted_triton"),
+                                                      ("mlp_kernel", "silu_gate", "interpreted_silu_gate")])
+def test_fast_vision_blocks_with_a_triton_kernel_compute_transformers_output(setting, kernel, fixture, request, images,
+                                                                           model_dir):
+    """Each Triton kernel the fast blocks can run (built for the CPU interpreter), in every block of the tiny
+    Qwen2.5-VL tower: the tower's output is transformers'."""
     from consumers.infer.vision import FastVisionBlocks, load_vision_tower, patchify_batch
 
+    request.getfixturevalue(fixture)
     tower, _ = load_vision_tower(model_dir, "cpu", torch.float32)
     pixel_values, grid_thw = patchify_batch(images[:2])
     with torch.inference_mode():
         expected = tower(pixel_values, grid_thw=grid_thw).pooler_output
-        blocks = FastVisionBlocks(tower, attention=None, mlp_kernel="triton")
-        assert blocks.silu_gate is not None and blocks.replaced == len(tower.blocks)
-        calls, kernel = [], blocks.silu_gate
-        blocks.silu_gate = lambda gate_up: calls.append(gate_up.shape) or kernel(gate_up)
+        blocks = FastVisionBlocks(tower, attention=None, **{setting: "triton"})
+        assert getattr(blocks, kernel) is not None and blocks.replaced == len(tower.blocks)
+        calls, run = [], getattr(blocks, kernel)
+        setattr(blocks, kernel, lambda *args: calls.append(1) or run(*args))
         got = tower(pixel_values, grid_thw=grid_thw).pooler_output
-        assert len(calls) == len(tower.blocks)  # every block's MLP went through the kernel
+        assert len(calls) == len(tower.blocks)  # every block went through the kernel
         FastVisionBlocks.remove(tower)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
 
