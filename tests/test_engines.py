@@ -144,6 +144,8 @@ def test_compiled_vision_blocks_compile_in_this_process(model_dir, monkeypatch):
                                        vision._up_projection}
     assert all(kw["options"]["compile_threads"] == 1 and kw["dynamic"] and kw["fullgraph"] for _, kw in asked)
     assert blocks.before is vision._before_attention  # what the stand-in returned: the blocks call the compiled code
+    # "auto" kernels with compiled blocks: Triton's, where it imports.
+    assert (blocks.silu_gate, blocks.rotate_qkv is None) == (vision.triton_silu_gate(), True)
 
 
 def test_triton_qkv_kernel_splits_and_rotates_as_the_torch_code_does(interpreted_triton):

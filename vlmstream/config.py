@@ -271,11 +271,11 @@ class InferSettings(BaseModel):
         "auto", description="vLLM engine, our vision tower: how each block splits q, k and v out of its projection "
         "and rotates them. triton: one pass over memory (consumers/infer/qkv_rotary.py); torch: compiled torch code; "
         "auto: triton where the blocks are compiled and Triton imports.")
-    vision_mlp_kernel: Literal["triton", "torch"] = Field(
-        "torch", description="vLLM engine, our vision tower: how each gated-MLP block (Qwen2.5-VL) computes "
-        "silu(gate) * up. torch: compiled with the code around it; triton: one pass over memory "
-        "(consumers/infer/gated_silu.py), where the compiled kernel moved about a third of the H200's memory "
-        "bandwidth at 12.8 MP. Opt-in until measured against torch on the GPU.")
+    vision_mlp_kernel: Literal["auto", "triton", "torch"] = Field(
+        "auto", description="vLLM engine, our vision tower: how each gated-MLP block (Qwen2.5-VL) computes "
+        "silu(gate) * up. triton: one pass over memory (consumers/infer/gated_silu.py; alone on an H200 2.4 times "
+        "as fast as the compiled kernel, same output: benchmarks/RESULTS.md [t]); torch: compiled with the code "
+        "around it; auto: triton where the blocks are compiled and Triton imports.")
     vision_fp8: bool = Field(
         False, description="vLLM engine, our vision tower: each block's four matrix products in FP8 (e4m3; weights "
         "scaled per output channel, activations per token), on GPUs with FP8 (compute capability 8.9+). Opt-in: "

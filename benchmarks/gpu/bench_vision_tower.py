@@ -5,13 +5,13 @@ Variants, side by side in one process on the same images (random weights: same c
 <blocks>+<attention>:
   transformers+...  transformers' blocks as they ship (patch embedding as a matrix product)
   fast+...          FastVisionBlocks (Qwen2.5-VL's RMSNorm blocks or the LayerNorm blocks of Qwen2-VL, Qwen3-VL and
-                    Qwen3.5), compiled, q/k/v split and rotated by the Triton kernel (what VisionEncoder runs on
-                    CUDA; consumers/infer/qkv_rotary.py)
+                    Qwen3.5), compiled, q/k/v split and rotated by the Triton kernel and a gated MLP's
+                    silu(gate) * up by another (what VisionEncoder runs on CUDA; consumers/infer/qkv_rotary.py,
+                    gated_silu.py)
   fast-torchqkv+... the same with the compiled torch code for that step instead of the kernel
   fast-eager+...    FastVisionBlocks without torch.compile
   fast-fp8+...      fast+..., each block's four matrix products in FP8 (infer.vision_fp8; consumers/infer/fp8.py)
-  fast-tritonmlp+... fast+..., a gated MLP's silu(gate) * up by the Triton kernel (infer.vision_mlp_kernel=triton;
-                    consumers/infer/gated_silu.py)
+  fast-torchmlp+... fast+..., a gated MLP's silu(gate) * up by the compiled torch code (infer.vision_mlp_kernel=torch)
 with attention vllm_fa3 (vLLM's FlashAttention 3), torch_varlen (torch's varlen flash) or sdpa. Each timing covers
 GPU patchify + tower forward + merger for a batch of images, synchronised, after warm-up; it prints ms per image
 and images/s per budget with the spread of its timed passes, then torch.profiler tables (by GPU and by CPU time) of
@@ -117,9 +117,9 @@ def make_encoder(tower, device: torch.device, dtype: torch.dtype, variant: str) 
     """The encoder a variant name (``<blocks>+<attention>``, module docstring) describes."""
     blocks, attention = variant.split("+")
     return VisionEncoder(tower, device, dtype, attention=attention, fast_blocks=blocks != "transformers",
-                         compile_blocks=blocks in ("fast", "fast-torchqkv", "fast-fp8", "fast-tritonmlp"),
+                         compile_blocks=blocks in ("fast", "fast-torchqkv", "fast-fp8", "fast-torchmlp"),
                          qkv_kernel="torch" if blocks == "fast-torchqkv" else "auto", fp8=blocks == "fast-fp8",
-                         mlp_kernel="triton" if blocks == "fast-tritonmlp" else "torch")
+                         mlp_kernel="torch" if blocks == "fast-torchmlp" else "auto")
 
 
 def in_rounds(variants: list[str], rounds: int) -> list[tuple[str, str]]:

@@ -67,7 +67,7 @@
 #              minutes), then the rows-q3 list (about 29 minutes in all: with PLAN_S 1600, S4 does not fit)
 #   fixcheck   the vision blocks compiled in-process ([s]: the first encoder of a process ran three times slower at
 #              0.2 MP while Inductor's compile workers started): F1/F2 the Qwen2.5-VL-7B tower alone at 0.2 / 1 /
-#              12.8 MP, this code (with and without the gated MLP's Triton kernel) then /root/ab-tree; Qwen3-VL-8B
+#              12.8 MP, this code (with the gated MLP's Triton kernel and with the compiled one) then /root/ab-tree; Qwen3-VL-8B
 #              at 0.2 / 1 MP in 100-s phases: Q2 pixels mode with our tower in vLLM's engine, Q3 `vllm serve` (8 API
 #              servers); Qwen2.5-VL-7B at 0.2 MP / 64: P1 this code's pipeline (embeds), P2 /root/ab-tree's, P3
 #              `vllm serve` (about 25 minutes)
@@ -361,9 +361,9 @@ if [ "$LIST" = fixcheck ]; then
   [ -e /root/model/config.json ] || python3 benchmarks/gpu/mk_model.py /root/model > "$RES/mk_model.log" 2>&1
   TOWER_ARGS="--model /root/model --imgs /root/imgs --budgets 256,1280,default --variants fast+vllm_fa3 --seconds 3"
   # F1's profile at 12.8 MP: where the tower's time goes now ([o]: elementwise kernels a fifth of it). Beside this
-  # code's default, the gated MLP's Triton kernel (infer.vision_mlp_kernel=triton), two rounds in reverse order.
+  # code's default (the gated MLP's Triton kernel), the compiled kernel (infer.vision_mlp_kernel=torch), two rounds.
   job f1_tower_a 100 240 python3 benchmarks/gpu/bench_vision_tower.py $TOWER_ARGS --rounds 2 \
-    --variants fast+vllm_fa3,fast-tritonmlp+vllm_fa3 --profile-budget default --out "$RES/f1_tower_a.json"
+    --variants fast+vllm_fa3,fast-torchmlp+vllm_fa3 --profile-budget default --out "$RES/f1_tower_a.json"
   if ab_tree_ready f2_tower_b; then
     job f2_tower_b 50 150 $IN_AB_TREE/benchmarks/gpu/bench_vision_tower.py $TOWER_ARGS --profile-budget '' \
       --out "$RES/f2_tower_b.json"

@@ -507,19 +507,18 @@ class FastVisionBlocks:
     attention (CUDA only; a failed compile falls back to eager with a warning). ``qkv_kernel``: how q, k, v are
     split out of the projection and rotated: "triton" (one pass, ``qkv_rotary.py``), "torch" (the compiled
     elementwise code), "auto" (Triton when the blocks are compiled and Triton imports). ``mlp_kernel``: how a gated
-    MLP's ``silu(gate) * up`` runs: "torch" (the compiled elementwise code, in one compiled call with the matrix
-    products around it) or "triton" (one pass, ``gated_silu.py``, between a compiled call for the code before it and
-    the down projection; blocks with another activation keep the compiled code). ``fp8``: the four matrix products of
-    each block in FP8 (``fp8.py``), their weights quantised once here.
+    MLP's ``silu(gate) * up`` runs: "triton" (one pass, ``gated_silu.py``, between a compiled call for the code
+    before it and the down projection), "torch" (the compiled elementwise code, in one compiled call with the matrix
+    products around it), "auto" (as for ``qkv_kernel``); blocks with another activation keep the compiled code.
+    ``fp8``: the four matrix products of each block in FP8 (``fp8.py``), their weights quantised once here.
     """
 
     def __init__(self, visual: torch.nn.Module, attention=None, compile_blocks: bool = False,
                  alignment: int = GEMM_ALIGNMENT, qkv_kernel: str = "auto", fp8: bool = False,
-                 mlp_kernel: str = "torch"):
-        if qkv_kernel not in ("auto", "triton", "torch"):
-            raise ValueError(f"qkv_kernel must be auto, triton or torch, not {qkv_kernel!r}")
-        if mlp_kernel not in ("triton", "torch"):
-            raise ValueError(f"mlp_kernel must be triton or torch, not {mlp_kernel!r}")
+                 mlp_kernel: str = "auto"):
+        for name, value in (("qkv_kernel", qkv_kernel), ("mlp_kernel", mlp_kernel)):
+            if value not in ("auto", "triton", "torch"):
+                raise ValueError(f"{name} must be auto, triton or torch, not {value!r}")
         self.attention = attention
         self.fp8 = fp8
         self.before, self.after, self.project, self.up = _before_attention, _after_attention, _project, _up_projection
@@ -532,9 +531,9 @@ class FastVisionBlocks:
             if self.rotate_qkv is None and qkv_kernel == "triton":
                 raise RuntimeError("qkv_kernel='triton' needs Triton, which cannot be imported here")
         self.silu_gate = None
-        if mlp_kernel == "triton":
+        if mlp_kernel == "triton" or (mlp_kernel == "auto" and compile_blocks):
             self.silu_gate = triton_silu_gate()
-            if self.silu_gate is None:
+            if self.silu_gate is None and mlp_kernel == "triton":
                 raise RuntimeError("mlp_kernel='triton' needs Triton, which cannot be imported here")
         self.replaced = 0
         for block in visual.blocks:
@@ -690,7 +689,7 @@ class VisionEncoder:
                  dtype: torch.dtype | None = None, attention: str = "auto",
                  max_patches_per_call: int = 65536, linear_patch_embedding: bool = True,
                  fast_blocks: bool = True, compile_blocks: bool = True, family: ModelFamily | None = None,
-                 qkv_kernel: str = "auto", fp8: bool = False, mlp_kernel: str = "torch"):
+                 qkv_kernel: str = "auto", fp8: bool = False, mlp_kernel: str = "auto"):
         if fp8:
             problem = "it needs the fast vision blocks" if not fast_blocks else fp8_problem(
                 device, dtype or next(visual.parameters()).dtype)
