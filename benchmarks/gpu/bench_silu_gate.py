@@ -5,6 +5,7 @@ each, 3,420 padded to 64) at the patch counts of the engine's forwards at each b
 
 Each row: microseconds per call (CUDA events over ``--calls`` calls after warm-up), the memory moved per call
 (gate and up read, the output written) and the bandwidth that makes; the ratios are against the compiled kernel.
+Then the compiled kernel of the two-matrix MLP's activation (Qwen3-VL's GELU), for its bandwidth alone.
 Needs only torch and Triton (no vLLM, no transformers):
   python3 benchmarks/gpu/bench_silu_gate.py --out silu_gate.json
 """
@@ -69,6 +70,17 @@ def main() -> None:
                 / args.rounds for name in variants}
         ratios[budget] = {name: round(mean["compiled"] / mean[name], 3) for name in variants}
         print("SPEEDUP over compiled", budget, json.dumps(ratios[budget]), flush=True)
+    # The two-matrix MLP's activation (Qwen3-VL-8B's: GELU, tanh form, on its 4,304 columns padded to 4,352), as the
+    # compiled blocks run it: does Inductor's kernel move as little of the bandwidth there? One read, one write.
+    gelu = compiled_in_process(lambda x: torch.nn.functional.gelu(x, approximate="tanh"))
+    for budget, patches in PATCHES.items():
+        x = torch.randn(patches, 4352, device="cuda", dtype=torch.bfloat16)
+        moved = x.numel() * x.element_size() * 2
+        us = per_call_us(gelu, x, args.calls)
+        rows.append({"budget": budget, "patches": patches, "variant": "compiled gelu_tanh (4,352 columns)",
+                     "us_per_call": round(us, 1), "mb_moved": round(moved / 1e6, 1),
+                     "tb_per_s": round(moved / us / 1e6, 2)})
+        print("RESULT", json.dumps(rows[-1]), flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                                               "rows": rows, "speedup_over_compiled": ratios}, indent=1))
