@@ -66,11 +66,12 @@
 #              and torch q/k/v in one process, twice each, TS7 fast compiled without Inductor's worker pool; about 7
 #              minutes), then the rows-q3 list (about 29 minutes in all: with PLAN_S 1600, S4 does not fit)
 #   fixcheck   the vision blocks compiled in-process ([s]: the first encoder of a process ran three times slower at
-#              0.2 MP while Inductor's compile workers started): F1/F2 the Qwen2.5-VL-7B tower alone at 0.2 / 1 /
-#              12.8 MP, this code (with the gated MLP's Triton kernel and with the compiled one) then /root/ab-tree; Qwen3-VL-8B
-#              at 0.2 / 1 MP in 100-s phases: Q2 pixels mode with our tower in vLLM's engine, Q3 `vllm serve` (8 API
-#              servers); Qwen2.5-VL-7B at 0.2 MP / 64: P1 this code's pipeline (embeds), P2 /root/ab-tree's, P3
-#              `vllm serve`; K1 bench_silu_gate.py in any time left (about 25 minutes)
+#              0.2 MP while Inductor's compile workers started) and the gated MLP's Triton kernel ([t]): F1/F2 the
+#              Qwen2.5-VL-7B tower alone at 0.2 / 1 / 12.8 MP, this code (with the Triton kernel and with the
+#              compiled one) then /root/ab-tree; C1 check_tower.py (Qwen2.5-VL-7B); Qwen3-VL-8B at 0.2 / 1 MP in
+#              80-s phases: Q2 pixels mode with our tower in vLLM's engine, Q3 `vllm serve` (8 API servers);
+#              Qwen2.5-VL-7B at 0.2 MP / 64: P1 this code's pipeline (embeds), P2 /root/ab-tree's, P3 `vllm serve`;
+#              K1 bench_silu_gate.py in any time left (about 26 minutes)
 #   engine-tower-smoke  gpu_engine_smoke.py: embeds mode, then pixels mode with our tower in vLLM's engine (same texts?
 #              [p]: 1.0)
 #   engine-tower-q3  Qwen3-VL-8B at 0.2 MP and 1 MP / 64, 40 s phases, our tower in vLLM's engine: the pipeline in
@@ -368,13 +369,16 @@ if [ "$LIST" = fixcheck ]; then
     job f2_tower_b 50 150 $IN_AB_TREE/benchmarks/gpu/bench_vision_tower.py $TOWER_ARGS --profile-budget '' \
       --out "$RES/f2_tower_b.json"
   fi
+  # The tower as this code runs it (the gated MLP's Triton kernel included) against transformers' full model.
+  job c1_check_tower_q25 100 180 python3 benchmarks/gpu/check_tower.py --model qwen2.5-vl-7b --images /root/imgs \
+    --n 8 --max-pixels 1003520 --out "$RES/c1_check_tower_q25.json"
   # [s]: a phase's first window ran at a fraction of its last (each request spends some 10 s in the engine), so 40-s
-  # phases understate a pipeline that holds more requests in flight than serve does; 100-s phases here.
+  # phases understate a pipeline that holds more requests in flight than serve does; 80-s phases here.
   Q3=/root/qwen3-vl-8b
   [ -e $Q3/config.json ] || python3 benchmarks/gpu/mk_model.py $Q3 qwen3-vl-8b > "$RES/mk_q3.log" 2>&1
-  job q2_engine_tower_pixels 330 540 env VLMSTREAM_INFER__ENGINE_TOWER=true $BENCH --model $Q3 --budgets 256,1280 \
-    --seconds 100 --stop-after 1.5 --profile --arms pipeline-pixels --out "$RES/q2_engine_tower_pixels"
-  job q3_serve 340 540 $BENCH --model $Q3 --budgets 256,1280 --seconds 100 --arms serve --serve-k 8 \
+  job q2_engine_tower_pixels 290 540 env VLMSTREAM_INFER__ENGINE_TOWER=true $BENCH --model $Q3 --budgets 256,1280 \
+    --seconds 80 --stop-after 1.5 --profile --arms pipeline-pixels --out "$RES/q2_engine_tower_pixels"
+  job q3_serve 295 540 $BENCH --model $Q3 --budgets 256,1280 --seconds 80 --arms serve --serve-k 8 \
     --out "$RES/q3_serve"
   if ab_tree_ready p2_before; then
     job p1_this 240 360 $BENCH --model /root/model --budgets 256 $PIPE --out "$RES/p1_this"
