@@ -97,6 +97,6 @@ def interpreted_triton(monkeypatch):
 
 
 @pytest.fixture
-def interpreted_silu_gate(monkeypatch):
-    """The Triton gated-MLP kernel's module (``gated_silu``), built for the CPU interpreter."""
-    yield from _interpreted(monkeypatch, "gated_silu", "triton_silu_gate")
+def interpreted_mlp_kernels(monkeypatch):
+    """The Triton MLP activation kernels' module (``mlp_activation``), built for the CPU interpreter."""
+    yield from _interpreted(monkeypatch, "mlp_activation", "triton_kernels")

@@ -144,8 +144,9 @@ def test_compiled_vision_blocks_compile_in_this_process(model_dir, monkeypatch):
                                        vision._up_projection}
     assert all(kw["options"]["compile_threads"] == 1 and kw["dynamic"] and kw["fullgraph"] for _, kw in asked)
     assert blocks.before is vision._before_attention  # what the stand-in returned: the blocks call the compiled code
-    # "auto" kernels with compiled blocks: Triton's, where it imports.
-    assert (blocks.silu_gate, blocks.rotate_qkv is None) == (vision.triton_silu_gate(), True)
+    # "auto" kernels with compiled blocks, where Triton imports: its gated-MLP kernel, and no other MLP kernel.
+    assert (set(blocks.mlp_kernels), blocks.rotate_qkv is None) == (
+        {vision._silu_gate} if vision.triton_mlp_kernels() else set(), True)
 
 
 def test_triton_qkv_kernel_splits_and_rotates_as_the_torch_code_does(interpreted_triton):
@@ -167,36 +168,51 @@ def test_triton_qkv_kernel_splits_and_rotates_as_the_torch_code_does(interpreted
         rotate_qkv(torch.zeros(4, 2, 2, 8), torch.zeros(4, 8), torch.zeros(4, 8))
 
 
-def test_triton_silu_gate_kernel_computes_what_the_torch_code_does(interpreted_silu_gate):
-    silu_gate = interpreted_silu_gate.triton_silu_gate()
+def test_triton_mlp_activation_kernels_compute_what_the_torch_code_does(interpreted_mlp_kernels):
+    from consumers.infer.vision import _gelu_tanh, _quick_gelu
+
+    kernels = interpreted_mlp_kernels.triton_kernels()
     torch.manual_seed(0)
     # Widths and row counts that fill no block exactly (the masks), and Qwen2.5-VL-7B's padded width.
     for tokens, width in ((37, 100), (16, 128), (5, 3456)):
         gate_up = torch.randn(tokens, 2 * width) * 4
-        got = silu_gate(gate_up, block_tokens=16, block_width=64)
+        got = kernels.silu_gate(gate_up, block_tokens=16, block_width=64)
         assert got.shape == (tokens, width) and got.is_contiguous()
-        torch.testing.assert_close(got, interpreted_silu_gate.silu_gate_torch(gate_up), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got, interpreted_mlp_kernels.silu_gate_torch(gate_up), atol=1e-5, rtol=1e-5)
+    # The one-input activations, out to where exp overflows float32 (GELU's tanh from exp must still give +-1).
+    x = torch.cat([torch.randn(37, 100) * 4, torch.linspace(-60, 60, 3700).view(37, 100)])
+    for kernel, reference in ((kernels.gelu_tanh, _gelu_tanh), (kernels.quick_gelu, _quick_gelu)):
+        got = kernel(x, block=256)
+        assert got.shape == x.shape and torch.isfinite(got).all()
+        torch.testing.assert_close(got, reference(x), atol=1e-5, rtol=1e-5)
+        with pytest.raises(ValueError, match="contiguous"):
+            kernel(x.t())
     with pytest.raises(ValueError, match="contiguous"):
-        silu_gate(torch.randn(4, 10).t())
+        kernels.silu_gate(torch.randn(4, 10).t())
 
 
-@pytest.mark.parametrize("setting, kernel, fixture", [("qkv_kernel", "rotate_qkv", "interpreted_triton"),
-                                                      ("mlp_kernel", "silu_gate", "interpreted_silu_gate")])
-def test_fast_vision_blocks_with_a_triton_kernel_compute_transformers_output(setting, kernel, fixture, request, images,
-                                                                           model_dir):
+def _counting(kernel, calls: list):
+    return lambda *args: calls.append(1) or kernel(*args)
+
+
+@pytest.mark.parametrize("setting", ["qkv_kernel", "mlp_kernel"])
+def test_fast_vision_blocks_with_a_triton_kernel_compute_transformers_output(setting, interpreted_triton,
+                                                                           interpreted_mlp_kernels, images, model_dir):
     """Each Triton kernel the fast blocks can run (built for the CPU interpreter), in every block of the tiny
     Qwen2.5-VL tower: the tower's output is transformers'."""
-    from consumers.infer.vision import FastVisionBlocks, load_vision_tower, patchify_batch
+    from consumers.infer.vision import FastVisionBlocks, _silu_gate, load_vision_tower, patchify_batch
 
-    request.getfixturevalue(fixture)
     tower, _ = load_vision_tower(model_dir, "cpu", torch.float32)
     pixel_values, grid_thw = patchify_batch(images[:2])
     with torch.inference_mode():
         expected = tower(pixel_values, grid_thw=grid_thw).pooler_output
         blocks = FastVisionBlocks(tower, attention=None, **{setting: "triton"})
-        assert getattr(blocks, kernel) is not None and blocks.replaced == len(tower.blocks)
-        calls, run = [], getattr(blocks, kernel)
-        setattr(blocks, kernel, lambda *args: calls.append(1) or run(*args))
+        assert blocks.replaced == len(tower.blocks)
+        calls = []
+        if setting == "qkv_kernel":
+            blocks.rotate_qkv = _counting(blocks.rotate_qkv, calls)
+        else:
+            blocks.mlp_kernels[_silu_gate] = _counting(blocks.mlp_kernels[_silu_gate], calls)
         got = tower(pixel_values, grid_thw=grid_thw).pooler_output
         assert len(calls) == len(tower.blocks)  # every block went through the kernel
         FastVisionBlocks.remove(tower)

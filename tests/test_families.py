@@ -169,11 +169,13 @@ def test_the_engine_tower_turns_each_familys_pixel_rows_into_the_full_models_ima
 
 
 @pytest.mark.parametrize("name", FAMILIES)
-def test_fast_blocks_compute_what_the_towers_own_blocks_compute(tiny_dirs, name, interpreted_triton):
+def test_fast_blocks_compute_what_the_towers_own_blocks_compute(tiny_dirs, name, interpreted_triton,
+                                                                interpreted_mlp_kernels):
     """Each family's LayerNorm tower with our fused blocks against the same tower running transformers' blocks, on
     three images of different sizes in one forward, DeepStack levels included: as the encoder installs them (the
-    tiny MLP width 128 is already aligned), with the MLP padded (alignment 48 pads 128 to 144), and with q/k/v
-    split and rotated by the Triton kernel (Triton's interpreter on the CPU)."""
+    tiny MLP width 128 is already aligned), with the MLP padded (alignment 48 pads 128 to 144), with q/k/v split
+    and rotated by the Triton kernel, and with the MLP's activation by a Triton kernel in every block (Triton's
+    interpreter on the CPU)."""
     from consumers.infer.vision import FastVisionBlocks, VisionEncoder, load_vision_tower, patchify_batch
 
     family = family_of(tiny_dirs[name])
@@ -197,6 +199,13 @@ def test_fast_blocks_compute_what_the_towers_own_blocks_compute(tiny_dirs, name,
     assert FastVisionBlocks(tower, attention=None, alignment=48, qkv_kernel="triton").rotate_qkv is not None
     torch.testing.assert_close(torch.cat(encoder.encode_patches(pixel_values, grid_thw)), expected,
                                atol=1e-5, rtol=1e-4)
+    blocks = FastVisionBlocks(tower, attention=None, alignment=48, mlp_kernel="triton")
+    calls = []
+    blocks.mlp_kernels = {activation: (lambda h, kernel=kernel: calls.append(1) or kernel(h))
+                          for activation, kernel in blocks.mlp_kernels.items()}
+    torch.testing.assert_close(torch.cat(encoder.encode_patches(pixel_values, grid_thw)), expected,
+                               atol=1e-5, rtol=1e-4)
+    assert len(calls) == len(tower.blocks)  # one forward for all three images: every block's MLP through a kernel
     assert set(tower.state_dict()) == keys  # checkpoints still load
 
 

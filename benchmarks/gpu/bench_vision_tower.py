@@ -7,7 +7,7 @@ Variants, side by side in one process on the same images (random weights: same c
   fast+...          FastVisionBlocks (Qwen2.5-VL's RMSNorm blocks or the LayerNorm blocks of Qwen2-VL, Qwen3-VL and
                     Qwen3.5), compiled, q/k/v split and rotated by the Triton kernel and a gated MLP's
                     silu(gate) * up by another (what VisionEncoder runs on CUDA; consumers/infer/qkv_rotary.py,
-                    gated_silu.py)
+                    mlp_activation.py)
   fast-torchqkv+... the same with the compiled torch code for that step instead of the kernel
   fast-eager+...    FastVisionBlocks without torch.compile
   fast-fp8+...      fast+..., each block's four matrix products in FP8 (infer.vision_fp8; consumers/infer/fp8.py)

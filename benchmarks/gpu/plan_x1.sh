@@ -71,7 +71,7 @@
 #              compiled one) then /root/ab-tree; C1 check_tower.py (Qwen2.5-VL-7B); Qwen3-VL-8B at 0.2 / 1 MP in
 #              80-s phases: Q2 pixels mode with our tower in vLLM's engine, Q3 `vllm serve` (8 API servers);
 #              Qwen2.5-VL-7B at 0.2 MP / 64: P1 this code's pipeline (embeds), P2 /root/ab-tree's, P3 `vllm serve`;
-#              K1 bench_silu_gate.py in any time left (about 26 minutes)
+#              K1 bench_mlp_activation.py in any time left (about 26 minutes)
 #   engine-tower-smoke  gpu_engine_smoke.py: embeds mode, then pixels mode with our tower in vLLM's engine (same texts?
 #              [p]: 1.0)
 #   engine-tower-q3  Qwen3-VL-8B at 0.2 MP and 1 MP / 64, 40 s phases, our tower in vLLM's engine: the pipeline in
@@ -387,8 +387,8 @@ if [ "$LIST" = fixcheck ]; then
   fi
   job p3_serve 180 300 $BENCH --model /root/model --budgets 256 --seconds 40 --arms serve --serve-k 8 \
     --out "$RES/p3_serve"
-  # In any time left: the MLP activations alone ([t] again, and Qwen3-VL's GELU as Inductor compiles it).
-  job k1_mlp_activation 40 120 python3 benchmarks/gpu/bench_silu_gate.py --out "$RES/k1_mlp_activation.json"
+  # In any time left: the MLP activations alone, Inductor's kernels against the Triton ones ([t]: the gated MLP's).
+  job k1_mlp_activation 50 120 python3 benchmarks/gpu/bench_mlp_activation.py --out "$RES/k1_mlp_activation.json"
 fi
 
 if [ "$LIST" = rows-q3 ]; then

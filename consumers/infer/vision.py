@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from consumers.infer.fp8 import fp8_problem, fp8_weight, linear
-from consumers.infer.gated_silu import triton_silu_gate
+from consumers.infer.mlp_activation import triton_kernels as triton_mlp_kernels
 from consumers.infer.qkv_rotary import rotate, triton_rotate_qkv
 from vlmstream.models.family import ModelFamily
 from vlmstream.models.qwen2_vl import QWEN2_VL
@@ -506,10 +506,12 @@ class FastVisionBlocks:
     dim) tensors, or None for the per-window sdpa loop. ``compile_blocks`` compiles the code around the
     attention (CUDA only; a failed compile falls back to eager with a warning). ``qkv_kernel``: how q, k, v are
     split out of the projection and rotated: "triton" (one pass, ``qkv_rotary.py``), "torch" (the compiled
-    elementwise code), "auto" (Triton when the blocks are compiled and Triton imports). ``mlp_kernel``: how a gated
-    MLP's ``silu(gate) * up`` runs: "triton" (one pass, ``gated_silu.py``, between a compiled call for the code
-    before it and the down projection), "torch" (the compiled elementwise code, in one compiled call with the matrix
-    products around it), "auto" (as for ``qkv_kernel``); blocks with another activation keep the compiled code.
+    elementwise code), "auto" (Triton when the blocks are compiled and Triton imports). ``mlp_kernel``: how the MLP's
+    activation runs: "triton" (one pass, ``mlp_activation.py``, between a compiled call for the code before it and
+    the down projection: a gated MLP's ``silu(gate) * up``, GELU in its tanh form, quick GELU; any other activation
+    keeps the compiled code), "torch" (the compiled elementwise code, in one compiled call with the matrix products
+    around it), "auto" (Triton for the gated MLP only, the kernel measured faster than the compiled code, where the
+    blocks are compiled and Triton imports).
     ``fp8``: the four matrix products of each block in FP8 (``fp8.py``), their weights quantised once here.
     """
 
@@ -530,11 +532,17 @@ class FastVisionBlocks:
             self.rotate_qkv = triton_rotate_qkv()
             if self.rotate_qkv is None and qkv_kernel == "triton":
                 raise RuntimeError("qkv_kernel='triton' needs Triton, which cannot be imported here")
-        self.silu_gate = None
+        # The MLP activations run by a Triton kernel, by the activation function a block's shape names.
+        self.mlp_kernels: dict = {}
         if mlp_kernel == "triton" or (mlp_kernel == "auto" and compile_blocks):
-            self.silu_gate = triton_silu_gate()
-            if self.silu_gate is None and mlp_kernel == "triton":
+            kernels = triton_mlp_kernels()
+            if kernels is None and mlp_kernel == "triton":
                 raise RuntimeError("mlp_kernel='triton' needs Triton, which cannot be imported here")
+            if kernels is not None:
+                # auto: the kernel measured faster than Inductor's (RESULTS.md [t]); triton: every one.
+                self.mlp_kernels = {_silu_gate: kernels.silu_gate}
+                if mlp_kernel == "triton":
+                    self.mlp_kernels.update({_gelu_tanh: kernels.gelu_tanh, _quick_gelu: kernels.quick_gelu})
         self.replaced = 0
         for block in visual.blocks:
             shape = _block_shape(block, alignment)
@@ -555,7 +563,7 @@ class FastVisionBlocks:
 
     def use_eager(self) -> None:
         self.before, self.after, self.project, self.up = _before_attention, _after_attention, _project, _up_projection
-        self.rotate_qkv = self.silu_gate = None
+        self.rotate_qkv, self.mlp_kernels = None, {}
 
     def _block_forward(self, block: torch.nn.Module, shape: _BlockShape):
         attn = block.attn
@@ -583,10 +591,11 @@ class FastVisionBlocks:
                     max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
                 cu = cu_seqlens.to(torch.int32)
                 attended = self.attention(q, k, v, cu, cu, int(max_seqlen), int(max_seqlen), scale)
-            if self.silu_gate is not None and shape.activation is _silu_gate:
+            activation = self.mlp_kernels.get(shape.activation)
+            if activation is not None:
                 x, h = self.up(hidden_states, attended, proj_weight, attn.proj.bias, block.norm2.weight,
                                shape.norm2_bias, up_weight, up_bias, eps)
-                return x + linear(self.silu_gate(h), down_weight, shape.down_bias)
+                return x + linear(activation(h), down_weight, shape.down_bias)
             return self.after(hidden_states, attended, proj_weight, attn.proj.bias, block.norm2.weight,
                               shape.norm2_bias, up_weight, up_bias, down_weight, shape.down_bias, eps,
                               shape.activation)

@@ -1,0 +1,83 @@
+"""A vision block's MLP activation alone on the GPU: the kernel Inductor compiles (what the fast vision blocks run
+with ``infer.vision_mlp_kernel=torch``) against the Triton kernels of ``consumers/infer/mlp_activation.py`` and eager
+torch, side by side in one process, at the patch counts of the engine's forwards at each budget:
+  silu_gate   Qwen2.5-VL-7B's gated MLP, silu(gate) * up on its merged (patches, 2 x 3,456) projection
+  gelu_tanh   Qwen3-VL-8B's GELU (tanh form) on its 4,304 columns padded to 4,352
+  quick_gelu  Qwen2-VL-7B's quick GELU on its 5,120 columns
+
+Each row: microseconds per call (CUDA events over ``--calls`` calls after warm-up), the memory moved per call
+(inputs read, output written) and the bandwidth that makes, and the largest difference between the Triton kernel's
+output and the compiled kernel's; the ratios are against the compiled kernel. Needs only torch and Triton (no vLLM,
+no transformers):
+  python3 benchmarks/gpu/bench_mlp_activation.py --out mlp_activation.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from consumers.infer.mlp_activation import silu_gate_torch, triton_kernels  # noqa: E402
+from consumers.infer.vision import _gelu_tanh, _quick_gelu, compiled_in_process  # noqa: E402
+
+# Patches per forward: 16 images at 0.2 MP, 8 at 1 MP, 2 at 12.8 MP (Qwen2.5-VL's counts on the kit's first images).
+PATCHES = {"0.2 MP": 16 * 241 * 4, "1 MP": 8 * 1270 * 4, "12.8 MP": 2 * 5187 * 4}
+
+
+def per_call_us(fn, x: torch.Tensor, calls: int) -> float:
+    for _ in range(3):
+        fn(x)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(calls):
+        fn(x)
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / calls
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--calls", type=int, default=50)
+    ap.add_argument("--rounds", type=int, default=2, help="every variant timed this many times, in turn")
+    ap.add_argument("--out", default="")
+    args = ap.parse_args()
+
+    kernels = triton_kernels()
+    # activation: (torch function, Triton kernel, input columns, output columns)
+    activations = {"silu_gate": (silu_gate_torch, kernels.silu_gate, 2 * 3456, 3456),
+                   "gelu_tanh": (_gelu_tanh, kernels.gelu_tanh, 4352, 4352),
+                   "quick_gelu": (_quick_gelu, kernels.quick_gelu, 5120, 5120)}
+    rows, ratios = [], {}
+    for activation, (reference, kernel, columns_in, columns_out) in activations.items():
+        variants = {"compiled": compiled_in_process(reference), "triton": kernel, "eager": reference}
+        for budget, patches in PATCHES.items():
+            x = torch.randn(patches, columns_in, device="cuda", dtype=torch.bfloat16)
+            max_error = (kernel(x).float() - variants["compiled"](x).float()).abs().max().item()
+            moved = patches * (columns_in + columns_out) * x.element_size()
+            timed = {name: [] for name in variants}
+            for round_ in range(args.rounds):
+                for name, fn in variants.items():
+                    us = per_call_us(fn, x, args.calls)
+                    timed[name].append(us)
+                    rows.append({"activation": activation, "budget": budget, "patches": patches, "variant": name,
+                                 "round": round_ + 1, "us_per_call": round(us, 1), "mb_moved": round(moved / 1e6, 1),
+                                 "tb_per_s": round(moved / us / 1e6, 2), "triton_vs_compiled_max_abs_error": max_error})
+                    print("RESULT", json.dumps(rows[-1]), flush=True)
+            mean = {name: sum(t) / len(t) for name, t in timed.items()}
+            ratios[f"{activation} {budget}"] = {name: round(mean["compiled"] / mean[name], 3) for name in variants}
+            print("SPEEDUP over compiled", activation, budget, json.dumps(ratios[f"{activation} {budget}"]), flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+                                              "rows": rows, "speedup_over_compiled": ratios}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
