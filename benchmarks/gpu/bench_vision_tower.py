@@ -12,6 +12,7 @@ Variants, side by side in one process on the same images (random weights: same c
   fast-eager+...    FastVisionBlocks without torch.compile
   fast-fp8+...      fast+..., each block's four matrix products in FP8 (infer.vision_fp8; consumers/infer/fp8.py)
   fast-torchmlp+... fast+..., a gated MLP's silu(gate) * up by the compiled torch code (infer.vision_mlp_kernel=torch)
+  fast-tritonmlp+... fast+..., every MLP activation by a Triton kernel, the GELUs too (infer.vision_mlp_kernel=triton)
 with attention vllm_fa3 (vLLM's FlashAttention 3), torch_varlen (torch's varlen flash) or sdpa. Each timing covers
 GPU patchify + tower forward + merger for a batch of images, synchronised, after warm-up; it prints ms per image
 and images/s per budget with the spread of its timed passes, then torch.profiler tables (by GPU and by CPU time) of
@@ -117,9 +118,10 @@ def make_encoder(tower, device: torch.device, dtype: torch.dtype, variant: str) 
     """The encoder a variant name (``<blocks>+<attention>``, module docstring) describes."""
     blocks, attention = variant.split("+")
     return VisionEncoder(tower, device, dtype, attention=attention, fast_blocks=blocks != "transformers",
-                         compile_blocks=blocks in ("fast", "fast-torchqkv", "fast-fp8", "fast-torchmlp"),
+                         compile_blocks=blocks in ("fast", "fast-torchqkv", "fast-fp8", "fast-torchmlp",
+                                                   "fast-tritonmlp"),
                          qkv_kernel="torch" if blocks == "fast-torchqkv" else "auto", fp8=blocks == "fast-fp8",
-                         mlp_kernel="torch" if blocks == "fast-torchmlp" else "auto")
+                         mlp_kernel={"fast-torchmlp": "torch", "fast-tritonmlp": "triton"}.get(blocks, "auto"))
 
 
 def in_rounds(variants: list[str], rounds: int) -> list[tuple[str, str]]:
