@@ -146,7 +146,7 @@ def test_compiled_vision_blocks_compile_in_this_process(model_dir, monkeypatch):
     assert blocks.before is vision._before_attention  # what the stand-in returned: the blocks call the compiled code
     # "auto" kernels with compiled blocks, where Triton imports: its gated-MLP kernel, and no other MLP kernel.
     assert (set(blocks.mlp_kernels), blocks.rotate_qkv is None) == (
-        {vision._silu_gate} if vision.triton_mlp_kernels() else set(), True)
+        {vision.silu_gate} if vision.triton_mlp_kernels() else set(), True)
 
 
 def test_triton_qkv_kernel_splits_and_rotates_as_the_torch_code_does(interpreted_triton):
@@ -169,8 +169,6 @@ def test_triton_qkv_kernel_splits_and_rotates_as_the_torch_code_does(interpreted
 
 
 def test_triton_mlp_activation_kernels_compute_what_the_torch_code_does(interpreted_mlp_kernels):
-    from consumers.infer.vision import _gelu_tanh, _quick_gelu
-
     kernels = interpreted_mlp_kernels.triton_kernels()
     torch.manual_seed(0)
     # Widths and row counts that fill no block exactly (the masks), and Qwen2.5-VL-7B's padded width.
@@ -178,10 +176,11 @@ def test_triton_mlp_activation_kernels_compute_what_the_torch_code_does(interpre
         gate_up = torch.randn(tokens, 2 * width) * 4
         got = kernels.silu_gate(gate_up, block_tokens=16, block_width=64)
         assert got.shape == (tokens, width) and got.is_contiguous()
-        torch.testing.assert_close(got, interpreted_mlp_kernels.silu_gate_torch(gate_up), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got, interpreted_mlp_kernels.silu_gate(gate_up), atol=1e-5, rtol=1e-5)
     # The one-input activations, out to where exp overflows float32 (GELU's tanh from exp must still give +-1).
     x = torch.cat([torch.randn(37, 100) * 4, torch.linspace(-60, 60, 3700).view(37, 100)])
-    for kernel, reference in ((kernels.gelu_tanh, _gelu_tanh), (kernels.quick_gelu, _quick_gelu)):
+    for kernel, reference in ((kernels.gelu_tanh, interpreted_mlp_kernels.gelu_tanh),
+                              (kernels.quick_gelu, interpreted_mlp_kernels.quick_gelu)):
         got = kernel(x, block=256)
         assert got.shape == x.shape and torch.isfinite(got).all()
         torch.testing.assert_close(got, reference(x), atol=1e-5, rtol=1e-5)
@@ -200,7 +199,8 @@ def test_fast_vision_blocks_with_a_triton_kernel_compute_transformers_output(set
                                                                            interpreted_mlp_kernels, images, model_dir):
     """Each Triton kernel the fast blocks can run (built for the CPU interpreter), in every block of the tiny
     Qwen2.5-VL tower: the tower's output is transformers'."""
-    from consumers.infer.vision import FastVisionBlocks, _silu_gate, load_vision_tower, patchify_batch
+    from consumers.infer.mlp_activation import silu_gate
+    from consumers.infer.vision import FastVisionBlocks, load_vision_tower, patchify_batch
 
     tower, _ = load_vision_tower(model_dir, "cpu", torch.float32)
     pixel_values, grid_thw = patchify_batch(images[:2])
@@ -212,7 +212,7 @@ def test_fast_vision_blocks_with_a_triton_kernel_compute_transformers_output(set
         if setting == "qkv_kernel":
             blocks.rotate_qkv = _counting(blocks.rotate_qkv, calls)
         else:
-            blocks.mlp_kernels[_silu_gate] = _counting(blocks.mlp_kernels[_silu_gate], calls)
+            blocks.mlp_kernels[silu_gate] = _counting(blocks.mlp_kernels[silu_gate], calls)
         got = tower(pixel_values, grid_thw=grid_thw).pooler_output
         assert len(calls) == len(tower.blocks)  # every block went through the kernel
         FastVisionBlocks.remove(tower)

@@ -80,7 +80,8 @@ def test_fp8_without_the_fast_blocks_is_refused_naming_the_setting(tmp_path):
 def test_the_compiled_block_code_traces_with_fp8_weights():
     """torch.compile (dynamic shapes, one graph) takes the FP8 pairs as it does on the GPU, and computes what the
     eager code does at two token counts."""
-    from consumers.infer.vision import _after_attention, _gelu_tanh
+    from consumers.infer.mlp_activation import gelu_tanh
+    from consumers.infer.vision import _after_attention
 
     generator = torch.Generator().manual_seed(2)
     weights = [fp8_weight(torch.randn(shape, generator=generator) / shape[1] ** 0.5)
@@ -89,5 +90,5 @@ def test_the_compiled_block_code_traces_with_fp8_weights():
     for tokens in (50, 77):
         x, attended = torch.randn(tokens, 64, generator=generator), torch.randn(tokens, 4, 16, generator=generator)
         args = (x, attended, weights[0], None, torch.ones(64), torch.zeros(64), weights[1], None, weights[2], None,
-                1e-6, _gelu_tanh)
+                1e-6, gelu_tanh)
         np.testing.assert_allclose(compiled(*args).numpy(), _after_attention(*args).numpy(), rtol=1e-4, atol=1e-5)

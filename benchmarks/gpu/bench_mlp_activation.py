@@ -23,8 +23,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from consumers.infer.mlp_activation import silu_gate_torch, triton_kernels  # noqa: E402
-from consumers.infer.vision import _gelu_tanh, _quick_gelu, compiled_in_process  # noqa: E402
+from consumers.infer.mlp_activation import gelu_tanh, quick_gelu, silu_gate, triton_kernels  # noqa: E402
+from consumers.infer.vision import compiled_in_process  # noqa: E402
 
 # Patches per forward: 16 images at 0.2 MP, 8 at 1 MP, 2 at 12.8 MP (Qwen2.5-VL's counts on the kit's first images).
 PATCHES = {"0.2 MP": 16 * 241 * 4, "1 MP": 8 * 1270 * 4, "12.8 MP": 2 * 5187 * 4}
@@ -52,9 +52,9 @@ def main() -> None:
 
     kernels = triton_kernels()
     # activation: (torch function, Triton kernel, input columns, output columns)
-    activations = {"silu_gate": (silu_gate_torch, kernels.silu_gate, 2 * 3456, 3456),
-                   "gelu_tanh": (_gelu_tanh, kernels.gelu_tanh, 4352, 4352),
-                   "quick_gelu": (_quick_gelu, kernels.quick_gelu, 5120, 5120)}
+    activations = {"silu_gate": (silu_gate, kernels.silu_gate, 2 * 3456, 3456),
+                   "gelu_tanh": (gelu_tanh, kernels.gelu_tanh, 4352, 4352),
+                   "quick_gelu": (quick_gelu, kernels.quick_gelu, 5120, 5120)}
     rows, ratios = [], {}
     for activation, (reference, kernel, columns_in, columns_out) in activations.items():
         variants = {"compiled": compiled_in_process(reference), "triton": kernel, "eager": reference}

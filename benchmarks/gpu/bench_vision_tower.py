@@ -118,8 +118,7 @@ def make_encoder(tower, device: torch.device, dtype: torch.dtype, variant: str) 
     """The encoder a variant name (``<blocks>+<attention>``, module docstring) describes."""
     blocks, attention = variant.split("+")
     return VisionEncoder(tower, device, dtype, attention=attention, fast_blocks=blocks != "transformers",
-                         compile_blocks=blocks in ("fast", "fast-torchqkv", "fast-fp8", "fast-torchmlp",
-                                                   "fast-tritonmlp"),
+                         compile_blocks=blocks not in ("transformers", "fast-eager"),
                          qkv_kernel="torch" if blocks == "fast-torchqkv" else "auto", fp8=blocks == "fast-fp8",
                          mlp_kernel={"fast-torchmlp": "torch", "fast-tritonmlp": "triton"}.get(blocks, "auto"))
 

@@ -1,5 +1,6 @@
-"""A vision block's MLP activation in one pass over memory (Triton, CUDA): the gated MLP's ``silu(gate) * up``
-(Qwen2.5-VL) and the two-matrix MLP's GELU, tanh form (Qwen3-VL, Qwen3.5), or quick GELU (Qwen2-VL).
+"""A vision block's MLP activation: in torch (what the fast blocks compile), and in one pass over memory (Triton,
+CUDA) for the gated MLP's ``silu(gate) * up`` (Qwen2.5-VL) and the two-matrix MLP's GELU, tanh form (Qwen3-VL,
+Qwen3.5), or quick GELU (Qwen2-VL).
 
 Qwen2.5-VL's vision blocks project to gate and up in one matrix product (``vision._merged_mlp``), so its activation
 reads (tokens, 2 x width) and writes (tokens, width). Compiled by Inductor into the code around it, that kernel ran
@@ -20,11 +21,31 @@ from types import SimpleNamespace
 import torch
 
 
-def silu_gate_torch(gate_up: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up`` with gate the first half of the last axis and up the second: the reference, and the
-    path off CUDA."""
+# The activations in torch, which the fast blocks compile (and run off CUDA), and the kernels' references. Module-level
+# functions, one object per kind, so that the compiled code is shared by every block (vision._activation_of).
+
+
+def silu_gate(gate_up: torch.Tensor) -> torch.Tensor:
+    """Qwen2.5-VL's gated MLP on the merged gate/up projection: ``silu(gate) * up``, gate the first half of the last
+    axis and up the second."""
     gate, up = gate_up.chunk(2, -1)
     return torch.nn.functional.silu(gate) * up
+
+
+def gelu(x: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.gelu(x)
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.gelu(x, approximate="tanh")
+
+
+def quick_gelu(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.sigmoid(1.702 * x)
+
+
+def silu(x: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.silu(x)
 
 
 GELU_TANH, QUICK_GELU = 0, 1  # the flat kernel's activations

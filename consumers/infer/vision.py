@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from consumers.infer.fp8 import fp8_problem, fp8_weight, linear
+from consumers.infer.mlp_activation import gelu, gelu_tanh, quick_gelu, silu, silu_gate
 from consumers.infer.mlp_activation import triton_kernels as triton_mlp_kernels
 from consumers.infer.qkv_rotary import rotate, triton_rotate_qkv
 from vlmstream.models.family import ModelFamily
@@ -310,28 +311,6 @@ def _norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps:
     return torch.nn.functional.layer_norm(x, (x.shape[-1],), weight, bias, eps)
 
 
-def _silu_gate(gate_up: torch.Tensor) -> torch.Tensor:
-    """Qwen2.5-VL's gated MLP on the merged gate/up projection: silu(gate) * up."""
-    gate, up = gate_up.chunk(2, -1)
-    return torch.nn.functional.silu(gate) * up
-
-
-def _gelu(x: torch.Tensor) -> torch.Tensor:
-    return torch.nn.functional.gelu(x)
-
-
-def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
-    return torch.nn.functional.gelu(x, approximate="tanh")
-
-
-def _quick_gelu(x: torch.Tensor) -> torch.Tensor:
-    return x * torch.sigmoid(1.702 * x)
-
-
-def _silu(x: torch.Tensor) -> torch.Tensor:
-    return torch.nn.functional.silu(x)
-
-
 def _activation_of(act: torch.nn.Module):
     """The module-level function computing a two-matrix MLP's activation module, or None for one not known here.
     One function object per kind, so the compiled code is shared by every block (a module instance would be
@@ -339,10 +318,10 @@ def _activation_of(act: torch.nn.Module):
     from transformers import activations
 
     if type(act) is torch.nn.GELU:
-        return _gelu_tanh if act.approximate == "tanh" else _gelu
-    return {activations.GELUTanh: _gelu_tanh, activations.GELUActivation: _gelu,
-            activations.QuickGELUActivation: _quick_gelu, activations.SiLUActivation: _silu,
-            torch.nn.SiLU: _silu}.get(type(act))
+        return gelu_tanh if act.approximate == "tanh" else gelu
+    return {activations.GELUTanh: gelu_tanh, activations.GELUActivation: gelu,
+            activations.QuickGELUActivation: quick_gelu, activations.SiLUActivation: silu,
+            torch.nn.SiLU: silu}.get(type(act))
 
 
 # The products below go through fp8.linear: torch's own for a bf16/float weight, FP8 for an fp8_weight pair
@@ -460,11 +439,11 @@ def _block_shape(block: torch.nn.Module, alignment: int) -> _BlockShape | str:
 
     cached = getattr(block, "_vlmstream_mlp", None)
     if all(isinstance(getattr(mlp, name, None), torch.nn.Linear) for name in ("gate_proj", "up_proj", "down_proj")):
-        if _activation_of(mlp.act_fn) is not _silu:
+        if _activation_of(mlp.act_fn) is not silu:
             return f"its gated MLP's activation is {type(mlp.act_fn).__name__}, not SiLU"
         if cached is None or cached[0] != alignment:
             block._vlmstream_mlp = cached = (alignment, _merged_mlp(mlp, alignment))
-        return _BlockShape(eps, *biases, cached[1], mlp.down_proj.bias, _silu_gate)
+        return _BlockShape(eps, *biases, cached[1], mlp.down_proj.bias, silu_gate)
     for first, act_name, second in (("fc1", "act", "fc2"), ("linear_fc1", "act_fn", "linear_fc2")):
         fc1, fc2 = getattr(mlp, first, None), getattr(mlp, second, None)
         if isinstance(fc1, torch.nn.Linear) and isinstance(fc2, torch.nn.Linear):
@@ -540,9 +519,9 @@ class FastVisionBlocks:
                 raise RuntimeError("mlp_kernel='triton' needs Triton, which cannot be imported here")
             if kernels is not None:
                 # auto: the kernel measured faster than Inductor's (RESULTS.md [t]); triton: every one.
-                self.mlp_kernels = {_silu_gate: kernels.silu_gate}
+                self.mlp_kernels = {silu_gate: kernels.silu_gate}
                 if mlp_kernel == "triton":
-                    self.mlp_kernels.update({_gelu_tanh: kernels.gelu_tanh, _quick_gelu: kernels.quick_gelu})
+                    self.mlp_kernels.update({gelu_tanh: kernels.gelu_tanh, quick_gelu: kernels.quick_gelu})
         self.replaced = 0
         for block in visual.blocks:
             shape = _block_shape(block, alignment)
