@@ -122,6 +122,8 @@ vlmstream broker start > "$RES/broker_start.log" 2>&1
 nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader > "$RES/gpus.txt" 2>&1
 BENCH="python3 benchmarks/gpu/gpu_bench.py --imgs /root/imgs --max-tokens 64 --gpu-ids 0"
 PIPE="--seconds 40 --stop-after 1.5 --arms pipeline-embeds --profile"
+# The Qwen2.5-VL-7B tower alone at the three budgets (bench_vision_tower.py), for the A/B lists.
+TOWER_ARGS="--model /root/model --imgs /root/imgs --budgets 256,1280,default --variants fast+vllm_fa3 --seconds 3"
 
 if [ "$LIST" = tower-mps ]; then
   [ -e /root/model/config.json ] || python3 benchmarks/gpu/mk_model.py /root/model > "$RES/mk_model.log" 2>&1
@@ -322,7 +324,6 @@ print('true' if r.get('embeds-engine-tower_embeddings_vs_embeds', {}).get('pass'
   job t_all_12mp 70 150 python3 benchmarks/gpu/bench_vision_tower.py --model /root/model --imgs /root/imgs \
     --budgets default --images all --variants fast+vllm_fa3 --seconds 3 --profile-budget '' --out "$RES/t_all_12mp.json"
   if ab_tree_ready tower-ab; then
-    TOWER_ARGS="--model /root/model --imgs /root/imgs --budgets 256,1280,default --variants fast+vllm_fa3 --seconds 3"
     job ta1 70 150 python3 benchmarks/gpu/bench_vision_tower.py $TOWER_ARGS --profile-budget '' --out "$RES/ta1.json"
     job tb1 70 150 $IN_AB_TREE/benchmarks/gpu/bench_vision_tower.py $TOWER_ARGS --profile-budget '' --out "$RES/tb1.json"
     job tb2 70 150 $IN_AB_TREE/benchmarks/gpu/bench_vision_tower.py $TOWER_ARGS --profile-budget '' --out "$RES/tb2.json"
@@ -360,7 +361,6 @@ fi
 
 if [ "$LIST" = fixcheck ]; then
   [ -e /root/model/config.json ] || python3 benchmarks/gpu/mk_model.py /root/model > "$RES/mk_model.log" 2>&1
-  TOWER_ARGS="--model /root/model --imgs /root/imgs --budgets 256,1280,default --variants fast+vllm_fa3 --seconds 3"
   # F1's profile at 12.8 MP: where the tower's time goes now ([o]: elementwise kernels a fifth of it). Beside this
   # code's default (the gated MLP's Triton kernel), the compiled kernel (infer.vision_mlp_kernel=torch), two rounds.
   job f1_tower_a 100 240 python3 benchmarks/gpu/bench_vision_tower.py $TOWER_ARGS --rounds 2 \
@@ -426,7 +426,6 @@ fi
 if [ "$LIST" = tower-ab ]; then
   [ -e /root/model/config.json ] || python3 benchmarks/gpu/mk_model.py /root/model > "$RES/mk_model.log" 2>&1
   if ab_tree_ready tower-ab; then
-    TOWER_ARGS="--model /root/model --imgs /root/imgs --budgets 256,1280,default --variants fast+vllm_fa3 --seconds 3"
     tower_a() { job "$1" 70 150 python3 benchmarks/gpu/bench_vision_tower.py $TOWER_ARGS --profile-budget '' \
       --out "$RES/$1.json"; }
     tower_b() { job "$1" 70 150 $IN_AB_TREE/benchmarks/gpu/bench_vision_tower.py $TOWER_ARGS --profile-budget '' \
