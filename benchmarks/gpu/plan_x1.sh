@@ -66,12 +66,13 @@
 #              and torch q/k/v in one process, twice each, TS7 fast compiled without Inductor's worker pool; about 7
 #              minutes), then the rows-q3 list (about 29 minutes in all: with PLAN_S 1600, S4 does not fit)
 #   fixcheck   the vision blocks compiled in-process ([s]: the first encoder of a process ran three times slower at
-#              0.2 MP while Inductor's compile workers started) and the gated MLP's Triton kernel ([t]): F1/F2 the
-#              Qwen2.5-VL-7B tower alone at 0.2 / 1 / 12.8 MP, this code (with the Triton kernel and with the
-#              compiled one) then /root/ab-tree; C1 check_tower.py (Qwen2.5-VL-7B); Qwen3-VL-8B at 0.2 / 1 MP in
-#              80-s phases: Q2 pixels mode with our tower in vLLM's engine, Q3 `vllm serve` (8 API servers);
-#              Qwen2.5-VL-7B at 0.2 MP / 64: P1 this code's pipeline (embeds), P2 /root/ab-tree's, P3 `vllm serve`;
-#              K1 bench_mlp_activation.py in any time left (about 26 minutes)
+#              0.2 MP while Inductor's compile workers started) and the gated MLP's Triton kernel ([t]), the jobs that
+#              decide the most first: F1 the Qwen2.5-VL-7B tower alone at 0.2 / 1 / 12.8 MP, this code with the Triton
+#              kernel and with the compiled one; C1 check_tower.py (Qwen2.5-VL-7B); F2 the tower in /root/ab-tree;
+#              Qwen2.5-VL-7B at 0.2 MP / 64: P1 this code's pipeline (embeds), P3 `vllm serve`; Qwen3-VL-8B at 1 MP in
+#              80-s phases: Q2 pixels mode with our tower in vLLM's engine, Q3 `vllm serve` (8 API servers); P2
+#              /root/ab-tree's pipeline at 0.2 MP; M0/M2 the moe list's tower checks; K1 bench_mlp_activation.py
+#              (about 27 minutes)
 #   engine-tower-smoke  gpu_engine_smoke.py: embeds mode, then pixels mode with our tower in vLLM's engine (same texts?
 #              [p]: 1.0)
 #   engine-tower-q3  Qwen3-VL-8B at 0.2 MP and 1 MP / 64, 40 s phases, our tower in vLLM's engine: the pipeline in
@@ -361,32 +362,39 @@ fi
 
 if [ "$LIST" = fixcheck ]; then
   [ -e /root/model/config.json ] || python3 benchmarks/gpu/mk_model.py /root/model > "$RES/mk_model.log" 2>&1
+  # The jobs that decide the most come first; a short lease drops the tail (jobs.tsv says which).
   # F1's profile at 12.8 MP: where the tower's time goes now ([o]: elementwise kernels a fifth of it). Beside this
   # code's default (the gated MLP's Triton kernel), the compiled kernel (infer.vision_mlp_kernel=torch), two rounds.
   job f1_tower_a 100 240 python3 benchmarks/gpu/bench_vision_tower.py $TOWER_ARGS --rounds 2 \
     --variants fast+vllm_fa3,fast-torchmlp+vllm_fa3 --profile-budget default --out "$RES/f1_tower_a.json"
+  # The tower as this code runs it (the gated MLP's Triton kernel included) against transformers' full model.
+  job c1_check_tower_q25 100 180 python3 benchmarks/gpu/check_tower.py --model qwen2.5-vl-7b --images /root/imgs \
+    --n 8 --max-pixels 1003520 --out "$RES/c1_check_tower_q25.json"
   if ab_tree_ready f2_tower_b; then
     job f2_tower_b 50 150 $IN_AB_TREE/benchmarks/gpu/bench_vision_tower.py $TOWER_ARGS --profile-budget '' \
       --out "$RES/f2_tower_b.json"
   fi
-  # The tower as this code runs it (the gated MLP's Triton kernel included) against transformers' full model.
-  job c1_check_tower_q25 100 180 python3 benchmarks/gpu/check_tower.py --model qwen2.5-vl-7b --images /root/imgs \
-    --n 8 --max-pixels 1003520 --out "$RES/c1_check_tower_q25.json"
+  job p1_this 240 360 $BENCH --model /root/model --budgets 256 $PIPE --out "$RES/p1_this"
+  job p3_serve 180 300 $BENCH --model /root/model --budgets 256 --seconds 40 --arms serve --serve-k 8 \
+    --out "$RES/p3_serve"
   # [s]: a phase's first window ran at a fraction of its last (each request spends some 10 s in the engine), so 40-s
-  # phases understate a pipeline that holds more requests in flight than serve does; 80-s phases here.
+  # phases understate a pipeline that holds more requests in flight than serve does; 80-s phases here, at 1 MP only
+  # (at 0.2 MP [s] met the targets against serve and naive).
   Q3=/root/qwen3-vl-8b
   [ -e $Q3/config.json ] || python3 benchmarks/gpu/mk_model.py $Q3 qwen3-vl-8b > "$RES/mk_q3.log" 2>&1
-  job q2_engine_tower_pixels 290 540 env VLMSTREAM_INFER__ENGINE_TOWER=true $BENCH --model $Q3 --budgets 256,1280 \
+  job q2_engine_tower_pixels 190 360 env VLMSTREAM_INFER__ENGINE_TOWER=true $BENCH --model $Q3 --budgets 1280 \
     --seconds 80 --stop-after 1.5 --profile --arms pipeline-pixels --out "$RES/q2_engine_tower_pixels"
-  job q3_serve 295 540 $BENCH --model $Q3 --budgets 256,1280 --seconds 80 --arms serve --serve-k 8 \
+  job q3_serve 190 360 $BENCH --model $Q3 --budgets 1280 --seconds 80 --arms serve --serve-k 8 \
     --out "$RES/q3_serve"
   if ab_tree_ready p2_before; then
-    job p1_this 240 360 $BENCH --model /root/model --budgets 256 $PIPE --out "$RES/p1_this"
     job p2_before 240 360 $IN_AB_TREE/benchmarks/gpu/gpu_bench.py --imgs /root/imgs --max-tokens 64 --gpu-ids 0 \
       --model /root/model --budgets 256 $PIPE --out "$RES/p2_before"
   fi
-  job p3_serve 180 300 $BENCH --model /root/model --budgets 256 --seconds 40 --arms serve --serve-k 8 \
-    --out "$RES/p3_serve"
+  # The MoE member's and Qwen3.5's towers against transformers' full models (the moe list's M0 and M2).
+  job m0_check_tower_moe 150 240 python3 benchmarks/gpu/check_tower.py --model qwen3-vl-30b-a3b --images /root/imgs \
+    --n 8 --max-pixels 1003520 --out "$RES/m0_check_tower_moe.json"
+  job m2_check_tower_qwen35 150 240 python3 benchmarks/gpu/check_tower.py --model qwen3.5-397b-a17b \
+    --images /root/imgs --n 8 --max-pixels 1003520 --out "$RES/m2_check_tower_qwen35.json"
   # In any time left: the MLP activations alone, Inductor's kernels against the Triton ones ([t]: the gated MLP's).
   job k1_mlp_activation 50 120 python3 benchmarks/gpu/bench_mlp_activation.py --out "$RES/k1_mlp_activation.json"
 fi
