@@ -144,9 +144,9 @@ def test_compiled_vision_blocks_compile_in_this_process(model_dir, monkeypatch):
                                        vision._up_projection}
     assert all(kw["options"]["compile_threads"] == 1 and kw["dynamic"] and kw["fullgraph"] for _, kw in asked)
     assert blocks.before is vision._before_attention  # what the stand-in returned: the blocks call the compiled code
-    # "auto" kernels with compiled blocks, where Triton imports: its gated-MLP kernel, and no other MLP kernel.
+    # "auto" kernels with compiled blocks, where Triton imports: a kernel for each MLP activation that has one.
     assert (set(blocks.mlp_kernels), blocks.rotate_qkv is None) == (
-        {vision.silu_gate} if vision.triton_mlp_kernels() else set(), True)
+        {vision.silu_gate, vision.gelu_tanh, vision.quick_gelu} if vision.triton_mlp_kernels() else set(), True)
 
 
 def test_triton_qkv_kernel_splits_and_rotates_as_the_torch_code_does(interpreted_triton):

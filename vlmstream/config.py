@@ -273,11 +273,10 @@ class InferSettings(BaseModel):
         "auto: triton where the blocks are compiled and Triton imports.")
     vision_mlp_kernel: Literal["auto", "triton", "torch"] = Field(
         "auto", description="vLLM engine, our vision tower: how each block computes its MLP's activation. triton: "
-        "one pass over memory (consumers/infer/mlp_activation.py) for the gated MLP's silu(gate) * up (Qwen2.5-VL; "
-        "alone on an H200 2.4 times as fast as the compiled kernel, same output: benchmarks/RESULTS.md [t]), GELU in "
-        "its tanh form (Qwen3-VL, Qwen3.5) and quick GELU (Qwen2-VL), those two not measured on the GPU; torch: "
-        "compiled with the code around it; auto: triton for the gated MLP only, where the blocks are compiled and "
-        "Triton imports.")
+        "one pass over memory (consumers/infer/mlp_activation.py) for the gated MLP's silu(gate) * up (Qwen2.5-VL), "
+        "GELU in its tanh form (Qwen3-VL, Qwen3.5) and quick GELU (Qwen2-VL); alone on an H200 each ran 1.8 to 2.5 "
+        "times as fast as the compiled kernel (benchmarks/RESULTS.md [t], [u]); torch: compiled with the code around "
+        "it; auto: triton where the blocks are compiled and Triton imports.")
     vision_fp8: bool = Field(
         False, description="vLLM engine, our vision tower: each block's four matrix products in FP8 (e4m3; weights "
         "scaled per output channel, activations per token), on GPUs with FP8 (compute capability 8.9+). Opt-in: "

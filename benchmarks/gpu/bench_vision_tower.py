@@ -5,14 +5,15 @@ Variants, side by side in one process on the same images (random weights: same c
 <blocks>+<attention>:
   transformers+...  transformers' blocks as they ship (patch embedding as a matrix product)
   fast+...          FastVisionBlocks (Qwen2.5-VL's RMSNorm blocks or the LayerNorm blocks of Qwen2-VL, Qwen3-VL and
-                    Qwen3.5), compiled, q/k/v split and rotated by the Triton kernel and a gated MLP's
-                    silu(gate) * up by another (what VisionEncoder runs on CUDA; consumers/infer/qkv_rotary.py,
-                    mlp_activation.py)
+                    Qwen3.5), compiled, q/k/v split and rotated by the Triton kernel and the MLP's activation
+                    (silu(gate) * up or a GELU) by another (what VisionEncoder runs on CUDA;
+                    consumers/infer/qkv_rotary.py, mlp_activation.py)
   fast-torchqkv+... the same with the compiled torch code for that step instead of the kernel
   fast-eager+...    FastVisionBlocks without torch.compile
   fast-fp8+...      fast+..., each block's four matrix products in FP8 (infer.vision_fp8; consumers/infer/fp8.py)
-  fast-torchmlp+... fast+..., a gated MLP's silu(gate) * up by the compiled torch code (infer.vision_mlp_kernel=torch)
-  fast-tritonmlp+... fast+..., every MLP activation by a Triton kernel, the GELUs too (infer.vision_mlp_kernel=triton)
+  fast-torchmlp+... fast+..., the MLP's activation by the compiled torch code (infer.vision_mlp_kernel=torch)
+  fast-tritonmlp+... fast+..., every MLP activation by a Triton kernel (infer.vision_mlp_kernel=triton; the same
+              as fast where the blocks compile)
 with attention vllm_fa3 (vLLM's FlashAttention 3), torch_varlen (torch's varlen flash) or sdpa. Each timing covers
 GPU patchify + tower forward + merger for a batch of images, synchronised, after warm-up; it prints ms per image
 and images/s per budget with the spread of its timed passes, then torch.profiler tables (by GPU and by CPU time) of
