@@ -73,6 +73,11 @@
 #              80-s phases: Q2 pixels mode with our tower in vLLM's engine, Q3 `vllm serve` (8 API servers); P2
 #              /root/ab-tree's pipeline at 0.2 MP; M0/M2 the moe list's tower checks; K1 bench_mlp_activation.py
 #              (about 27 minutes)
+#   gelu-moe   after [u] (the GELU kernels on by default): G1 Qwen3-VL-8B's tower alone at 0.2 / 1 / 12.8 MP, the
+#              Triton MLP kernel against the compiled one, two rounds; the towers against transformers' full models:
+#              Q0 Qwen3-VL-8B, M0 Qwen3-VL-30B-A3B, M2 Qwen3.5-397B-A17B; Qwen2.5-VL-7B at 0.2 MP / 64: A1 this
+#              code's pipeline, B1 /root/ab-tree's; M1 the moe list's pipeline run; then B2 and A2 (the pair in the
+#              other order) in any time left (about 35 minutes: a full lease drops the tail)
 #   engine-tower-smoke  gpu_engine_smoke.py: embeds mode, then pixels mode with our tower in vLLM's engine (same texts?
 #              [p]: 1.0)
 #   engine-tower-q3  Qwen3-VL-8B at 0.2 MP and 1 MP / 64, 40 s phases, our tower in vLLM's engine: the pipeline in
@@ -397,6 +402,31 @@ if [ "$LIST" = fixcheck ]; then
     --images /root/imgs --n 8 --max-pixels 1003520 --out "$RES/m2_check_tower_qwen35.json"
   # In any time left: the MLP activations alone, Inductor's kernels against the Triton ones ([t]: the gated MLP's).
   job k1_mlp_activation 50 120 python3 benchmarks/gpu/bench_mlp_activation.py --out "$RES/k1_mlp_activation.json"
+fi
+
+if [ "$LIST" = gelu-moe ]; then
+  [ -e /root/model/config.json ] || python3 benchmarks/gpu/mk_model.py /root/model > "$RES/mk_model.log" 2>&1
+  # [u]: alone, the Triton GELU ran 2.0x Inductor's kernel; what is it worth in Qwen3-VL-8B's tower (two rounds)?
+  job g1_tower_q3_mlp 110 240 python3 benchmarks/gpu/bench_vision_tower.py --model qwen3-vl-8b --imgs /root/imgs \
+    --budgets 256,1280,default --variants fast+vllm_fa3,fast-torchmlp+vllm_fa3 --seconds 3 --rounds 2 \
+    --profile-budget '' --out "$RES/g1_tower_q3_mlp.json"
+  # The towers as this code runs them (Triton GELU included) against transformers' full models.
+  job q0_check_tower_q3 120 200 python3 benchmarks/gpu/check_tower.py --model qwen3-vl-8b --images /root/imgs \
+    --n 8 --max-pixels 1003520 --out "$RES/q0_check_tower_q3.json"
+  job m0_check_tower_moe 150 240 python3 benchmarks/gpu/check_tower.py --model qwen3-vl-30b-a3b --images /root/imgs \
+    --n 8 --max-pixels 1003520 --out "$RES/m0_check_tower_moe.json"
+  job m2_check_tower_qwen35 150 240 python3 benchmarks/gpu/check_tower.py --model qwen3.5-397b-a17b \
+    --images /root/imgs --n 8 --max-pixels 1003520 --out "$RES/m2_check_tower_qwen35.json"
+  # Qwen2.5-VL-7B at 0.2 MP / 64, this code's pipeline against 3f19f77's, in both orders as time allows.
+  ab_b() { job "$1" 240 360 $IN_AB_TREE/benchmarks/gpu/gpu_bench.py \
+    --imgs /root/imgs --max-tokens 64 --gpu-ids 0 --model /root/model --budgets 256 $PIPE --out "$RES/$1"; }
+  ab_a() { job "$1" 240 360 $BENCH --model /root/model --budgets 256 $PIPE --out "$RES/$1"; }
+  if ab_tree_ready ab; then ab_a a1_this; ab_b b1_before; fi
+  QM=/root/qwen3-vl-30b-a3b
+  [ -e $QM/config.json ] || python3 benchmarks/gpu/mk_model.py $QM qwen3-vl-30b-a3b > "$RES/mk_qm.log" 2>&1
+  job m1_moe 600 780 $BENCH --model $QM --budgets 256,1280 --seconds 25 --stop-after 1.5 --profile \
+    --arms naive,ceiling-embeds,pipeline-embeds,pipeline-pixels --out "$RES/m1_moe"
+  if ab_tree_ready ab; then ab_b b2_before; ab_a a2_this; fi
 fi
 
 if [ "$LIST" = rows-q3 ]; then
