@@ -130,6 +130,14 @@ BENCH="python3 benchmarks/gpu/gpu_bench.py --imgs /root/imgs --max-tokens 64 --g
 PIPE="--seconds 40 --stop-after 1.5 --arms pipeline-embeds --profile"
 # The Qwen2.5-VL-7B tower alone at the three budgets (bench_vision_tower.py), for the A/B lists.
 TOWER_ARGS="--model /root/model --imgs /root/imgs --budgets 256,1280,default --variants fast+vllm_fa3 --seconds 3"
+# The A/B lists' pipeline, Qwen2.5-VL-7B at 0.2 MP / 64: this code (ab_a LABEL), /root/ab-tree's (ab_b LABEL).
+ab_a() { job "$1" 240 360 $BENCH --model /root/model --budgets 256 $PIPE --out "$RES/$1"; }
+ab_b() { job "$1" 240 360 $IN_AB_TREE/benchmarks/gpu/gpu_bench.py \
+  --imgs /root/imgs --max-tokens 64 --gpu-ids 0 --model /root/model --budgets 256 $PIPE --out "$RES/$1"; }
+# A tower as this code runs it against transformers' full model on 8 kit images at 1 MP: check_tower LABEL MODEL
+# EXPECTED_S (check_tower.py names the model by a config it ships or a folder).
+check_tower() { job "$1" "$3" $(( $3 + 90 )) python3 benchmarks/gpu/check_tower.py --model "$2" --images /root/imgs \
+  --n 8 --max-pixels 1003520 --out "$RES/$1.json"; }
 
 if [ "$LIST" = tower-mps ]; then
   [ -e /root/model/config.json ] || python3 benchmarks/gpu/mk_model.py /root/model > "$RES/mk_model.log" 2>&1
@@ -137,8 +145,7 @@ if [ "$LIST" = tower-mps ]; then
     --variants fast+vllm_fa3 --seconds 3 --profile-budget default --out "$RES/t1_tower.json"
   job a1_this 300 420 $BENCH --model /root/model --budgets 256,1280 $PIPE --out "$RES/a1_this"
   if ab_tree_ready b1_before; then
-    job b1_before 240 360 $IN_AB_TREE/benchmarks/gpu/gpu_bench.py \
-      --imgs /root/imgs --max-tokens 64 --gpu-ids 0 --model /root/model --budgets 256 $PIPE --out "$RES/b1_before"
+    ab_b b1_before
   fi
   job m1_mps 300 420 $BENCH --model /root/model --budgets 256,1280 $PIPE --mps --out "$RES/m1_mps"
 fi
@@ -159,8 +166,7 @@ if [ "$LIST" = qwen3 ]; then
   [ -e /root/model/config.json ] || python3 benchmarks/gpu/mk_model.py /root/model > "$RES/mk_model.log" 2>&1
   job t2_tower_qkv 100 200 python3 benchmarks/gpu/bench_vision_tower.py --model /root/model --imgs /root/imgs \
     --variants fast-torchqkv+vllm_fa3,fast+vllm_fa3 --seconds 3 --profile-budget '' --out "$RES/t2_tower_qkv.json"
-  job q0_check_tower 120 200 python3 benchmarks/gpu/check_tower.py --model qwen3-vl-8b --images /root/imgs --n 8 \
-    --max-pixels 1003520 --out "$RES/q0_check_tower.json"
+  check_tower q0_check_tower qwen3-vl-8b 120
   job t3_tower_qwen3 150 240 python3 benchmarks/gpu/bench_vision_tower.py --model qwen3-vl-8b --imgs /root/imgs \
     --variants transformers+vllm_fa3,fast+vllm_fa3 --seconds 3 --profile-budget 1280 --out "$RES/t3_tower_qwen3.json"
   job q1_engine_smoke 240 330 python3 benchmarks/gpu_engine_smoke.py --model qwen3-vl-8b --images /root/imgs --n 64 \
@@ -173,25 +179,20 @@ if [ "$LIST" = models ]; then
   Q3=/root/qwen3-vl-8b; G3=/root/gemma3-4b
   [ -e $Q3/config.json ] || python3 benchmarks/gpu/mk_model.py $Q3 qwen3-vl-8b > "$RES/mk_q3.log" 2>&1
   [ -e $G3/config.json ] || python3 benchmarks/gpu/mk_model.py $G3 gemma3-4b > "$RES/mk_g3.log" 2>&1
-  job q0_check_tower 120 200 python3 benchmarks/gpu/check_tower.py --model qwen3-vl-8b --images /root/imgs --n 8 \
-    --max-pixels 1003520 --out "$RES/q0_check_tower.json"
+  check_tower q0_check_tower qwen3-vl-8b 120
   job q2_qwen3 720 900 $BENCH --model $Q3 --budgets 256,1280 --seconds 25 --stop-after 1.5 --profile \
     --arms naive,ceiling-embeds,pipeline-embeds,pipeline-pixels --out "$RES/q2_qwen3"
   job q3_serve 200 300 $BENCH --model $Q3 --budgets 256,1280 --seconds 25 --arms serve --serve-k 8 \
     --out "$RES/q3_serve"
   job g1_gemma3 240 330 $BENCH --model $G3 --budgets 1280 --seconds 25 --stop-after 1.5 \
     --arms naive,pipeline-pixels --out "$RES/g1_gemma3"
-  job c5_check_qwen25 100 180 python3 benchmarks/gpu/check_tower.py --model qwen2.5-vl-7b --images /root/imgs \
-    --n 8 --max-pixels 1003520 --out "$RES/c5_check_qwen25.json"
+  check_tower c5_check_qwen25 qwen2.5-vl-7b 100
   job t4_tower_qwen3 120 200 python3 benchmarks/gpu/bench_vision_tower.py --model qwen3-vl-8b --imgs /root/imgs \
     --variants transformers+vllm_fa3,fast+vllm_fa3 --seconds 3 --profile-budget '' --out "$RES/t4_tower_qwen3.json"
 fi
 
 if [ "$LIST" = ab ] || [ "$LIST" = ba ]; then
   [ -e /root/model/config.json ] || python3 benchmarks/gpu/mk_model.py /root/model > "$RES/mk_model.log" 2>&1
-  ab_b() { job "$1" 240 360 $IN_AB_TREE/benchmarks/gpu/gpu_bench.py \
-    --imgs /root/imgs --max-tokens 64 --gpu-ids 0 --model /root/model --budgets 256 $PIPE --out "$RES/$1"; }
-  ab_a() { job "$1" 240 360 $BENCH --model /root/model --budgets 256 $PIPE --out "$RES/$1"; }
   if ab_tree_ready ab; then
     if [ "$LIST" = ba ]; then ab_b b1_before; ab_a a1_this; else ab_a a1_this; ab_b b1_before; ab_b b2_before; ab_a a2_this; fi
   fi
@@ -286,10 +287,8 @@ if [ "$LIST" = engine-tower ]; then
   # In any time left (each skipped when it would overrun).
   job e1_vllm_tower 220 330 $VT $BENCH --model /root/model --budgets default --seconds 60 --stop-after 1.5 \
     --arms pipeline-pixels --profile --out "$RES/e1_vllm_tower"
-  job c1_check_tower_q25 100 180 python3 benchmarks/gpu/check_tower.py --model qwen2.5-vl-7b --images /root/imgs \
-    --n 8 --max-pixels 1003520 --out "$RES/c1_check_tower_q25.json"
-  job m2_check_tower_qwen35 150 240 python3 benchmarks/gpu/check_tower.py --model qwen3.5-397b-a17b \
-    --images /root/imgs --n 8 --max-pixels 1003520 --out "$RES/m2_check_tower_qwen35.json"
+  check_tower c1_check_tower_q25 qwen2.5-vl-7b 100
+  check_tower m2_check_tower_qwen35 qwen3.5-397b-a17b 150
 fi
 
 if [ "$LIST" = rows-long ]; then
@@ -373,13 +372,12 @@ if [ "$LIST" = fixcheck ]; then
   job f1_tower_a 100 240 python3 benchmarks/gpu/bench_vision_tower.py $TOWER_ARGS --rounds 2 \
     --variants fast+vllm_fa3,fast-torchmlp+vllm_fa3 --profile-budget default --out "$RES/f1_tower_a.json"
   # The tower as this code runs it (the gated MLP's Triton kernel included) against transformers' full model.
-  job c1_check_tower_q25 100 180 python3 benchmarks/gpu/check_tower.py --model qwen2.5-vl-7b --images /root/imgs \
-    --n 8 --max-pixels 1003520 --out "$RES/c1_check_tower_q25.json"
+  check_tower c1_check_tower_q25 qwen2.5-vl-7b 100
   if ab_tree_ready f2_tower_b; then
     job f2_tower_b 50 150 $IN_AB_TREE/benchmarks/gpu/bench_vision_tower.py $TOWER_ARGS --profile-budget '' \
       --out "$RES/f2_tower_b.json"
   fi
-  job p1_this 240 360 $BENCH --model /root/model --budgets 256 $PIPE --out "$RES/p1_this"
+  ab_a p1_this
   job p3_serve 180 300 $BENCH --model /root/model --budgets 256 --seconds 40 --arms serve --serve-k 8 \
     --out "$RES/p3_serve"
   # [s]: a phase's first window ran at a fraction of its last (each request spends some 10 s in the engine), so 40-s
@@ -392,14 +390,11 @@ if [ "$LIST" = fixcheck ]; then
   job q3_serve 190 360 $BENCH --model $Q3 --budgets 1280 --seconds 80 --arms serve --serve-k 8 \
     --out "$RES/q3_serve"
   if ab_tree_ready p2_before; then
-    job p2_before 240 360 $IN_AB_TREE/benchmarks/gpu/gpu_bench.py --imgs /root/imgs --max-tokens 64 --gpu-ids 0 \
-      --model /root/model --budgets 256 $PIPE --out "$RES/p2_before"
+    ab_b p2_before
   fi
   # The MoE member's and Qwen3.5's towers against transformers' full models (the moe list's M0 and M2).
-  job m0_check_tower_moe 150 240 python3 benchmarks/gpu/check_tower.py --model qwen3-vl-30b-a3b --images /root/imgs \
-    --n 8 --max-pixels 1003520 --out "$RES/m0_check_tower_moe.json"
-  job m2_check_tower_qwen35 150 240 python3 benchmarks/gpu/check_tower.py --model qwen3.5-397b-a17b \
-    --images /root/imgs --n 8 --max-pixels 1003520 --out "$RES/m2_check_tower_qwen35.json"
+  check_tower m0_check_tower_moe qwen3-vl-30b-a3b 150
+  check_tower m2_check_tower_qwen35 qwen3.5-397b-a17b 150
   # In any time left: the MLP activations alone, Inductor's kernels against the Triton ones ([t]: the gated MLP's).
   job k1_mlp_activation 50 120 python3 benchmarks/gpu/bench_mlp_activation.py --out "$RES/k1_mlp_activation.json"
 fi
@@ -411,16 +406,10 @@ if [ "$LIST" = gelu-moe ]; then
     --budgets 256,1280,default --variants fast+vllm_fa3,fast-torchmlp+vllm_fa3 --seconds 3 --rounds 2 \
     --profile-budget '' --out "$RES/g1_tower_q3_mlp.json"
   # The towers as this code runs them (Triton GELU included) against transformers' full models.
-  job q0_check_tower_q3 120 200 python3 benchmarks/gpu/check_tower.py --model qwen3-vl-8b --images /root/imgs \
-    --n 8 --max-pixels 1003520 --out "$RES/q0_check_tower_q3.json"
-  job m0_check_tower_moe 150 240 python3 benchmarks/gpu/check_tower.py --model qwen3-vl-30b-a3b --images /root/imgs \
-    --n 8 --max-pixels 1003520 --out "$RES/m0_check_tower_moe.json"
-  job m2_check_tower_qwen35 150 240 python3 benchmarks/gpu/check_tower.py --model qwen3.5-397b-a17b \
-    --images /root/imgs --n 8 --max-pixels 1003520 --out "$RES/m2_check_tower_qwen35.json"
+  check_tower q0_check_tower_q3 qwen3-vl-8b 120
+  check_tower m0_check_tower_moe qwen3-vl-30b-a3b 150
+  check_tower m2_check_tower_qwen35 qwen3.5-397b-a17b 150
   # Qwen2.5-VL-7B at 0.2 MP / 64, this code's pipeline against 3f19f77's, in both orders as time allows.
-  ab_b() { job "$1" 240 360 $IN_AB_TREE/benchmarks/gpu/gpu_bench.py \
-    --imgs /root/imgs --max-tokens 64 --gpu-ids 0 --model /root/model --budgets 256 $PIPE --out "$RES/$1"; }
-  ab_a() { job "$1" 240 360 $BENCH --model /root/model --budgets 256 $PIPE --out "$RES/$1"; }
   if ab_tree_ready ab; then ab_a a1_this; ab_b b1_before; fi
   QM=/root/qwen3-vl-30b-a3b
   [ -e $QM/config.json ] || python3 benchmarks/gpu/mk_model.py $QM qwen3-vl-30b-a3b > "$RES/mk_qm.log" 2>&1
@@ -471,19 +460,15 @@ if [ "$LIST" = tower-ab ]; then
     tower_a ta1; tower_b tb1; tower_b tb2; tower_a ta2; tower_a ta3; tower_b tb3
   fi
   # The tower as this code runs it against transformers' full model, both families' released configs.
-  job c1_check_tower_q25 100 180 python3 benchmarks/gpu/check_tower.py --model qwen2.5-vl-7b --images /root/imgs \
-    --n 8 --max-pixels 1003520 --out "$RES/c1_check_tower_q25.json"
-  job c2_check_tower_q3 120 200 python3 benchmarks/gpu/check_tower.py --model qwen3-vl-8b --images /root/imgs \
-    --n 8 --max-pixels 1003520 --out "$RES/c2_check_tower_q3.json"
+  check_tower c1_check_tower_q25 qwen2.5-vl-7b 100
+  check_tower c2_check_tower_q3 qwen3-vl-8b 120
 fi
 
 if [ "$LIST" = moe ]; then
   QM=/root/qwen3-vl-30b-a3b
   [ -e $QM/config.json ] || python3 benchmarks/gpu/mk_model.py $QM qwen3-vl-30b-a3b > "$RES/mk_qm.log" 2>&1
-  job m0_check_tower_moe 150 240 python3 benchmarks/gpu/check_tower.py --model qwen3-vl-30b-a3b --images /root/imgs \
-    --n 8 --max-pixels 1003520 --out "$RES/m0_check_tower_moe.json"
-  job m2_check_tower_qwen35 150 240 python3 benchmarks/gpu/check_tower.py --model qwen3.5-397b-a17b \
-    --images /root/imgs --n 8 --max-pixels 1003520 --out "$RES/m2_check_tower_qwen35.json"
+  check_tower m0_check_tower_moe qwen3-vl-30b-a3b 150
+  check_tower m2_check_tower_qwen35 qwen3.5-397b-a17b 150
   job m1_moe 720 900 $BENCH --model $QM --budgets 256,1280 --seconds 25 --stop-after 1.5 --profile \
     --arms naive,ceiling-embeds,pipeline-embeds,pipeline-pixels --out "$RES/m1_moe"
 fi
