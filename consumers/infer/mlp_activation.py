@@ -8,9 +8,10 @@ at about a third of the H200's memory bandwidth: 10.9% of the tower's GPU time a
 the matrix products and the attention (benchmarks/RESULTS.md [o], 511 us a call for 860 MB moved). ``silu_gate``
 reads each tile of gate and up once, as rows of the merged projection, and writes the tile once: alone on the H200
 it moved 4.1 TB/s against the compiled kernel's 1.7, 2.4 times as fast, with the same output bit for bit
-(benchmarks/gpu/bench_mlp_activation.py; benchmarks/RESULTS.md [t]). The one-input activations are one flat pass each:
-2.0 times (GELU, tanh form) and 1.8 times (quick GELU) as fast as Inductor's kernels there ([u]). Same arithmetic as the compiled code: float32, rounded once to
-the input type (GELU's tanh as 1 - 2 / (exp(2y) + 1), within float32 rounding of tanh).
+(benchmarks/gpu/bench_mlp_activation.py; benchmarks/RESULTS.md [t]). The one-input activations are one flat pass
+each: 2.0 times (GELU, tanh form) and 1.8 times (quick GELU) as fast as Inductor's kernels there ([u]). Same
+arithmetic as the compiled code: float32, rounded once to the input type (GELU's tanh as 1 - 2 / (exp(2y) + 1),
+within float32 rounding of tanh).
 """
 
 from __future__ import annotations
