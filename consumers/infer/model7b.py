@@ -118,10 +118,11 @@ def write_qwen3vl_30b_a3b_config(path: str | Path) -> Path:
 
 # Qwen/Qwen3.5-397B-A17B's config.json: a 60-layer hybrid language model (three Gated DeltaNet layers to each gated
 # full-attention one; 512 experts of width 1,024, 10 per token, and a shared expert; width 4,096) and the Qwen3.5
-# tower: Qwen3-VL's 27 blocks of width 1,152 without DeepStack, merged to 4,096. Every Qwen3.5 release shares that
-# tower and differs only in its merger's output width (the language model's), so this is the family's vision part
-# at a released width. The language model is far beyond one GPU: it serves the tower check (check_tower.py cuts the
-# text stack to one layer, which the image features never pass through), not vLLM.
+# tower: Qwen3-VL's 27 blocks of width 1,152 without DeepStack, merged to 4,096. The other Qwen3.5 releases build
+# their towers from the same blocks (the merger's output width is their language model's; the smaller ones are
+# reported with fewer blocks), so this is the family's vision part at one released size. The language model is far
+# beyond one GPU: it serves the tower check (check_tower.py cuts the text stack to one layer, which the image
+# features never pass through), not vLLM.
 CONFIG_QWEN3_5_397B_A17B = {
     "architectures": ["Qwen3_5MoeForConditionalGeneration"], "model_type": "qwen3_5_moe",
     "image_token_id": 248056, "video_token_id": 248057, "vision_start_token_id": 248053,
