@@ -235,3 +235,11 @@ def test_the_towers_ms_per_image_from_either_place_it_runs():
     watcher._add_timings("b_", json.dumps({"timings_ms": {"generate_ms": 700.0}}).encode())  # before the first reading
     assert watcher.mean_timings("a_") == {"encode_ms": 35.0, "encode_ms_per_image": 20.0}
     assert watcher.mean_timings("b_") == {"generate_ms": 800.0, "encode_ms_per_image": 82.5}
+
+
+def test_tower_benchmark_refuses_a_variant_it_does_not_know():
+    """A misspelt or retired variant must not be timed as the default blocks under its own name."""
+    import bench_vision_tower
+
+    with pytest.raises(SystemExit, match="no blocks named 'fast-tritonmlp'"):
+        bench_vision_tower.make_encoder(None, None, None, "fast-tritonmlp+vllm_fa3")

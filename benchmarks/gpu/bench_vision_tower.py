@@ -12,8 +12,6 @@ Variants, side by side in one process on the same images (random weights: same c
   fast-eager+...    FastVisionBlocks without torch.compile
   fast-fp8+...      fast+..., each block's four matrix products in FP8 (infer.vision_fp8; consumers/infer/fp8.py)
   fast-torchmlp+... fast+..., the MLP's activation by the compiled torch code (infer.vision_mlp_kernel=torch)
-  fast-tritonmlp+... fast+..., every MLP activation by a Triton kernel (infer.vision_mlp_kernel=triton; the same
-              as fast where the blocks compile)
 with attention vllm_fa3 (vLLM's FlashAttention 3), torch_varlen (torch's varlen flash) or sdpa. Each timing covers
 GPU patchify + tower forward + merger for a batch of images, synchronised, after warm-up; it prints ms per image
 and images/s per budget with the spread of its timed passes, then torch.profiler tables (by GPU and by CPU time) of
@@ -115,13 +113,19 @@ def time_encoder(encoder: VisionEncoder, images: list[np.ndarray], batch: int, m
             "timed_to": time.strftime("%H:%M:%S")}
 
 
+# The <blocks> half of a variant's name (module docstring).
+BLOCKS = ("transformers", "fast", "fast-torchqkv", "fast-eager", "fast-fp8", "fast-torchmlp")
+
+
 def make_encoder(tower, device: torch.device, dtype: torch.dtype, variant: str) -> VisionEncoder:
     """The encoder a variant name (``<blocks>+<attention>``, module docstring) describes."""
     blocks, attention = variant.split("+")
+    if blocks not in BLOCKS:
+        raise SystemExit(f"--variants: no blocks named {blocks!r} (one of {', '.join(BLOCKS)})")
     return VisionEncoder(tower, device, dtype, attention=attention, fast_blocks=blocks != "transformers",
                          compile_blocks=blocks not in ("transformers", "fast-eager"),
                          qkv_kernel="torch" if blocks == "fast-torchqkv" else "auto", fp8=blocks == "fast-fp8",
-                         mlp_kernel={"fast-torchmlp": "torch", "fast-tritonmlp": "triton"}.get(blocks, "auto"))
+                         mlp_kernel="torch" if blocks == "fast-torchmlp" else "auto")
 
 
 def in_rounds(variants: list[str], rounds: int) -> list[tuple[str, str]]:
