@@ -3,8 +3,8 @@ random weights: what the engine hands vLLM as ``image_embeds`` (for Qwen3-VL the
 levels) and what it publishes as the embedding, against ``get_image_features`` on the checkpoint's own processor's
 pixels. Needs torch and transformers only (no vLLM). ``--blocks fast`` (the default) checks what the engine runs:
 FastVisionBlocks, compiled, with the Triton q/k/v and MLP activation kernels; ``--blocks transformers`` the tower's
-own blocks; ``--blocks fast-fp8`` the fast blocks with infer.vision_fp8 (their products in FP8). FP8's cosines are reported,
-not passed or failed: with random weights they say nothing of a released checkpoint's accuracy.
+own blocks; ``--blocks fast-fp8`` the fast blocks with infer.vision_fp8 (their products in FP8). FP8's cosines are
+reported, not passed or failed: with random weights they say nothing of a released checkpoint's accuracy.
 
 Usage: python3 benchmarks/gpu/check_tower.py [--model qwen3-vl-8b|qwen2.5-vl-7b] [--blocks fast|transformers|fast-fp8]
            [--images DIR] [--n 8] [--max-pixels 1003520] [--out $OUT/tower_check.json]
