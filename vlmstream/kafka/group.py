@@ -64,9 +64,10 @@ class GroupMembershipWatchdog:
     """Notices a consumer that its group no longer lists, so its owner can rejoin.
 
     kafka-python 3.0 can lose a member without noticing, on a loaded machine above all: a consumer assigned [], or
-    whose partitions were lost, is then absent from the broker's member list for good while it polls on. An empty assignment is also normal (more members than partitions, a standby), so only when it has
-    lasted ``grace_s`` does the watchdog ask the broker, at most every ``check_every_s``, whether a member with this
-    consumer's client id is in the group; when none is, ``left_out`` says so.
+    whose partitions were lost, is then absent from the broker's member list for good while it polls on. An empty
+    assignment is also normal (more members than partitions, a standby), so only when it has lasted ``grace_s`` does
+    the watchdog ask the broker, at most every ``check_every_s``, whether a member with this consumer's client id is
+    in the group; when none is, ``left_out`` says so.
     """
 
     def __init__(self, settings: Settings, group_id: str, client_id: str, *, grace_s: float = 30.0,
