@@ -30,14 +30,15 @@ from consumers.infer.vision import compiled_in_process  # noqa: E402
 PATCHES = {"0.2 MP": 16 * 241 * 4, "1 MP": 8 * 1270 * 4, "12.8 MP": 2 * 5187 * 4}
 
 
-def per_call_us(fn, x: torch.Tensor, calls: int) -> float:
+def per_call_us(call, calls: int) -> float:
+    """Microseconds per ``call()`` on the GPU: CUDA events around ``calls`` calls, after three to warm up."""
     for _ in range(3):
-        fn(x)
+        call()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(calls):
-        fn(x)
+        call()
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) * 1e3 / calls
@@ -65,7 +66,7 @@ def main() -> None:
             timed = {name: [] for name in variants}
             for round_ in range(args.rounds):
                 for name, fn in variants.items():
-                    us = per_call_us(fn, x, args.calls)
+                    us = per_call_us(lambda: fn(x), args.calls)
                     timed[name].append(us)
                     rows.append({"activation": activation, "budget": budget, "patches": patches, "variant": name,
                                  "round": round_ + 1, "us_per_call": round(us, 1), "mb_moved": round(moved / 1e6, 1),
