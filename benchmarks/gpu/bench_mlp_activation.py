@@ -44,12 +44,17 @@ def per_call_us(call, calls: int) -> float:
     return start.elapsed_time(end) * 1e3 / calls
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def kernel_bench_args(description: str) -> argparse.Namespace:
+    """The command line of a kernel-alone benchmark: calls per timing, rounds, the JSON file to write."""
+    ap = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--calls", type=int, default=50)
     ap.add_argument("--rounds", type=int, default=2, help="every variant timed this many times, in turn")
     ap.add_argument("--out", default="")
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def main() -> None:
+    args = kernel_bench_args(__doc__)
 
     kernels = triton_kernels()
     # activation: (torch function, Triton kernel, input columns, output columns)

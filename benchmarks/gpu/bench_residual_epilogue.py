@@ -14,7 +14,6 @@ the float32 result of each form. Needs only torch:
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -23,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.gpu.bench_mlp_activation import per_call_us  # noqa: E402
+from benchmarks.gpu.bench_mlp_activation import kernel_bench_args, per_call_us  # noqa: E402
 
 # Patches per forward: 16 images at 0.2 MP, 8 at 1 MP, 2 at 12.8 MP (Qwen2.5-VL's counts on the kit's first images).
 PATCHES = {"0.2 MP": 16 * 241 * 4, "1 MP": 8 * 1270 * 4, "12.8 MP": 2 * 5187 * 4}
@@ -39,11 +38,7 @@ def in_epilogue(x, xb, h, weight, bias):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--calls", type=int, default=50)
-    ap.add_argument("--rounds", type=int, default=2, help="every variant timed this many times, in turn")
-    ap.add_argument("--out", default="")
-    args = ap.parse_args()
+    args = kernel_bench_args(__doc__)
 
     variants = {"separate_add": separate_add, "in_epilogue": in_epilogue}
     rows, ratios = [], {}
