@@ -82,8 +82,8 @@
 #              while the pipeline ramps up): Qwen2.5-VL-7B L1 the pipeline (embeds), L2 `vllm serve` (8 API servers);
 #              Qwen3-VL-8B L3 the pipeline in pixels mode with our tower in vLLM's engine, L4 vLLM given image_embeds
 #              (its language model alone), L5 `vllm serve` ([s] measured it at 0.2 MP: the least needed); then B2
-#              and A2 (the gelu-moe list's A/B pair in the other order) in any time left (about 26 minutes before B2
-#              and A2: a plan of 1,500 s may skip L5)
+#              and A2 (the gelu-moe list's A/B pair in the other order) in any time left (about 26.5 minutes before B2
+#              and A2: a plan of 1,500 s skips L5)
 #   engine-tower-smoke  gpu_engine_smoke.py: embeds mode, then pixels mode with our tower in vLLM's engine (same texts?
 #              [p]: 1.0)
 #   engine-tower-q3  Qwen3-VL-8B at 0.2 MP and 1 MP / 64, 40 s phases, our tower in vLLM's engine: the pipeline in
@@ -436,7 +436,7 @@ if [ "$LIST" = long-small ]; then
   [ -e $Q3/config.json ] || python3 benchmarks/gpu/mk_model.py $Q3 qwen3-vl-8b > "$RES/mk_q3.log" 2>&1
   job l3_q3_pixels 360 480 env VLMSTREAM_INFER__ENGINE_TOWER=true $BENCH --model $Q3 $LONG --stop-after 1.5 \
     --arms pipeline-pixels --profile --out "$RES/l3_q3_pixels"
-  job l4_q3_lm_alone 250 360 $BENCH --model $Q3 $LONG --arms ceiling-embeds --out "$RES/l4_q3_lm_alone"
+  job l4_q3_lm_alone 300 420 $BENCH --model $Q3 $LONG --arms ceiling-embeds --out "$RES/l4_q3_lm_alone"
   job l5_q3_serve 280 400 $BENCH --model $Q3 $LONG --arms serve --serve-k 8 --out "$RES/l5_q3_serve"
   if ab_tree_ready ab; then ab_b b2_before; ab_a a2_this; fi
 fi
