@@ -160,6 +160,10 @@ def test_triton_qkv_kernel_splits_and_rotates_as_the_torch_code_does(interpreted
         for g, e in zip(got, expected, strict=True):
             assert g.is_contiguous() and g.shape == (tokens, heads, dim)
             torch.testing.assert_close(g, e, atol=1e-6, rtol=1e-6)
+        # v left in the projection (an attention that reads strided rows): a view of it, q and k as before.
+        q, k, v = rotate_qkv(qkv, cos, sin, block_tokens=16, contiguous_v=False)
+        assert v.data_ptr() == qkv[:, 2].data_ptr() and v.stride() == qkv[:, 2].stride()
+        assert torch.equal(v, expected[2]) and torch.equal(q, got[0]) and torch.equal(k, got[1])
         # bf16: the interpreter rounds to bf16 its own way; one unit in the last place apart at most.
         got = rotate_qkv(qkv.bfloat16(), cos, sin)
         for g, e in zip(got, interpreted_triton.rotate_qkv_torch(qkv.bfloat16(), cos, sin), strict=True):
@@ -194,22 +198,26 @@ def _counting(kernel, calls: list):
     return lambda *args: calls.append(1) or kernel(*args)
 
 
-@pytest.mark.parametrize("setting", ["qkv_kernel", "mlp_kernel"])
+@pytest.mark.parametrize("setting", [{"qkv_kernel": "triton"}, {"qkv_kernel": "triton", "strided_v": True},
+                                     {"mlp_kernel": "triton"}])
 def test_fast_vision_blocks_with_a_triton_kernel_compute_transformers_output(setting, interpreted_triton,
                                                                            interpreted_mlp_kernels, images, model_dir):
     """Each Triton kernel the fast blocks can run (built for the CPU interpreter), in every block of the tiny
-    Qwen2.5-VL tower: the tower's output is transformers'."""
+    Qwen2.5-VL tower: the tower's output is transformers'. With ``strided_v`` the attention gets v as a view of the
+    projection."""
     from consumers.infer.mlp_activation import silu_gate
-    from consumers.infer.vision import FastVisionBlocks, load_vision_tower, patchify_batch
+    from consumers.infer.vision import FastVisionBlocks, load_vision_tower, patchify_batch, qkv_kernel_name
 
     tower, _ = load_vision_tower(model_dir, "cpu", torch.float32)
     pixel_values, grid_thw = patchify_batch(images[:2])
     with torch.inference_mode():
         expected = tower(pixel_values, grid_thw=grid_thw).pooler_output
-        blocks = FastVisionBlocks(tower, attention=None, **{setting: "triton"})
+        blocks = FastVisionBlocks(tower, attention=None, **setting)
         assert blocks.replaced == len(tower.blocks)
+        assert qkv_kernel_name(blocks) == ("triton, v strided" if setting.get("strided_v") else
+                                           "triton" if "qkv_kernel" in setting else "torch")
         calls = []
-        if setting == "qkv_kernel":
+        if "qkv_kernel" in setting:
             blocks.rotate_qkv = _counting(blocks.rotate_qkv, calls)
         else:
             blocks.mlp_kernels[silu_gate] = _counting(blocks.mlp_kernels[silu_gate], calls)
@@ -829,3 +837,29 @@ def test_engine_embeddings_are_taken_for_all_waiting_requests_in_few_calls():
     assert [None if g is None else g.tolist() for g in got] == [[1.0] * 4, [2.0] * 4, None]
     assert calls[0] == [1, 2, 3] and later[0].tolist() == [4.0] * 4
     assert isinstance(failed[0], RuntimeError) and after.tolist() == [5.0] * 4
+
+
+def test_strided_v_is_used_only_with_an_attention_kernel_that_gives_the_same_output_with_it(monkeypatch):
+    """The probe behind ``strided_v=None``: a kernel that reads v's rows where they lie says yes; one that fails on
+    a view, or answers differently with one, says no (the blocks then copy v, as before)."""
+    from consumers.infer import vision
+
+    def by_sdpa(q, k, v, cu_q, cu_k, max_q, max_k, scale):  # reads v through its strides, as FA3 does
+        return torch.cat([torch.nn.functional.scaled_dot_product_attention(
+            *(t[a:b].transpose(0, 1) for t in (q, k, v)), scale=scale).transpose(0, 1)
+            for a, b in zip(cu_q.tolist(), cu_q.tolist()[1:])])
+
+    def needs_contiguous_v(q, k, v, *rest):
+        if not v.is_contiguous():
+            raise ValueError("v must be contiguous")
+        return by_sdpa(q, k, v, *rest)
+
+    def reads_v_as_if_packed(q, k, v, *rest):  # ignores v's strides: wrong numbers from a view
+        return by_sdpa(q, k, torch.as_strided(v, v.shape, (v.shape[1] * v.shape[2], v.shape[2], 1)), *rest)
+
+    monkeypatch.setattr(vision, "_STRIDED_V", {})
+    for name, kernel, expected in (("views", by_sdpa, True), ("contiguous-only", needs_contiguous_v, False),
+                                   ("strides-ignored", reads_v_as_if_packed, False)):
+        monkeypatch.setitem(vision.VARLEN_KERNELS, name, kernel)
+        assert vision.takes_strided_v(name, "cpu", torch.float32) is expected, name
+    assert not vision.takes_strided_v("not-registered", "cpu", torch.float32)

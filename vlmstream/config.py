@@ -269,7 +269,8 @@ class InferSettings(BaseModel):
     vision_compile: bool = Field(True, description="torch.compile the vision blocks on CUDA (falls back to eager).")
     vision_qkv_kernel: Literal["auto", "triton", "torch"] = Field(
         "auto", description="vLLM engine, our vision tower: how each block splits q, k and v out of its projection "
-        "and rotates them. triton: one pass over memory (consumers/infer/qkv_rotary.py); torch: compiled torch code; "
+        "and rotates them. triton: one pass over memory (consumers/infer/qkv_rotary.py), v left in the projection "
+        "where the attention kernel reads it there (vLLM's FA3, probed at start); torch: compiled torch code; "
         "auto: triton where the blocks are compiled and Triton imports.")
     vision_mlp_kernel: Literal["auto", "triton", "torch"] = Field(
         "auto", description="vLLM engine, our vision tower: how each block computes its MLP's activation. triton: "

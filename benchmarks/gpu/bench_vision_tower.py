@@ -12,6 +12,8 @@ Variants, side by side in one process on the same images (random weights: same c
   fast-eager+...    FastVisionBlocks without torch.compile
   fast-fp8+...      fast+..., each block's four matrix products in FP8 (infer.vision_fp8; consumers/infer/fp8.py)
   fast-torchmlp+... fast+..., the MLP's activation by the compiled torch code (infer.vision_mlp_kernel=torch)
+  fast-contigv+...  fast+..., the q/k/v kernel writing v out contiguous (what it did before v was handed to the
+                    attention as a view of the projection where the attention takes it; vision.takes_strided_v)
 with attention vllm_fa3 (vLLM's FlashAttention 3), torch_varlen (torch's varlen flash) or sdpa. Each timing covers
 GPU patchify + tower forward + merger for a batch of images, synchronised, after warm-up; it prints ms per image
 and images/s per budget with the spread of its timed passes, then torch.profiler tables (by GPU and by CPU time) of
@@ -19,7 +21,8 @@ where one such pass of each variant spends its time: the timed encoder itself wh
 (``timed_encoder``), so that a process's first encoder is profiled in the state that was timed. ``--rounds 2``
 times every variant twice, the second round in reverse order.
 
-Each row says how many blocks ran the fast forward (``fast_blocks``) and whether they were compiled.
+Each row says how many blocks ran the fast forward (``fast_blocks``), whether they were compiled, and how q, k and v
+were split out (``qkv``).
 
 Usage (device, after scripts/gpu/unpack_device.sh and `source scripts/gpu/env.sh`):
   python3 benchmarks/gpu/bench_vision_tower.py --model /root/model --imgs /root/imgs --out $OUT/tower.json
@@ -43,7 +46,7 @@ sys.path.insert(0, str(REPO / "benchmarks" / "gpu"))
 
 from benchmarks.images import exact_size_images  # noqa: E402 - after the path insert
 from consumers.infer.model7b import GPU_MODELS  # noqa: E402
-from consumers.infer.vision import VisionEncoder, load_vision_tower, patchify_batch  # noqa: E402
+from consumers.infer.vision import VisionEncoder, load_vision_tower, patchify_batch, qkv_kernel_name  # noqa: E402
 from vlmstream.models.registry import family_of  # noqa: E402
 from tower_flops import H200_DENSE_BF16_TFLOPS, tower_flops  # noqa: E402 - benchmarks/gpu is on sys.path
 
@@ -114,7 +117,7 @@ def time_encoder(encoder: VisionEncoder, images: list[np.ndarray], batch: int, m
 
 
 # The <blocks> half of a variant's name (module docstring).
-BLOCKS = ("transformers", "fast", "fast-torchqkv", "fast-eager", "fast-fp8", "fast-torchmlp")
+BLOCKS = ("transformers", "fast", "fast-torchqkv", "fast-eager", "fast-fp8", "fast-torchmlp", "fast-contigv")
 
 
 def make_encoder(tower, device: torch.device, dtype: torch.dtype, variant: str) -> VisionEncoder:
@@ -125,7 +128,8 @@ def make_encoder(tower, device: torch.device, dtype: torch.dtype, variant: str) 
     return VisionEncoder(tower, device, dtype, attention=attention, fast_blocks=blocks != "transformers",
                          compile_blocks=blocks not in ("transformers", "fast-eager"),
                          qkv_kernel="torch" if blocks == "fast-torchqkv" else "auto", fp8=blocks == "fast-fp8",
-                         mlp_kernel="torch" if blocks == "fast-torchmlp" else "auto")
+                         mlp_kernel="torch" if blocks == "fast-torchmlp" else "auto",
+                         strided_v=False if blocks == "fast-contigv" else None)
 
 
 def in_rounds(variants: list[str], rounds: int) -> list[tuple[str, str]]:
@@ -218,7 +222,7 @@ def main() -> None:
                         torch.cuda.reset_peak_memory_stats()
                     rows[key] = {**achieved(time_encoder(encoder, images, batch, args.seconds), flops_per_image),
                                  "fast_blocks": encoder.fast.replaced if encoder.fast else 0,
-                                 "compiled": encoder.compiled}
+                                 "compiled": encoder.compiled, "qkv": qkv_kernel_name(encoder.fast)}
                     if budget == args.profile_budget and batch == BATCH[budget]:
                         timed_latest = (variant, encoder)
                 except Exception as exc:  # noqa: BLE001 - one variant failing must not hide the others

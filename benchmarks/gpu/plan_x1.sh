@@ -78,11 +78,14 @@
 #              Q0 Qwen3-VL-8B, M0 Qwen3-VL-30B-A3B, M2 Qwen3.5-397B-A17B; Qwen2.5-VL-7B at 0.2 MP / 64: A1 this
 #              code's pipeline, B1 /root/ab-tree's; M1 the moe list's pipeline run; then B2 and A2 (the pair in the
 #              other order) in any time left (about 35 minutes: a full lease drops the tail)
-#   long-small 0.2 MP / 64 in phases long enough for the steady rate (150 s, not a 40-s phase's set that runs out
-#              while the pipeline ramps up): Qwen2.5-VL-7B L1 the pipeline (embeds), L2 `vllm serve` (8 API servers);
+#   long-small V0 the Qwen2.5-VL-7B tower alone at 0.2 / 1 / 12.8 MP with v handed to FA3 as a view of the
+#              projection (`fast`) against v copied out by the q/k/v kernel (`fast-contigv`), two rounds; C1 and Q0
+#              the Qwen2.5-VL-7B and Qwen3-VL-8B towers against transformers' full models; then 0.2 MP / 64 in phases
+#              long enough for the steady rate (150 s, not a 40-s phase's set that runs out while the pipeline
+#              ramps up): Qwen2.5-VL-7B L1 the pipeline (embeds), L2 `vllm serve` (8 API servers);
 #              Qwen3-VL-8B L3 the pipeline in pixels mode with our tower in vLLM's engine, L4 vLLM given image_embeds
 #              (its language model alone), L5 `vllm serve` ([s] measured it at 0.2 MP: the least needed); then B2
-#              and A2 (the gelu-moe list's A/B pair in the other order) in any time left (about 26.5 minutes before B2
+#              and A2 (the gelu-moe list's A/B pair in the other order) in any time left (about 28.5 minutes before B2
 #              and A2: a plan of 1,500 s skips L5)
 #   engine-tower-smoke  gpu_engine_smoke.py: embeds mode, then pixels mode with our tower in vLLM's engine (same texts?
 #              [p]: 1.0)
@@ -426,6 +429,12 @@ fi
 
 if [ "$LIST" = long-small ]; then
   [ -e /root/model/config.json ] || python3 benchmarks/gpu/mk_model.py /root/model > "$RES/mk_model.log" 2>&1
+  # Is v as a view (the q/k/v kernel a third lighter) at least as fast in the tower, and still transformers' output?
+  job v0_tower_strided_v 110 240 python3 benchmarks/gpu/bench_vision_tower.py --model /root/model --imgs /root/imgs \
+    --budgets 256,1280,default --variants fast+vllm_fa3,fast-contigv+vllm_fa3 --seconds 3 --rounds 2 \
+    --profile-budget default --out "$RES/v0_tower_strided_v.json"
+  check_tower c1_check_tower_q25 qwen2.5-vl-7b 60
+  check_tower q0_check_tower_q3 qwen3-vl-8b 120
   # [u]/[v]: a 40-s phase's 4,000 documents ran out in 51-55 s while the pipeline still ramped up (first window
   # 47-52 img/s, last 115-124); 150-s phases ask whether the steady rate is 2x serve.
   LONG="--budgets 256 --seconds 150"

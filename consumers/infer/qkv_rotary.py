@@ -4,8 +4,11 @@ The torch version (``rotate_qkv_torch``: unbind, ``x * cos + rotate_half(x) * si
 compiles to two elementwise kernels that read and write the projection's output at a small fraction of the GPU's
 memory bandwidth: on the H200 at 12.8 MP they took a quarter of the tower's time (RESULTS.md, 2026-12-01, code at
 6b7698a: 1.3 ms + 0.3 ms per layer for ~30,000 patches, against 1.3 ms for the attention itself). This kernel reads
-each element of the projection once and writes q, k and v once, each (tokens, heads, dim) and contiguous, as the
-varlen attention kernels take them. Same arithmetic as the torch version: float32, rounded once to the input type.
+each element of the projection once and writes q and k once, each (tokens, heads, dim) and contiguous, as the
+varlen attention kernels take them. v needs no arithmetic: with ``contiguous_v=False`` it is returned as a view of
+the projection (rows 3 x heads x dim apart), for an attention kernel that reads strided rows (vLLM's FA3 does), and
+the kernel neither reads nor writes it: a third less memory traffic. Same arithmetic as the torch version: float32,
+rounded once to the input type.
 
 ``cos``/``sin`` are (tokens, dim), the tower's rotary tables for each patch; the rotation is transformers'
 ``rotate_half`` convention (the first half of a head's dimensions pairs with the second).
@@ -42,7 +45,8 @@ def build_kernel():
 
     @triton.jit
     def qkv_rotary_kernel(qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, tokens, HEADS: tl.constexpr,
-                          DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
+                          DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+                          WRITE_V: tl.constexpr):
         # One program: BLOCK_T tokens of one head. Heads vary fastest over program ids, so the programs of one
         # token block run together and read that block's cos/sin rows from L2 rather than memory.
         head = tl.program_id(0)
@@ -65,20 +69,24 @@ def build_kernel():
         x2 = tl.load(qkv_ptr + base + HALF, mask=mask, other=0.0).to(tl.float32)
         tl.store(k_ptr + out, (x1 * c1 - x2 * s1).to(k_ptr.dtype.element_ty), mask=mask)
         tl.store(k_ptr + out + HALF, (x2 * c2 + x1 * s2).to(k_ptr.dtype.element_ty), mask=mask)
-        base = row + 2 * HEADS * DIM
-        tl.store(v_ptr + out, tl.load(qkv_ptr + base, mask=mask), mask=mask)
-        tl.store(v_ptr + out + HALF, tl.load(qkv_ptr + base + HALF, mask=mask), mask=mask)
+        if WRITE_V:
+            base = row + 2 * HEADS * DIM
+            tl.store(v_ptr + out, tl.load(qkv_ptr + base, mask=mask), mask=mask)
+            tl.store(v_ptr + out + HALF, tl.load(qkv_ptr + base + HALF, mask=mask), mask=mask)
 
-    def rotate_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, block_tokens: int = 64):
+    def rotate_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, block_tokens: int = 64,
+                   contiguous_v: bool = True):
+        """(q, k, v); v a view of ``qkv`` unless ``contiguous_v`` (module docstring)."""
         tokens, three, heads, dim = qkv.shape
         if three != 3 or dim % 2 or not qkv.is_contiguous():
             raise ValueError(f"qkv must be a contiguous (tokens, 3, heads, even dim) tensor, got {tuple(qkv.shape)}")
         cos, sin = cos.contiguous(), sin.contiguous()
-        q, k, v = (torch.empty(tokens, heads, dim, dtype=qkv.dtype, device=qkv.device) for _ in range(3))
+        q, k = (torch.empty(tokens, heads, dim, dtype=qkv.dtype, device=qkv.device) for _ in range(2))
+        v = torch.empty_like(q) if contiguous_v else qkv[:, 2]
         half = dim // 2
         grid = (heads, triton.cdiv(tokens, block_tokens))
         qkv_rotary_kernel[grid](qkv, cos, sin, q, k, v, tokens, HEADS=heads, DIM=dim, HALF=half,
-                                BLOCK_T=block_tokens, BLOCK_H=triton.next_power_of_2(half))
+                                BLOCK_T=block_tokens, BLOCK_H=triton.next_power_of_2(half), WRITE_V=contiguous_v)
         return q, k, v
 
     return rotate_qkv

@@ -14,6 +14,7 @@ embedding for the embeddings topic is the mean of the main merger's part (``Mode
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import time
@@ -224,6 +225,29 @@ def _probe(name: str, device: torch.device, dtype: torch.dtype) -> bool:
     except Exception as exc:
         log.info("vision attention %s failed its probe: %s", name, exc)
         return False
+
+
+def takes_strided_v(name: str, device: torch.device | str, dtype: torch.dtype) -> bool:
+    """Whether the registered varlen kernel ``name`` gives the same output with v a view of a packed (tokens, 3,
+    heads, dim) projection as with v contiguous: then the fast blocks hand it that view and the q/k/v kernel skips
+    copying v. Tried once per kernel, device and dtype; an error or a different output says no."""
+    key = (name, str(device), dtype)
+    if key not in _STRIDED_V:
+        try:
+            kernel = VARLEN_KERNELS[name]
+            gen = torch.Generator(device="cpu").manual_seed(0)
+            qkv = torch.randn(48, 3, 2, 64, generator=gen).to(device, dtype)
+            q, k, v = (qkv[:, i].contiguous() for i in range(3))
+            cu = torch.tensor([0, 16, 48], dtype=torch.int32, device=device)
+            _STRIDED_V[key] = bool(torch.equal(kernel(q, k, qkv[:, 2], cu, cu, 32, 32, 0.125),
+                                               kernel(q, k, v, cu, cu, 32, 32, 0.125)))
+        except Exception as exc:  # noqa: BLE001 - the blocks then copy v, as for any kernel that needs it
+            log.info("vision attention %s does not take a strided v: %s", name, exc)
+            _STRIDED_V[key] = False
+    return _STRIDED_V[key]
+
+
+_STRIDED_V: dict = {}
 
 
 def pick_vision_attention(device: torch.device | str, dtype: torch.dtype, requested: str = "auto") -> str:
@@ -492,11 +516,13 @@ class FastVisionBlocks:
     around it), "auto" (Triton where the blocks are compiled and Triton imports; each kernel measured faster than the
     compiled code).
     ``fp8``: the four matrix products of each block in FP8 (``fp8.py``), their weights quantised once here.
+    ``strided_v``: the Triton q/k/v kernel leaves v as a view of the projection (``qkv_rotary.py``); only for an
+    attention that reads it so (``takes_strided_v``; the per-window sdpa loop does).
     """
 
     def __init__(self, visual: torch.nn.Module, attention=None, compile_blocks: bool = False,
                  alignment: int = GEMM_ALIGNMENT, qkv_kernel: str = "auto", fp8: bool = False,
-                 mlp_kernel: str = "auto"):
+                 mlp_kernel: str = "auto", strided_v: bool = False):
         for name, value in (("qkv_kernel", qkv_kernel), ("mlp_kernel", mlp_kernel)):
             if value not in ("auto", "triton", "torch"):
                 raise ValueError(f"{name} must be auto, triton or torch, not {value!r}")
@@ -511,6 +537,9 @@ class FastVisionBlocks:
             self.rotate_qkv = triton_rotate_qkv()
             if self.rotate_qkv is None and qkv_kernel == "triton":
                 raise RuntimeError("qkv_kernel='triton' needs Triton, which cannot be imported here")
+        self.strided_v = self.rotate_qkv is not None and strided_v
+        if self.strided_v:
+            self.rotate_qkv = functools.partial(self.rotate_qkv, contiguous_v=False)
         # The MLP activations run by a Triton kernel, by the activation function a block's shape names.
         self.mlp_kernels: dict = {}
         if mlp_kernel == "triton" or (mlp_kernel == "auto" and compile_blocks):
@@ -541,7 +570,7 @@ class FastVisionBlocks:
 
     def use_eager(self) -> None:
         self.before, self.after, self.project, self.up = _before_attention, _after_attention, _project, _up_projection
-        self.rotate_qkv, self.mlp_kernels = None, {}
+        self.rotate_qkv, self.mlp_kernels, self.strided_v = None, {}, False
 
     def _block_forward(self, block: torch.nn.Module, shape: _BlockShape):
         attn = block.attn
@@ -579,6 +608,13 @@ class FastVisionBlocks:
                               shape.activation)
 
         return forward
+
+
+def qkv_kernel_name(fast: FastVisionBlocks | None) -> str:
+    """How a tower's fast blocks (None: none) split and rotate q, k and v, for logs and reports."""
+    if fast is None or fast.rotate_qkv is None:
+        return "torch"
+    return "triton, v strided" if fast.strided_v else "triton"
 
 
 def groups_by_patches(items: Sequence, patches_of, max_patches: int):
@@ -669,14 +705,16 @@ class VisionEncoder:
     DeepStack levels (Qwen3-VL) each level's merged tokens, concatenated on the feature axis.
     ``family`` defaults to the one whose patch size and merge size the tower's config has. ``fp8``: the fast
     blocks' matrix products in FP8 (``fp8.py``; on CUDA only where the GPU has FP8, on the CPU in float32 for tests).
-    ``qkv_kernel`` and ``mlp_kernel``: as ``FastVisionBlocks`` takes them.
+    ``qkv_kernel``, ``mlp_kernel`` and ``strided_v``: as ``FastVisionBlocks`` takes them; ``strided_v`` None
+    (the default) where the attention takes it (``takes_strided_v``).
     """
 
     def __init__(self, visual: torch.nn.Module, device: torch.device | str = "cpu",
                  dtype: torch.dtype | None = None, attention: str = "auto",
                  max_patches_per_call: int = 65536, linear_patch_embedding: bool = True,
                  fast_blocks: bool = True, compile_blocks: bool = True, family: ModelFamily | None = None,
-                 qkv_kernel: str = "auto", fp8: bool = False, mlp_kernel: str = "auto"):
+                 qkv_kernel: str = "auto", fp8: bool = False, mlp_kernel: str = "auto",
+                 strided_v: bool | None = None):
         if fp8:
             problem = "it needs the fast vision blocks" if not fast_blocks else fp8_problem(
                 device, dtype or next(visual.parameters()).dtype)
@@ -703,8 +741,11 @@ class VisionEncoder:
         FastVisionBlocks.remove(self.visual)
         if fast_blocks:  # False only to measure what they are worth
             compile_blocks = compile_blocks and self.device.type == "cuda"
+            if strided_v is None:
+                strided_v = (self.attention not in VARLEN_KERNELS
+                             or takes_strided_v(self.attention, self.device, self.dtype))
             fast = FastVisionBlocks(self.visual, VARLEN_KERNELS.get(self.attention), compile_blocks,
-                                    qkv_kernel=qkv_kernel, fp8=fp8, mlp_kernel=mlp_kernel)
+                                    qkv_kernel=qkv_kernel, fp8=fp8, mlp_kernel=mlp_kernel, strided_v=strided_v)
             self.fast = fast if fast.replaced else None
             if compile_blocks and self.fast is not None:
                 self.compiled = self._warm_up_compiled()

@@ -43,7 +43,7 @@ from consumers.infer.engine import (InferenceFailure, InferenceOutput, Inference
                                     QueuedEngine)
 from consumers.infer.prompts import OutputSchema, PromptBuilder, with_schema
 from consumers.infer.vision import (VisionEncoder, groups_by_patches, load_vision_tower, mean_pool_each, patchify_batch,
-                                    request_problem, to_host_each)
+                                    qkv_kernel_name, request_problem, to_host_each)
 from vlmstream.config import InferSettings
 from vlmstream.models.family import ModelFamily
 from vlmstream.models.registry import family_of
@@ -289,7 +289,7 @@ class VllmEngine(QueuedEngine):
                     f"{self.image_embeds_width}: set infer.mode=pixels to let vLLM run its own tower")
             log.info("vision tower on cuda, attention=%s, compiled=%s, q/k/v %s, fp8=%s, image_embeds %d wide",
                      self.encoder.attention, self.encoder.compiled,
-                     "triton" if self.encoder.fast and self.encoder.fast.rotate_qkv else "torch", settings.vision_fp8,
+                     qkv_kernel_name(self.encoder.fast), settings.vision_fp8,
                      self.encoder.image_embeds_width)
         # High priority: the tower feeds the language model. When both have kernels queued, the tower's go
         # first, so the engine's queue of ready requests does not run dry while it decodes.
