@@ -227,6 +227,9 @@ def _probe(name: str, device: torch.device, dtype: torch.dtype) -> bool:
         return False
 
 
+_STRIDED_V: dict = {}  # takes_strided_v's answers by (kernel, device, dtype)
+
+
 def takes_strided_v(name: str, device: torch.device | str, dtype: torch.dtype) -> bool:
     """Whether the registered varlen kernel ``name`` gives the same output with v a view of a packed (tokens, 3,
     heads, dim) projection as with v contiguous: then the fast blocks hand it that view and the q/k/v kernel skips
@@ -245,9 +248,6 @@ def takes_strided_v(name: str, device: torch.device | str, dtype: torch.dtype) -
             log.info("vision attention %s does not take a strided v: %s", name, exc)
             _STRIDED_V[key] = False
     return _STRIDED_V[key]
-
-
-_STRIDED_V: dict = {}
 
 
 def pick_vision_attention(device: torch.device | str, dtype: torch.dtype, requested: str = "auto") -> str:
