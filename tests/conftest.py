@@ -97,6 +97,12 @@ def interpreted_triton(monkeypatch):
 
 
 @pytest.fixture
+def interpreted_norm_kernels(monkeypatch):
+    """The Triton norm kernels' module (``block_norm``), built for the CPU interpreter."""
+    yield from _interpreted(monkeypatch, "block_norm", "triton_kernels")
+
+
+@pytest.fixture
 def interpreted_mlp_kernels(monkeypatch):
     """The Triton MLP activation kernels' module (``mlp_activation``), built for the CPU interpreter."""
     yield from _interpreted(monkeypatch, "mlp_activation", "triton_kernels")

@@ -199,30 +199,38 @@ def _counting(kernel, calls: list):
 
 
 @pytest.mark.parametrize("setting", [{"qkv_kernel": "triton"}, {"qkv_kernel": "triton", "strided_v": True},
-                                     {"mlp_kernel": "triton"}])
+                                     {"mlp_kernel": "triton"}, {"qkv_kernel": "triton", "norm_kernel": "triton"},
+                                     {"mlp_kernel": "triton", "norm_kernel": "triton"}])
 def test_fast_vision_blocks_with_a_triton_kernel_compute_transformers_output(setting, interpreted_triton,
-                                                                           interpreted_mlp_kernels, images, model_dir):
+                                                                           interpreted_mlp_kernels,
+                                                                           interpreted_norm_kernels, images, model_dir):
     """Each Triton kernel the fast blocks can run (built for the CPU interpreter), in every block of the tiny
     Qwen2.5-VL tower: the tower's output is transformers'. With ``strided_v`` the attention gets v as a view of the
-    projection."""
+    projection; the norm kernels run in the steps beside the q/k/v and MLP kernels."""
     from consumers.infer.mlp_activation import silu_gate
-    from consumers.infer.vision import FastVisionBlocks, load_vision_tower, patchify_batch, qkv_kernel_name
+    from consumers.infer.vision import FastVisionBlocks, block_kernels, load_vision_tower, patchify_batch
 
     tower, _ = load_vision_tower(model_dir, "cpu", torch.float32)
     pixel_values, grid_thw = patchify_batch(images[:2])
     with torch.inference_mode():
         expected = tower(pixel_values, grid_thw=grid_thw).pooler_output
-        blocks = FastVisionBlocks(tower, attention=None, **setting)
+        blocks = FastVisionBlocks(tower, attention=None, **{"norm_kernel": "torch", **setting})
         assert blocks.replaced == len(tower.blocks)
-        assert qkv_kernel_name(blocks) == ("triton, v strided" if setting.get("strided_v") else
-                                           "triton" if "qkv_kernel" in setting else "torch")
+        assert block_kernels(blocks) == {
+            "qkv": ("triton, v strided" if setting.get("strided_v") else "triton") if "qkv_kernel" in setting
+            else "torch", "norm": setting.get("norm_kernel", "torch"), "mlp": setting.get("mlp_kernel", "torch")}
         calls = []
-        if "qkv_kernel" in setting:
+        if "norm_kernel" in setting:
+            # The steps look the kernels up in their namespace at each call (a fresh one: the fixture's cache).
+            for name in ("norm", "add_norm"):
+                setattr(blocks.norm_kernels, name, _counting(getattr(blocks.norm_kernels, name), calls))
+        elif "qkv_kernel" in setting:
             blocks.rotate_qkv = _counting(blocks.rotate_qkv, calls)
         else:
             blocks.mlp_kernels[silu_gate] = _counting(blocks.mlp_kernels[silu_gate], calls)
         got = tower(pixel_values, grid_thw=grid_thw).pooler_output
-        assert len(calls) == len(tower.blocks)  # every block went through the kernel
+        # every block went through the kernel (the norm kernels: once in each step beside a Triton kernel)
+        assert len(calls) == len(tower.blocks)
         FastVisionBlocks.remove(tower)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
 
@@ -638,7 +646,8 @@ def test_the_engine_tower_setting_is_refused_where_it_cannot_run_and_reaches_the
     assert args == {"worker_extension_cls": ENGINE_TOWER_EXTENSION} and env["VLMSTREAM_INFER__ENGINE_TOWER"] == "false"
     with pytest.raises(ValueError, match="infer.tower_clock=false"):  # embeds mode gives vLLM no tower to time
         engine_tower_args(clocked, "embeds", QWEN2_VL)
-    on = InferSettings(engine_tower=True, vision_qkv_kernel="torch", vision_compile=False, vision_mlp_kernel="triton")
+    on = InferSettings(engine_tower=True, vision_qkv_kernel="torch", vision_compile=False, vision_mlp_kernel="triton",
+                       vision_norm_kernel="torch")
     assert engine_tower_args(on, "embeds", QWEN2_VL)[0] == {"worker_extension_cls": ENGINE_TOWER_EXTENSION}
     with pytest.raises(ValueError, match="infer.engine_tower=false"):
         engine_tower_args(on, "pixels", GENERIC)
@@ -650,7 +659,7 @@ def test_the_engine_tower_setting_is_refused_where_it_cannot_run_and_reaches_the
     with child_environment(env):
         seen = Settings().infer
         assert (seen.engine_tower, seen.vision_qkv_kernel, seen.vision_compile, seen.vision_fp8,
-                seen.vision_mlp_kernel) == (True, "torch", False, False, "triton")
+                seen.vision_mlp_kernel, seen.vision_norm_kernel) == (True, "torch", False, False, "triton", "torch")
     assert "VLMSTREAM_INFER__VISION_COMPILE" not in os.environ
 
 
@@ -863,3 +872,30 @@ def test_strided_v_is_used_only_with_an_attention_kernel_that_gives_the_same_out
         monkeypatch.setitem(vision.VARLEN_KERNELS, name, kernel)
         assert vision.takes_strided_v(name, "cpu", torch.float32) is expected, name
     assert not vision.takes_strided_v("not-registered", "cpu", torch.float32)
+
+
+def test_triton_norm_kernels_compute_what_the_torch_code_does(interpreted_norm_kernels):
+    """RMSNorm (no bias) and LayerNorm, alone and after the residual add, on rows that fill no block exactly and on
+    the towers' own widths (1,280 and 1,152: wider than Inductor's one-pass limit)."""
+    kernels = interpreted_norm_kernels.triton_kernels()
+    torch.manual_seed(0)
+    for rows, width in ((37, 100), (5, 1280), (3, 1152)):
+        x, y = torch.randn(rows, width) * 3 + 1, torch.randn(rows, width)
+        weight, bias = torch.randn(width), torch.randn(width)
+        for b in (None, bias):
+            torch.testing.assert_close(kernels.norm(x, weight, b, 1e-6),
+                                       interpreted_norm_kernels.norm(x, weight, b, 1e-6), atol=1e-5, rtol=1e-5)
+            total, normed = kernels.add_norm(x, y, weight, b, 1e-6)
+            expected_total, expected = interpreted_norm_kernels.add_norm(x, y, weight, b, 1e-6)
+            assert torch.equal(total, expected_total)
+            torch.testing.assert_close(normed, expected, atol=1e-5, rtol=1e-5)
+            # bf16: the interpreter rounds to bf16 its own way; a unit in the last place apart at most.
+            total, normed = kernels.add_norm(x.bfloat16(), y.bfloat16(), weight.bfloat16(),
+                                             None if b is None else b.bfloat16(), 1e-6)
+            expected_total, expected = interpreted_norm_kernels.add_norm(
+                x.bfloat16(), y.bfloat16(), weight.bfloat16(), None if b is None else b.bfloat16(), 1e-6)
+            assert total.dtype == normed.dtype == torch.bfloat16
+            torch.testing.assert_close(total.float(), expected_total.float(), atol=0.07, rtol=0.01)
+            torch.testing.assert_close(normed.float(), expected.float(), atol=0.07, rtol=0.02)
+    with pytest.raises(ValueError, match="contiguous"):
+        kernels.norm(torch.randn(8, 4).t(), torch.randn(8), None, 1e-6)

@@ -170,12 +170,13 @@ def test_the_engine_tower_turns_each_familys_pixel_rows_into_the_full_models_ima
 
 @pytest.mark.parametrize("name", FAMILIES)
 def test_fast_blocks_compute_what_the_towers_own_blocks_compute(tiny_dirs, name, interpreted_triton,
-                                                                interpreted_mlp_kernels):
+                                                                interpreted_mlp_kernels, interpreted_norm_kernels):
     """Each family's LayerNorm tower with our fused blocks against the same tower running transformers' blocks, on
     three images of different sizes in one forward, DeepStack levels included: as the encoder installs them (the
     tiny MLP width 128 is already aligned), with the MLP padded (alignment 48 pads 128 to 144), with q/k/v split
-    and rotated by the Triton kernel, and with the MLP's activation by a Triton kernel in every block (Triton's
-    interpreter on the CPU)."""
+    and rotated by the Triton kernel (v left in the projection), and with the MLP's activation by a Triton kernel
+    in every block, then with the LayerNorms by the Triton kernels beside both (Triton's interpreter on the
+    CPU)."""
     from consumers.infer.vision import FastVisionBlocks, VisionEncoder, load_vision_tower, patchify_batch
 
     family = family_of(tiny_dirs[name])
@@ -196,7 +197,7 @@ def test_fast_blocks_compute_what_the_towers_own_blocks_compute(tiny_dirs, name,
     assert all(block._vlmstream_mlp[1][0].shape[0] == 144 for block in tower.blocks)
     torch.testing.assert_close(torch.cat(encoder.encode_patches(pixel_values, grid_thw)), expected,
                                atol=1e-5, rtol=1e-4)
-    assert FastVisionBlocks(tower, attention=None, alignment=48, qkv_kernel="triton").rotate_qkv is not None
+    assert FastVisionBlocks(tower, attention=None, alignment=48, qkv_kernel="triton", strided_v=True).strided_v
     torch.testing.assert_close(torch.cat(encoder.encode_patches(pixel_values, grid_thw)), expected,
                                atol=1e-5, rtol=1e-4)
     blocks = FastVisionBlocks(tower, attention=None, alignment=48, mlp_kernel="triton")
@@ -206,7 +207,19 @@ def test_fast_blocks_compute_what_the_towers_own_blocks_compute(tiny_dirs, name,
     torch.testing.assert_close(torch.cat(encoder.encode_patches(pixel_values, grid_thw)), expected,
                                atol=1e-5, rtol=1e-4)
     assert len(calls) == len(tower.blocks)  # one forward for all three images: every block's MLP through a kernel
+    blocks = FastVisionBlocks(tower, attention=None, alignment=48, qkv_kernel="triton", mlp_kernel="triton",
+                              norm_kernel="triton")
+    calls.clear()
+    for kernel in ("norm", "add_norm"):
+        setattr(blocks.norm_kernels, kernel, _counted(getattr(blocks.norm_kernels, kernel), calls))
+    torch.testing.assert_close(torch.cat(encoder.encode_patches(pixel_values, grid_thw)), expected,
+                               atol=1e-5, rtol=1e-4)
+    assert len(calls) == 2 * len(tower.blocks)  # both norms of every block through the kernels
     assert set(tower.state_dict()) == keys  # checkpoints still load
+
+
+def _counted(kernel, calls: list):
+    return lambda *args: calls.append(1) or kernel(*args)
 
 
 def test_a_block_the_fast_path_does_not_know_keeps_transformers_forward(tiny_dirs):

@@ -278,6 +278,12 @@ class InferSettings(BaseModel):
         "GELU in its tanh form (Qwen3-VL, Qwen3.5) and quick GELU (Qwen2-VL); alone on an H200 each ran 1.8 to 2.5 "
         "times as fast as the compiled kernel (benchmarks/RESULTS.md [t], [u]); torch: compiled with the code around "
         "it; auto: triton where the blocks are compiled and Triton imports.")
+    vision_norm_kernel: Literal["auto", "triton", "torch"] = Field(
+        "auto", description="vLLM engine, our vision tower: how each block runs its two norms (RMSNorm or "
+        "LayerNorm) where the step around them is not compiled whole (beside the q/k/v and MLP Triton kernels). "
+        "triton: one pass over whole rows (consumers/infer/block_norm.py; Inductor loops over rows wider than 1,024 "
+        "values and reads them twice); torch: compiled with the matrix product after it; auto: triton where the "
+        "blocks are compiled and Triton imports.")
     vision_fp8: bool = Field(
         False, description="vLLM engine, our vision tower: each block's four matrix products in FP8 (e4m3; weights "
         "scaled per output channel, activations per token), on GPUs with FP8 (compute capability 8.9+). Opt-in: "

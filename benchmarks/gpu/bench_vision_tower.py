@@ -5,15 +5,17 @@ Variants, side by side in one process on the same images (random weights: same c
 <blocks>+<attention>:
   transformers+...  transformers' blocks as they ship (patch embedding as a matrix product)
   fast+...          FastVisionBlocks (Qwen2.5-VL's RMSNorm blocks or the LayerNorm blocks of Qwen2-VL, Qwen3-VL and
-                    Qwen3.5), compiled, q/k/v split and rotated by the Triton kernel and the MLP's activation
-                    (silu(gate) * up or a GELU) by another (what VisionEncoder runs on CUDA;
-                    consumers/infer/qkv_rotary.py, mlp_activation.py)
+                    Qwen3.5), compiled, q/k/v split and rotated by the Triton kernel, the norms and the MLP's
+                    activation (silu(gate) * up or a GELU) by others (what VisionEncoder runs on CUDA;
+                    consumers/infer/qkv_rotary.py, block_norm.py, mlp_activation.py)
   fast-torchqkv+... the same with the compiled torch code for that step instead of the kernel
   fast-eager+...    FastVisionBlocks without torch.compile
   fast-fp8+...      fast+..., each block's four matrix products in FP8 (infer.vision_fp8; consumers/infer/fp8.py)
   fast-torchmlp+... fast+..., the MLP's activation by the compiled torch code (infer.vision_mlp_kernel=torch)
   fast-contigv+...  fast+..., the q/k/v kernel writing v out contiguous (what it did before v was handed to the
                     attention as a view of the projection where the attention takes it; vision.takes_strided_v)
+  fast-torchnorm+... fast+..., the norms in the compiled code of the steps around them (infer.vision_norm_kernel=
+                    torch) instead of the Triton kernels of consumers/infer/block_norm.py
 with attention vllm_fa3 (vLLM's FlashAttention 3), torch_varlen (torch's varlen flash) or sdpa. Each timing covers
 GPU patchify + tower forward + merger for a batch of images, synchronised, after warm-up; it prints ms per image
 and images/s per budget with the spread of its timed passes, then torch.profiler tables (by GPU and by CPU time) of
@@ -21,8 +23,8 @@ where one such pass of each variant spends its time: the timed encoder itself wh
 (``timed_encoder``), so that a process's first encoder is profiled in the state that was timed. ``--rounds 2``
 times every variant twice, the second round in reverse order.
 
-Each row says how many blocks ran the fast forward (``fast_blocks``), whether they were compiled, and how q, k and v
-were split out (``qkv``).
+Each row says how many blocks ran the fast forward (``fast_blocks``), whether they were compiled, and which of their
+steps ran a Triton kernel (``kernels``).
 
 Usage (device, after scripts/gpu/unpack_device.sh and `source scripts/gpu/env.sh`):
   python3 benchmarks/gpu/bench_vision_tower.py --model /root/model --imgs /root/imgs --out $OUT/tower.json
@@ -46,7 +48,7 @@ sys.path.insert(0, str(REPO / "benchmarks" / "gpu"))
 
 from benchmarks.images import exact_size_images  # noqa: E402 - after the path insert
 from consumers.infer.model7b import GPU_MODELS  # noqa: E402
-from consumers.infer.vision import VisionEncoder, load_vision_tower, patchify_batch, qkv_kernel_name  # noqa: E402
+from consumers.infer.vision import VisionEncoder, block_kernels, load_vision_tower, patchify_batch  # noqa: E402
 from vlmstream.models.registry import family_of  # noqa: E402
 from tower_flops import H200_DENSE_BF16_TFLOPS, tower_flops  # noqa: E402 - benchmarks/gpu is on sys.path
 
@@ -117,7 +119,8 @@ def time_encoder(encoder: VisionEncoder, images: list[np.ndarray], batch: int, m
 
 
 # The <blocks> half of a variant's name (module docstring).
-BLOCKS = ("transformers", "fast", "fast-torchqkv", "fast-eager", "fast-fp8", "fast-torchmlp", "fast-contigv")
+BLOCKS = ("transformers", "fast", "fast-torchqkv", "fast-eager", "fast-fp8", "fast-torchmlp", "fast-contigv",
+          "fast-torchnorm")
 
 
 def make_encoder(tower, device: torch.device, dtype: torch.dtype, variant: str) -> VisionEncoder:
@@ -129,7 +132,8 @@ def make_encoder(tower, device: torch.device, dtype: torch.dtype, variant: str) 
                          compile_blocks=blocks not in ("transformers", "fast-eager"),
                          qkv_kernel="torch" if blocks == "fast-torchqkv" else "auto", fp8=blocks == "fast-fp8",
                          mlp_kernel="torch" if blocks == "fast-torchmlp" else "auto",
-                         strided_v=False if blocks == "fast-contigv" else None)
+                         strided_v=False if blocks == "fast-contigv" else None,
+                         norm_kernel="torch" if blocks == "fast-torchnorm" else "auto")
 
 
 def in_rounds(variants: list[str], rounds: int) -> list[tuple[str, str]]:
@@ -222,7 +226,7 @@ def main() -> None:
                         torch.cuda.reset_peak_memory_stats()
                     rows[key] = {**achieved(time_encoder(encoder, images, batch, args.seconds), flops_per_image),
                                  "fast_blocks": encoder.fast.replaced if encoder.fast else 0,
-                                 "compiled": encoder.compiled, "qkv": qkv_kernel_name(encoder.fast)}
+                                 "compiled": encoder.compiled, "kernels": block_kernels(encoder.fast)}
                     if budget == args.profile_budget and batch == BATCH[budget]:
                         timed_latest = (variant, encoder)
                 except Exception as exc:  # noqa: BLE001 - one variant failing must not hide the others

@@ -31,7 +31,7 @@ def main() -> int:
 
     from benchmarks.images import exact_size_images
     from consumers.infer.model7b import GPU_MODELS
-    from consumers.infer.vision import VisionEncoder, qkv_kernel_name
+    from consumers.infer.vision import VisionEncoder, block_kernels
     from vlmstream.models.registry import family_of
 
     ap = argparse.ArgumentParser()
@@ -83,7 +83,7 @@ def main() -> int:
     expected_width = family.image_embeds_width(config.vision_config.to_dict())
     report = {"model": args.model, "family": family.name, "n": len(images), "attention": encoder.attention,
               "fast_blocks": encoder.fast.replaced if encoder.fast else 0, "compiled": encoder.compiled,
-              "qkv": qkv_kernel_name(encoder.fast), "image_embeds_width": encoder.image_embeds_width,
+              "kernels": block_kernels(encoder.fast), "image_embeds_width": encoder.image_embeds_width,
               "expected_width": expected_width, "deepstack_levels": encoder.deepstack_levels,
               "min_token_cosine": round(worst_token_cos, 6), "min_embedding_cosine": round(worst_embedding_cos, 6),
               "encode_s": round(encode_s, 3), "shapes_first": shapes[:1]}

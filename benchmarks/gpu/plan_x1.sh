@@ -78,15 +78,16 @@
 #              Q0 Qwen3-VL-8B, M0 Qwen3-VL-30B-A3B, M2 Qwen3.5-397B-A17B; Qwen2.5-VL-7B at 0.2 MP / 64: A1 this
 #              code's pipeline, B1 /root/ab-tree's; M1 the moe list's pipeline run; then B2 and A2 (the pair in the
 #              other order) in any time left (about 35 minutes: a full lease drops the tail)
-#   long-small V0 the Qwen2.5-VL-7B tower alone at 0.2 / 1 / 12.8 MP with v handed to FA3 as a view of the
-#              projection (`fast`) against v copied out by the q/k/v kernel (`fast-contigv`), two rounds; C1 and Q0
-#              the Qwen2.5-VL-7B and Qwen3-VL-8B towers against transformers' full models; then 0.2 MP / 64 in phases
-#              long enough for the steady rate (150 s, not a 40-s phase's set that runs out while the pipeline
-#              ramps up): Qwen2.5-VL-7B L1 the pipeline (embeds), L2 `vllm serve` (8 API servers);
-#              Qwen3-VL-8B L3 the pipeline in pixels mode with our tower in vLLM's engine, L4 vLLM given image_embeds
-#              (its language model alone), L5 `vllm serve` ([s] measured it at 0.2 MP: the least needed); then B2
-#              and A2 (the gelu-moe list's A/B pair in the other order) in any time left (about 28.5 minutes before B2
-#              and A2: a plan of 1,500 s skips L5)
+#   long-small K2 bench_block_norm.py (the norms alone: Inductor's kernels against the Triton ones); V0 the
+#              Qwen2.5-VL-7B tower alone at 0.2 / 1 / 12.8 MP, this code (`fast`: v handed to FA3 as a view of the
+#              projection, the Triton norms) against v copied out by the q/k/v kernel (`fast-contigv`) and the
+#              compiled norms (`fast-torchnorm`), two rounds; C1 and Q0 the Qwen2.5-VL-7B and Qwen3-VL-8B towers
+#              against transformers' full models; then 0.2 MP / 64 in phases long enough for the steady rate
+#              (120 s, not a 40-s phase's set that runs out while the pipeline ramps up): Qwen2.5-VL-7B L1 the
+#              pipeline (embeds), L2 `vllm serve` (8 API servers); Qwen3-VL-8B L3 the pipeline in pixels mode with
+#              our tower in vLLM's engine, L4 vLLM given image_embeds (its language model alone), L5 `vllm serve`
+#              ([s] measured it at 0.2 MP: the least needed); then B2 and A2 (the gelu-moe list's A/B pair in the
+#              other order) in any time left (about 24.5 minutes before L5, B2 and A2: a plan of 1,500 s skips them)
 #   engine-tower-smoke  gpu_engine_smoke.py: embeds mode, then pixels mode with our tower in vLLM's engine (same texts?
 #              [p]: 1.0)
 #   engine-tower-q3  Qwen3-VL-8B at 0.2 MP and 1 MP / 64, 40 s phases, our tower in vLLM's engine: the pipeline in
@@ -429,24 +430,26 @@ fi
 
 if [ "$LIST" = long-small ]; then
   [ -e /root/model/config.json ] || python3 benchmarks/gpu/mk_model.py /root/model > "$RES/mk_model.log" 2>&1
-  # Is v as a view (the q/k/v kernel a third lighter) at least as fast in the tower, and still transformers' output?
-  job v0_tower_strided_v 110 240 python3 benchmarks/gpu/bench_vision_tower.py --model /root/model --imgs /root/imgs \
-    --budgets 256,1280,default --variants fast+vllm_fa3,fast-contigv+vllm_fa3 --seconds 3 --rounds 2 \
-    --profile-budget default --out "$RES/v0_tower_strided_v.json"
-  check_tower c1_check_tower_q25 qwen2.5-vl-7b 60
-  check_tower q0_check_tower_q3 qwen3-vl-8b 120
+  # Are v as a view (the q/k/v kernel a third lighter) and the one-pass norms faster in the tower, and is its
+  # output still transformers'?
+  job k2_block_norm 30 90 python3 benchmarks/gpu/bench_block_norm.py --out "$RES/k2_block_norm.json"
+  job v0_tower_v_norm 150 300 python3 benchmarks/gpu/bench_vision_tower.py --model /root/model --imgs /root/imgs \
+    --budgets 256,1280,default --variants fast+vllm_fa3,fast-contigv+vllm_fa3,fast-torchnorm+vllm_fa3 --seconds 3 \
+    --rounds 2 --profile-budget default --out "$RES/v0_tower_v_norm.json"
+  check_tower c1_check_tower_q25 qwen2.5-vl-7b 40
+  check_tower q0_check_tower_q3 qwen3-vl-8b 40
   # [u]/[v]: a 40-s phase's 4,000 documents ran out in 51-55 s while the pipeline still ramped up (first window
-  # 47-52 img/s, last 115-124); 150-s phases ask whether the steady rate is 2x serve.
-  LONG="--budgets 256 --seconds 150"
-  job l1_pipeline 360 480 $BENCH --model /root/model $LONG --stop-after 1.5 --arms pipeline-embeds --profile \
+  # 47-52 img/s, last 115-124); 120-s phases ask whether the steady rate is 2x serve.
+  LONG="--budgets 256 --seconds 120"
+  job l1_pipeline 330 450 $BENCH --model /root/model $LONG --stop-after 1.5 --arms pipeline-embeds --profile \
     --out "$RES/l1_pipeline"
-  job l2_serve 280 400 $BENCH --model /root/model $LONG --arms serve --serve-k 8 --out "$RES/l2_serve"
+  job l2_serve 260 380 $BENCH --model /root/model $LONG --arms serve --serve-k 8 --out "$RES/l2_serve"
   Q3=/root/qwen3-vl-8b
   [ -e $Q3/config.json ] || python3 benchmarks/gpu/mk_model.py $Q3 qwen3-vl-8b > "$RES/mk_q3.log" 2>&1
-  job l3_q3_pixels 360 480 env VLMSTREAM_INFER__ENGINE_TOWER=true $BENCH --model $Q3 $LONG --stop-after 1.5 \
+  job l3_q3_pixels 330 450 env VLMSTREAM_INFER__ENGINE_TOWER=true $BENCH --model $Q3 $LONG --stop-after 1.5 \
     --arms pipeline-pixels --profile --out "$RES/l3_q3_pixels"
-  job l4_q3_lm_alone 300 420 $BENCH --model $Q3 $LONG --arms ceiling-embeds --out "$RES/l4_q3_lm_alone"
-  job l5_q3_serve 280 400 $BENCH --model $Q3 $LONG --arms serve --serve-k 8 --out "$RES/l5_q3_serve"
+  job l4_q3_lm_alone 280 400 $BENCH --model $Q3 $LONG --arms ceiling-embeds --out "$RES/l4_q3_lm_alone"
+  job l5_q3_serve 260 380 $BENCH --model $Q3 $LONG --arms serve --serve-k 8 --out "$RES/l5_q3_serve"
   if ab_tree_ready ab; then ab_b b2_before; ab_a a2_this; fi
 fi
 

@@ -25,6 +25,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from consumers.infer.block_norm import norm
+from consumers.infer.block_norm import triton_kernels as triton_norm_kernels
 from consumers.infer.fp8 import fp8_problem, fp8_weight, linear
 from consumers.infer.mlp_activation import gelu, gelu_tanh, quick_gelu, silu, silu_gate
 from consumers.infer.mlp_activation import triton_kernels as triton_mlp_kernels
@@ -127,8 +129,8 @@ def patchify(image: np.ndarray | torch.Tensor, device: torch.device | str = "cpu
     blocks = (pixels.view(grid_h // m, m, p, grid_w // m, m, p, 3)
               .permute(0, 3, 1, 4, 6, 2, 5)  # (gh/m, gw/m, m, m, channel, p, p)
               .reshape(grid_h * grid_w, 3, 1, p, p))
-    norm = _normalizer(device, family)
-    values = blocks.to(torch.float32).mul_(norm.scale).add_(norm.bias)
+    normalizer = _normalizer(device, family)
+    values = blocks.to(torch.float32).mul_(normalizer.scale).add_(normalizer.bias)
     values = values.expand(-1, -1, frames, -1, -1).to(dtype)
     return values.reshape(grid_h * grid_w, 3 * frames * p * p), (1, grid_h, grid_w)
 
@@ -321,20 +323,6 @@ def use_linear_patch_embedding(visual: torch.nn.Module) -> torch.nn.Module:
 GEMM_ALIGNMENT = 64
 
 
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # transformers' numerics: normalise in float32, cast back, then scale.
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
-
-
-def _norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """The block's norm: LayerNorm (torch.nn.LayerNorm's own call) where it has a bias, RMSNorm where not."""
-    if bias is None:
-        return _rms_norm(x, weight, eps)
-    return torch.nn.functional.layer_norm(x, (x.shape[-1],), weight, bias, eps)
-
-
 def _activation_of(act: torch.nn.Module):
     """The module-level function computing a two-matrix MLP's activation module, or None for one not known here.
     One function object per kind, so the compiled code is shared by every block (a module instance would be
@@ -353,13 +341,13 @@ def _activation_of(act: torch.nn.Module):
 
 
 def _before_attention(x, norm_weight, norm_bias, qkv_weight, qkv_bias, cos, sin, eps: float, heads: int):
-    h = _norm(x, norm_weight, norm_bias, eps)
+    h = norm(x, norm_weight, norm_bias, eps)
     q, k, v = linear(h, qkv_weight, qkv_bias).view(x.shape[0], 3, heads, -1).unbind(1)
     return rotate(q, cos, sin), rotate(k, cos, sin), v.contiguous()
 
 
 def _project(x, norm_weight, norm_bias, qkv_weight, qkv_bias, eps: float):
-    return linear(_norm(x, norm_weight, norm_bias, eps), qkv_weight, qkv_bias)
+    return linear(norm(x, norm_weight, norm_bias, eps), qkv_weight, qkv_bias)
 
 
 def _after_attention(x, attended, proj_weight, proj_bias, norm_weight, norm_bias, up_weight, up_bias,
@@ -371,7 +359,22 @@ def _after_attention(x, attended, proj_weight, proj_bias, norm_weight, norm_bias
 def _up_projection(x, attended, proj_weight, proj_bias, norm_weight, norm_bias, up_weight, up_bias, eps: float):
     """The block after its attention up to the MLP's activation: (residual stream, the MLP's first projection)."""
     x = x + linear(attended.reshape(x.shape[0], -1), proj_weight, proj_bias)
-    return x, linear(_norm(x, norm_weight, norm_bias, eps), up_weight, up_bias)
+    return x, linear(norm(x, norm_weight, norm_bias, eps), up_weight, up_bias)
+
+
+def _steps_with_norm_kernels(kernels):
+    """``_project`` and ``_up_projection`` with the blocks' norms run by the Triton kernels (``block_norm.py``):
+    what is left of them are matrix products, cuBLAS calls with nothing to compile."""
+
+    def project(x, norm_weight, norm_bias, qkv_weight, qkv_bias, eps: float):
+        return linear(kernels.norm(x, norm_weight, norm_bias, eps), qkv_weight, qkv_bias)
+
+    def up_projection(x, attended, proj_weight, proj_bias, norm_weight, norm_bias, up_weight, up_bias, eps: float):
+        x, normed = kernels.add_norm(x, linear(attended.reshape(x.shape[0], -1), proj_weight, proj_bias),
+                                     norm_weight, norm_bias, eps)
+        return x, linear(normed, up_weight, up_bias)
+
+    return project, up_projection
 
 
 def _windowed_sdpa(q, k, v, cu_seqlens: torch.Tensor, scale: float) -> torch.Tensor:
@@ -517,13 +520,16 @@ class FastVisionBlocks:
     compiled code).
     ``fp8``: the four matrix products of each block in FP8 (``fp8.py``), their weights quantised once here.
     ``strided_v``: the Triton q/k/v kernel leaves v as a view of the projection (``qkv_rotary.py``); only for an
-    attention that reads it so (``takes_strided_v``; the per-window sdpa loop does).
+    attention that reads it so (``takes_strided_v``; the per-window sdpa loop does). ``norm_kernel``: how the two
+    norms run where the step around them is not compiled whole (the q/k/v step with its Triton kernel, the MLP's
+    first product with its Triton activation): "triton" (one pass over whole rows, ``block_norm.py``), "torch" (in
+    the compiled code of that step), "auto" (Triton where the blocks are compiled and Triton imports).
     """
 
     def __init__(self, visual: torch.nn.Module, attention=None, compile_blocks: bool = False,
                  alignment: int = GEMM_ALIGNMENT, qkv_kernel: str = "auto", fp8: bool = False,
-                 mlp_kernel: str = "auto", strided_v: bool = False):
-        for name, value in (("qkv_kernel", qkv_kernel), ("mlp_kernel", mlp_kernel)):
+                 mlp_kernel: str = "auto", strided_v: bool = False, norm_kernel: str = "auto"):
+        for name, value in (("qkv_kernel", qkv_kernel), ("mlp_kernel", mlp_kernel), ("norm_kernel", norm_kernel)):
             if value not in ("auto", "triton", "torch"):
                 raise ValueError(f"{name} must be auto, triton or torch, not {value!r}")
         self.attention = attention
@@ -540,6 +546,13 @@ class FastVisionBlocks:
         self.strided_v = self.rotate_qkv is not None and strided_v
         if self.strided_v:
             self.rotate_qkv = functools.partial(self.rotate_qkv, contiguous_v=False)
+        self.norm_kernels = None
+        if norm_kernel == "triton" or (norm_kernel == "auto" and compile_blocks):
+            self.norm_kernels = triton_norm_kernels()
+            if self.norm_kernels is None and norm_kernel == "triton":
+                raise RuntimeError("norm_kernel='triton' needs Triton, which cannot be imported here")
+        if self.norm_kernels is not None:
+            self.project, self.up = _steps_with_norm_kernels(self.norm_kernels)
         # The MLP activations run by a Triton kernel, by the activation function a block's shape names.
         self.mlp_kernels: dict = {}
         if mlp_kernel == "triton" or (mlp_kernel == "auto" and compile_blocks):
@@ -570,7 +583,7 @@ class FastVisionBlocks:
 
     def use_eager(self) -> None:
         self.before, self.after, self.project, self.up = _before_attention, _after_attention, _project, _up_projection
-        self.rotate_qkv, self.mlp_kernels, self.strided_v = None, {}, False
+        self.rotate_qkv, self.mlp_kernels, self.strided_v, self.norm_kernels = None, {}, False, None
 
     def _block_forward(self, block: torch.nn.Module, shape: _BlockShape):
         attn = block.attn
@@ -610,11 +623,14 @@ class FastVisionBlocks:
         return forward
 
 
-def qkv_kernel_name(fast: FastVisionBlocks | None) -> str:
-    """How a tower's fast blocks (None: none) split and rotate q, k and v, for logs and reports."""
-    if fast is None or fast.rotate_qkv is None:
-        return "torch"
-    return "triton, v strided" if fast.strided_v else "triton"
+def block_kernels(fast: FastVisionBlocks | None) -> dict[str, str]:
+    """Which steps of a tower's fast blocks (None: none) run a Triton kernel, for logs and reports: q/k/v (and
+    whether v stays in the projection), the norms, the MLP's activations."""
+    if fast is None:
+        return {"qkv": "torch", "norm": "torch", "mlp": "torch"}
+    qkv = "torch" if fast.rotate_qkv is None else "triton, v strided" if fast.strided_v else "triton"
+    return {"qkv": qkv, "norm": "torch" if fast.norm_kernels is None else "triton",
+            "mlp": "triton" if fast.mlp_kernels else "torch"}
 
 
 def groups_by_patches(items: Sequence, patches_of, max_patches: int):
@@ -705,8 +721,8 @@ class VisionEncoder:
     DeepStack levels (Qwen3-VL) each level's merged tokens, concatenated on the feature axis.
     ``family`` defaults to the one whose patch size and merge size the tower's config has. ``fp8``: the fast
     blocks' matrix products in FP8 (``fp8.py``; on CUDA only where the GPU has FP8, on the CPU in float32 for tests).
-    ``qkv_kernel``, ``mlp_kernel`` and ``strided_v``: as ``FastVisionBlocks`` takes them; ``strided_v`` None
-    (the default) where the attention takes it (``takes_strided_v``).
+    ``qkv_kernel``, ``mlp_kernel``, ``norm_kernel`` and ``strided_v``: as ``FastVisionBlocks`` takes them;
+    ``strided_v`` None (the default) where the attention takes it (``takes_strided_v``).
     """
 
     def __init__(self, visual: torch.nn.Module, device: torch.device | str = "cpu",
@@ -714,7 +730,7 @@ class VisionEncoder:
                  max_patches_per_call: int = 65536, linear_patch_embedding: bool = True,
                  fast_blocks: bool = True, compile_blocks: bool = True, family: ModelFamily | None = None,
                  qkv_kernel: str = "auto", fp8: bool = False, mlp_kernel: str = "auto",
-                 strided_v: bool | None = None):
+                 strided_v: bool | None = None, norm_kernel: str = "auto"):
         if fp8:
             problem = "it needs the fast vision blocks" if not fast_blocks else fp8_problem(
                 device, dtype or next(visual.parameters()).dtype)
@@ -745,7 +761,8 @@ class VisionEncoder:
                 strided_v = (self.attention not in VARLEN_KERNELS
                              or takes_strided_v(self.attention, self.device, self.dtype))
             fast = FastVisionBlocks(self.visual, VARLEN_KERNELS.get(self.attention), compile_blocks,
-                                    qkv_kernel=qkv_kernel, fp8=fp8, mlp_kernel=mlp_kernel, strided_v=strided_v)
+                                    qkv_kernel=qkv_kernel, fp8=fp8, mlp_kernel=mlp_kernel, strided_v=strided_v,
+                                    norm_kernel=norm_kernel)
             self.fast = fast if fast.replaced else None
             if compile_blocks and self.fast is not None:
                 self.compiled = self._warm_up_compiled()

@@ -43,7 +43,7 @@ from consumers.infer.engine import (InferenceFailure, InferenceOutput, Inference
                                     QueuedEngine)
 from consumers.infer.prompts import OutputSchema, PromptBuilder, with_schema
 from consumers.infer.vision import (VisionEncoder, groups_by_patches, load_vision_tower, mean_pool_each, patchify_batch,
-                                    qkv_kernel_name, request_problem, to_host_each)
+                                    block_kernels, request_problem, to_host_each)
 from vlmstream.config import InferSettings
 from vlmstream.models.family import ModelFamily
 from vlmstream.models.registry import family_of
@@ -138,6 +138,7 @@ def engine_tower_args(settings: InferSettings, mode: str, family: ModelFamily) -
            "VLMSTREAM_INFER__VISION_COMPILE": str(settings.vision_compile).lower(),
            "VLMSTREAM_INFER__VISION_QKV_KERNEL": settings.vision_qkv_kernel,
            "VLMSTREAM_INFER__VISION_MLP_KERNEL": settings.vision_mlp_kernel,
+           "VLMSTREAM_INFER__VISION_NORM_KERNEL": settings.vision_norm_kernel,
            "VLMSTREAM_INFER__VISION_FP8": str(settings.vision_fp8).lower()}
     return {"worker_extension_cls": ENGINE_TOWER_EXTENSION}, env
 
@@ -278,7 +279,8 @@ class VllmEngine(QueuedEngine):
             self.encoder = VisionEncoder(tower, "cuda", dtype, attention=vision_attention,
                                          compile_blocks=settings.vision_compile, family=self.family,
                                          qkv_kernel=settings.vision_qkv_kernel, fp8=settings.vision_fp8,
-                                         mlp_kernel=settings.vision_mlp_kernel)
+                                         mlp_kernel=settings.vision_mlp_kernel,
+                                         norm_kernel=settings.vision_norm_kernel)
             if self._embeds_here() and self.encoder.image_embeds_width != self.image_embeds_width:
                 self._engine_loop.shutdown_llm(self.llm)
                 self._engine_loop.stop()
@@ -287,10 +289,9 @@ class VllmEngine(QueuedEngine):
                     f"the vision tower of {self.model_path} makes image_embeds {self.encoder.image_embeds_width} wide "
                     f"({self.encoder.deepstack_levels} DeepStack levels), vLLM's {self.family.name} model takes "
                     f"{self.image_embeds_width}: set infer.mode=pixels to let vLLM run its own tower")
-            log.info("vision tower on cuda, attention=%s, compiled=%s, q/k/v %s, fp8=%s, image_embeds %d wide",
-                     self.encoder.attention, self.encoder.compiled,
-                     qkv_kernel_name(self.encoder.fast), settings.vision_fp8,
-                     self.encoder.image_embeds_width)
+            log.info("vision tower on cuda, attention=%s, compiled=%s, kernels %s, fp8=%s, image_embeds %d wide",
+                     self.encoder.attention, self.encoder.compiled, block_kernels(self.encoder.fast),
+                     settings.vision_fp8, self.encoder.image_embeds_width)
         # High priority: the tower feeds the language model. When both have kernels queued, the tower's go
         # first, so the engine's queue of ready requests does not run dry while it decodes.
         self._stream = torch.cuda.Stream(priority=-1)

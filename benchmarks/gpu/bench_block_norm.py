@@ -1,0 +1,75 @@
+"""A vision block's norms alone on the GPU: the kernels Inductor compiles (what the fast vision blocks run with
+``infer.vision_norm_kernel=torch``) against the Triton kernels of ``consumers/infer/block_norm.py`` and eager torch,
+side by side in one process, at the patch counts of the engine's forwards at each budget:
+  rms_norm        Qwen2.5-VL-7B's norm before the attention's projection (1,280 wide, no bias)
+  add_rms_norm    its residual add and norm before the MLP
+  layer_norm      Qwen3-VL-8B's (1,152 wide, with a bias)
+  add_layer_norm  its residual add and norm
+
+Each row: microseconds per call (CUDA events over ``--calls`` calls after warm-up), the memory moved per call
+(inputs read, outputs written, once each) and the bandwidth that makes, and the largest difference between the
+Triton kernel's output and the compiled kernel's; the ratios are against the compiled kernel. Needs only torch and
+Triton (no vLLM, no transformers):
+  python3 benchmarks/gpu/bench_block_norm.py --out block_norm.json
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from benchmarks.gpu.bench_mlp_activation import PATCHES, kernel_bench_args, per_call_us  # noqa: E402
+from consumers.infer.block_norm import add_norm, norm, triton_kernels  # noqa: E402
+from consumers.infer.vision import compiled_in_process  # noqa: E402
+
+
+def main() -> None:
+    args = kernel_bench_args(__doc__)
+    kernels = triton_kernels()
+    # case: (torch function, Triton kernel, width, with a bias, with the residual add)
+    cases = {"rms_norm": (norm, kernels.norm, 1280, False, False),
+             "add_rms_norm": (add_norm, kernels.add_norm, 1280, False, True),
+             "layer_norm": (norm, kernels.norm, 1152, True, False),
+             "add_layer_norm": (add_norm, kernels.add_norm, 1152, True, True)}
+    rows, ratios = [], {}
+    for case, (reference, kernel, width, with_bias, with_add) in cases.items():
+        variants = {"compiled": compiled_in_process(reference), "triton": kernel, "eager": reference}
+        for budget, patches in PATCHES.items():
+            gen = torch.Generator(device="cuda").manual_seed(0)
+            bf16 = dict(device="cuda", dtype=torch.bfloat16)
+            x = torch.randn(patches, width, generator=gen, **bf16)
+            weight = 1 + 0.1 * torch.randn(width, generator=gen, **bf16)
+            bias = 0.1 * torch.randn(width, generator=gen, **bf16) if with_bias else None
+            inputs = (x, torch.randn(patches, width, generator=gen, **bf16)) if with_add else (x,)
+
+            def call(fn, inputs=inputs, weight=weight, bias=bias):
+                return fn(*inputs, weight, bias, 1e-6)
+
+            outputs = {name: call(fn) for name, fn in variants.items() if name != "eager"}
+            max_error = max((a.float() - b.float()).abs().max().item() for a, b in zip(
+                *(o if with_add else (o,) for o in outputs.values())))
+            moved = patches * width * x.element_size() * (4 if with_add else 2)
+            timed = {name: [] for name in variants}
+            for round_ in range(args.rounds):
+                for name, fn in variants.items():
+                    us = per_call_us(lambda fn=fn: call(fn), args.calls)
+                    timed[name].append(us)
+                    rows.append({"case": case, "budget": budget, "patches": patches, "variant": name,
+                                 "round": round_ + 1, "us_per_call": round(us, 1), "mb_moved": round(moved / 1e6, 1),
+                                 "tb_per_s": round(moved / us / 1e6, 2), "triton_vs_compiled_max_abs_error": max_error})
+                    print("RESULT", json.dumps(rows[-1]), flush=True)
+            mean = {name: sum(t) / len(t) for name, t in timed.items()}
+            ratios[f"{case} {budget}"] = {name: round(mean["compiled"] / mean[name], 3) for name in variants}
+            print("SPEEDUP over compiled", case, budget, json.dumps(ratios[f"{case} {budget}"]), flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+                                              "rows": rows, "speedup_over_compiled": ratios}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
