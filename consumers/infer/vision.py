@@ -25,7 +25,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from consumers.infer.block_norm import norm
+from consumers.infer.block_norm import add_norm, norm
 from consumers.infer.block_norm import triton_kernels as triton_norm_kernels
 from consumers.infer.fp8 import fp8_problem, fp8_weight, linear
 from consumers.infer.mlp_activation import gelu, gelu_tanh, quick_gelu, silu, silu_gate
@@ -377,6 +377,22 @@ def _steps_with_norm_kernels(kernels):
     return project, up_projection
 
 
+def _norm_kernels_agree(kernels, weight: torch.Tensor, bias: torch.Tensor | None, eps: float) -> bool:
+    """The Triton norms against torch's on random rows of a block's width, dtype and device, once per tower (as the
+    attention kernels are probed): a kernel that fails, or answers more than bf16 rounding apart, is not used."""
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    x, y = (torch.randn(64, weight.shape[0], generator=gen).to(weight.device, weight.dtype) for _ in range(2))
+    with torch.inference_mode():
+        try:
+            got = (kernels.norm(x, weight, bias, eps), *kernels.add_norm(x, y, weight, bias, eps))
+        except Exception as exc:  # noqa: BLE001 - an optimisation must never stop the engine
+            log.info("the Triton norm kernels failed their probe: %s", exc)
+            return False
+        want = (norm(x, weight, bias, eps), *add_norm(x, y, weight, bias, eps))
+    return all(bool((g.float() - w.float()).abs().max() <= 0.02 * w.float().abs().max() + 1e-3)
+               for g, w in zip(got, want))
+
+
 def _windowed_sdpa(q, k, v, cu_seqlens: torch.Tensor, scale: float) -> torch.Tensor:
     """Attention within each [cu[i], cu[i+1]) window, for devices without a varlen kernel (CPU)."""
     bounds = cu_seqlens.tolist()
@@ -522,8 +538,9 @@ class FastVisionBlocks:
     ``strided_v``: the Triton q/k/v kernel leaves v as a view of the projection (``qkv_rotary.py``); only for an
     attention that reads it so (``takes_strided_v``; the per-window sdpa loop does). ``norm_kernel``: how the two
     norms run where the step around them is not compiled whole (the q/k/v step with its Triton kernel, the MLP's
-    first product with its Triton activation): "triton" (one pass over whole rows, ``block_norm.py``), "torch" (in
-    the compiled code of that step), "auto" (Triton where the blocks are compiled and Triton imports).
+    first product with its Triton activation): "triton" (one pass over whole rows, ``block_norm.py``; probed once
+    against torch's norm on the tower's width, dtype and device, and dropped with a warning if they disagree),
+    "torch" (in the compiled code of that step), "auto" (Triton where the blocks are compiled and Triton imports).
     """
 
     def __init__(self, visual: torch.nn.Module, attention=None, compile_blocks: bool = False,
@@ -574,6 +591,13 @@ class FastVisionBlocks:
                 continue
             block.forward = self._block_forward(block, shape)
             self.replaced += 1
+            if self.replaced == 1 and self.norm_kernels is not None and not _norm_kernels_agree(
+                    self.norm_kernels, block.norm2.weight, shape.norm2_bias, shape.norm_eps):
+                log.warning("the Triton norm kernels disagree with torch's norm on %s; the blocks run the torch "
+                            "code (infer.vision_norm_kernel=torch)", block.norm2.weight.device)
+                self.norm_kernels = None
+                self.project, self.up = (compiled_in_process(f) if compile_blocks else f
+                                         for f in (_project, _up_projection))
 
     @staticmethod
     def remove(visual: torch.nn.Module) -> None:
