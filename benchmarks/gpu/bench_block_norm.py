@@ -23,7 +23,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.gpu.bench_mlp_activation import PATCHES, kernel_bench_args, per_call_us  # noqa: E402
+from benchmarks.gpu.bench_mlp_activation import (  # noqa: E402
+    PATCHES, kernel_bench_args, time_against_compiled, write_report)
 from consumers.infer.block_norm import add_norm, norm, triton_kernels  # noqa: E402
 from consumers.infer.vision import compiled_in_process  # noqa: E402
 
@@ -54,21 +55,11 @@ def main() -> None:
             max_error = max((a.float() - b.float()).abs().max().item() for a, b in zip(
                 *(o if with_add else (o,) for o in outputs.values())))
             moved = patches * width * x.element_size() * (4 if with_add else 2)
-            timed = {name: [] for name in variants}
-            for round_ in range(args.rounds):
-                for name, fn in variants.items():
-                    us = per_call_us(lambda fn=fn: call(fn), args.calls)
-                    timed[name].append(us)
-                    rows.append({"case": case, "budget": budget, "patches": patches, "variant": name,
-                                 "round": round_ + 1, "us_per_call": round(us, 1), "mb_moved": round(moved / 1e6, 1),
-                                 "tb_per_s": round(moved / us / 1e6, 2), "triton_vs_compiled_max_abs_error": max_error})
-                    print("RESULT", json.dumps(rows[-1]), flush=True)
-            mean = {name: sum(t) / len(t) for name, t in timed.items()}
-            ratios[f"{case} {budget}"] = {name: round(mean["compiled"] / mean[name], 3) for name in variants}
+            ratios[f"{case} {budget}"] = time_against_compiled(
+                args, variants, call, moved, {"case": case, "budget": budget, "patches": patches,
+                                              "triton_vs_compiled_max_abs_error": max_error}, rows)
             print("SPEEDUP over compiled", case, budget, json.dumps(ratios[f"{case} {budget}"]), flush=True)
-    if args.out:
-        Path(args.out).write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-                                              "rows": rows, "speedup_over_compiled": ratios}, indent=1))
+    write_report(args.out, rows, ratios)
 
 
 if __name__ == "__main__":

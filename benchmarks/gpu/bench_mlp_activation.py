@@ -53,6 +53,29 @@ def kernel_bench_args(description: str) -> argparse.Namespace:
     return ap.parse_args()
 
 
+def time_against_compiled(args: argparse.Namespace, variants: dict, call, moved: int, row: dict,
+                          rows: list) -> dict:
+    """Each variant (``call(fn)`` runs it) timed ``args.rounds`` times in turn, a row each (``row``'s fields, then
+    the variant's timing and the bandwidth that ``moved`` bytes a call make), printed and appended to ``rows``;
+    returns each variant's speed against the compiled one."""
+    timed = {name: [] for name in variants}
+    for round_ in range(args.rounds):
+        for name, fn in variants.items():
+            us = per_call_us(lambda fn=fn: call(fn), args.calls)
+            timed[name].append(us)
+            rows.append({**row, "variant": name, "round": round_ + 1, "us_per_call": round(us, 1),
+                         "mb_moved": round(moved / 1e6, 1), "tb_per_s": round(moved / us / 1e6, 2)})
+            print("RESULT", json.dumps(rows[-1]), flush=True)
+    mean = {name: sum(t) / len(t) for name, t in timed.items()}
+    return {name: round(mean["compiled"] / mean[name], 3) for name in variants}
+
+
+def write_report(path: str, rows: list, speedups: dict) -> None:
+    if path:
+        Path(path).write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+                                          "rows": rows, "speedup_over_compiled": speedups}, indent=1))
+
+
 def main() -> None:
     args = kernel_bench_args(__doc__)
 
@@ -68,21 +91,12 @@ def main() -> None:
             x = torch.randn(patches, columns_in, device="cuda", dtype=torch.bfloat16)
             max_error = (kernel(x).float() - variants["compiled"](x).float()).abs().max().item()
             moved = patches * (columns_in + columns_out) * x.element_size()
-            timed = {name: [] for name in variants}
-            for round_ in range(args.rounds):
-                for name, fn in variants.items():
-                    us = per_call_us(lambda: fn(x), args.calls)
-                    timed[name].append(us)
-                    rows.append({"activation": activation, "budget": budget, "patches": patches, "variant": name,
-                                 "round": round_ + 1, "us_per_call": round(us, 1), "mb_moved": round(moved / 1e6, 1),
-                                 "tb_per_s": round(moved / us / 1e6, 2), "triton_vs_compiled_max_abs_error": max_error})
-                    print("RESULT", json.dumps(rows[-1]), flush=True)
-            mean = {name: sum(t) / len(t) for name, t in timed.items()}
-            ratios[f"{activation} {budget}"] = {name: round(mean["compiled"] / mean[name], 3) for name in variants}
+            ratios[f"{activation} {budget}"] = time_against_compiled(
+                args, variants, lambda fn, x=x: fn(x), moved, {"activation": activation, "budget": budget,
+                                                              "patches": patches,
+                                                              "triton_vs_compiled_max_abs_error": max_error}, rows)
             print("SPEEDUP over compiled", activation, budget, json.dumps(ratios[f"{activation} {budget}"]), flush=True)
-    if args.out:
-        Path(args.out).write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-                                              "rows": rows, "speedup_over_compiled": ratios}, indent=1))
+    write_report(args.out, rows, ratios)
 
 
 if __name__ == "__main__":

@@ -14,10 +14,11 @@ once (torch's), and the residual sum is rounded to the input type before it is n
 
 from __future__ import annotations
 
-from functools import lru_cache
 from types import SimpleNamespace
 
 import torch
+
+from consumers.infer.triton_build import built_once_where_triton_imports
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -110,10 +111,4 @@ def build_kernels() -> SimpleNamespace:
     return SimpleNamespace(norm=norm, add_norm=add_norm)
 
 
-@lru_cache(maxsize=1)
-def triton_kernels() -> SimpleNamespace | None:
-    """The kernels' launchers, or None where Triton cannot be imported."""
-    try:
-        return build_kernels()
-    except ImportError:
-        return None
+triton_kernels = built_once_where_triton_imports(build_kernels)

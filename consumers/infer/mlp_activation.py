@@ -16,10 +16,11 @@ within float32 rounding of tanh).
 
 from __future__ import annotations
 
-from functools import lru_cache
 from types import SimpleNamespace
 
 import torch
+
+from consumers.infer.triton_build import built_once_where_triton_imports
 
 
 # The activations in torch, which the fast blocks compile (and run off CUDA), and the kernels' references. Module-level
@@ -106,10 +107,4 @@ def build_kernels() -> SimpleNamespace:
     return SimpleNamespace(silu_gate=silu_gate, gelu_tanh=flat(GELU_TANH), quick_gelu=flat(QUICK_GELU))
 
 
-@lru_cache(maxsize=1)
-def triton_kernels() -> SimpleNamespace | None:
-    """The kernels' launchers, or None where Triton cannot be imported."""
-    try:
-        return build_kernels()
-    except ImportError:
-        return None
+triton_kernels = built_once_where_triton_imports(build_kernels)

@@ -16,9 +16,9 @@ rounded once to the input type.
 
 from __future__ import annotations
 
-from functools import lru_cache
-
 import torch
+
+from consumers.infer.triton_build import built_once_where_triton_imports
 
 
 def rotate_qkv_torch(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
@@ -92,10 +92,4 @@ def build_kernel():
     return rotate_qkv
 
 
-@lru_cache(maxsize=1)
-def triton_rotate_qkv():
-    """The kernel's launcher, or None where Triton cannot be imported."""
-    try:
-        return build_kernel()
-    except ImportError:
-        return None
+triton_rotate_qkv = built_once_where_triton_imports(build_kernel)
