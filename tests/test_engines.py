@@ -901,8 +901,8 @@ def test_triton_norm_kernels_compute_what_the_torch_code_does(interpreted_norm_k
         kernels.norm(torch.randn(8, 4).t(), torch.randn(8), None, 1e-6)
 
 
-def test_norm_kernels_that_disagree_with_torch_are_not_used(interpreted_norm_kernels, model_dir, caplog,
-                                                            monkeypatch):
+def test_norm_kernels_that_disagree_with_torch_are_not_used(interpreted_norm_kernels, interpreted_mlp_kernels,
+                                                            model_dir, caplog, monkeypatch):
     """The blocks probe the Triton norms once against torch's on the tower's own width, dtype and device: kernels
     that answer otherwise are dropped with a warning, and the blocks run the torch code."""
     from types import SimpleNamespace
@@ -910,13 +910,13 @@ def test_norm_kernels_that_disagree_with_torch_are_not_used(interpreted_norm_ker
     from consumers.infer import vision
 
     tower, _ = vision.load_vision_tower(model_dir, "cpu", torch.float32)
-    blocks = vision.FastVisionBlocks(tower, attention=None, norm_kernel="triton")
+    blocks = vision.FastVisionBlocks(tower, attention=None, norm_kernel="triton", mlp_kernel="triton")
     assert vision.block_kernels(blocks)["norm"] == "triton" and blocks.project is not vision._project
     kernels = interpreted_norm_kernels.triton_kernels()
     off_by_one = SimpleNamespace(norm=lambda *args: kernels.norm(*args) + 1, add_norm=kernels.add_norm)
     monkeypatch.setattr(vision, "triton_norm_kernels", lambda: off_by_one)
     with caplog.at_level("WARNING"):
-        blocks = vision.FastVisionBlocks(tower, attention=None, norm_kernel="triton")
+        blocks = vision.FastVisionBlocks(tower, attention=None, norm_kernel="triton", mlp_kernel="triton")
     vision.FastVisionBlocks.remove(tower)
     assert vision.block_kernels(blocks)["norm"] == "torch" and blocks.project is vision._project
     assert "disagree" in caplog.text

@@ -653,7 +653,9 @@ def block_kernels(fast: FastVisionBlocks | None) -> dict[str, str]:
     if fast is None:
         return {"qkv": "torch", "norm": "torch", "mlp": "torch"}
     qkv = "torch" if fast.rotate_qkv is None else "triton, v strided" if fast.strided_v else "triton"
-    return {"qkv": qkv, "norm": "torch" if fast.norm_kernels is None else "triton",
+    # The norm kernels run only in the steps that have a Triton kernel (FastVisionBlocks' norm_kernel).
+    beside = fast.rotate_qkv is not None or bool(fast.mlp_kernels)
+    return {"qkv": qkv, "norm": "triton" if fast.norm_kernels is not None and beside else "torch",
             "mlp": "triton" if fast.mlp_kernels else "torch"}
 
 
