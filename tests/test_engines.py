@@ -897,8 +897,12 @@ def test_triton_norm_kernels_compute_what_the_torch_code_does(interpreted_norm_k
             assert total.dtype == normed.dtype == torch.bfloat16
             torch.testing.assert_close(total.float(), expected_total.float(), atol=0.07, rtol=0.01)
             torch.testing.assert_close(normed.float(), expected.float(), atol=0.07, rtol=0.02)
-    with pytest.raises(ValueError, match="contiguous"):
-        kernels.norm(torch.randn(8, 4).t(), torch.randn(8), None, 1e-6)
+    # Any layout and leading axes: the rows of the last axis.
+    x, weight = torch.randn(2, 8, 5).transpose(1, 2), torch.randn(8)
+    torch.testing.assert_close(kernels.norm(x, weight, None, 1e-6),
+                               interpreted_norm_kernels.norm(x, weight, None, 1e-6), atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="one shape"):
+        kernels.add_norm(torch.randn(4, 8), torch.randn(8, 4), weight, None, 1e-6)
 
 
 def test_norm_kernels_that_disagree_with_torch_are_not_used(interpreted_norm_kernels, interpreted_mlp_kernels,

@@ -88,9 +88,14 @@ def build_kernels() -> SimpleNamespace:
         tl.store(out_ptr + at, out.to(out_ptr.dtype.element_ty), mask=mask)
 
     def launch(x, y, weight, bias, eps, block_elements: int = 4096):
-        if x.dim() != 2 or not x.is_contiguous() or (y is not None and (y.shape != x.shape or not y.is_contiguous())):
-            raise ValueError(f"the norm's input must be contiguous (rows, width) tensors, got {tuple(x.shape)}")
-        rows, width = x.shape
+        if y is not None and y.shape != x.shape:
+            raise ValueError(f"the residual add needs two tensors of one shape, got {tuple(x.shape)} and "
+                             f"{tuple(y.shape)}")
+        shape, width = x.shape, x.shape[-1]
+        # Rows of the last axis, packed (a copy only where the input is not already).
+        x = x.reshape(-1, width).contiguous()
+        y = None if y is None else y.reshape(-1, width).contiguous()
+        rows = x.shape[0]
         block_w = triton.next_power_of_2(width)
         block_r = max(1, block_elements // block_w)
         out = torch.empty_like(x)
@@ -99,7 +104,7 @@ def build_kernels() -> SimpleNamespace:
             x, x if y is None else y, total, weight, weight if bias is None else bias, out, rows, eps, WIDTH=width,
             BLOCK_R=block_r, BLOCK_W=block_w, ADD=y is not None, LAYER=bias is not None,
             num_warps=8 if block_r * block_w >= 4096 else 4)
-        return total, out
+        return total.view(shape), out.view(shape)
 
     def norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
         return launch(x, None, weight, bias, eps)[1]
