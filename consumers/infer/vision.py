@@ -235,7 +235,7 @@ _STRIDED_V: dict = {}  # takes_strided_v's answers by (kernel, device, dtype)
 def takes_strided_v(name: str, device: torch.device | str, dtype: torch.dtype) -> bool:
     """Whether the registered varlen kernel ``name`` gives the same output with v a view of a packed (tokens, 3,
     heads, dim) projection as with v contiguous: then the fast blocks hand it that view and the q/k/v kernel skips
-    copying v. Tried once per kernel, device and dtype; an error or a different output says no."""
+    copying v. Tried once per kernel, device and dtype; an error or another output says no."""
     key = (name, str(device), dtype)
     if key not in _STRIDED_V:
         try:
@@ -244,8 +244,10 @@ def takes_strided_v(name: str, device: torch.device | str, dtype: torch.dtype) -
             qkv = torch.randn(48, 3, 2, 64, generator=gen).to(device, dtype)
             q, k, v = (qkv[:, i].contiguous() for i in range(3))
             cu = torch.tensor([0, 16, 48], dtype=torch.int32, device=device)
-            _STRIDED_V[key] = bool(torch.equal(kernel(q, k, qkv[:, 2], cu, cu, 32, 32, 0.125),
-                                               kernel(q, k, v, cu, cu, 32, 32, 0.125)))
+            # Close, not equal: a kernel may take another path for other strides; one that misreads them is off
+            # by the values' own size.
+            _STRIDED_V[key] = bool(torch.allclose(kernel(q, k, qkv[:, 2], cu, cu, 32, 32, 0.125).float(),
+                                                  kernel(q, k, v, cu, cu, 32, 32, 0.125).float(), atol=1e-2, rtol=1e-2))
         except Exception as exc:  # noqa: BLE001 - the blocks then copy v, as for any kernel that needs it
             log.info("vision attention %s does not take a strided v: %s", name, exc)
             _STRIDED_V[key] = False
