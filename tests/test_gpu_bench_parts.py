@@ -243,3 +243,22 @@ def test_tower_benchmark_refuses_a_variant_it_does_not_know():
 
     with pytest.raises(SystemExit, match="no blocks named 'fast-tritonmlp'"):
         bench_vision_tower.make_encoder(None, None, None, "fast-tritonmlp+vllm_fa3")
+
+
+def test_each_tower_benchmark_variant_asks_the_encoder_for_what_its_name_says(monkeypatch):
+    """A variant's blocks (<blocks>+<attention>) become the encoder's settings: each variant differs from `fast` in
+    the one setting its name puts back, and in nothing else."""
+    import bench_vision_tower
+
+    asked = {}
+    monkeypatch.setattr(bench_vision_tower, "VisionEncoder", lambda *args, **kw: kw)
+    for blocks in bench_vision_tower.BLOCKS:
+        asked[blocks] = bench_vision_tower.make_encoder(None, None, None, f"{blocks}+vllm_fa3")
+    fast = asked["fast"]
+    assert fast == {"attention": "vllm_fa3", "fast_blocks": True, "compile_blocks": True, "qkv_kernel": "auto",
+                    "fp8": False, "mlp_kernel": "auto", "strided_v": None, "norm_kernel": "auto"}
+    changed = {blocks: {k: v for k, v in kw.items() if fast[k] != v} for blocks, kw in asked.items()}
+    assert changed == {"transformers": {"fast_blocks": False, "compile_blocks": False}, "fast": {},
+                       "fast-torchqkv": {"qkv_kernel": "torch"}, "fast-eager": {"compile_blocks": False},
+                       "fast-fp8": {"fp8": True}, "fast-torchmlp": {"mlp_kernel": "torch"},
+                       "fast-contigv": {"strided_v": False}, "fast-torchnorm": {"norm_kernel": "torch"}}
