@@ -12,8 +12,8 @@ Variants, side by side in one process on the same images (random weights: same c
   fast-eager+...    FastVisionBlocks without torch.compile
   fast-fp8+...      fast+..., each block's four matrix products in FP8 (infer.vision_fp8; consumers/infer/fp8.py)
   fast-torchmlp+... fast+..., the MLP's activation by the compiled torch code (infer.vision_mlp_kernel=torch)
-  fast-contigv+...  fast+..., the q/k/v kernel writing v out contiguous (what it did before v was handed to the
-                    attention as a view of the projection where the attention takes it; vision.takes_strided_v)
+  fast-contigv+...  fast+..., the q/k/v kernel writing v out contiguous, as it does for an attention that does not
+                    take v as a view of the projection (fast hands FA3 the view; vision.takes_strided_v)
   fast-torchnorm+... fast+..., the norms in the compiled code of the steps around them (infer.vision_norm_kernel=
                     torch) instead of the Triton kernels of consumers/infer/block_norm.py
 with attention vllm_fa3 (vLLM's FlashAttention 3), torch_varlen (torch's varlen flash) or sdpa. Each timing covers
