@@ -30,6 +30,11 @@ REPO = Path(__file__).resolve().parents[1]
 SMALL = 256 * 28 * 28
 
 
+def counting(kernel, calls: list):
+    """``kernel`` that appends to ``calls`` each time it runs (how tests see which kernel a tower went through)."""
+    return lambda *args: calls.append(1) or kernel(*args)
+
+
 def wait_for(predicate, timeout_s: float, what: str, fleet: Fleet | None = None, interval_s: float = 0.3):
     """``predicate()``'s first true value, asked every ``interval_s``; an AssertionError naming ``what`` at the
     timeout, or at once when ``fleet`` (a decode fleet) has exited."""

@@ -17,7 +17,7 @@ import torch
 from consumers.infer.engine import EngineDeadError, InferenceFailure, InferenceOutput, InferenceRequest
 from consumers.infer.prompts import OutputSchema, OutputSchemaViolation
 from consumers.infer.tiny_model import default_tiny_model_dir
-from tests.helpers import smallest_exact_size_images
+from tests.helpers import counting, smallest_exact_size_images
 from vlmstream.config import InferSettings
 
 pytestmark = pytest.mark.model
@@ -194,10 +194,6 @@ def test_triton_mlp_activation_kernels_compute_what_the_torch_code_does(interpre
         kernels.silu_gate(torch.randn(4, 10).t())
 
 
-def _counting(kernel, calls: list):
-    return lambda *args: calls.append(1) or kernel(*args)
-
-
 @pytest.mark.parametrize("setting", [{"qkv_kernel": "triton"}, {"qkv_kernel": "triton", "strided_v": True},
                                      {"mlp_kernel": "triton"}, {"qkv_kernel": "triton", "norm_kernel": "triton"},
                                      {"mlp_kernel": "triton", "norm_kernel": "triton"}])
@@ -223,11 +219,11 @@ def test_fast_vision_blocks_with_a_triton_kernel_compute_transformers_output(set
         if "norm_kernel" in setting:
             # The steps look the kernels up in their namespace at each call (a fresh one: the fixture's cache).
             for name in ("norm", "add_norm"):
-                setattr(blocks.norm_kernels, name, _counting(getattr(blocks.norm_kernels, name), calls))
+                setattr(blocks.norm_kernels, name, counting(getattr(blocks.norm_kernels, name), calls))
         elif "qkv_kernel" in setting:
-            blocks.rotate_qkv = _counting(blocks.rotate_qkv, calls)
+            blocks.rotate_qkv = counting(blocks.rotate_qkv, calls)
         else:
-            blocks.mlp_kernels[silu_gate] = _counting(blocks.mlp_kernels[silu_gate], calls)
+            blocks.mlp_kernels[silu_gate] = counting(blocks.mlp_kernels[silu_gate], calls)
         got = tower(pixel_values, grid_thw=grid_thw).pooler_output
         # every block went through the kernel (the norm kernels: once in each step beside a Triton kernel)
         assert len(calls) == len(tower.blocks)

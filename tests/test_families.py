@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from consumers.infer.tiny_model import GENERIC_TINY, TINY_FAMILIES, write_tiny_family_model
+from tests.helpers import counting
 from vlmstream.models.registry import family_of
 
 pytestmark = pytest.mark.model
@@ -211,15 +212,12 @@ def test_fast_blocks_compute_what_the_towers_own_blocks_compute(tiny_dirs, name,
                               norm_kernel="triton")
     calls.clear()
     for kernel in ("norm", "add_norm"):
-        setattr(blocks.norm_kernels, kernel, _counted(getattr(blocks.norm_kernels, kernel), calls))
+        setattr(blocks.norm_kernels, kernel, counting(getattr(blocks.norm_kernels, kernel), calls))
     torch.testing.assert_close(torch.cat(encoder.encode_patches(pixel_values, grid_thw)), expected,
                                atol=1e-5, rtol=1e-4)
     assert len(calls) == 2 * len(tower.blocks)  # both norms of every block through the kernels
     assert set(tower.state_dict()) == keys  # checkpoints still load
 
-
-def _counted(kernel, calls: list):
-    return lambda *args: calls.append(1) or kernel(*args)
 
 
 def test_a_block_the_fast_path_does_not_know_keeps_transformers_forward(tiny_dirs):
