@@ -11,18 +11,15 @@ from kafka.admin import NewTopic
 
 from vlmstream.config import Settings
 from vlmstream.kafka.clients import make_admin, make_consumer, unique_client_id
-from vlmstream.kafka.group import GroupMembershipWatchdog, topic_partitions
+from vlmstream.kafka.group import GroupMembershipWatchdog, listed_members, topic_partitions
 
 
 def _listed(settings: Settings, group: str) -> set[str]:
     """The client ids of the group's members, as the broker has them."""
-    admin = make_admin(settings)
     try:
-        return {m.get("client_id") for m in admin.describe_groups([group])[group].get("members") or []}
+        return listed_members(settings, group)[0]
     except Exception:  # noqa: BLE001 - no group yet
         return set()
-    finally:
-        admin.close()
 
 
 @pytest.mark.kafka

@@ -60,6 +60,16 @@ def topic_partitions(consumer: KafkaConsumer, topics: Iterable[str], timeout_s: 
     return sorted(TopicPartition(topic, p) for topic, partitions in found.items() for p in partitions)
 
 
+def listed_members(settings: Settings, group_id: str) -> tuple[set[str], str | None]:
+    """The client ids of the group's members as the broker lists them, and the group's state."""
+    admin = make_admin(settings)
+    try:
+        group = admin.describe_groups([group_id])[group_id]
+    finally:
+        admin.close()
+    return {m.get("client_id") for m in group.get("members") or []}, group.get("group_state")
+
+
 class GroupMembershipWatchdog:
     """Notices a consumer that its group no longer lists, so its owner can rejoin.
 
@@ -89,19 +99,14 @@ class GroupMembershipWatchdog:
             return False
         self._last_check = now
         try:
-            admin = make_admin(self.settings)
-            try:
-                group = admin.describe_groups([self.group_id])[self.group_id]
-            finally:
-                admin.close()
+            members, state = listed_members(self.settings, self.group_id)
         except Exception as exc:  # noqa: BLE001 - the broker is busy or away: ask again later
             log.warning("group %s: membership check failed: %r", self.group_id, exc)
             return False
-        members = [m.get("client_id") for m in group.get("members") or []]
         if self.client_id in members:
             return False
         log.warning("group %s (%s) does not list this consumer (%s) after %.0f s without partitions: rejoining",
-                    self.group_id, group.get("group_state"), self.client_id, now - self._empty_since)
+                    self.group_id, state, self.client_id, now - self._empty_since)
         self._empty_since = now
         return True
 
