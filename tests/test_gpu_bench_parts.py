@@ -215,9 +215,13 @@ def test_the_towers_tflops_inside_the_pipeline(tmp_path):
                                                  family.target_size(480, 640, bench_processes.MIN_PIXELS, budget))]
     gflop = arm_pipeline.tower_gflop_per_image(str(model), files, budget)
     assert gflop == round(tower_flops(config, grids) / 2 / 1e9, 1) and gflop > 100
-    assert arm_pipeline.tower_in_engine(gflop, {"encode_ms_per_image": 4.0}) == {
-        "tower_gflop_per_image": gflop, "tower_tflops_in_engine": round(gflop / 4.0, 1)}
-    assert arm_pipeline.tower_in_engine(gflop, {}) == {}
+    in_engine = arm_pipeline.tower_in_engine(gflop, {"encode_ms_per_image": 4.0}, in_vllm_engine=True)
+    assert in_engine == {"tower_gflop_per_image": gflop, "tower_tflops_in_engine": round(gflop / 4.0, 1),
+                         "tower_timed_by": "CUDA events in vLLM's engine"}
+    # In the consumer's own process the clock is a pass's wall time on a shared GPU: the report must say so.
+    assert "wall time" in arm_pipeline.tower_in_engine(gflop, {"encode_ms_per_image": 4.0},
+                                                       in_vllm_engine=False)["tower_timed_by"]
+    assert arm_pipeline.tower_in_engine(gflop, {}, in_vllm_engine=True) == {}
     assert arm_pipeline.tower_gflop_per_image(str(GPU_MODELS["gemma3-4b"](tmp_path / "g3")), files, budget) is None
 
 

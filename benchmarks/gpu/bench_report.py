@@ -91,7 +91,8 @@ def markdown(results: dict) -> str:
                             f"{'complete' if r.get('complete') else 'INCOMPLETE'}, dead letters {r.get('dead_letters')}, "
                             f"warm-up {r.get('warmup_s')} s")
                 if r.get("tower_tflops_in_engine"):
-                    note.append(f"tower {r['tower_tflops_in_engine']} TFLOPS in the engine "
+                    note.append(f"tower {r['tower_tflops_in_engine']} TFLOPS by "
+                                f"{r.get('tower_timed_by', 'its time in the engine')} "
                                 f"({r['tower_gflop_per_image']} GFLOP per image)")
                 if r.get("other_phase_records"):
                     note.append(f"{r['other_phase_records']} records of other phases in the window")
