@@ -88,6 +88,13 @@
 #              our tower in vLLM's engine, L4 vLLM given image_embeds (its language model alone), L5 `vllm serve`
 #              ([s] measured it at 0.2 MP: the least needed); then B2 and A2 (the gelu-moe list's A/B pair in the
 #              other order) in any time left (about 24.5 minutes before L5, B2 and A2: a plan of 1,500 s skips them)
+#   engine-q25 after [x] (Qwen2.5-VL-7B at 0.2 MP / 64: 1.70x `vllm serve`, its tower in the consumer's process at
+#              11.8 ms of wall time per image against 2.8-2.9 alone, while Qwen3-VL-8B's ran inside vLLM's engine at
+#              its speed alone): does `infer.engine_tower` lift Qwen2.5-VL at 0.2 MP? 120-s phases, one lease: E1 the
+#              pipeline in embeds mode with the tower in the engine (pixel rows, embeddings published), E2 pixels
+#              mode with it (no embeddings), E3 `vllm serve` (8 API servers), E4 the default (the tower in the
+#              consumer), then B2 and A2 (the gelu-moe list's A/B pair in the other order) in any time left (about
+#              24 minutes before B2 and A2: a plan of 1,500 s skips them)
 #   engine-tower-smoke  gpu_engine_smoke.py: embeds mode, then pixels mode with our tower in vLLM's engine (same texts?
 #              [p]: 1.0)
 #   engine-tower-q3  Qwen3-VL-8B at 0.2 MP and 1 MP / 64, 40 s phases, our tower in vLLM's engine: the pipeline in
@@ -450,6 +457,20 @@ if [ "$LIST" = long-small ]; then
     --arms pipeline-pixels --profile --out "$RES/l3_q3_pixels"
   job l4_q3_lm_alone 280 400 $BENCH --model $Q3 $LONG --arms ceiling-embeds --out "$RES/l4_q3_lm_alone"
   job l5_q3_serve 260 380 $BENCH --model $Q3 $LONG --arms serve --serve-k 8 --out "$RES/l5_q3_serve"
+  if ab_tree_ready ab; then ab_b b2_before; ab_a a2_this; fi
+fi
+
+if [ "$LIST" = engine-q25 ]; then
+  [ -e /root/model/config.json ] || python3 benchmarks/gpu/mk_model.py /root/model > "$RES/mk_model.log" 2>&1
+  LONG="--model /root/model --budgets 256 --seconds 120"
+  ET="env VLMSTREAM_INFER__ENGINE_TOWER=true"
+  job e1_engine_tower_embeds 330 450 $ET $BENCH $LONG --stop-after 1.5 --arms pipeline-embeds --profile \
+    --out "$RES/e1_engine_tower_embeds"
+  job e2_engine_tower_pixels 330 450 $ET $BENCH $LONG --stop-after 1.5 --arms pipeline-pixels --profile \
+    --out "$RES/e2_engine_tower_pixels"
+  job e3_serve 260 380 $BENCH $LONG --arms serve --serve-k 8 --out "$RES/e3_serve"
+  job e4_consumer_tower 330 450 $BENCH $LONG --stop-after 1.5 --arms pipeline-embeds --profile \
+    --out "$RES/e4_consumer_tower"
   if ab_tree_ready ab; then ab_b b2_before; ab_a a2_this; fi
 fi
 
