@@ -266,3 +266,34 @@ def test_each_tower_benchmark_variant_asks_the_encoder_for_what_its_name_says(mo
                        "fast-torchqkv": {"qkv_kernel": "torch"}, "fast-eager": {"compile_blocks": False},
                        "fast-fp8": {"fp8": True}, "fast-torchmlp": {"mlp_kernel": "torch"},
                        "fast-contigv": {"strided_v": False}, "fast-torchnorm": {"norm_kernel": "torch"}}
+
+
+def test_the_profiled_pass_counts_each_kernel_once():
+    """A profile's kernel time is its device events' alone: an operator's device time repeats its kernels', so a sum
+    over every event would count the matrix products twice and halve the share of peak."""
+    from types import SimpleNamespace
+
+    import numpy as np
+    import bench_vision_tower
+    from torch.autograd import DeviceType
+    from tower_flops import tower_flops
+
+    events = [SimpleNamespace(device_type=DeviceType.CPU, self_device_time_total=144.0),   # aten::addmm
+              SimpleNamespace(device_type=DeviceType.CUDA, self_device_time_total=100.0),  # its GEMM kernel
+              SimpleNamespace(device_type=DeviceType.CUDA, self_device_time_total=44.0),
+              SimpleNamespace(device_type=DeviceType.CUDA, self_device_time_total=9.0, is_user_annotation=True)]
+    assert bench_vision_tower.kernel_time_us(events) == 144.0
+    assert bench_vision_tower.kernel_time_us(events[:1]) is None  # a CPU profile has no kernels
+    config = {"vision_config": {"depth": 1, "hidden_size": 64, "intermediate_size": 128, "num_heads": 4,
+                                "out_hidden_size": 64, "spatial_merge_size": 2, "patch_size": 14,
+                                "temporal_patch_size": 2, "in_channels": 3}, "model_type": "qwen3_vl"}
+    images = [np.zeros((56, 56, 3), np.uint8)] * 2
+    flops = tower_flops(config, [(1, 4, 4)] * 2)
+    # The kernel time at which these two images would run at half the peak: 0.5 of it by kernel time, 0.25 at twice.
+    half_peak_us = flops / (0.5 * bench_vision_tower.H200_DENSE_BF16_TFLOPS * 1e12) * 1e6
+    assert bench_vision_tower.by_kernel_time(half_peak_us, images, config, 14)[
+        "share_of_h200_bf16_peak_by_kernel_time"] == 0.5
+    slower = bench_vision_tower.by_kernel_time(2 * half_peak_us, images, config, 14)
+    assert slower["share_of_h200_bf16_peak_by_kernel_time"] == 0.25
+    assert slower["kernel_ms_per_image"] == round(half_peak_us / 1e3, 2)
+    assert bench_vision_tower.by_kernel_time(None, images, config, 14) == {}

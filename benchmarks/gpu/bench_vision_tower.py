@@ -20,7 +20,9 @@ with attention vllm_fa3 (vLLM's FlashAttention 3), torch_varlen (torch's varlen 
 GPU patchify + tower forward + merger for a batch of images, synchronised, after warm-up; it prints ms per image
 and images/s per budget with the spread of its timed passes, then torch.profiler tables (by GPU and by CPU time) of
 where one such pass of each variant spends its time: the timed encoder itself while it is the latest made
-(``timed_encoder``), so that a process's first encoder is profiled in the state that was timed. ``--rounds 2``
+(``timed_encoder``), so that a process's first encoder is profiled in the state that was timed, with that pass's
+kernels' GPU ms per image and the share of the bf16 peak they reach by it (``KERNEL TIME``: the kernels' own
+efficiency, apart from the gaps the host leaves between them). ``--rounds 2``
 times every variant twice, the second round in reverse order.
 
 Each row says how many blocks ran the fast forward (``fast_blocks``), whether they were compiled, and which of their
@@ -70,6 +72,20 @@ def achieved(row: dict, flops_per_image: float) -> dict:
     rate = flops_per_image / (row["ms_per_image"] / 1e3) / 1e12
     return {**row, "gflop_per_image": round(flops_per_image / 1e9, 1), "tflops": round(rate, 1),
             "share_of_h200_bf16_peak": round(rate / H200_DENSE_BF16_TFLOPS, 3)}
+
+
+def by_kernel_time(kernel_us: float | None, images: list[np.ndarray], config: dict, patch: int) -> dict:
+    """The profiled pass's kernels' GPU ms per image and the share of the bf16 peak they reach by that time alone:
+    beside the wall-clock share, it tells the kernels' own efficiency from the gaps between them (the host's
+    launches, copies and waits)."""
+    if not kernel_us:
+        return {}
+    flops_per_image = tower_flops(config, [(1, im.shape[0] // patch, im.shape[1] // patch) for im in images]) \
+        / len(images)
+    ms = kernel_us / 1e3 / len(images)
+    return {"kernel_ms_per_image": round(ms, 2),
+            "share_of_h200_bf16_peak_by_kernel_time": round(flops_per_image / (ms / 1e3) / 1e12
+                                                            / H200_DENSE_BF16_TFLOPS, 3)}
 
 
 def pass_over(encoder: VisionEncoder, images: list[np.ndarray], batch: int):
@@ -146,8 +162,19 @@ def in_rounds(variants: list[str], rounds: int) -> list[tuple[str, str]]:
     return order
 
 
-def profile_table(encoder: VisionEncoder, images: list[np.ndarray], batch: int, rows: int = 15) -> str:
-    """Where one pass over ``images`` (forwards of ``batch`` images, as a timed pass runs them) spends its time."""
+def kernel_time_us(averages) -> float | None:
+    """The GPU time of a profile's kernels, as torch's table totals it (the events on the device, not the operators
+    that launched them, whose device time repeats their kernels'); None without device events."""
+    from torch.autograd import DeviceType
+
+    kernels = [e for e in averages if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)]
+    return sum(e.self_device_time_total for e in kernels) if kernels else None
+
+
+def profile_table(encoder: VisionEncoder, images: list[np.ndarray], batch: int,
+                  rows: int = 15) -> tuple[str, float | None]:
+    """Where one pass over ``images`` (forwards of ``batch`` images, as a timed pass runs them) spends its time, and
+    its kernels' GPU time in µs (None on the CPU)."""
     from torch.profiler import ProfilerActivity, profile
 
     one_pass = pass_over(encoder, images, batch)
@@ -164,7 +191,7 @@ def profile_table(encoder: VisionEncoder, images: list[np.ndarray], batch: int, 
         # pass whose wall time is far above its kernels' time is bound by the second table (launches, copies, waits).
         table = averages.table(sort_by="self_cuda_time_total", row_limit=rows, max_name_column_width=60) + \
             "\nBy self CPU time:\n" + table
-    return table
+    return table, kernel_time_us(averages)
 
 
 def main() -> None:
@@ -242,12 +269,13 @@ def main() -> None:
         encoder = timed_latest[1] if timed else make_encoder(tower, device, dtype, variant)
         timed_latest = None
         # The timed passes' images (twice a batch), so that the table accounts for what a timed pass spends.
-        table = profile_table(encoder, exact_size_images(args.imgs, BATCH[budget] * 2, BUDGETS[budget],
-                                                         factor=family.factor), BATCH[budget])
+        images = exact_size_images(args.imgs, BATCH[budget] * 2, BUDGETS[budget], factor=family.factor)
+        table, kernel_us = profile_table(encoder, images, BATCH[budget])
         report["profile"][variant] = {"attention": encoder.attention, "compiled": encoder.compiled,
-                                      "timed_encoder": timed,
-                                      "table": table}
+                                      "timed_encoder": timed, "table": table,
+                                      **by_kernel_time(kernel_us, images, config, patch)}
         print(f"PROFILE {variant}, budget {budget}, attention {encoder.attention}\n{table}", flush=True)
+        print("KERNEL TIME", variant, budget, json.dumps(by_kernel_time(kernel_us, images, config, patch)), flush=True)
     Path(args.out).write_text(json.dumps(report, indent=1))
 
 
