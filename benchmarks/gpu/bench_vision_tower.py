@@ -271,11 +271,11 @@ def main() -> None:
         # The timed passes' images (twice a batch), so that the table accounts for what a timed pass spends.
         images = exact_size_images(args.imgs, BATCH[budget] * 2, BUDGETS[budget], factor=family.factor)
         table, kernel_us = profile_table(encoder, images, BATCH[budget])
+        kernel_time = by_kernel_time(kernel_us, images, config, patch)
         report["profile"][variant] = {"attention": encoder.attention, "compiled": encoder.compiled,
-                                      "timed_encoder": timed, "table": table,
-                                      **by_kernel_time(kernel_us, images, config, patch)}
+                                      "timed_encoder": timed, "table": table, **kernel_time}
         print(f"PROFILE {variant}, budget {budget}, attention {encoder.attention}\n{table}", flush=True)
-        print("KERNEL TIME", variant, budget, json.dumps(by_kernel_time(kernel_us, images, config, patch)), flush=True)
+        print("KERNEL TIME", variant, budget, json.dumps(kernel_time), flush=True)
     Path(args.out).write_text(json.dumps(report, indent=1))
 
 
