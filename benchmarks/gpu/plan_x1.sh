@@ -94,8 +94,8 @@
 #              pipeline in embeds mode with the tower in the engine (pixel rows, embeddings published), E2 pixels
 #              mode with it (no embeddings), E3 `vllm serve` (8 API servers), B2 and A2 (the gelu-moe list's A/B
 #              pair in the other order; A2 is also the tower in the consumer in this lease, 40 s), then E4 the
-#              default (the tower in the consumer) in 120 s in any time left (about 27 minutes in all: a plan of
-#              1,500 s skips E4)
+#              default (the tower in the consumer) in 120 s in any time left (about 29 minutes by the jobs'
+#              estimates, which [x]'s jobs ran under: a plan of 1,580 s skips E4)
 #   engine-tower-smoke  gpu_engine_smoke.py: embeds mode, then pixels mode with our tower in vLLM's engine (same texts?
 #              [p]: 1.0)
 #   engine-tower-q3  Qwen3-VL-8B at 0.2 MP and 1 MP / 64, 40 s phases, our tower in vLLM's engine: the pipeline in
