@@ -98,6 +98,10 @@ def test_engine_log_readers(tmp_path):
     assert window["threads"][0]["top_self"] == [["a.py:f", 0.5]] * 3
     assert [c["process"] for c in window["children"]] == ["EngineCore"]
     assert arm_pipeline.minute_rates([1.0, 2.0, 61.0], 0.0, 120.0) == [0.03, 0.02]
+    # The middle of a 150-s phase with 30-s windows: 30-120 s. A slow fill and a drain outside it do not count.
+    done = [5.0, 29.0] + [30.0 + k * 0.5 for k in range(180)] + [121.0, 149.0]
+    assert arm_pipeline.steady_rate(done, 0.0, 150.0, 30.0) == 2.0
+    assert arm_pipeline.steady_rate(done, 0.0, 80.0, 30.0) is None  # no middle as long as a window
 
 
 def test_offline_worker_command_enters_the_worker(tmp_path):

@@ -266,6 +266,16 @@ def minute_rates(done: list[float], t0: float, t_end: float) -> list[float]:
             for i in range(int((t_end - t0) // 60))]
 
 
+def steady_rate(done: list[float], t0: float, t_end: float, window_s: float) -> float | None:
+    """Images/s between the end of the first window and the start of the last: the rate with the engine's fill
+    (about a thousand requests taken at once and prefilled before any has its tokens) and a fixed set's drain left
+    out, as a sustained stream would see it. None when the phase is too short to have a middle."""
+    start, end = t0 + window_s, t_end - window_s
+    if end - start < window_s:
+        return None
+    return round(sum(1 for t in done if start <= t < end) / (end - start), 2)
+
+
 def runner_stats(log_path: Path) -> dict:
     """The inference runners' own account (the JSON RunnerStats line each logs at exit): how long each engine had
     nothing submitted after its first record, and how long of that the runner itself held fetched records (the
@@ -453,6 +463,7 @@ def run_pipeline(args: argparse.Namespace, mode: str, bootstrap: str, out: Path,
             first = sum(1 for t in done if t <= t0 + win)
             last = sum(1 for t in done if t >= t_end - win)
             rec["minute_rates"] = minute_rates(done, t0, t_end)
+            rec["steady_img_per_s"] = steady_rate(done, t0, t_end, win)
             rec.update(complete=len(done) >= n_docs, described=len(done),
                        dead_letters=watcher.dead_letters(measured_prefix),
                        wall_s=round(wall, 2), img_per_s=round(len(done) / wall, 2), window_s=round(win, 1),

@@ -90,6 +90,8 @@ def markdown(results: dict) -> str:
                 note.append(f"phase {r.get('phase')}, {r.get('decode_workers')} decode workers, {r.get('gpus')} GPU(s), "
                             f"{'complete' if r.get('complete') else 'INCOMPLETE'}, dead letters {r.get('dead_letters')}, "
                             f"warm-up {r.get('warmup_s')} s")
+                if r.get("steady_img_per_s"):
+                    note.append(f"steady {r['steady_img_per_s']} img/s between the first and last windows")
                 if r.get("tower_tflops_in_engine"):
                     note.append(f"tower {r['tower_tflops_in_engine']} TFLOPS by "
                                 f"{r.get('tower_timed_by', 'its time in the engine')} "
