@@ -268,8 +268,8 @@ def minute_rates(done: list[float], t0: float, t_end: float) -> list[float]:
 
 def steady_rate(done: list[float], t0: float, t_end: float, window_s: float) -> float | None:
     """Images/s between the end of the first window and the start of the last: the rate with the engine's fill
-    (about a thousand requests taken at once and prefilled before any has its tokens) and a fixed set's drain left
-    out, as a sustained stream would see it. None when the phase is too short to have a middle."""
+    (hundreds of requests in flight before the first answer comes back) and a fixed set's drain left out, as a
+    sustained stream would see it. None when the phase is too short to have a middle."""
     start, end = t0 + window_s, t_end - window_s
     if end - start < window_s:
         return None

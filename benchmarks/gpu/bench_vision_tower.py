@@ -74,18 +74,20 @@ def achieved(row: dict, flops_per_image: float) -> dict:
             "share_of_h200_bf16_peak": round(rate / H200_DENSE_BF16_TFLOPS, 3)}
 
 
+def mean_flops(config: dict, images: list[np.ndarray], patch: int) -> float:
+    """The tower's FLOPs per image over exact-size ``images`` (tower_flops.py)."""
+    return tower_flops(config, [(1, im.shape[0] // patch, im.shape[1] // patch) for im in images]) / len(images)
+
+
 def by_kernel_time(kernel_us: float | None, images: list[np.ndarray], config: dict, patch: int) -> dict:
     """The profiled pass's kernels' GPU ms per image and the share of the bf16 peak they reach by that time alone:
     beside the wall-clock share, it tells the kernels' own efficiency from the gaps between them (the host's
     launches, copies and waits)."""
     if not kernel_us:
         return {}
-    flops_per_image = tower_flops(config, [(1, im.shape[0] // patch, im.shape[1] // patch) for im in images]) \
-        / len(images)
     ms = kernel_us / 1e3 / len(images)
-    return {"kernel_ms_per_image": round(ms, 2),
-            "share_of_h200_bf16_peak_by_kernel_time": round(flops_per_image / (ms / 1e3) / 1e12
-                                                            / H200_DENSE_BF16_TFLOPS, 3)}
+    share = achieved({"ms_per_image": ms}, mean_flops(config, images, patch))["share_of_h200_bf16_peak"]
+    return {"kernel_ms_per_image": round(ms, 2), "share_of_h200_bf16_peak_by_kernel_time": share}
 
 
 def pass_over(encoder: VisionEncoder, images: list[np.ndarray], batch: int):
@@ -237,8 +239,7 @@ def main() -> None:
                                    factor=family.factor)
         rows = report["budgets"][budget] = {"mean_visual_tokens": round(float(np.mean(
             [im.shape[0] * im.shape[1] / family.factor ** 2 for im in images])), 1)}
-        flops_per_image = tower_flops(config, [(1, im.shape[0] // patch, im.shape[1] // patch) for im in images]) \
-            / len(images)
+        flops_per_image = mean_flops(config, images, patch)
         for variant, variant_key in in_rounds(variants, args.rounds):
             attention = variant.split("+")[1]
             if budget == "default" and attention == "sdpa":
