@@ -298,8 +298,9 @@ class InferSettings(BaseModel):
         "scheduler decides how many images share a forward (vision_batch_images does not apply). With "
         "publish_embeddings, embeds mode tags each image's rows and the engine keeps its embedding for the consumer "
         "(one tower pass for both); pixels mode runs our tower a second time in the consumer for them. Embeds mode "
-        "with it, with embeddings, is the fastest path measured on an H200 at 12.8 MP (benchmarks/RESULTS.md [r]); "
-        "it is not measured at 0.2 MP, so it is off by default.")
+        "with it, with embeddings, is the fastest path measured on an H200 at 12.8 MP (benchmarks/RESULTS.md [r]) "
+        "and ran 1.89x vllm serve at 0.2 MP ([y]); against the tower in the consumer it was measured only across "
+        "leases, so it is off by default.")
     tower_clock: bool = Field(
         False, description="vLLM engine, pixels mode, Qwen families: time the vision tower's forwards in vLLM's engine "
         "process with CUDA events (no waiting) and put its GPU ms per image in each result's timings_ms as "

@@ -96,6 +96,11 @@
 #              pair in the other order; A2 is also the tower in the consumer in this lease, 40 s), then E4 the
 #              default (the tower in the consumer) in 120 s in any time left (about 29 minutes by the jobs'
 #              estimates, which [x]'s jobs ran under: a plan of 1,580 s skips E4)
+#   tower-place after [y] (the tower in vLLM's engine ran 1.89x `vllm serve` at 0.2 MP, the tower in the consumer 1.70x
+#              in [x]'s lease; their steady rates were within 4%, across leases): Qwen2.5-VL-7B at 0.2 MP / 64,
+#              embeds mode with embeddings published, 120-s phases, the tower in the consumer (C) against the tower
+#              in vLLM's engine (E) in one lease, in the order C E E C, then `vllm serve` (8 API servers) in any time
+#              left (about 27 minutes by the jobs' estimates; the four pairs' jobs alone about 22)
 #   engine-tower-smoke  gpu_engine_smoke.py: embeds mode, then pixels mode with our tower in vLLM's engine (same texts?
 #              [p]: 1.0)
 #   engine-tower-q3  Qwen3-VL-8B at 0.2 MP and 1 MP / 64, 40 s phases, our tower in vLLM's engine: the pipeline in
@@ -475,6 +480,18 @@ if [ "$LIST" = engine-q25 ]; then
   if ab_tree_ready ab; then ab_b b2_before; ab_a a2_this; fi
   job e4_consumer_tower 330 450 $BENCH $LONG --stop-after 1.5 --arms pipeline-embeds --profile \
     --out "$RES/e4_consumer_tower"
+fi
+
+if [ "$LIST" = tower-place ]; then
+  [ -e /root/model/config.json ] || python3 benchmarks/gpu/mk_model.py /root/model > "$RES/mk_model.log" 2>&1
+  LONG="--model /root/model --budgets 256 --seconds 120 --stop-after 1.5 --arms pipeline-embeds --profile"
+  # In the order C E E C, so that neither place always runs on the colder or the hotter machine.
+  job p1_consumer_tower 330 450 env VLMSTREAM_INFER__ENGINE_TOWER=false $BENCH $LONG --out "$RES/p1_consumer_tower"
+  job p2_engine_tower 330 450 env VLMSTREAM_INFER__ENGINE_TOWER=true $BENCH $LONG --out "$RES/p2_engine_tower"
+  job p3_engine_tower 330 450 env VLMSTREAM_INFER__ENGINE_TOWER=true $BENCH $LONG --out "$RES/p3_engine_tower"
+  job p4_consumer_tower 330 450 env VLMSTREAM_INFER__ENGINE_TOWER=false $BENCH $LONG --out "$RES/p4_consumer_tower"
+  job p5_serve 260 380 $BENCH --model /root/model --budgets 256 --seconds 120 --arms serve --serve-k 8 \
+    --out "$RES/p5_serve"
 fi
 
 if [ "$LIST" = rows-q3 ]; then
