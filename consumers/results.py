@@ -432,7 +432,7 @@ class ResultsAggregator:
             doc.metadata = {**d.metadata, **doc.metadata}
         before = doc.images.get(d.image_index)
         doc.images[d.image_index] = {"image_index": d.image_index, "status": "ok", "source_uri": d.source_uri,
-                                     "text": d.text}
+                                     "text": d.text, "model": d.model}
         self._maybe_emit(doc, changed=before is None or before.get("status") != "ok" or new_version
                          or before.get("source_uri") != d.source_uri)
 

@@ -58,6 +58,8 @@ class PublishSummary:
     failed: list[Failure] = field(default_factory=list)
     dead_lettered: int = 0
     elapsed_s: float = 0.0
+    # The ids of the documents sent, when asked for (``track_sent``): `vlmstream run` waits for their new results.
+    sent_ids: set[str] | None = None
 
     @property
     def ok(self) -> bool:
@@ -110,9 +112,10 @@ class DocumentPublisher:
 
     def __init__(self, settings: Settings, *, force: bool = False, use_ledger: bool = True,
                  stop: threading.Event | None = None,
-                 on_progress: Callable[[PublishSummary], None] | None = None):
+                 on_progress: Callable[[PublishSummary], None] | None = None, track_sent: bool = False):
         self.settings = settings
         self.force = force
+        self.track_sent = track_sent
         self.stop = stop
         self.on_progress = on_progress
         self.documents_topic = settings.topics.documents
@@ -132,7 +135,7 @@ class DocumentPublisher:
     # --- public ---------------------------------------------------------------------------------
 
     def publish(self, items: Iterable[Any]) -> PublishSummary:
-        summary = self._summary = PublishSummary()
+        summary = self._summary = PublishSummary(sent_ids=set() if self.track_sent else None)
         started = time.monotonic()
         try:
             for chunk in _chunks(items, CHUNK):
@@ -293,6 +296,8 @@ class DocumentPublisher:
         if entry.is_document:
             self._summary.sent += 1
             self._summary.images_sent += entry.images
+            if self._summary.sent_ids is not None:
+                self._summary.sent_ids.add(entry.record_id)
         self._acked.append((entry.topic, self.bootstrap, entry.record_id, entry.content_hash))
 
     def _write_ledger(self) -> None:
@@ -320,9 +325,11 @@ def _chunks(items: Iterable[Any], size: int) -> Iterator[list[Any]]:
 
 def publish_documents(settings: Settings, items: Iterable[Any], *, force: bool = False, use_ledger: bool = True,
                       stop: threading.Event | None = None,
-                      on_progress: Callable[[PublishSummary], None] | None = None) -> PublishSummary:
-    """Publish every item of a source (see producers.items) and return what happened."""
+                      on_progress: Callable[[PublishSummary], None] | None = None,
+                      track_sent: bool = False) -> PublishSummary:
+    """Publish every item of a source (see producers.items) and return what happened (with ``track_sent``, also
+    which documents were sent)."""
     with DocumentPublisher(settings, force=force, use_ledger=use_ledger, stop=stop,
-                           on_progress=on_progress) as publisher:
+                           on_progress=on_progress, track_sent=track_sent) as publisher:
         return publisher.publish(items)
 

@@ -93,6 +93,69 @@ def test_run_describes_every_image_of_a_folder_and_reports_each_document(topic_n
                      (Description.decode(r.value) for r in read_topic(topic_names, t.descriptions, timeout_s=30)))
     assert set(counts) == described and min(counts.values()) >= 2, counts
 
+    # Then with another model and no --force: the documents' results all came from the built-in model, so the run
+    # publishes them again and waits for this model's results; a rerun with the same model then resumes.
+    from consumers.infer.tiny_model import write_tiny_model
+
+    other = str(write_tiny_model(tmp_path / "other-model", seed=1))
+    switched = subprocess.run(run_cmd + ["--model", other], env=env, capture_output=True, text=True, timeout=480)
+    assert switched.returncode == 0, switched.stderr[-4000:]
+    assert f"{len(expected)} documents have results only from another model" in " ".join(switched.stderr.split()), \
+        switched.stderr[-3000:]
+    by_other = {(d.doc_id, d.image_index) for d in
+                (Description.decode(r.value) for r in read_topic(topic_names, t.descriptions, timeout_s=30))
+                if d.model == other}
+    assert by_other == described
+    latest = {}
+    for record in read_topic(topic_names, t.results, timeout_s=30):
+        result = DocumentResult.decode(record.value)
+        latest[result.doc_id] = result
+    assert {i.get("model") for r in latest.values() for i in r.images if i["status"] == "ok"} == {other}
+    resumed = subprocess.run(run_cmd + ["--model", other], env=env, capture_output=True, text=True, timeout=480)
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert "another model" not in resumed.stderr and "published 0 documents" in " ".join(resumed.stderr.split())
+
+
+def test_earlier_results_of_another_model_are_redone_once_all_earlier_results_are_read():
+    """FoldedResults: a document whose earlier results all came from another model is to be redone, but only
+    once the watcher has passed the results that were there when the run began (a result of the run's own model
+    further down counts instead), and only once; results without a model (every image failed) count. A document
+    the run sent waits for a result published after the run began."""
+    from types import SimpleNamespace
+
+    from vlmstream.cli.run import FoldedResults, same_model
+
+    def result(doc, *models):
+        return SimpleNamespace(doc_id=doc, images=[{"status": "ok", "model": m} if m else {"status": "failed"}
+                                                   for m in models])
+
+    class Watcher:
+        at = 0
+
+        def position(self, tp):
+            return self.at
+
+    watcher, results = Watcher(), {}
+    folded = FoldedResults({"results-0": 3}, "/models/mine")
+    assert not folded.counts(result("a", "/models/theirs"), results)
+    assert not folded.counts(result("b", "/models/theirs"), results)
+    assert folded.counts(result("c", None), results)
+    watcher.at = 2
+    assert folded.to_redo(watcher) == {}  # not past the earlier results yet
+    assert folded.counts(result("b", "/models/theirs", "/models/mine"), results)  # later, with this model
+    watcher.at = 3
+    assert folded.to_redo(watcher) == {"a": "/models/theirs"}
+    assert folded.to_redo(watcher) == {}
+    assert not folded.counts(result("a", "/models/theirs"), results) and folded.to_redo(watcher) == {}
+    assert same_model("/models/mine", "/models/mine") and not same_model("/models/mine", None)
+
+    # A document the run published itself (new, or its content changed): only a result from after its start counts.
+    folded = FoldedResults({"results-0": 3}, "/models/mine")
+    folded.sent_now({"d"})
+    assert not folded.counts(result("d", "/models/mine"), results, "results-0", 2)
+    assert folded.counts(result("d", "/models/mine"), results, "results-0", 3)
+    assert folded.counts(result("e", "/models/mine"), results, "results-0", 2)
+
 
 def test_run_on_a_folder_without_images_says_so_before_starting_anything(tmp_path: Path):
     (tmp_path / "notes.txt").write_text("not an image")

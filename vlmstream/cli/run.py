@@ -300,6 +300,11 @@ def run(
             watcher.seek(tp, end)
         if earlier := [tp for tp in tps if tp not in from_now]:  # (no argument would mean every partition)
             watcher.seek_to_beginning(*earlier)
+        # Where the results published before this run end: once the watcher is past them, a document whose only
+        # results came from another model is known to need describing again.
+        earlier_results = FoldedResults(
+            watcher.end_offsets([tp for tp in earlier if tp.topic == settings.topics.results]) if earlier else {},
+            settings.infer.model)
 
         probe = StageProbe(settings, backlog)
         view = LiveView(probe)
@@ -312,7 +317,8 @@ def run(
             console.print("Prometheus metrics: " + ", ".join(
                 f"{stage} on :{port + METRICS_PORT_OFFSET[stage]}" for stage in stages))
 
-        summary = publish_documents(_as_stage(settings, "producer"), items, force=force)
+        summary = publish_documents(_as_stage(settings, "producer"), items, force=force, track_sent=True)
+        earlier_results.sent_now(summary.sent_ids)
         failed_ids = {failure.doc_id for failure in summary.failed}
         expected = {item.doc_id for item in items if isinstance(item, DocumentRef)} - failed_ids
         images_expected = sum(len(item.image_uris) for item in items
@@ -352,7 +358,8 @@ def run(
                     try:
                         if tp.topic == settings.topics.results:
                             result = DocumentResult.decode(record.value)
-                            if result.doc_id in expected:
+                            if result.doc_id in expected and earlier_results.counts(result, results, tp,
+                                                                                    record.offset):
                                 results[result.doc_id] = result
                             continue
                         if tp.topic == settings.topics.summaries:
@@ -383,6 +390,18 @@ def run(
                     elif shown == show:
                         shown += 1
                         console.print("[dim](further descriptions not shown; --show to change)[/]")
+            if redo := earlier_results.to_redo(watcher):
+                console.print(f"{len(redo)} documents have results only from another model "
+                              f"({', '.join(sorted(set(redo.values()))[:3])}), not from {settings.infer.model}: "
+                              "publishing them again to describe them with it (--force does so for every document)")
+                again = publish_documents(_as_stage(settings, "producer"),
+                                          [item for item in items if getattr(item, "doc_id", None) in redo],
+                                          force=True, track_sent=True)
+                earlier_results.sent_now(again.sent_ids)
+                if again.failed:
+                    lost = {failure.doc_id for failure in again.failed}
+                    expected -= lost
+                    console.print(f"[red]{len(lost)} of them were not acknowledged by the cluster; not waited for[/]")
         # The live view once more, at the end: a run shorter than PROGRESS_EVERY_S would otherwise show none, and a
         # longer one would end on a line up to that old.
         show_progress()
@@ -417,6 +436,55 @@ def run(
     # A worker stopped by our SIGTERM before it had set up its handlers ends with -SIGTERM: still clean.
     clean = all(code in (0, -signal.SIGTERM) for code in codes.values())
     raise typer.Exit(0 if clean else 1)
+
+
+def same_model(a: str | None, b: str | None) -> bool:
+    """One model named twice: the same name, or two paths to one folder."""
+    if a == b:
+        return True
+    if not a or not b:
+        return False
+    pa, pb = Path(a).expanduser(), Path(b).expanduser()
+    return pa.is_dir() and pb.is_dir() and pa.resolve() == pb.resolve()
+
+
+class FoldedResults:
+    """The results published before a run, read back by it (``ends``: the results partitions' end offsets when the
+    run began). A document that has one counts as done (a rerun resumes), unless the run sent the document itself
+    (new, or its content changed: only a result published since counts), or every image its results describe was
+    described by another model than the run's. Those are published again once the watcher has read past every
+    earlier result, so that a later result of the run's own model, further down the topic, still counts instead."""
+
+    def __init__(self, ends: dict[Any, int], model: str | None):
+        self.ends = ends
+        self.model = model
+        self.elsewhere: dict[str, str] = {}  # document -> the other model its results came from
+        self.redone: set[str] = set()
+        self.sent: set[str] = set()  # documents this run published
+
+    def sent_now(self, doc_ids: set[str] | None) -> None:
+        self.sent |= doc_ids or set()
+
+    def counts(self, result: Any, results: dict[str, Any], tp: Any = None, offset: int = 0) -> bool:
+        """Whether ``result``, read at ``offset`` of ``tp``, makes its document done for this run."""
+        if result.doc_id in self.sent and offset < self.ends.get(tp, 0):
+            return False  # a result of what the document was before this run sent it
+        models = {image.get("model") for image in result.images if image.get("status") == "ok"} - {None}
+        if not models or any(same_model(m, self.model) for m in models):
+            self.elsewhere.pop(result.doc_id, None)
+            return True
+        if result.doc_id not in results and result.doc_id not in self.redone:
+            self.elsewhere[result.doc_id] = sorted(models)[0]
+        return False
+
+    def to_redo(self, watcher: Any) -> dict[str, str]:
+        """The documents to publish again (and the model their results came from), once every earlier result has
+        been read; each document once."""
+        if not self.elsewhere or any(watcher.position(tp) < end for tp, end in self.ends.items()):
+            return {}
+        redo, self.elsewhere = self.elsewhere, {}
+        self.redone |= redo.keys()
+        return redo
 
 
 def _manifest_roots(items: list[Any]) -> list[str]:
