@@ -120,7 +120,7 @@ def test_earlier_results_of_another_model_are_redone_once_all_earlier_results_ar
     """FoldedResults: a document whose earlier results all came from another model is to be redone, but only
     once the watcher has passed the results that were there when the run began (a result of the run's own model
     further down counts instead), and only once; results without a model (every image failed) count. A document
-    the run sent waits for a result published after the run began."""
+    the run sent waits for a result (and an answer) published after the run began."""
     from types import SimpleNamespace
 
     from vlmstream.cli.run import FoldedResults, same_model
@@ -155,6 +155,10 @@ def test_earlier_results_of_another_model_are_redone_once_all_earlier_results_ar
     assert not folded.counts(result("d", "/models/mine"), results, "results-0", 2)
     assert folded.counts(result("d", "/models/mine"), results, "results-0", 3)
     assert folded.counts(result("e", "/models/mine"), results, "results-0", 2)
+    # and so do its answers (the summaries topic's partitions have ends of their own)
+    folded.ends["summaries-0"] = 5
+    assert not folded.current("d", "summaries-0", 4) and folded.current("d", "summaries-0", 5)
+    assert folded.current("e", "summaries-0", 0)
 
 
 def test_run_on_a_folder_without_images_says_so_before_starting_anything(tmp_path: Path):

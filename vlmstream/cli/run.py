@@ -300,11 +300,9 @@ def run(
             watcher.seek(tp, end)
         if earlier := [tp for tp in tps if tp not in from_now]:  # (no argument would mean every partition)
             watcher.seek_to_beginning(*earlier)
-        # Where the results published before this run end: once the watcher is past them, a document whose only
-        # results came from another model is known to need describing again.
-        earlier_results = FoldedResults(
-            watcher.end_offsets([tp for tp in earlier if tp.topic == settings.topics.results]) if earlier else {},
-            settings.infer.model)
+        # Where the results (and answers) published before this run end: once the watcher is past them, a document
+        # whose only results came from another model is known to need describing again.
+        earlier_results = FoldedResults(watcher.end_offsets(earlier) if earlier else {}, settings.infer.model)
 
         probe = StageProbe(settings, backlog)
         view = LiveView(probe)
@@ -364,7 +362,8 @@ def run(
                             continue
                         if tp.topic == settings.topics.summaries:
                             summary = DocumentSummary.decode(record.value)
-                            if summary.doc_id in expected:
+                            if summary.doc_id in expected and earlier_results.current(summary.doc_id, tp,
+                                                                                      record.offset):
                                 condensed.add(summary.doc_id)
                                 console.print(f"[bold]{escape(summary.doc_id)}[/] answer: "
                                               f"{escape(json.dumps(summary.answer)[:200])}", highlight=False)
@@ -398,6 +397,7 @@ def run(
                                           [item for item in items if getattr(item, "doc_id", None) in redo],
                                           force=True, track_sent=True)
                 earlier_results.sent_now(again.sent_ids)
+                condensed.difference_update(redo)  # their earlier answers were of the other model's results
                 if again.failed:
                     lost = {failure.doc_id for failure in again.failed}
                     expected -= lost
@@ -449,11 +449,12 @@ def same_model(a: str | None, b: str | None) -> bool:
 
 
 class FoldedResults:
-    """The results published before a run, read back by it (``ends``: the results partitions' end offsets when the
-    run began). A document that has one counts as done (a rerun resumes), unless the run sent the document itself
-    (new, or its content changed: only a result published since counts), or every image its results describe was
-    described by another model than the run's. Those are published again once the watcher has read past every
-    earlier result, so that a later result of the run's own model, further down the topic, still counts instead."""
+    """The results published before a run, read back by it (``ends``: the end offsets, when the run began, of the
+    results and answers partitions it reads from their start). A document that has one counts as done (a rerun
+    resumes), unless the run sent the document itself (new, changed, or described again: only a result or answer
+    published since counts), or every image its results describe was described by another model than the run's.
+    Those are published again once the watcher has read past every earlier record, so that a later result of the
+    run's own model, further down the topic, still counts instead."""
 
     def __init__(self, ends: dict[Any, int], model: str | None):
         self.ends = ends
@@ -465,9 +466,14 @@ class FoldedResults:
     def sent_now(self, doc_ids: set[str] | None) -> None:
         self.sent |= doc_ids or set()
 
+    def current(self, doc_id: str, tp: Any, offset: int) -> bool:
+        """Whether a record of the document, read at ``offset`` of ``tp``, can be of what this run sent: not one
+        published before the run sent the document."""
+        return doc_id not in self.sent or offset >= self.ends.get(tp, 0)
+
     def counts(self, result: Any, results: dict[str, Any], tp: Any = None, offset: int = 0) -> bool:
         """Whether ``result``, read at ``offset`` of ``tp``, makes its document done for this run."""
-        if result.doc_id in self.sent and offset < self.ends.get(tp, 0):
+        if not self.current(result.doc_id, tp, offset):
             return False  # a result of what the document was before this run sent it
         models = {image.get("model") for image in result.images if image.get("status") == "ok"} - {None}
         if not models or any(same_model(m, self.model) for m in models):
