@@ -920,3 +920,19 @@ def test_norm_kernels_that_disagree_with_torch_are_not_used(interpreted_norm_ker
     vision.FastVisionBlocks.remove(tower)
     assert vision.block_kernels(blocks)["norm"] == "torch" and blocks.project is vision._project
     assert "disagree" in caplog.text
+
+
+def test_next_batch_takes_what_is_queued_and_waits_only_when_asked():
+    """The vLLM encoder thread asks without waiting while a tower pass is still on the GPU (it then waits for that
+    pass instead), and with waiting once nothing is in flight."""
+    from vlmstream.queued_engine import QueuedEngine
+
+    engine = QueuedEngine()
+    engine._init_queues()
+    assert engine._next_batch(4, block=False) == ([], False)
+    engine.submit(["a", "b", "c"])
+    batch, stopping = engine._next_batch(2, block=False)
+    assert [r for r, _ in batch] == ["a", "b"] and not stopping
+    batch, stopping = engine._next_batch(2)
+    assert [r for r, _ in batch] == ["c"] and not stopping
+    assert engine._next_batch(2, block=False) == ([], False)

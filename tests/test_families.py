@@ -117,6 +117,13 @@ def test_our_tower_equals_the_full_models_image_features(tiny_dirs, name):
         assert first.mean_pooled().shape == (family.embedding_width(config["vision_config"]),)
         np.testing.assert_allclose(first.mean_pooled().astype(np.float32),
                                    features.pooler_output[0].mean(0).numpy(), atol=2e-3, rtol=2e-3)
+        # The vLLM engine's way (launch now, wait later): the same image_embeds and the same embeddings, only for
+        # the images asked for.
+        tokens, embeddings = encoder.launch(images, True, [1]).wait()
+        torch.testing.assert_close(torch.cat(tokens), expected, atol=1e-5, rtol=1e-5)
+        assert embeddings[0] is None and np.array_equal(embeddings[1], encoded[1].mean_pooled())
+        tokens, embeddings = encoder.launch(images, False, []).wait()
+        assert tokens == [None, None] and embeddings == [None, None]
 
 
 @pytest.mark.parametrize("name", FAMILIES)

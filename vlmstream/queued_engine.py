@@ -73,10 +73,13 @@ class QueuedEngine:
         with self._lock:
             return self._pending
 
-    def _next_batch(self, limit: int) -> tuple[list, bool]:
-        """Wait for one request, then take what is queued now, up to ``limit``: a lone request never waits
-        for company. Returns (batch, stop requested)."""
-        first = self._inbox.get()
+    def _next_batch(self, limit: int, block: bool = True) -> tuple[list, bool]:
+        """Wait for one request (``block``; else an empty batch when none is queued), then take what is queued
+        now, up to ``limit``: a lone request never waits for company. Returns (batch, stop requested)."""
+        try:
+            first = self._inbox.get(block=block)
+        except queue.Empty:
+            return [], False
         if first is ENGINE_STOP:
             return [], True
         batch = [first]

@@ -740,6 +740,32 @@ def to_host_each(tokens: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return hosts
 
 
+class TowerPass:
+    """One forward's outputs on their way to the host: launched by ``VisionEncoder.launch``, read by ``wait``.
+
+    The launch queues the tower's kernels and the copies to the host and returns without waiting for the GPU, so
+    the thread that feeds vLLM can prepare the next forward (patchify, index tensors, launches) while the GPU runs
+    this one. On a GPU shared with vLLM's engine every wait can last the other context's turn; a thread that waited
+    for each forward before preparing the next left the tower's queue empty for that host work.
+    Only host tensors and an event are kept: the GPU tensors return to the caching allocator at once, which is safe
+    because every later use of that memory is queued on the same stream after these copies."""
+
+    def __init__(self, tokens: list[torch.Tensor | None], pooled: torch.Tensor | None, wanted: list[int],
+                 copied: torch.cuda.Event | None):
+        self._tokens, self._pooled, self._wanted, self._copied = tokens, pooled, wanted, copied
+
+    def wait(self) -> tuple[list[torch.Tensor | None], list[np.ndarray | None]]:
+        """(each image's ``image_embeds`` on the host or None where not asked for, each image's embedding as
+        ``mean_pool`` makes it or None where not asked for)."""
+        if self._copied is not None:
+            self._copied.synchronize()
+            self._copied = None
+        embeddings: list[np.ndarray | None] = [None] * len(self._tokens)
+        for row, i in zip(self._pooled.numpy() if self._pooled is not None else (), self._wanted):
+            embeddings[i] = row
+        return self._tokens, embeddings
+
+
 class VisionEncoder:
     """A Qwen family's vision tower (``model.visual`` or a tower loaded alone) behind ``encode(images)``.
 
@@ -881,6 +907,20 @@ class VisionEncoder:
             tokens = self.encode_patches(pixel_values, grid_thw)
             results += [EncodedImage(t, tuple(g), self.embedding_width) for t, g in zip(tokens, grid_thw.tolist())]
         return results
+
+    @torch.inference_mode()
+    def launch(self, images: Sequence[np.ndarray], with_tokens: bool, wanted: Sequence[int]) -> TowerPass:
+        """One forward over ``images`` (one group: the caller keeps it within ``max_patches_per_call``), queued on
+        the current stream with its copies to the host (``TowerPass``). ``with_tokens``: bring each image's
+        ``image_embeds`` back; ``wanted``: the indices of the images whose embedding is published."""
+        pixel_values, grid_thw = patchify_batch(images, self.device, self.dtype, self.family)
+        tokens = self.encode_patches(pixel_values, grid_thw)
+        wanted = list(wanted)
+        outgoing = (list(tokens) if with_tokens else []) + ([mean_pooled([tokens[i] for i in wanted],
+                                                                         self.embedding_width)] if wanted else [])
+        hosts, copied = to_host_later(outgoing)
+        return TowerPass(hosts[:len(tokens)] if with_tokens else [None] * len(tokens),
+                         hosts[-1] if wanted else None, wanted, copied)
 
     def _groups(self, images: Sequence[np.ndarray]):
         return groups_by_patches(images, lambda im: self.family.patches(im.shape[0], im.shape[1]),

@@ -20,8 +20,9 @@ Two modes:
   is published.
 
 Threads: vLLM's ``AsyncLLM`` lives in its own asyncio loop thread (its EngineCore is a child process);
-the encoder thread feeds it, so encoding of new images overlaps generation of earlier ones. Requests
-enter vLLM as soon as they are encoded: no batch barrier anywhere.
+the encoder thread feeds it, so encoding of new images overlaps generation of earlier ones. The encoder thread
+keeps the next tower pass queued on the GPU while it waits for one (``_encode_loop``). Requests enter vLLM as soon
+as they are encoded: no batch barrier anywhere.
 
 vllm is imported lazily: without it, constructing the engine raises ``EngineUnavailable`` with the
 install hint, and this module still imports.
@@ -30,6 +31,8 @@ install hint, and this module still imports.
 from __future__ import annotations
 
 import asyncio
+import collections
+import dataclasses
 import itertools
 import logging
 import time
@@ -42,8 +45,8 @@ from consumers.infer.engine import ENGINE_DEAD as _DEAD
 from consumers.infer.engine import (InferenceFailure, InferenceOutput, InferenceRequest,
                                     QueuedEngine)
 from consumers.infer.prompts import OutputSchema, PromptBuilder, with_schema
-from consumers.infer.vision import (VisionEncoder, groups_by_patches, load_vision_tower, mean_pool_each, patchify_batch,
-                                    block_kernels, request_problem, to_host_each)
+from consumers.infer.vision import (TowerPass, VisionEncoder, block_kernels, groups_by_patches, load_vision_tower,
+                                    request_problem)
 from vlmstream.config import InferSettings
 from vlmstream.models.family import ModelFamily
 from vlmstream.models.registry import family_of
@@ -52,6 +55,14 @@ from vlmstream.vllm_process import (EngineLoop, EngineUnavailable, child_environ
 
 log = logging.getLogger(__name__)
 
+
+
+@dataclasses.dataclass
+class _TowerWork:
+    """Requests whose tower pass is queued on the GPU (``TowerPass``), and when it was queued."""
+    items: list[tuple[InferenceRequest, float]]
+    tower_pass: TowerPass
+    started: float
 
 
 def _patches(item: tuple[InferenceRequest, float]) -> int:
@@ -295,6 +306,7 @@ class VllmEngine(QueuedEngine):
         # High priority: the tower feeds the language model. When both have kernels queued, the tower's go
         # first, so the engine's queue of ready requests does not run dry while it decodes.
         self._stream = torch.cuda.Stream(priority=-1)
+        self._last_pass_finished = 0.0  # when the encoder thread last finished waiting for a tower pass
 
         # 3. The encoder thread feeds vLLM.
         self._start_worker(self._encode_loop, "vllm-encoder")
@@ -382,18 +394,29 @@ class VllmEngine(QueuedEngine):
     # ----------------------------------------------------------------------------- encoder thread
 
     def _encode_loop(self) -> None:
+        # Tower passes queued on the GPU and not yet waited for, oldest first. A pass is waited for only once the
+        # next one is queued behind it, or once nothing more is waiting in the inbox: so the GPU always has tower
+        # work queued while this thread prepares the next forward or hands finished images to vLLM.
+        in_flight: collections.deque[_TowerWork] = collections.deque()
         try:
             stopping = False
-            while not stopping:
-                batch, stopping = self._next_batch(self.settings.vision_batch_images)
-                if batch:
-                    self._encode_and_dispatch(batch)
+            while not stopping or in_flight:
+                batch: list = []
+                if not stopping:
+                    batch, stopping = self._next_batch(self.settings.vision_batch_images, block=not in_flight)
+                for work in self._launch_batch(batch):
+                    in_flight.append(work)
+                    while len(in_flight) > 1:
+                        self._finish(in_flight.popleft())
+                if not batch and in_flight:
+                    self._finish(in_flight.popleft())
         except BaseException as exc:
             log.exception("vLLM encoder thread died")
             self._dead = exc
             self._outbox.put(_DEAD)
 
-    def _encode_and_dispatch(self, batch: list[tuple[InferenceRequest, float]]) -> None:
+    def _launch_batch(self, batch: list[tuple[InferenceRequest, float]]):
+        """Dispatches at once what needs no tower here; yields a ``_TowerWork`` per forward as it is queued."""
         valid = []
         for request, submitted in batch:
             problem = request_problem(request.image, request.grid_thw, self.family)
@@ -407,7 +430,46 @@ class VllmEngine(QueuedEngine):
         for group in groups_by_patches(need_tower, _patches, self.encoder.max_patches_per_call if need_tower else 1):
             # Each group goes to vLLM as soon as it is encoded: the language model starts on the first images
             # while the tower works on the next.
-            self._dispatch(group, self._encode_splitting(group))
+            yield from self._launch_splitting(group)
+
+    def _launch_splitting(self, items: list[tuple[InferenceRequest, float]]):
+        torch = self._torch
+        try:
+            started = time.perf_counter()
+            with torch.cuda.stream(self._stream):
+                tower_pass = self.encoder.launch([r.image for r, _ in items], self._embeds_here(),
+                                                 [i for i, (r, _) in enumerate(items) if r.want_embedding])
+            yield _TowerWork(items, tower_pass, started)
+        except torch.cuda.OutOfMemoryError as exc:  # raised while queuing: allocations are made on the host's side
+            torch.cuda.empty_cache()
+            if len(items) == 1:
+                request = items[0][0]
+                self._outbox.put(InferenceFailure(request.request_id, "out_of_memory", f"vision tower: {exc}",
+                                                  retriable=False))
+                return
+            half = len(items) // 2
+            log.warning("vision tower out of memory on %d images; retrying as %d + %d", len(items), half,
+                        len(items) - half)
+            yield from self._launch_splitting(items[:half])
+            yield from self._launch_splitting(items[half:])
+
+    def _finish(self, work: _TowerWork) -> None:
+        """Waits for one tower pass and hands its images to vLLM."""
+        tokens, embeddings = work.tower_pass.wait()
+        finished = time.perf_counter()
+        # The pass's own span: from its launch, or from the previous pass's end when it was queued behind that one,
+        # so that the spans of passes queued back to back add up to the wall time, not more.
+        encode_ms = (finished - max(work.started, self._last_pass_finished)) * 1e3
+        self._last_pass_finished = finished
+        timings = {"encode_ms": encode_ms, "encode_batch_images": float(len(work.items))}
+        encoded = {}
+        for (request, _), t, e in zip(work.items, tokens, embeddings):
+            # Checked here, not left to vLLM: a wrong shape fails inside its engine process, taking every request.
+            problem = t is not None and image_embeds_problem(t, request.grid_thw, self.family, self.image_embeds_width)
+            encoded[request.request_id] = (InferenceFailure(request.request_id, "invalid_request", problem,
+                                                            retriable=False)
+                                           if problem else (t, e, dict(timings)))
+        self._dispatch(work.items, encoded)
 
     def _dispatch(self, items: list[tuple[InferenceRequest, float]], encoded: dict) -> None:
         for request, submitted in items:
@@ -431,44 +493,6 @@ class VllmEngine(QueuedEngine):
                 self._generate(request, mm_item, embedding if request.want_embedding else None, timings, tag))
             self._tasks.add(future)
             future.add_done_callback(self._tasks.discard)
-
-    def _encode_splitting(self, items: list[tuple[InferenceRequest, float]]) -> dict:
-        torch = self._torch
-        try:
-            return self._encode(items)
-        except torch.cuda.OutOfMemoryError as exc:
-            torch.cuda.empty_cache()
-            if len(items) == 1:
-                request = items[0][0]
-                return {request.request_id: InferenceFailure(request.request_id, "out_of_memory",
-                                                             f"vision tower: {exc}", retriable=False)}
-            half = len(items) // 2
-            log.warning("vision tower out of memory on %d images; retrying as %d + %d", len(items), half,
-                        len(items) - half)
-            return {**self._encode_splitting(items[:half]), **self._encode_splitting(items[half:])}
-
-    def _encode(self, items: list[tuple[InferenceRequest, float]]) -> dict:
-        torch = self._torch
-        started = time.perf_counter()
-        with torch.cuda.stream(self._stream):
-            pixel_values, grid_thw = patchify_batch([r.image for r, _ in items], "cuda", self.encoder.dtype,
-                                                    self.family)
-            tokens = self.encoder.encode_patches(pixel_values, grid_thw)
-            wanted = [i for i, (r, _) in enumerate(items) if r.want_embedding]
-            pooled = dict(zip(wanted, mean_pool_each([tokens[i] for i in wanted], self.encoder.embedding_width)))
-            embeddings = [pooled.get(i) for i in range(len(items))]
-            image_embeds = to_host_each(tokens) if self._embeds_here() else [None] * len(tokens)
-            self._stream.synchronize()
-        encode_ms = (time.perf_counter() - started) * 1e3
-        timings = {"encode_ms": encode_ms, "encode_batch_images": float(len(items))}
-        encoded = {}
-        for (request, _), t, e in zip(items, image_embeds, embeddings):
-            # Checked here, not left to vLLM: a wrong shape fails inside its engine process, taking every request.
-            problem = t is not None and image_embeds_problem(t, request.grid_thw, self.family, self.image_embeds_width)
-            encoded[request.request_id] = (InferenceFailure(request.request_id, "invalid_request", problem,
-                                                            retriable=False)
-                                           if problem else (t, e, dict(timings)))
-        return encoded
 
     # ----------------------------------------------------------------------------- asyncio side
 
