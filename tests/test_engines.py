@@ -637,11 +637,18 @@ def test_the_engine_tower_setting_is_refused_where_it_cannot_run_and_reaches_the
     from vlmstream.vllm_process import child_environment
 
     assert engine_tower_args(InferSettings(), "pixels", QWEN2_VL) == ({}, {})
+    # Unset: on in embeds mode for a Qwen family only; never refused for the generic path.
+    args, env = engine_tower_args(InferSettings(), "embeds", QWEN2_VL)
+    assert args == {"worker_extension_cls": ENGINE_TOWER_EXTENSION} and env["VLMSTREAM_INFER__ENGINE_TOWER"] == "true"
+    assert engine_tower_args(InferSettings(), "pixels", GENERIC) == ({}, {})
+    assert engine_tower_args(InferSettings(engine_tower=False), "embeds", QWEN2_VL) == ({}, {})
     clocked = InferSettings(tower_clock=True)
     args, env = engine_tower_args(clocked, "pixels", QWEN2_VL)  # vLLM's own tower, clocked
     assert args == {"worker_extension_cls": ENGINE_TOWER_EXTENSION} and env["VLMSTREAM_INFER__ENGINE_TOWER"] == "false"
     with pytest.raises(ValueError, match="infer.tower_clock=false"):  # embeds mode gives vLLM no tower to time
-        engine_tower_args(clocked, "embeds", QWEN2_VL)
+        engine_tower_args(InferSettings(tower_clock=True, engine_tower=False), "embeds", QWEN2_VL)
+    # Unset engine_tower in embeds mode: the clock times our tower there.
+    assert engine_tower_args(clocked, "embeds", QWEN2_VL)[1]["VLMSTREAM_INFER__ENGINE_TOWER"] == "true"
     on = InferSettings(engine_tower=True, vision_qkv_kernel="torch", vision_compile=False, vision_mlp_kernel="triton",
                        vision_norm_kernel="torch")
     assert engine_tower_args(on, "embeds", QWEN2_VL)[0] == {"worker_extension_cls": ENGINE_TOWER_EXTENSION}

@@ -3,6 +3,9 @@
 # 10-minute limit of one device command; jobs run one after another (one GPU: no side-by-side pairs), and a job that
 # would end after the plan's end (second argument, seconds from now) is skipped and says so in jobs.tsv.
 #
+# A pipeline arm in embeds mode runs the tower in vLLM's engine unless its job sets VLMSTREAM_INFER__ENGINE_TOWER=false
+# (the default since [z]); lists written before then, where they set nothing, measured the tower in the consumer.
+#
 # Job lists (third argument):
 #   tower-mps  T1 the Qwen2.5-VL-7B tower alone at 0.2 / 1 / 12.8 MP with its achieved TFLOPS (tower_flops.py)
 #              A1 this code, 0.2 MP and 1 MP / 64, embeds;  B1 the code of /root/ab-tree (a whole tree of an older
@@ -93,8 +96,8 @@
 #              its speed alone): does `infer.engine_tower` lift Qwen2.5-VL at 0.2 MP? 120-s phases, one lease: E1 the
 #              pipeline in embeds mode with the tower in the engine (pixel rows, embeddings published), E2 pixels
 #              mode with it (no embeddings), E3 `vllm serve` (8 API servers), B2 and A2 (the gelu-moe list's A/B
-#              pair in the other order; A2 is also the tower in the consumer in this lease, 40 s), then E4 the
-#              default (the tower in the consumer) in 120 s in any time left (about 29 minutes by the jobs'
+#              pair in the other order; A2 is also the tower in the consumer in this lease, 40 s, as that code's
+#              default), then E4 the tower in the consumer in 120 s in any time left (about 29 minutes by the jobs'
 #              estimates, which [x]'s jobs ran under: a plan of 1,580 s skips E4)
 #   tower-place after [y] (the tower in vLLM's engine ran 1.89x `vllm serve` at 0.2 MP, the tower in the consumer 1.70x
 #              in [x]'s lease; their steady rates were within 4%, across leases): Qwen2.5-VL-7B at 0.2 MP / 64,
@@ -478,7 +481,7 @@ if [ "$LIST" = engine-q25 ]; then
   # The A/B pair before the last long job, which the plan's clock cuts first: A2 is also this lease's figure for
   # the tower in the consumer (a 40-s phase).
   if ab_tree_ready ab; then ab_b b2_before; ab_a a2_this; fi
-  job e4_consumer_tower 330 450 $BENCH $LONG --stop-after 1.5 --arms pipeline-embeds --profile \
+  job e4_consumer_tower 330 450 env VLMSTREAM_INFER__ENGINE_TOWER=false $BENCH $LONG --stop-after 1.5 --arms pipeline-embeds --profile \
     --out "$RES/e4_consumer_tower"
 fi
 

@@ -132,10 +132,19 @@ def tower_setting(settings: InferSettings) -> str:
     return "infer.engine_tower" if settings.engine_tower else "infer.tower_clock"
 
 
+def engine_tower_on(settings: InferSettings, mode: str, family: ModelFamily) -> bool:
+    """``infer.engine_tower`` as set; unset, on in embeds mode for a model of a Qwen family, where it ran ahead of
+    the tower in the consumer's process on an H200 (benchmarks/RESULTS.md [z], [q]), and off elsewhere."""
+    if settings.engine_tower is not None:
+        return settings.engine_tower
+    return mode == "embeds" and family.exact_size
+
+
 def engine_tower_args(settings: InferSettings, mode: str, family: ModelFamily) -> tuple[dict, dict[str, str]]:
     """vLLM engine arguments and the engine process's environment for ``infer.engine_tower`` or ``infer.tower_clock``
     (both empty when both are off). The engine process reads the tower's settings from its environment
     (engine_tower.encoder_for)."""
+    settings = settings.model_copy(update={"engine_tower": engine_tower_on(settings, mode, family)})
     if not (settings.engine_tower or settings.tower_clock):
         return {}, {}
     name = tower_setting(settings)
@@ -175,13 +184,6 @@ class VllmEngine(QueuedEngine):
             raise EngineUnavailable("the vllm engine needs a CUDA device; none is visible here "
                                     "(set infer.engine=transformers to run on CPU)")
         self._torch = torch
-        self.settings = settings
-        # Where embeds mode runs our tower: here, shipping image_embeds to vLLM, or (infer.engine_tower) in vLLM's
-        # engine process, shipping the decoded image there as pixel rows (consumers/infer/pixel_rows.py).
-        self._tower_in_engine = self.mode == "embeds" and settings.engine_tower
-        # Then the engine also keeps each image's embedding, found by the tag its pixel rows carry.
-        self._engine_embeddings = (EngineEmbeddings(self._take_engine_embeddings)
-                                   if self._tower_in_engine and settings.publish_embeddings else None)
         self._tags = itertools.count(1)
         self.model_path = str(model_path)
         self.model_id = settings.model or self.model_path
@@ -194,6 +196,12 @@ class VllmEngine(QueuedEngine):
         if not self.family.exact_size and self.mode == "embeds":
             raise ValueError(f"infer.model {self.model_path} has no model family in vlmstream/models (the generic path): "
                              "its tower is vLLM's, so set infer.mode=pixels")
+
+        # infer.engine_tower unset: on where it applies (embeds mode, a Qwen family); then a model whose vLLM class
+        # does not take the tower wrapper runs the tower here instead of failing.
+        self._engine_tower_by_default = settings.engine_tower is None
+        settings = settings.model_copy(update={"engine_tower": engine_tower_on(settings, self.mode, self.family)})
+        self._set_tower_place(settings)
 
         from transformers import AutoTokenizer
 
@@ -212,7 +220,6 @@ class VllmEngine(QueuedEngine):
             max_model_len=settings.max_model_len, gpu_memory_utilization=settings.gpu_memory_utilization,
             load_format=load_format, seed=0, disable_log_stats=True,
             enable_mm_embeds=self.mode == "embeds",
-            limit_mm_per_prompt={"image": 0 if embeds_only else 1, "video": 0},
             # Every image is new: caching processed inputs only costs memory and hashing.
             mm_processor_cache_gb=0,
             enable_prefix_caching=settings.enable_prefix_caching,
@@ -228,46 +235,31 @@ class VllmEngine(QueuedEngine):
         # on blanks between tokens (seen on the H200 with dummy weights). vLLM 0.26 reads this switch from the
         # engine's config, not from the request's StructuredOutputsParams. It only affects guided requests.
         args["structured_outputs_config"] = StructuredOutputsConfig(backend="guidance", disable_any_whitespace=True)
-        tower_args, tower_env = engine_tower_args(settings, self.mode, self.family)  # refused before vLLM starts
-        args.update(tower_args)
-        args.update(engine_kwargs or {})
+        self._engine_kwargs = engine_kwargs or {}
         started = time.perf_counter()
-        try:
-            try:
-                with engine_process_threads(settings.engine_cpu_threads), child_environment(tower_env):
-                    self.llm = self._engine_loop.start_llm(self._v, self._v.AsyncEngineArgs(**args))
-            except Exception as exc:
-                if not embeds_only:
-                    raise
-                # vLLM 0.26 cannot build Qwen3-VL's language model without its tower: the DeepStack buffers stay
-                # on the meta device and the compile fails (seen on the H200, RESULTS.md 2026-12-01). The engine
-                # with its tower kept takes the same image_embeds and gives the same outputs; it only holds the
-                # tower's weights and profiles it at start.
-                log.warning("vLLM %s would not start %s with images as embeddings only (%s: %s); starting it "
-                            "again with its own vision tower kept", self._v.version, self.model_path,
-                            type(exc).__name__, str(exc)[:300])
-                self._engine_loop.reap_children()
-                embeds_only = False
-                args["limit_mm_per_prompt"] = {"image": 1, "video": 0}
-                with engine_process_threads(settings.engine_cpu_threads):
-                    self.llm = self._engine_loop.start_llm(self._v, self._v.AsyncEngineArgs(**args))
-        except Exception as exc:
-            self._engine_loop.stop()
-            self._engine_loop.reap_children()
-            raise RuntimeError(f"vLLM {self._v.version} cannot serve infer.model {self.model_path!r} "
-                               f"(mode {self.mode}): {type(exc).__name__}: {exc}") from exc
-        except BaseException:
-            self._engine_loop.stop()
-            raise
-        self.start_s = time.perf_counter() - started
         self.engine_tower_report: dict | None = None  # what vLLM's worker runs, with infer.engine_tower
         # With infer.engine_tower or tower_clock: the tower's GPU ms per image in vLLM's engine process over the last
         # clock reading, in each result's timings as encode_ms_per_image (what embeds mode reports for its tower).
         self.engine_tower_ms_per_image: float | None = None
         self._tower_watch = None
-        if tower_args:
-            self._report_engine_tower()
-            self._tower_watch = self._engine_loop.submit(self._watch_engine_tower())
+        embeds_only = self._start_vllm(args, embeds_only)
+        if settings.engine_tower or settings.tower_clock:
+            problem = self._engine_tower_problem()
+            if problem and self._engine_tower_by_default:
+                log.warning("%s; running the vision tower in this process instead (infer.engine_tower=false)", problem)
+                self._engine_loop.shutdown_llm(self.llm)
+                self._engine_loop.reap_children()
+                self._set_tower_place(self.settings.model_copy(update={"engine_tower": False, "tower_clock": False}))
+                embeds_only = self._start_vllm(args, self.mode == "embeds" and embeds_only_engine)
+            elif problem:
+                self._engine_loop.shutdown_llm(self.llm)
+                self._engine_loop.stop()
+                self._engine_loop.reap_children()
+                raise RuntimeError(f"{problem}; set {tower_setting(self.settings)}=false")
+            if self.settings.engine_tower or self.settings.tower_clock:
+                self._tower_watch = self._engine_loop.submit(self._watch_engine_tower())
+        self.start_s = time.perf_counter() - started
+        settings = self.settings
         scheduler = self.llm.vllm_config.scheduler_config
         self.batch_size = scheduler.max_num_seqs  # what the runner sizes its in-flight window by
         self.step_tokens = scheduler.max_num_batched_tokens
@@ -311,25 +303,69 @@ class VllmEngine(QueuedEngine):
         # 3. The encoder thread feeds vLLM.
         self._start_worker(self._encode_loop, "vllm-encoder")
 
-    def _report_engine_tower(self) -> None:
-        """Log what vLLM's worker says it runs (engine_tower.EngineTowerExtension); refuse an engine where no model
-        class took it, naming the setting."""
+    def _set_tower_place(self, settings: InferSettings) -> None:
+        """Settings with ``engine_tower`` decided, and what follows from them."""
+        self.settings = settings
+        # Where embeds mode runs our tower: here, shipping image_embeds to vLLM, or (infer.engine_tower) in vLLM's
+        # engine process, shipping the decoded image there as pixel rows (consumers/infer/pixel_rows.py).
+        self._tower_in_engine = self.mode == "embeds" and settings.engine_tower
+        # Then the engine also keeps each image's embedding, found by the tag its pixel rows carry.
+        self._engine_embeddings = (EngineEmbeddings(self._take_engine_embeddings)
+                                   if self._tower_in_engine and settings.publish_embeddings else None)
+
+    def _start_vllm(self, base_args: dict, embeds_only: bool) -> bool:
+        """Start vLLM's engine with ``base_args`` and what the tower's place adds. ``embeds_only``: images arrive
+        only as embeddings (``limit_mm_per_prompt`` image 0), so vLLM neither builds nor profiles its own tower;
+        returns it as it ended up (see the retry below)."""
+        settings = self.settings
+        tower_args, tower_env = engine_tower_args(settings, self.mode, self.family)  # refused before vLLM starts
+        args = {**base_args, **tower_args, **self._engine_kwargs,
+                "limit_mm_per_prompt": {"image": 0 if embeds_only else 1, "video": 0}}
+        try:
+            try:
+                with engine_process_threads(settings.engine_cpu_threads), child_environment(tower_env):
+                    self.llm = self._engine_loop.start_llm(self._v, self._v.AsyncEngineArgs(**args))
+            except Exception as exc:
+                if not embeds_only:
+                    raise
+                # vLLM 0.26 cannot build Qwen3-VL's language model without its tower: the DeepStack buffers stay
+                # on the meta device and the compile fails (seen on the H200, RESULTS.md 2026-12-01). The engine
+                # with its tower kept takes the same image_embeds and gives the same outputs; it only holds the
+                # tower's weights and profiles it at start.
+                log.warning("vLLM %s would not start %s with images as embeddings only (%s: %s); starting it "
+                            "again with its own vision tower kept", self._v.version, self.model_path,
+                            type(exc).__name__, str(exc)[:300])
+                self._engine_loop.reap_children()
+                embeds_only = False
+                args["limit_mm_per_prompt"] = {"image": 1, "video": 0}
+                with engine_process_threads(settings.engine_cpu_threads), child_environment(tower_env):
+                    self.llm = self._engine_loop.start_llm(self._v, self._v.AsyncEngineArgs(**args))
+        except Exception as exc:
+            self._engine_loop.stop()
+            self._engine_loop.reap_children()
+            raise RuntimeError(f"vLLM {self._v.version} cannot serve infer.model {self.model_path!r} "
+                               f"(mode {self.mode}): {type(exc).__name__}: {exc}") from exc
+        except BaseException:
+            self._engine_loop.stop()
+            raise
+        return embeds_only
+
+    def _engine_tower_problem(self) -> str | None:
+        """Log what vLLM's worker says it runs (engine_tower.EngineTowerExtension); why the engine did not take it,
+        or None."""
         try:
             report = self._engine_loop.call(self._tower_report(), 120)
         except Exception as exc:  # noqa: BLE001 - whatever went wrong, the engine did not take our tower
             report = {"installed": [], "error": f"{type(exc).__name__}: {str(exc)[:300]}"}
         self.engine_tower_report = report
         log.info("vLLM's engine process, vlmstream's tower wrapper: %s", report)  # plan_x1.sh's readers look for it
-        name = tower_setting(self.settings)
         if not report.get("installed") or not report.get("model", {}).get("wrapped"):
-            self._engine_loop.shutdown_llm(self.llm)
-            self._engine_loop.stop()
-            self._engine_loop.reap_children()
-            raise RuntimeError(f"{name}: the model vLLM {self._v.version} built does not take vlmstream's tower "
-                               f"wrapper ({report}); set {name}=false")
+            return (f"{tower_setting(self.settings)}: the model vLLM {self._v.version} built does not take vlmstream's "
+                    f"tower wrapper ({report})")
         if self.settings.engine_tower and not report.get("encoders"):
             log.warning("vLLM ran no image at start, so the tower in its engine process is built (and compiled) on "
                         "the first batch")
+        return None
 
     def _embeds_here(self) -> bool:
         """Whether this process makes the image_embeds vLLM gets (embeds mode, tower not in vLLM's engine)."""
