@@ -457,7 +457,7 @@ def test_run_with_each_tiny_model_end_to_end(tiny_dirs, name, topic_names, corpu
 
 
 @pytest.mark.parametrize("name", ["qwen2.5-vl-7b", "qwen3-vl-8b", "qwen3-vl-30b-a3b", "qwen3.5-397b-a17b",
-                                  "gemma3-4b"])
+                                  "qwen3.5-27b", "gemma3-4b"])
 def test_each_gpu_models_config_builds_the_model_it_names(tmp_path, name):
     """The released configs the GPU benchmarks run with dummy weights (consumers/infer/model7b.py): transformers
     builds each (on the meta device: no memory), the registry finds its family, and a family's tower makes

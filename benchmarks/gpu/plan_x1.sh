@@ -116,6 +116,10 @@
 #              against transformers' full model (bf16, DeepStack included); M1 at 0.2 MP and 1 MP / 64: naive vLLM,
 #              vLLM given image_embeds (its language model alone), the pipeline in both modes; M2 the Qwen3.5 tower
 #              (Qwen3.5-397B-A17B's config) against transformers' full model (about 18 minutes)
+#   qwen35-dense  Qwen3.5-27B's config (the dense Qwen3.5, dummy weights): D0 our tower (fast blocks) against
+#              transformers' full model; D1 at 0.2 MP and 1 MP / 64, 25-s phases: naive vLLM, vLLM given image_embeds
+#              (its language model alone), the pipeline in both modes; D2 `vllm serve` (8 API servers) at both
+#              budgets (about 22 minutes)
 #   generic    G2 the generic path (Gemma 3 4B config) at 1 MP / 64: naive vLLM against the pipeline (pixels), with
 #              every arm's CPU cores and CPU ms per image (the front-end cores the issue compares)
 #   honesty    H1 `estimate_honesty.py --cases g` with the Qwen2.5-VL-7B config at 0.2 MP / 64: an estimate from a 5%
@@ -550,6 +554,16 @@ if [ "$LIST" = moe ]; then
   check_tower m2_check_tower_qwen35 qwen3.5-397b-a17b 150
   job m1_moe 720 900 $BENCH --model $QM --budgets 256,1280 --seconds 25 --stop-after 1.5 --profile \
     --arms naive,ceiling-embeds,pipeline-embeds,pipeline-pixels --out "$RES/m1_moe"
+fi
+
+if [ "$LIST" = qwen35-dense ]; then
+  Q5=/root/qwen3.5-27b
+  [ -e $Q5/config.json ] || python3 benchmarks/gpu/mk_model.py $Q5 qwen3.5-27b > "$RES/mk_q5.log" 2>&1
+  check_tower d0_check_tower_qwen35_27b qwen3.5-27b 150
+  job d1_qwen35_27b 720 900 $BENCH --model $Q5 --budgets 256,1280 --seconds 25 --stop-after 1.5 --profile \
+    --arms naive,ceiling-embeds,pipeline-embeds,pipeline-pixels --out "$RES/d1_qwen35_27b"
+  job d2_qwen35_27b_serve 300 420 $BENCH --model $Q5 --budgets 256,1280 --seconds 25 --arms serve --serve-k 8 \
+    --out "$RES/d2_qwen35_27b_serve"
 fi
 
 if [ "$LIST" = generic ]; then

@@ -1,4 +1,4 @@
-"""Qwen2.5-VL-7B-Instruct, Qwen3-VL-8B-Instruct, Qwen3-VL-30B-A3B-Instruct, Qwen3.5-397B-A17B and Gemma 3 4B (the
+"""Qwen2.5-VL-7B-Instruct, Qwen3-VL-8B-Instruct, Qwen3-VL-30B-A3B-Instruct, Qwen3.5-397B-A17B, Qwen3.5-27B and Gemma 3 4B (the
 generic path) folders without weights, for GPU measurements with vLLM ``load_format="dummy"`` and for the tower
 checks against transformers.
 
@@ -156,6 +156,43 @@ def write_qwen35_397b_a17b_config(path: str | Path) -> Path:
                                  QWEN3_5_CHAT_TEMPLATE)
 
 
+# Qwen/Qwen3.5-27B's config.json, the dense member of the family: a 64-layer hybrid language model (three Gated
+# DeltaNet layers to each gated full-attention one; GQA 24/4, head_dim 256, MLP width 17,408, width 5,120) and the
+# family's tower (27 blocks of width 1,152, no DeepStack) merged to 5,120. Not read from the hub (none here): the
+# values as public code that builds this model reproduces them, where two independent sources agree on the
+# language model's shape. In bf16 it fits one H200 (about 54 GB of weights), so vLLM serves it with dummy weights.
+CONFIG_QWEN3_5_27B = {
+    "architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
+    "image_token_id": 248056, "video_token_id": 248057, "vision_start_token_id": 248053,
+    "vision_end_token_id": 248054, "tie_word_embeddings": False,
+    "text_config": {
+        "model_type": "qwen3_5_text", "attention_bias": False, "attention_dropout": 0.0, "attn_output_gate": True,
+        "dtype": "bfloat16", "eos_token_id": 248044, "full_attention_interval": 4, "head_dim": 256,
+        "hidden_act": "silu", "hidden_size": 5120, "initializer_range": 0.02, "intermediate_size": 17408,
+        "layer_types": ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(64)],
+        "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_num_key_heads": 16,
+        "linear_num_value_heads": 48, "linear_value_head_dim": 128, "mamba_ssm_dtype": "float32",
+        "max_position_embeddings": 262144, "mlp_only_layers": [], "mtp_num_hidden_layers": 1,
+        "mtp_use_dedicated_embeddings": False, "num_attention_heads": 24, "num_hidden_layers": 64,
+        "num_key_value_heads": 4, "partial_rotary_factor": 0.25, "rms_norm_eps": 1e-6,
+        "rope_parameters": {"mrope_interleaved": True, "mrope_section": [11, 11, 10], "partial_rotary_factor": 0.25,
+                            "rope_theta": 10000000, "rope_type": "default"},
+        "tie_word_embeddings": False, "use_cache": True, "vocab_size": 248320,
+    },
+    "vision_config": {
+        "model_type": "qwen3_5", "deepstack_visual_indexes": [], "depth": 27, "hidden_act": "gelu_pytorch_tanh",
+        "hidden_size": 1152, "in_channels": 3, "initializer_range": 0.02, "intermediate_size": 4304, "num_heads": 16,
+        "num_position_embeddings": 2304, "out_hidden_size": 5120, "patch_size": QWEN3_5.patch_size,
+        "spatial_merge_size": QWEN3_5.merge_size, "temporal_patch_size": QWEN3_5.temporal_patch_size,
+    },
+}
+
+
+def write_qwen35_27b_config(path: str | Path) -> Path:
+    """Qwen3.5-27B's config (the dense Qwen3.5, one GPU's worth) and Qwen3.5's processor settings, no weights."""
+    return _write_qwen3vl_folder(path, CONFIG_QWEN3_5_27B, QWEN3_5, QWEN3_5_FIRST_SPECIAL_ID, QWEN3_5_CHAT_TEMPLATE)
+
+
 # google/gemma-3-4b-it's config.json: a 34-layer Gemma 3 language model (5 sliding-window layers of 1,024 tokens to
 # each global one, GQA 8/4, head_dim 256, vocabulary 262,208) and SigLIP-so400m at 896 px (27 blocks, width 1,152),
 # pooled to 256 image tokens. No family module describes it: it runs the generic path.
@@ -191,4 +228,5 @@ def write_gemma3_4b_config(path: str | Path) -> Path:
 
 GPU_MODELS = {"qwen2.5-vl-7b": write_qwen25vl_7b_config, "qwen3-vl-8b": write_qwen3vl_8b_config,
               "qwen3-vl-30b-a3b": write_qwen3vl_30b_a3b_config, "qwen3.5-397b-a17b": write_qwen35_397b_a17b_config,
+              "qwen3.5-27b": write_qwen35_27b_config,
               "gemma3-4b": write_gemma3_4b_config}
