@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Union
+from typing import Any, Iterable, Iterator, Union
 
-from schemas import DocumentRef
+from schemas import DocumentRef, SchemaError
 
 BOM = b"\xef\xbb\xbf"  # a UTF-8 byte-order mark, as Windows editors and PowerShell pipes write
 # A scheme of two or more letters (one letter is a Windows drive: C:\\scan.jpg): http://, s3://, file:, data:, urn:...
@@ -77,3 +77,21 @@ def validated(doc: DocumentRef) -> DocumentRef:
     """Raises SchemaError naming the field; the publisher then encodes without validating again."""
     doc.encode()
     return doc
+
+
+def with_id_prefix(items: Iterable[Any], prefix: str) -> Iterator[Any]:
+    """Each document of ``items`` with ``prefix`` before its id; anything else as it is. For sources whose ids repeat
+    across inputs (a folder's ids are paths relative to it, so two folders of IMG_0001.JPG share ids), which on
+    the compacted results topic would replace each other's results. A prefixed id the schema refuses becomes a
+    rejection naming the setting."""
+    for item in items:
+        if not prefix or not isinstance(item, DocumentRef):
+            yield item
+            continue
+        try:
+            yield validated(replace(item, doc_id=prefix + item.doc_id))
+        except SchemaError as exc:
+            yield Rejection(item.source or "--id-prefix", None, "schema_violation",
+                            f"with --id-prefix: {exc}",
+                            (prefix + item.doc_id).encode("utf-8", "surrogateescape"), item.doc_id)
+

@@ -60,6 +60,9 @@ class PublishSummary:
     elapsed_s: float = 0.0
     # The ids of the documents sent, when asked for (``track_sent``): `vlmstream run` waits for their new results.
     sent_ids: set[str] | None = None
+    # Of those, the ids the ledger held with other content (other images or metadata; with ``track_sent``): on the
+    # compacted results topic, keyed by doc id, their new results replace the earlier documents'.
+    replaced_ids: set[str] | None = None
 
     @property
     def ok(self) -> bool:
@@ -116,6 +119,7 @@ class DocumentPublisher:
         self.settings = settings
         self.force = force
         self.track_sent = track_sent
+        self._replacing: set[str] = set()  # ids sent whose ledger row held other content
         self.stop = stop
         self.on_progress = on_progress
         self.documents_topic = settings.topics.documents
@@ -135,7 +139,8 @@ class DocumentPublisher:
     # --- public ---------------------------------------------------------------------------------
 
     def publish(self, items: Iterable[Any]) -> PublishSummary:
-        summary = self._summary = PublishSummary(sent_ids=set() if self.track_sent else None)
+        summary = self._summary = PublishSummary(sent_ids=set() if self.track_sent else None,
+                                                 replaced_ids=set() if self.track_sent else None)
         started = time.monotonic()
         try:
             for chunk in _chunks(items, CHUNK):
@@ -223,6 +228,8 @@ class DocumentPublisher:
             return
         except KafkaError as exc:
             raise FatalPipelineError(f"cannot send to {self.documents_topic}: {exc!r}") from exc
+        if doc.doc_id in known:  # not skipped above, so the ledger held this id with other content
+            self._replacing.add(doc.doc_id)
         self._track(_InFlight(future, self.documents_topic, doc.doc_id, content_hash, doc.source, True,
                               len(doc.image_uris)))
 
@@ -298,6 +305,8 @@ class DocumentPublisher:
             self._summary.images_sent += entry.images
             if self._summary.sent_ids is not None:
                 self._summary.sent_ids.add(entry.record_id)
+                if entry.record_id in self._replacing:
+                    self._summary.replaced_ids.add(entry.record_id)
         self._acked.append((entry.topic, self.bootstrap, entry.record_id, entry.content_hash))
 
     def _write_ledger(self) -> None:

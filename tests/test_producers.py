@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import io
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -492,3 +493,34 @@ def test_cli_produce_manifest_end_to_end(settings: Settings, tmp_path: Path) -> 
 
     usage = subprocess.run([*cli, "produce"], env=env, capture_output=True, text=True, timeout=60)
     assert usage.returncode == 2
+
+
+@pytest.mark.kafka
+def test_two_folders_with_the_same_file_names_are_reported_and_kept_apart_by_an_id_prefix(settings: Settings,
+                                                                                        corpus_dir: Path,
+                                                                                        tmp_path: Path) -> None:
+    """A folder's ids are relative paths, so a second folder of the same names replaces the first one's documents:
+    the publisher says which ids it sent over other content (``replaced_ids``: `vlmstream run` warns with them).
+    ``with_id_prefix`` gives the second folder ids of its own; a prefix the schema refuses is a rejection."""
+    from producers.items import with_id_prefix
+
+    source = next(p for p in sorted(corpus_dir.rglob("*")) if p.suffix.lower() in (".jpg", ".png"))
+    folders = []
+    for name in ("2024", "2025"):
+        folder = tmp_path / name
+        folder.mkdir()
+        for copy in ("IMG_0001" + source.suffix, "IMG_0002" + source.suffix):
+            shutil.copyfile(source, folder / copy)
+        folders.append(folder)
+    first = publish_documents(settings, scan_folder(folders[0]), track_sent=True)
+    assert first.sent == 2 and first.replaced_ids == set()
+    second = publish_documents(settings, scan_folder(folders[1]), track_sent=True)
+    ids = {"IMG_0001" + source.suffix, "IMG_0002" + source.suffix}
+    assert second.sent_ids == ids and second.replaced_ids == ids
+    prefixed = publish_documents(settings, with_id_prefix(scan_folder(folders[0]), "2024/"), track_sent=True)
+    assert prefixed.sent_ids == {"2024/" + i for i in ids} and prefixed.replaced_ids == set()
+    docs = documents(settings, 6)
+    assert docs["2024/IMG_0001" + source.suffix].image_uris == (str(folders[0] / ("IMG_0001" + source.suffix)),)
+    too_long = list(with_id_prefix(scan_folder(folders[0]), "x" * 600))
+    assert all(isinstance(r, Rejection) and r.reason == "schema_violation" and "--id-prefix" in r.detail
+               for r in too_long)

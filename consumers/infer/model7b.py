@@ -1,5 +1,5 @@
-"""Qwen2.5-VL-7B-Instruct, Qwen3-VL-8B-Instruct, Qwen3-VL-30B-A3B-Instruct, Qwen3.5-397B-A17B, Qwen3.5-27B and Gemma 3 4B (the
-generic path) folders without weights, for GPU measurements with vLLM ``load_format="dummy"`` and for the tower
+"""Qwen2.5-VL-7B-Instruct, Qwen3-VL-8B-Instruct, Qwen3-VL-30B-A3B-Instruct, Qwen3.5-397B-A17B, Qwen3.5-27B and
+Gemma 3 4B (the generic path) folders without weights, for GPU measurements with vLLM ``load_format="dummy"`` and for the tower
 checks against transformers.
 
 The configs hold the released models' real values, so vLLM allocates, compiles and computes exactly as for

@@ -33,6 +33,10 @@ def produce(
                                    "have not changed for this long."),
     max_seconds: Optional[float] = typer.Option(None, "--max-seconds", help="Watch: stop after this long."),
     documents_topic: Optional[str] = typer.Option(None, "--documents-topic", help="Override topics.documents."),
+    id_prefix: str = typer.Option("", "--id-prefix", help="Put this before every document id (e.g. 'scans-2024/'). "
+                                  "A folder's ids are paths relative to it, so two folders holding the same file "
+                                  "names share ids, and on the results topic (compacted by id) the later one's "
+                                  "results replace the earlier one's."),
 ) -> None:
     """Publish documents (DocumentRef, key doc_id) to the documents topic, skipping those already published.
 
@@ -44,6 +48,7 @@ def produce(
     Exit 2: bad usage.
     """
     from producers.folder import scan_folder, skipped_files_line
+    from producers.items import with_id_prefix
     from producers.manifest import read_manifest
     from producers.publisher import publish_documents
     from producers.stdin import read_lines
@@ -83,6 +88,7 @@ def produce(
                  if watch else scan_folder(folder, per_file=per_file, skipped=skipped))
     else:
         items = read_lines(sys.stdin.buffer, stop=stop)
+    items = with_id_prefix(items, id_prefix)
 
     try:
         with _progress(console, enabled=not quiet and console.is_terminal) as on_progress:

@@ -173,6 +173,10 @@ def run(
                                "its own (the configured names + '.run-<id>'), so records earlier runs left queued on "
                                "the shared topics are neither waited for nor touched (they stay for `vlmstream "
                                "decode`/`infer`). The run's topics stay on the cluster; their names are printed."),
+    id_prefix: str = typer.Option("", "--id-prefix", help="Put this before every document id (e.g. 'scans-2024/'). "
+                                  "A folder's ids are paths relative to it: give two folders holding the same file "
+                                  "names different prefixes, or the later run's results replace the earlier one's on "
+                                  "the results topic (compacted by id)."),
     condense: bool = typer.Option(False, "--condense", help="Also run the condense stage (`vlmstream condense`, "
                                   "condense.* settings): one structured answer per document, from its descriptions; "
                                   "the run then waits for every document's answer too."),
@@ -193,6 +197,7 @@ def run(
     from rich.markup import escape
 
     from producers.folder import IMAGE_EXTENSIONS, scan_folder, skipped_files_line
+    from producers.items import with_id_prefix
     from producers.publisher import publish_documents
     from schemas import DeadLetter, Description, DocumentRef, DocumentResult, DocumentSummary, SchemaError
     from vlmstream.cli.backlog import LiveView, RateMemory, RememberedRate, StageProbe, measure_backlog
@@ -225,6 +230,7 @@ def run(
         image_roots = [str(folder)]
         if skipped:
             console.print(f"[yellow]{escape(skipped_files_line(skipped, folder))}[/]")
+    items = list(with_id_prefix(items, id_prefix))
     if not items:
         extensions = " ".join(sorted(IMAGE_EXTENSIONS))
         raise typer.BadParameter(f"{folder} holds no image files (looked for {extensions}, in it and its "
@@ -326,6 +332,13 @@ def run(
                       f"waiting for {len(expected)} document results")
         for rejection in summary.rejected[:20]:
             console.print(f"  [yellow]rejected[/] {rejection.where()}: {rejection.reason}: {rejection.detail}")
+        if summary.replaced_ids:
+            example = escape(repr(sorted(summary.replaced_ids)[0]))
+            console.print(f"[yellow]{len(summary.replaced_ids)} of these documents were published before under the "
+                          f"same ids with other images or metadata (e.g. {example}): their new results will replace "
+                          f"the earlier ones on {settings.topics.results}. If those were another folder's with the "
+                          "same file names, give each folder its own --id-prefix (running the earlier one again "
+                          "with its prefix brings its results back).[/]")
         shown = 0
         images_described = 0
         dead_letters = 0
