@@ -943,3 +943,43 @@ def test_next_batch_takes_what_is_queued_and_waits_only_when_asked():
     batch, stopping = engine._next_batch(2)
     assert [r for r, _ in batch] == ["c"] and not stopping
     assert engine._next_batch(2, block=False) == ([], False)
+
+
+@pytest.mark.parametrize("family", ["qwen2.5-vl", "qwen3-vl"])
+def test_index_tensors_from_each_grids_kept_part_equal_transformers_derivation_of_the_batch(family, model_dir,
+                                                                                            tmp_path):
+    """VisionEncoder._index_inputs builds a batch's index tensors from each image grid's part, derived once and
+    kept (GridIndexParts): equal, tensor for tensor, to transformers' vision_utils over the whole batch (window
+    order and bounds of Qwen2.5-VL's windowed tower, the learned grid's taps and weights of Qwen3-VL's), and a
+    batch of grids seen before derives nothing new."""
+    from transformers import vision_utils
+
+    from consumers.infer.tiny_model import write_tiny_family_model
+    from consumers.infer.vision import VisionEncoder, load_vision_tower
+
+    path = model_dir if family == "qwen2.5-vl" else write_tiny_family_model(tmp_path / family, family)
+    tower, _ = load_vision_tower(path, "cpu", torch.float32)
+    encoder = VisionEncoder(tower, "cpu", torch.float32, attention="sdpa")
+    visual = encoder.visual
+    # Grids of several shapes and repeats, one whose side is a whole number of windows and one that is not.
+    grid = torch.tensor([[1, 16, 16], [1, 12, 20], [1, 16, 16], [1, 8, 32], [1, 36, 6], [1, 12, 20]])
+    expected = {"position_ids": vision_utils.get_vision_position_ids(grid, visual.spatial_merge_size),
+                "cu_seqlens": vision_utils.get_vision_cu_seqlens(grid)}
+    if family == "qwen2.5-vl":
+        expected["window_index"], expected["cu_window_seqlens"] = vision_utils.get_vision_window_index(
+            grid, spatial_merge_size=visual.spatial_merge_size, window_size=visual.window_size,
+            patch_size=visual.patch_size)
+    else:
+        expected["interp_indices"], expected["interp_weights"] = \
+            vision_utils.get_vision_interpolation_indices_and_weights(
+                grid, num_grid_per_side=visual.num_grid_per_side, mode=visual.interpolation_mode,
+                align_corners=visual.interpolation_align_corners, spatial_merge_size=visual.config.spatial_merge_size)
+    for _ in range(2):
+        inputs = encoder._index_inputs(grid)
+        for name, tensor in expected.items():
+            assert inputs[name].dtype == tensor.dtype and torch.equal(inputs[name], tensor), name
+        assert len(encoder._grid_parts) == 4  # four distinct grids, derived once each
+    parts = encoder._grid_parts
+    parts.max_bytes = 1  # over the cap: the least recently used grid goes, the newest stays
+    parts.get((1, 4, 4))
+    assert len(parts) == 1 and parts.get((1, 4, 4)) is parts.get((1, 4, 4))

@@ -14,6 +14,7 @@ embedding for the embeddings topic is the mean of the main merger's part (``Mode
 
 from __future__ import annotations
 
+import collections
 import functools
 import json
 import logging
@@ -740,6 +741,37 @@ def to_host_each(tokens: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return hosts
 
 
+class GridIndexParts:
+    """Each image grid's part of a forward's index tensors (``VisionEncoder._image_index_parts``), derived once and
+    kept, least recently used first out beyond ``max_bytes``. Images resized to one pixel budget fall into few grids
+    (one per aspect ratio the budget's rounding keeps), so most batches find every part here."""
+
+    def __init__(self, derive, max_bytes: int = 256 << 20):
+        self._derive, self.max_bytes = derive, max_bytes
+        self._kept: collections.OrderedDict[tuple, dict[str, torch.Tensor]] = collections.OrderedDict()
+        self._bytes = 0
+
+    def get(self, grid: tuple) -> dict[str, torch.Tensor]:
+        parts = self._kept.get(grid)
+        if parts is not None:
+            self._kept.move_to_end(grid)
+            return parts
+        parts = self._derive(grid)
+        self._kept[grid] = parts
+        self._bytes += _nbytes(parts)
+        while self._bytes > self.max_bytes and len(self._kept) > 1:
+            _, dropped = self._kept.popitem(last=False)
+            self._bytes -= _nbytes(dropped)
+        return parts
+
+    def __len__(self) -> int:
+        return len(self._kept)
+
+
+def _nbytes(parts: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in parts.values())
+
+
 class TowerPass:
     """One forward's outputs on their way to the host: launched by ``VisionEncoder.launch``, read by ``wait``.
 
@@ -793,6 +825,7 @@ class VisionEncoder:
         self.family = family or family_of_tower(visual)
         # Qwen2.5-VL's windowed tower: window indices precomputed.
         self.windowed = hasattr(visual, "window_size") and hasattr(visual, "fullatt_block_indexes")
+        self._grid_parts = GridIndexParts(self._image_index_parts)
         self.deepstack_levels = len(getattr(visual, "deepstack_visual_indexes", None) or ())
         self.embedding_width = ModelFamily.embedding_width(visual.config.to_dict())
         self.image_embeds_width = self.embedding_width * (1 + self.deepstack_levels)
@@ -860,42 +893,57 @@ class VisionEncoder:
         return list(merged.split(sizes))
 
     def _index_inputs(self, grid_cpu: torch.Tensor) -> dict:
-        """The forward's index tensors (rotary positions, window order, sequence bounds), derived from the grid on
-        the CPU and sent over with the batch. From a grid on the GPU, transformers derives them there in many
-        small kernels and waits for the GPU several times per forward (.tolist(), .item(), unique_consecutive):
-        each wait a stall behind the language model's turn when both share the GPU. Empty (transformers derives
-        them itself) where its vision_utils cannot take them (before transformers 5)."""
+        """The forward's index tensors (rotary positions, window order, sequence bounds; for a tower with a learned
+        position grid, the taps and weights that resample it to each image), derived from the grid on the CPU and
+        sent over with the batch. From a grid on the GPU, transformers derives them there in many small kernels and
+        waits for the GPU several times per forward (.tolist(), .item(), unique_consecutive): each wait a stall
+        behind the language model's turn when both share the GPU. Each image's part is derived once per grid and
+        kept (``GridIndexParts``): derived afresh it cost several ms of host time per batch, in vLLM's engine process
+        time the GPU waits. Empty (transformers derives them itself) where its vision_utils cannot take them
+        (before transformers 5)."""
         if _vision_utils is None:
             return {}
-        if hasattr(self.visual, "num_grid_per_side"):
-            return self._learned_grid_index_inputs(grid_cpu)
-        if not self.windowed:
-            return self._sequence_inputs(grid_cpu)
-        visual = self.visual
-        window_index, cu_window_seqlens = _vision_utils.get_vision_window_index(
-            grid_cpu, spatial_merge_size=visual.spatial_merge_size, window_size=visual.window_size,
-            patch_size=visual.patch_size)
-        return {**self._sequence_inputs(grid_cpu), "window_index": self._there(window_index),
-                "cu_window_seqlens": self._there(cu_window_seqlens),
-                "max_window_seqlen": _longest(cu_window_seqlens)}
-
-    def _sequence_inputs(self, grid_cpu: torch.Tensor) -> dict:
-        """The rotary positions and the per-image sequence bounds every Qwen tower's forward takes."""
+        grids = [tuple(g) for g in grid_cpu.tolist()]
+        parts = [self._grid_parts.get(g) for g in grids]
         cu_seqlens = _vision_utils.get_vision_cu_seqlens(grid_cpu)
-        position_ids = _vision_utils.get_vision_position_ids(grid_cpu, self.visual.spatial_merge_size)
-        return {"position_ids": self._there(position_ids), "cu_seqlens": self._there(cu_seqlens),
-                "max_seqlen": _longest(cu_seqlens)}
+        inputs = {"position_ids": torch.cat([p["position_ids"] for p in parts]), "cu_seqlens": cu_seqlens}
+        if "interp_indices" in parts[0]:
+            inputs["interp_indices"] = torch.cat([p["interp_indices"] for p in parts])
+            inputs["interp_weights"] = torch.cat([p["interp_weights"] for p in parts])
+        if "window_index" in parts[0]:
+            # Each image's window order counts its merged tokens and its window bounds its patches from 0: shifted
+            # by the images before it, as get_vision_window_index numbers them over the batch.
+            patches = [t * h * w for t, h, w in grids]
+            before = [sum(patches[:i]) for i in range(len(patches))]
+            unit = self.visual.spatial_merge_size ** 2
+            inputs["window_index"] = torch.cat([p["window_index"] + b // unit for p, b in zip(parts, before)])
+            bounds = torch.cat([torch.zeros(1, dtype=torch.long)] + [p["window_bounds"] + b
+                                                                     for p, b in zip(parts, before)])
+            cu_window_seqlens = torch.unique_consecutive(bounds).to(torch.int32)
+            inputs["cu_window_seqlens"] = cu_window_seqlens
+            inputs["max_window_seqlen"] = _longest(cu_window_seqlens)
+        inputs = {key: self._there(value) if isinstance(value, torch.Tensor) else value
+                  for key, value in inputs.items()}
+        inputs["max_seqlen"] = _longest(cu_seqlens)
+        return inputs
 
-    def _learned_grid_index_inputs(self, grid_cpu: torch.Tensor) -> dict:
-        """``_index_inputs`` of a Qwen3-VL / Qwen3.5 tower: the taps and weights that resample its learned position
-        grid to each image, the rotary positions and the sequence bounds, derived on the CPU as that tower's
-        forward would on its device."""
+    def _image_index_parts(self, grid: tuple[int, int, int]) -> dict[str, torch.Tensor]:
+        """One image's part of ``_index_inputs``: transformers' vision_utils on a batch of that image alone."""
         visual = self.visual
-        indices, weights = _vision_utils.get_vision_interpolation_indices_and_weights(
-            grid_cpu, num_grid_per_side=visual.num_grid_per_side, mode=visual.interpolation_mode,
-            align_corners=visual.interpolation_align_corners, spatial_merge_size=visual.config.spatial_merge_size)
-        return {"interp_indices": self._there(indices), "interp_weights": self._there(weights),
-                **self._sequence_inputs(grid_cpu)}
+        one = torch.tensor([grid], dtype=torch.long)
+        parts = {"position_ids": _vision_utils.get_vision_position_ids(one, visual.spatial_merge_size)}
+        if hasattr(visual, "num_grid_per_side"):  # Qwen3-VL / Qwen3.5: a learned position grid, resampled
+            parts["interp_indices"], parts["interp_weights"] = \
+                _vision_utils.get_vision_interpolation_indices_and_weights(
+                    one, num_grid_per_side=visual.num_grid_per_side, mode=visual.interpolation_mode,
+                    align_corners=visual.interpolation_align_corners,
+                    spatial_merge_size=visual.config.spatial_merge_size)
+        if self.windowed:  # Qwen2.5-VL
+            window_index, bounds = _vision_utils.get_vision_window_index(
+                one, spatial_merge_size=visual.spatial_merge_size, window_size=visual.window_size,
+                patch_size=visual.patch_size)
+            parts["window_index"], parts["window_bounds"] = window_index, bounds[1:].to(torch.long)
+        return parts
 
     def _there(self, tensor: torch.Tensor) -> torch.Tensor:
         return to_device(tensor, self.device)
