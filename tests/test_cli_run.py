@@ -137,16 +137,16 @@ def test_earlier_results_of_another_model_are_redone_once_all_earlier_results_ar
 
     watcher, results = Watcher(), {}
     folded = FoldedResults({"results-0": 3}, "/models/mine")
-    assert not folded.counts(result("a", "/models/theirs"), results)
-    assert not folded.counts(result("b", "/models/theirs"), results)
-    assert folded.counts(result("c", None), results)
+    assert not folded.counts(result("a", "/models/theirs"), results, "results-0", 0)
+    assert not folded.counts(result("b", "/models/theirs"), results, "results-0", 1)
+    assert folded.counts(result("c", None), results, "results-0", 2)
     watcher.at = 2
     assert folded.to_redo(watcher) == {}  # not past the earlier results yet
-    assert folded.counts(result("b", "/models/theirs", "/models/mine"), results)  # later, with this model
+    assert folded.counts(result("b", "/models/theirs", "/models/mine"), results, "results-0", 5)  # later, this model
     watcher.at = 3
     assert folded.to_redo(watcher) == {"a": "/models/theirs"}
     assert folded.to_redo(watcher) == {}
-    assert not folded.counts(result("a", "/models/theirs"), results) and folded.to_redo(watcher) == {}
+    assert not folded.counts(result("a", "/models/theirs"), results, "results-0", 6) and folded.to_redo(watcher) == {}
     assert same_model("/models/mine", "/models/mine") and not same_model("/models/mine", None)
 
     # A document the run published itself (new, or its content changed): only a result from after its start counts.

@@ -484,7 +484,7 @@ class FoldedResults:
         published before the run sent the document."""
         return doc_id not in self.sent or offset >= self.ends.get(tp, 0)
 
-    def counts(self, result: Any, results: dict[str, Any], tp: Any = None, offset: int = 0) -> bool:
+    def counts(self, result: Any, results: dict[str, Any], tp: Any, offset: int) -> bool:
         """Whether ``result``, read at ``offset`` of ``tp``, makes its document done for this run."""
         if not self.current(result.doc_id, tp, offset):
             return False  # a result of what the document was before this run sent it
