@@ -470,12 +470,11 @@ class VllmEngine(QueuedEngine):
 
     def _launch_splitting(self, items: list[tuple[InferenceRequest, float]]):
         torch = self._torch
+        started = time.perf_counter()
         try:
-            started = time.perf_counter()
             with torch.cuda.stream(self._stream):
                 tower_pass = self.encoder.launch([r.image for r, _ in items], self._embeds_here(),
                                                  [i for i, (r, _) in enumerate(items) if r.want_embedding])
-            yield _TowerWork(items, tower_pass, started)
         except torch.cuda.OutOfMemoryError as exc:  # raised while queuing: allocations are made on the host's side
             torch.cuda.empty_cache()
             if len(items) == 1:
@@ -488,6 +487,8 @@ class VllmEngine(QueuedEngine):
                         len(items) - half)
             yield from self._launch_splitting(items[:half])
             yield from self._launch_splitting(items[half:])
+            return
+        yield _TowerWork(items, tower_pass, started)
 
     def _finish(self, work: _TowerWork) -> None:
         """Waits for one tower pass and hands its images to vLLM."""
