@@ -983,3 +983,69 @@ def test_index_tensors_from_each_grids_kept_part_equal_transformers_derivation_o
     parts.max_bytes = 1  # over the cap: the least recently used grid goes, the newest stays
     parts.get((1, 4, 4))
     assert len(parts) == 1 and parts.get((1, 4, 4)) is parts.get((1, 4, 4))
+
+
+def test_the_vllm_encoder_thread_keeps_a_pass_queued_and_hands_every_image_over_once(model_dir, monkeypatch):
+    """VllmEngine._encode_loop on the CPU (no vLLM: what it hands to vLLM is recorded instead): every valid request
+    is handed over once, with the tower's image_embeds and, where asked, its embedding, equal to the encoder's own;
+    an invalid one fails by itself; a pass is waited for only after the next one is queued behind it, or once nothing
+    more is waiting; the passes' spans add up to no more than the wall time."""
+    from consumers.infer.engine import InferenceRequest
+    from consumers.infer.vision import VisionEncoder, load_vision_tower
+    from consumers.infer.vllm_engine import VllmEngine
+    from vlmstream.models.qwen2_vl import QWEN2_VL
+    from vlmstream.queued_engine import ENGINE_STOP
+
+    tower, _ = load_vision_tower(model_dir, "cpu", torch.float32)
+    encoder = VisionEncoder(tower, "cpu", torch.float32, attention="sdpa", max_patches_per_call=2 * 16 * 16)
+    engine = object.__new__(VllmEngine)
+    engine._init_queues()
+    engine.mode, engine._tower_in_engine, engine.family, engine.encoder = "embeds", False, QWEN2_VL, encoder
+    engine.settings = InferSettings(vision_batch_images=3)
+    engine.image_embeds_width, engine._torch, engine._stream = encoder.image_embeds_width, torch, None
+    engine._last_pass_finished = 0.0
+    handed, events = [], []
+    monkeypatch.setattr(engine, "_dispatch", lambda items, encoded: handed.extend(
+        (request, encoded.get(request.request_id)) for request, _ in items))
+    launch = encoder.launch
+
+    def logged_launch(images, *args):
+        events.append(("launch", len(images)))
+        tower_pass = launch(images, *args)
+        real_wait = tower_pass.wait
+        tower_pass.wait = lambda: (events.append(("wait", len(images))), real_wait())[1]
+        return tower_pass
+
+    monkeypatch.setattr(encoder, "launch", logged_launch)
+    rng = np.random.default_rng(3)
+    requests = [InferenceRequest(f"r{i}", rng.integers(0, 256, (16 * 14, 16 * 14, 3), dtype=np.uint8), (1, 16, 16),
+                                 "p", 4, want_embedding=i % 2 == 0) for i in range(7)]
+    bad = InferenceRequest("bad", np.zeros((10, 10, 3), np.uint8), (1, 16, 16), "p", 4)
+    engine.submit([*requests[:3], bad, *requests[3:]])
+    engine._inbox.put(ENGINE_STOP)
+    started = time.perf_counter()
+    engine._encode_loop()
+    wall_ms = (time.perf_counter() - started) * 1e3
+
+    assert engine._dead is None
+    failures = engine.poll(0)
+    assert [f.request_id for f in failures] == ["bad"] and failures[0].error_kind == "invalid_request"
+    assert sorted(r.request_id for r, _ in handed) == sorted(r.request_id for r in requests)  # each once
+    expected = {e.request_id: tokens for e, tokens in zip(requests, (x.tokens for x in encoder.encode(
+        [r.image for r in requests])))}
+    spans = set()
+    for request, (image_embeds, embedding, timings) in handed:
+        torch.testing.assert_close(image_embeds, expected[request.request_id], atol=1e-5, rtol=1e-5)
+        assert (embedding is not None) == request.want_embedding
+        spans.add((timings["encode_ms"], timings["encode_batch_images"]))
+    assert sum(ms for ms, _ in spans) <= wall_ms
+    # Batches of 3 (the bad one in the second), passes of at most 2 images: the thread waits for a pass only with
+    # the next one queued behind it (two outstanding), except when nothing more is waiting; never more than two.
+    launches = [n for kind, n in events if kind == "launch"]
+    assert sum(launches) == 7 and max(launches) <= 2
+    outstanding, most = 0, 0
+    for kind, _ in events:
+        outstanding += 1 if kind == "launch" else -1
+        most = max(most, outstanding)
+        assert 0 <= outstanding <= 2, events
+    assert most == 2 and outstanding == 0, events
