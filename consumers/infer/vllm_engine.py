@@ -245,12 +245,12 @@ class VllmEngine(QueuedEngine):
         embeds_only = self._start_vllm(args, embeds_only)
         if settings.engine_tower or settings.tower_clock:
             problem = self._engine_tower_problem()
-            if problem and self._engine_tower_by_default:
+            if problem and self._engine_tower_by_default and settings.engine_tower:
                 log.warning("%s; running the vision tower in this process instead (infer.engine_tower=false)", problem)
                 self._engine_loop.shutdown_llm(self.llm)
                 self._engine_loop.reap_children()
                 self._set_tower_place(self.settings.model_copy(update={"engine_tower": False, "tower_clock": False}))
-                embeds_only = self._start_vllm(args, self.mode == "embeds" and embeds_only_engine)
+                embeds_only = self._start_vllm(args, embeds_only)  # as the first start found it to work
             elif problem:
                 self._engine_loop.shutdown_llm(self.llm)
                 self._engine_loop.stop()
