@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -337,8 +338,9 @@ def run(
             console.print(f"[yellow]{len(summary.replaced_ids)} of these documents were published before under the "
                           f"same ids with other images or metadata (e.g. {example}): their new results will replace "
                           f"the earlier ones on {settings.topics.results}. If those were another folder's with the "
-                          "same file names, give each folder its own --id-prefix (running the earlier one again "
-                          "with its prefix brings its results back).[/]")
+                          f"same file names, give each folder its own prefix (here: --id-prefix "
+                          f"{escape(shlex.quote(folder.stem + '/'))}; running the earlier one again with its own "
+                          "prefix brings its results back).[/]")
         shown = 0
         images_described = 0
         dead_letters = 0
