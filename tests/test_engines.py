@@ -1049,3 +1049,21 @@ def test_the_vllm_encoder_thread_keeps_a_pass_queued_and_hands_every_image_over_
         most = max(most, outstanding)
         assert 0 <= outstanding <= 2, events
     assert most == 2 and outstanding == 0, events
+
+
+@pytest.mark.parametrize("model, linear_attention", [("qwen3.5-27b", True), ("qwen3.5-397b-a17b", True),
+                                                     ("qwen2.5-vl-7b", False), ("qwen3-vl-8b", False)])
+def test_vllm_is_asked_for_its_triton_deltanet_kernel_only_where_flashinfer_would_be_missed(
+        model, linear_attention, tmp_path, monkeypatch):
+    """kernel_args: a model with Gated DeltaNet layers (Qwen3.5) gets vLLM's Triton prefill kernel when FlashInfer's
+    is not installed (vLLM 0.26 would pick FlashInfer's on Hopper and die at the first prefill); with FlashInfer,
+    or for a model without those layers, vLLM keeps its own choice. Real configs, as the GPU runs use them."""
+    from consumers.infer.model7b import GPU_MODELS
+    from vlmstream import vllm_process
+
+    folder = GPU_MODELS[model](tmp_path / model)
+    monkeypatch.setattr(vllm_process, "flashinfer_gdn_installed", lambda: False)
+    assert vllm_process.kernel_args(folder) == ({"gdn_prefill_backend": "triton"} if linear_attention else {})
+    monkeypatch.setattr(vllm_process, "flashinfer_gdn_installed", lambda: True)
+    assert vllm_process.kernel_args(folder) == {}
+    assert vllm_process.kernel_args(tmp_path / "not-a-checkpoint") == {}  # a hub id: vLLM's own choice

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.util
+import json
 import logging
 import multiprocessing
 import os
 import threading
+from pathlib import Path
 from types import SimpleNamespace
 
 log = logging.getLogger(__name__)
@@ -48,6 +51,36 @@ def child_environment(values: dict[str, str]):
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+
+
+def has_linear_attention(config: dict) -> bool:
+    """Whether a checkpoint's parsed ``config.json`` has Gated DeltaNet (linear attention) layers in its language
+    model: Qwen3.5 and Qwen3-Next declare them in ``layer_types`` and size them with ``linear_key_head_dim``."""
+    text = config.get("text_config") or config
+    return "linear_attention" in (text.get("layer_types") or []) or "linear_key_head_dim" in text
+
+
+def flashinfer_gdn_installed() -> bool:
+    try:
+        return importlib.util.find_spec("flashinfer.gdn_prefill") is not None
+    except (ImportError, ValueError):  # no flashinfer package at all, or a broken one
+        return False
+
+
+def kernel_args(model_path: str | Path) -> dict:
+    """AsyncEngineArgs (or ``LLM`` keywords) that keep vLLM on kernels this install has, for the checkpoint folder
+    ``model_path``. vLLM 0.26 picks FlashInfer's Gated DeltaNet prefill kernel on Hopper by default without checking
+    that FlashInfer is installed; without it the engine starts, then dies at the first prefill of a Qwen3.5 model
+    (seen on the H200, benchmarks/RESULTS.md). Then its own Triton (FLA) kernel is asked for. ``vllm serve`` takes
+    the same choice as ``--gdn-prefill-backend``."""
+    config_file = Path(model_path) / "config.json"
+    if not config_file.is_file():
+        return {}
+    if not has_linear_attention(json.loads(config_file.read_text())) or flashinfer_gdn_installed():
+        return {}
+    log.info("FlashInfer's Gated DeltaNet prefill kernel is not installed: asking vLLM for its Triton kernel "
+             "(gdn_prefill_backend=triton) for %s", model_path)
+    return {"gdn_prefill_backend": "triton"}
 
 
 INSTALL_HINT = "pip install 'vlmstream[gpu]'"

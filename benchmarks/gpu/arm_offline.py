@@ -18,6 +18,7 @@ from bench_processes import (
 from bench_report import arms_at, save
 
 from vlmstream.models.registry import family_of  # the pipeline's own rules (the path is set by bench_processes)
+from vlmstream.vllm_process import kernel_args
 
 GPU_BENCH = Path(__file__).resolve().with_name("gpu_bench.py")
 
@@ -52,7 +53,7 @@ def offline_worker(args: argparse.Namespace) -> None:
     t = time.perf_counter()
     llm = LLM(model=args.model, load_format="dummy", max_model_len=args.max_model_len, enable_mm_embeds=True,
               limit_mm_per_prompt={"image": 1}, gpu_memory_utilization=args.gpu_memory_utilization, seed=0,
-              enable_prefix_caching=False, mm_processor_cache_gb=0)
+              enable_prefix_caching=False, mm_processor_cache_gb=0, **kernel_args(args.model))
     init_s = time.perf_counter() - t
     log(f"engine ready in {init_s:.1f}s")
     emit(None, "_engine", {"init_s": round(init_s, 1), "gpu_mem": gpu_mem()})

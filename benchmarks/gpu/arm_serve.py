@@ -17,6 +17,7 @@ from bench_processes import (
 )
 
 from vlmstream.models.registry import family_of  # (the path is set by bench_processes)
+from vlmstream.vllm_process import kernel_args
 
 # --- vllm serve ---------------------------------------------------------------------------------------------------
 
@@ -33,6 +34,8 @@ def run_serve(args: argparse.Namespace, api_servers: int, out: Path, on_phase: C
            "--limit-mm-per-prompt", '{"image":1}', "--gpu-memory-utilization", str(args.gpu_memory_utilization),
            "--mm-processor-cache-gb", "0", "--no-enable-prefix-caching", "--seed", "0",
            "--allowed-local-media-path", str(Path(args.imgs).resolve()), "--port", str(args.serve_port)]
+    for name, value in kernel_args(args.model).items():  # the kernels the pipeline's engine is given
+        cmd += [f"--{name.replace('_', '-')}", str(value)]
     server = spawn(cmd, logp, env=gpu_env(os.environ.copy(), args.gpu_ids[0]), tag="serve")
     gpu = GpuSampler(args.gpu_ids[:1]).start()
     t = time.monotonic()

@@ -120,6 +120,8 @@
 #              transformers' full model; D1 at 0.2 MP and 1 MP / 64, 25-s phases: naive vLLM, vLLM given image_embeds
 #              (its language model alone), the pipeline in both modes; D2 `vllm serve` (8 API servers) at both
 #              budgets (about 22 minutes)
+#   qwen35-short  Qwen3.5-27B at 0.2 MP / 64 only, 25-s phases: F1 the pipeline in both modes, then F2 naive vLLM
+#              and vLLM given image_embeds (its language model alone); about 14 minutes, for a lease's remainder
 #   generic    G2 the generic path (Gemma 3 4B config) at 1 MP / 64: naive vLLM against the pipeline (pixels), with
 #              every arm's CPU cores and CPU ms per image (the front-end cores the issue compares)
 #   honesty    H1 `estimate_honesty.py --cases g` with the Qwen2.5-VL-7B config at 0.2 MP / 64: an estimate from a 5%
@@ -564,6 +566,15 @@ if [ "$LIST" = qwen35-dense ]; then
     --arms naive,ceiling-embeds,pipeline-embeds,pipeline-pixels --out "$RES/d1_qwen35_27b"
   job d2_qwen35_27b_serve 300 420 $BENCH --model $Q5 --budgets 256,1280 --seconds 25 --arms serve --serve-k 8 \
     --out "$RES/d2_qwen35_27b_serve"
+fi
+
+if [ "$LIST" = qwen35-short ]; then
+  Q5=/root/qwen3.5-27b
+  [ -e $Q5/config.json ] || python3 benchmarks/gpu/mk_model.py $Q5 qwen3.5-27b > "$RES/mk_q5.log" 2>&1
+  job f1_qwen35_27b_pipeline 450 600 $BENCH --model $Q5 --budgets 256 --seconds 25 --stop-after 1.5 --profile \
+    --arms pipeline-embeds,pipeline-pixels --out "$RES/f1_qwen35_27b_pipeline"
+  job f2_qwen35_27b_offline 300 420 $BENCH --model $Q5 --budgets 256 --seconds 25 \
+    --arms naive,ceiling-embeds --out "$RES/f2_qwen35_27b_offline"
 fi
 
 if [ "$LIST" = generic ]; then

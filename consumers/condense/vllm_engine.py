@@ -24,7 +24,7 @@ from consumers.condense.engine import CondenseFailure, CondenseOutput, CondenseR
 from consumers.condense.stage import AnswerSchema
 from vlmstream.config import CondenseSettings
 from vlmstream.queued_engine import ENGINE_DEAD, QueuedEngine
-from vlmstream.vllm_process import EngineLoop, EngineUnavailable, engine_process_threads, import_vllm
+from vlmstream.vllm_process import EngineLoop, EngineUnavailable, engine_process_threads, import_vllm, kernel_args
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +47,7 @@ def engine_args(settings: CondenseSettings, model_path: str, v: SimpleNamespace,
     for name in ("max_num_seqs", "max_num_batched_tokens"):
         if getattr(settings, name) is not None:
             args[name] = getattr(settings, name)
+    args.update(kernel_args(model_path))
     return args
 
 

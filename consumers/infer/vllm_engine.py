@@ -51,7 +51,7 @@ from vlmstream.config import InferSettings
 from vlmstream.models.family import ModelFamily
 from vlmstream.models.registry import family_of
 from vlmstream.vllm_process import (EngineLoop, EngineUnavailable, child_environment, engine_process_threads,
-                                    import_vllm)
+                                    import_vllm, kernel_args)
 
 log = logging.getLogger(__name__)
 
@@ -235,6 +235,7 @@ class VllmEngine(QueuedEngine):
         # on blanks between tokens (seen on the H200 with dummy weights). vLLM 0.26 reads this switch from the
         # engine's config, not from the request's StructuredOutputsParams. It only affects guided requests.
         args["structured_outputs_config"] = StructuredOutputsConfig(backend="guidance", disable_any_whitespace=True)
+        args.update(kernel_args(self.model_path))
         self._engine_kwargs = engine_kwargs or {}
         started = time.perf_counter()
         self.engine_tower_report: dict | None = None  # what vLLM's worker runs, with infer.engine_tower
