@@ -117,11 +117,11 @@
 #              vLLM given image_embeds (its language model alone), the pipeline in both modes; M2 the Qwen3.5 tower
 #              (Qwen3.5-397B-A17B's config) against transformers' full model (about 18 minutes)
 #   qwen35-dense  Qwen3.5-27B's config (the dense Qwen3.5, dummy weights): D0 our tower (fast blocks) against
-#              transformers' full model; D1 at 0.2 MP and 1 MP / 64, 25-s phases: naive vLLM, vLLM given image_embeds
+#              transformers' full model; D1 at 0.2 MP and 1 MP / 64, 60-s phases: naive vLLM, vLLM given image_embeds
 #              (its language model alone), the pipeline in both modes; D2 `vllm serve` (8 API servers) at both
-#              budgets (about 22 minutes)
-#   qwen35-short  Qwen3.5-27B at 0.2 MP / 64 only, 25-s phases: F1 the pipeline in both modes, then F2 naive vLLM
-#              and vLLM given image_embeds (its language model alone); about 14 minutes, for a lease's remainder
+#              budgets (about 25 minutes: a whole lease; each 27B engine's first start takes 4-5 minutes)
+#   qwen35-short  Qwen3.5-27B at 0.2 MP / 64 only: F1 the pipeline in both modes (90-s phases), then F2 naive vLLM
+#              and vLLM given image_embeds (its language model alone, 60-s phases); about 21 minutes
 #   generic    G2 the generic path (Gemma 3 4B config) at 1 MP / 64: naive vLLM against the pipeline (pixels), with
 #              every arm's CPU cores and CPU ms per image (the front-end cores the issue compares)
 #   honesty    H1 `estimate_honesty.py --cases g` with the Qwen2.5-VL-7B config at 0.2 MP / 64: an estimate from a 5%
@@ -562,18 +562,20 @@ if [ "$LIST" = qwen35-dense ]; then
   Q5=/root/qwen3.5-27b
   [ -e $Q5/config.json ] || python3 benchmarks/gpu/mk_model.py $Q5 qwen3.5-27b > "$RES/mk_q5.log" 2>&1
   check_tower d0_check_tower_qwen35_27b qwen3.5-27b 150
-  job d1_qwen35_27b 720 900 $BENCH --model $Q5 --budgets 256,1280 --seconds 25 --stop-after 1.5 --profile \
-    --arms naive,ceiling-embeds,pipeline-embeds,pipeline-pixels --out "$RES/d1_qwen35_27b"
-  job d2_qwen35_27b_serve 300 420 $BENCH --model $Q5 --budgets 256,1280 --seconds 25 --arms serve --serve-k 8 \
-    --out "$RES/d2_qwen35_27b_serve"
+  job d1_qwen35_27b 1000 1200 $BENCH --model $Q5 --budgets 256,1280 --seconds 60 --stop-after 1.5 --profile \
+    --start-limit 600 --arms naive,ceiling-embeds,pipeline-embeds,pipeline-pixels --out "$RES/d1_qwen35_27b"
+  job d2_qwen35_27b_serve 450 700 $BENCH --model $Q5 --budgets 256,1280 --seconds 60 --arms serve --serve-k 8 \
+    --start-limit 600 --out "$RES/d2_qwen35_27b_serve"
 fi
 
 if [ "$LIST" = qwen35-short ]; then
+  # A 27B engine's first start on a fresh machine took 225-267 s with its compile ([aa]), so a start limit of 600 s;
+  # at 0.2 MP vLLM's 1,024 seats hold an image about 18 s, so a phase shorter than a minute measures only the fill.
   Q5=/root/qwen3.5-27b
   [ -e $Q5/config.json ] || python3 benchmarks/gpu/mk_model.py $Q5 qwen3.5-27b > "$RES/mk_q5.log" 2>&1
-  job f1_qwen35_27b_pipeline 450 600 $BENCH --model $Q5 --budgets 256 --seconds 25 --stop-after 1.5 --profile \
-    --arms pipeline-embeds,pipeline-pixels --out "$RES/f1_qwen35_27b_pipeline"
-  job f2_qwen35_27b_offline 300 420 $BENCH --model $Q5 --budgets 256 --seconds 25 \
+  job f1_qwen35_27b_pipeline 800 1000 $BENCH --model $Q5 --budgets 256 --seconds 90 --stop-after 1.5 --profile \
+    --start-limit 600 --arms pipeline-embeds,pipeline-pixels --out "$RES/f1_qwen35_27b_pipeline"
+  job f2_qwen35_27b_offline 420 560 $BENCH --model $Q5 --budgets 256 --seconds 60 --start-limit 600 \
     --arms naive,ceiling-embeds --out "$RES/f2_qwen35_27b_offline"
 fi
 
