@@ -99,7 +99,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--serve-procs", type=int, default=6)
     ap.add_argument("--serve-conc", type=int, default=192)
     ap.add_argument("--serve-port", type=int, default=8000)
-    ap.add_argument("--start-limit", type=float, default=300.0, help="Engine/server start limit (s).")
+    ap.add_argument("--start-limit", type=float, default=300.0, help="Engine/server start limit (s); a pipeline arm's first batch gets as long again once its "
+                    "engines are up.")
     ap.add_argument("--arm-limit", type=float, default=0.0,
                     help="Hard limit per measured arm and budget (0: 3 x seconds + 90).")
     ap.add_argument("--max-requests", type=int, default=20000)
