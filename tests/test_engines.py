@@ -1067,3 +1067,46 @@ def test_vllm_is_asked_for_its_triton_deltanet_kernel_only_where_flashinfer_woul
     monkeypatch.setattr(vllm_process, "flashinfer_gdn_installed", lambda: True)
     assert vllm_process.kernel_args(folder) == {}
     assert vllm_process.kernel_args(tmp_path / "not-a-checkpoint") == {}  # a hub id: vLLM's own choice
+
+
+def test_an_engine_that_starts_but_cannot_answer_fails_at_start_and_is_shut_down():
+    """EngineLoop.start_llm sends one one-token text request through the engine it started: an engine that built
+    the model but dies at its first step (vLLM 0.26 with Qwen3.5 and no FlashInfer did) fails at start with
+    EngineCannotRun and is shut down; one that answers is returned. vLLM's AsyncLLM is stood in for by the two
+    calls start_llm makes of it (no vLLM on the CPU)."""
+    from types import SimpleNamespace
+
+    from vlmstream.vllm_process import START_CHECK_PROMPT, EngineCannotRun, EngineLoop
+
+    class Engine:
+        def __init__(self, fails: bool):
+            self.fails, self.requests, self.shut_down = fails, [], False
+
+        async def generate(self, prompt, params, request_id):
+            self.requests.append((prompt, params.max_tokens, request_id))
+            if self.fails:
+                raise RuntimeError("EngineCore encountered an issue")
+            yield SimpleNamespace(finished=True)
+
+        def shutdown(self):
+            self.shut_down = True
+
+    def vllm_like(engine):
+        return SimpleNamespace(
+            version="0.26.0", UsageContext=SimpleNamespace(LLM_CLASS="llm_class"),
+            AsyncLLM=SimpleNamespace(from_engine_args=lambda args, usage_context: engine),
+            SamplingParams=lambda **kw: SimpleNamespace(**kw), RequestOutputKind=SimpleNamespace(FINAL_ONLY="final"))
+
+    loop = EngineLoop("test-loop")
+    try:
+        answering = Engine(fails=False)
+        assert loop.start_llm(vllm_like(answering), engine_args={}) is answering
+        assert answering.requests == [(START_CHECK_PROMPT, 1, "vlmstream-start-check")]
+        assert not answering.shut_down
+
+        dying = Engine(fails=True)
+        with pytest.raises(EngineCannotRun, match="failed a one-token text request at start.*EngineCore"):
+            loop.start_llm(vllm_like(dying), engine_args={})
+        assert dying.shut_down
+    finally:
+        loop.stop()

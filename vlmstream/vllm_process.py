@@ -90,6 +90,14 @@ class EngineUnavailable(RuntimeError):
     """vLLM cannot run here (not installed, or no CUDA device). Not retriable."""
 
 
+class EngineCannotRun(RuntimeError):
+    """vLLM started an engine for the model, and the engine failed its first request. Not retriable: every request
+    would fail the same way."""
+
+
+START_CHECK_PROMPT = "Hello"
+
+
 def import_vllm(engine_setting: str) -> SimpleNamespace:
     """The vLLM names a stage's engine uses, imported on first use (the CPU install has no vLLM);
     ``engine_setting`` is the setting that picks another engine (``infer.engine``), named in the error."""
@@ -134,7 +142,31 @@ class EngineLoop:
         async def start():
             return v.AsyncLLM.from_engine_args(engine_args, usage_context=v.UsageContext.LLM_CLASS)
 
-        return self.call(start(), timeout)
+        llm = self.call(start(), timeout)
+        self._answer_one_token(v, llm, timeout)
+        return llm
+
+    def _answer_one_token(self, v: SimpleNamespace, llm, timeout: float) -> None:
+        """One one-token text request through the engine just started. An engine can build and profile a model
+        and still fail its first real step: vLLM 0.26 started Qwen3.5 with FlashInfer's Gated DeltaNet kernel
+        missing and died at the first prefill (benchmarks/RESULTS.md [aa]). Then it fails here, at start, with a
+        clear error, instead of on the first batch of work."""
+        params = v.SamplingParams(max_tokens=1, temperature=0.0, output_kind=v.RequestOutputKind.FINAL_ONLY)
+
+        async def answer():
+            async for _ in llm.generate(START_CHECK_PROMPT, params, "vlmstream-start-check"):
+                pass
+
+        try:
+            self.call(answer(), timeout)
+        except Exception as exc:
+            with contextlib.suppress(Exception):
+                self.shutdown_llm(llm, timeout=60)
+            self.reap_children()
+            raise EngineCannotRun(
+                f"vLLM {v.version} started the engine but it failed a one-token text request at start "
+                f"({type(exc).__name__}: {str(exc)[:300]}); the engine process's log above has the cause, often "
+                f"a kernel this install lacks") from exc
 
     def shutdown_llm(self, llm, timeout: float = 120) -> None:
         """Cancel the loop's tasks (requests in flight) and shut the engine down."""
