@@ -320,9 +320,67 @@ def test_the_generic_path_caps_at_what_the_processor_keeps(tiny_dirs):
     assert family.target_size(100, 3000, max_pixels=10**9) == (100, 224)
     assert family.target_size(90, 60, max_pixels=10**9) == (90, 60)
     assert family.target_size(3000, 1000, max_pixels=100 * 100) == (100, 100)
-    # Aspect-keeping processors: Idefics3/SmolVLM's longest edge, LLaVA-OneVision's largest grid pinpoint.
+    # Idefics3/SmolVLM's longest edge keeps the aspect ratio.
     assert processor_cap({"size": {"longest_edge": 1456}})(3000, 1500, 1, 1, 10**9) == (1456, 728)
-    assert processor_cap({"image_grid_pinpoints": [[384, 768], [768, 384]]})(1000, 1000, 1, 1, 10**9) == (768, 768)
+
+
+GENERIC_PROCESSORS = {  # name: (transformers class, its keywords as a checkpoint's preprocessor_config.json sets them)
+    "llava-onevision": ("LlavaOnevisionImageProcessor", {}),
+    "internvl": ("GotOcr2ImageProcessor", {"crop_to_patches": True, "min_patches": 1, "max_patches": 12,
+                                           "size": {"height": 448, "width": 448}}),
+    "idefics3": ("Idefics3ImageProcessor", {}),
+    "gemma3": ("Gemma3ImageProcessor", {"size": {"height": 896, "width": 896}}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(GENERIC_PROCESSORS))
+def test_the_generic_cap_leaves_the_processor_the_same_choices_and_pixels(name, corpus_dir):
+    """What decode ships on the generic path, processed by the model's own image processor, gives what the whole
+    image gives: the same tiles (LLaVA-OneVision's best resolution, InternVL's grid, Idefics3's splits), pixels
+    within resampling noise. A tiling processor's choice follows the aspect ratio, so the cap keeps it (4000 x 900
+    is a tie between two InternVL grids that a pixel of rounding breaks); a plain fixed-size resize is capped per
+    axis. Shapes over whole and tall, wide, square and small images; then the choices alone over many sizes."""
+    import random
+
+    import transformers
+    from PIL import Image
+    from transformers.image_processing_utils import select_best_resolution
+    from transformers.models.got_ocr2.image_processing_got_ocr2 import get_optimal_tiled_canvas
+
+    from vlmstream.models.generic import processor_cap
+
+    class_name, keywords = GENERIC_PROCESSORS[name]
+    processor = getattr(transformers, class_name)(**keywords)
+    config = {**keywords, **({"size": {"height": 384, "width": 384},
+                              "image_grid_pinpoints": processor.image_grid_pinpoints} if name == "llava-onevision"
+                             else {"size": {"longest_edge": 1456}} if name == "idefics3" else {})}
+    rule = processor_cap(config)
+    source = Image.open(next(p for p in sorted(corpus_dir.rglob("*")) if p.suffix.lower() in (".jpg", ".png")))
+    source = source.convert("RGB")
+    shrunk = 0
+    for height, width in [(3000, 5000), (4000, 900), (2000, 2000), (1600, 2560), (500, 700)]:
+        image = np.asarray(source.resize((width, height)))
+        cap_h, cap_w = rule(height, width, 1, 1, 10**12)
+        assert cap_h <= height and cap_w <= width
+        shrunk += (cap_h, cap_w) != (height, width)
+        shipped = np.asarray(Image.fromarray(image).resize((cap_w, cap_h), Image.BICUBIC))
+        whole = processor(images=[image], return_tensors="pt")["pixel_values"]
+        capped = processor(images=[shipped], return_tensors="pt")["pixel_values"]
+        assert capped.shape == whole.shape, (height, width, cap_h, cap_w)
+        assert (capped - whole).abs().mean() < 0.01, (height, width)
+    assert shrunk >= 3  # the cap does cut: not a pass by shipping everything whole
+
+    rng = random.Random(0)
+    for _ in range(2000):
+        height, width = rng.randint(20, 9000), rng.randint(20, 9000)
+        cap_h, cap_w = rule(height, width, 1, 1, 10**12)
+        if name == "llava-onevision":
+            pins = config["image_grid_pinpoints"]
+            assert select_best_resolution((cap_h, cap_w), pins) == select_best_resolution((height, width), pins)
+        elif name == "internvl":
+            grid = get_optimal_tiled_canvas((height, width), (448, 448), 1, 12)
+            assert get_optimal_tiled_canvas((cap_h, cap_w), (448, 448), 1, 12) == grid
+            assert (cap_h >= 448 * grid[1] or cap_h == height) and (cap_w >= 448 * grid[0] or cap_w == width)
 
 
 

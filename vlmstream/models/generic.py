@@ -22,42 +22,117 @@ ESTIMATE_PATCH = 14
 UNBOUNDED = 1 << 40
 
 
-def processor_extent(processor: dict[str, Any]) -> tuple[int | None, int | None, int | None]:
-    """(largest height, largest width, largest longer side) the processor resizes an image to, from its
-    preprocessor config; None where it sets no bound. Tiling processors bound the whole grid of tiles:
-    ``image_grid_pinpoints`` (LLaVA-NeXT/OneVision), ``max_patches`` with ``crop_to_patches`` (InternVL's), pan and
-    scan crops (Gemma 3), and Idefics3/SmolVLM's ``longest_edge`` before it splits."""
+def _size(processor: dict[str, Any]) -> dict[str, int]:
     size = processor.get("size") or {}
     if isinstance(size, int):
-        size = {"height": size, "width": size}
+        return {"height": size, "width": size}
+    return {key: int(value) for key, value in size.items() if isinstance(value, (int, float))}
+
+
+def select_best_resolution(height: int, width: int, resolutions: list) -> tuple[int, int]:
+    """The (height, width) of ``resolutions`` LLaVA-NeXT/OneVision's processor tiles an image of this size into:
+    the most of the image's pixels kept, then the least padding (transformers' ``select_best_resolution``)."""
+    best, best_effective, best_wasted = (0, 0), 0, float("inf")
+    for res_h, res_w in resolutions:
+        scale = min(res_w / width, res_h / height)
+        effective = min(int(width * scale) * int(height * scale), width * height)
+        wasted = res_h * res_w - effective
+        if effective > best_effective or (effective == best_effective and wasted < best_wasted):
+            best, best_effective, best_wasted = (int(res_h), int(res_w)), effective, wasted
+    return best
+
+
+def tiled_canvas(height: int, width: int, min_tiles: int, max_tiles: int, tile_area: int) -> tuple[int, int]:
+    """(columns, rows) of the tile grid InternVL's processor (``crop_to_patches``) resizes an image of this size to:
+    the grid's aspect ratio nearest the image's; on a tie, more tiles while the image's area is over half theirs
+    (transformers' ``get_optimal_tiled_canvas``, vLLM's ``find_closest_aspect_ratio``)."""
+    grids = sorted(((w, h) for w in range(1, max_tiles + 1) for h in range(1, max_tiles + 1)
+                    if min_tiles <= w * h <= max_tiles), key=lambda grid: grid[0] * grid[1])
+    aspect, area = width / height, width * height
+    best, best_diff = (1, 1), float("inf")
+    for columns, rows in grids:
+        diff = abs(aspect - columns / rows)
+        if diff < best_diff:
+            best, best_diff = (columns, rows), diff
+        elif diff == best_diff and area > 0.5 * tile_area * columns * rows:
+            best = (columns, rows)
+    return best
+
+
+def tiling_choice(processor: dict[str, Any], height: int, width: int) -> tuple[int, int] | None:
+    """What a tiling processor decides for an image of this size: LLaVA's best resolution, InternVL's grid."""
+    size = _size(processor)
+    if processor.get("image_grid_pinpoints"):
+        return select_best_resolution(height, width, processor["image_grid_pinpoints"])
+    if "height" in size and "width" in size and processor.get("crop_to_patches"):
+        return tiled_canvas(height, width, int(processor.get("min_patches") or 1),
+                            int(processor.get("max_patches") or 12), size["height"] * size["width"])
+    return None
+
+
+def kept_scale(processor: dict[str, Any], height: int, width: int) -> float | None:
+    """The least uniform scale of an image at which every resize a tiling processor makes of it still keeps or
+    shrinks both axes: shipped at that scale (aspect kept), the processor makes the same choices (tile grid, best
+    resolution) and finds every pixel it uses. None for a processor that tiles nothing, or whose choices depend on
+    the image's own pixel count in a way no smaller copy keeps (Gemma 3's pan and scan): that image is kept whole."""
+    size = _size(processor)
+    fixed = (size["height"], size["width"]) if "height" in size and "width" in size else None
     pinpoints = processor.get("image_grid_pinpoints")
-    if pinpoints:
-        return max(p[0] for p in pinpoints), max(p[1] for p in pinpoints), None
-    if "height" in size and "width" in size:
-        height, width = int(size["height"]), int(size["width"])
-        tiles = 1
-        if processor.get("crop_to_patches"):
-            tiles = int(processor.get("max_patches") or 12)
-        if processor.get("do_pan_and_scan"):
-            tiles = int(processor.get("pan_and_scan_max_num_crops") or 4)
-        return height * tiles, width * tiles, None
-    if "longest_edge" in size:
-        return None, None, int(size["longest_edge"])
-    return None, None, None
+    if pinpoints:  # LLaVA-NeXT/OneVision: the image fitted into its best resolution, and a base image at `size`
+        best_h, best_w = tiling_choice(processor, height, width)
+        needed = min(best_w / width, best_h / height)
+        if fixed:
+            needed = max(needed, fixed[0] / height, fixed[1] / width)
+        elif "shortest_edge" in size:  # shortest edge resized to it, then a centre crop
+            needed = max(needed, size["shortest_edge"] / min(height, width))
+        return needed
+    if fixed and processor.get("crop_to_patches"):  # InternVL: a fixed resize to the grid of tiles (and a thumbnail)
+        columns, rows = tiling_choice(processor, height, width)
+        return max(fixed[0] * rows / height, fixed[1] * columns / width)
+    return None
+
+
+def shrunk_keeping_choice(processor: dict[str, Any], height: int, width: int, scale: float) -> tuple[int, int]:
+    """The image's size scaled by ``scale`` (its ``kept_scale``), rounded so that the processor still decides as for
+    the whole image and still only shrinks it: two grids whose aspect ratios are equally near the image's tie, and
+    a pixel of rounding would break the tie. The whole image's size where no rounding keeps the choice."""
+    choice = tiling_choice(processor, height, width)
+    for round_h in (math.ceil, math.floor):
+        for round_w in (math.ceil, math.floor):
+            h = min(height, max(1, round_h(height * scale)))
+            w = min(width, max(1, round_w(width * scale)))
+            if tiling_choice(processor, h, w) == choice and kept_scale(processor, h, w) <= 1 + 1e-9:
+                return h, w
+    return height, width
 
 
 def processor_cap(processor: dict[str, Any]):
-    """The generic size rule: ``(height, width, factor, min_pixels, max_pixels) -> (height, width)``, never larger
-    than the source or than the processor's extent on either axis, the longer side within its longest edge, and the
-    area within ``max_pixels`` (the user's budget; aspect kept, the longer side first)."""
-    max_h, max_w, longest = processor_extent(processor)
+    """The generic size rule: ``(height, width, factor, min_pixels, max_pixels) -> (height, width)``: never larger
+    than the source or than what the processor keeps of it, and the area within ``max_pixels`` (the user's budget;
+    aspect kept).
+
+    - A tiling processor (LLaVA-NeXT/OneVision's grid pinpoints, InternVL's ``crop_to_patches``): the image scaled
+      by ``kept_scale``, aspect kept, since the tiles it gets depend on the aspect ratio.
+    - A plain fixed-size resize (Gemma 3, SigLIP): each axis capped on its own, a first step of that same resize,
+      which ignores the aspect ratio anyway.
+    - A longest edge (Idefics3/SmolVLM): scaled so the longer side fits.
+    - Pan and scan (Gemma 3 with ``do_pan_and_scan``), or no size the rule knows: the budget alone."""
+    size = _size(processor)
+    fixed = (size["height"], size["width"]) if "height" in size and "width" in size else None
+    tiles = bool(processor.get("image_grid_pinpoints") or processor.get("crop_to_patches"))
+    pan_and_scan = bool(processor.get("do_pan_and_scan"))
+    longest = size.get("longest_edge")
 
     def rule(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
-        # A fixed-size resize distorts anyway: each axis is capped on its own, a first step of that same resize.
         # (An empty image never gets here: the decoder refuses its header.)
-        h = min(height, max_h) if max_h else height
-        w = min(width, max_w) if max_w else width
-        if longest and max(h, w) > longest:
+        h, w = height, width
+        if tiles:
+            scale = kept_scale(processor, height, width)
+            if scale is not None and scale < 1:
+                h, w = shrunk_keeping_choice(processor, height, width, scale)
+        elif fixed and not pan_and_scan:
+            h, w = min(height, fixed[0]), min(width, fixed[1])
+        elif longest and not pan_and_scan and max(h, w) > longest:
             scale = longest / max(h, w)
             h, w = max(1, int(h * scale)), max(1, int(w * scale))
         if h * w > max_pixels:
