@@ -322,6 +322,11 @@ def test_the_generic_path_caps_at_what_the_processor_keeps(tiny_dirs):
     assert family.target_size(3000, 1000, max_pixels=100 * 100) == (100, 100)
     # Idefics3/SmolVLM's longest edge keeps the aspect ratio.
     assert processor_cap({"size": {"longest_edge": 1456}})(3000, 1500, 1, 1, 10**9) == (1456, 728)
+    # Tiles of a scheme the rule does not model (Mllama's, Gemma 3's pan and scan, Idefics2's split of the whole
+    # image): the image keeps its size, the budget alone bounds it.
+    for tiling in ({"max_image_tiles": 4}, {"do_pan_and_scan": True}, {"do_image_splitting": True}):
+        assert processor_cap({"size": {"height": 560, "width": 560}, **tiling})(3000, 1000, 1, 1, 10**9) == (3000, 1000)
+        assert processor_cap({"size": {"height": 560, "width": 560}, **tiling})(3000, 1000, 1, 1, 30_000) == (300, 100)
 
 
 GENERIC_PROCESSORS = {  # name: (transformers class, its keywords as a checkpoint's preprocessor_config.json sets them)

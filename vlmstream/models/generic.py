@@ -106,6 +106,21 @@ def shrunk_keeping_choice(processor: dict[str, Any], height: int, width: int, sc
     return height, width
 
 
+# Tiling schemes this module does not model (Mllama's max_image_tiles, Aria's split_image, Phi's crops, Gemma 3's
+# pan and scan): where one is on, a cap could take pixels its tiles use, so the image keeps its size.
+UNMODELLED_TILING = ("max_image_tiles", "split_image", "num_crops", "dynamic_hd", "do_pan_and_scan", "max_num_tiles")
+
+
+def unmodelled_tiling(processor: dict[str, Any]) -> bool:
+    if any(processor.get(key) for key in UNMODELLED_TILING):
+        return True
+    if processor.get("max_patches") and not processor.get("crop_to_patches"):
+        return True  # Llama 4's tiles, Pix2Struct's patch budget
+    # Idefics2 splits the whole image into crops; Idefics3/SmolVLM (with max_image_size) split after their
+    # longest-edge resize, which the rule below keeps.
+    return bool(processor.get("do_image_splitting") and not processor.get("max_image_size"))
+
+
 def processor_cap(processor: dict[str, Any]):
     """The generic size rule: ``(height, width, factor, min_pixels, max_pixels) -> (height, width)``: never larger
     than the source or than what the processor keeps of it, and the area within ``max_pixels`` (the user's budget;
@@ -116,11 +131,11 @@ def processor_cap(processor: dict[str, Any]):
     - A plain fixed-size resize (Gemma 3, SigLIP): each axis capped on its own, a first step of that same resize,
       which ignores the aspect ratio anyway.
     - A longest edge (Idefics3/SmolVLM): scaled so the longer side fits.
-    - Pan and scan (Gemma 3 with ``do_pan_and_scan``), or no size the rule knows: the budget alone."""
+    - A tiling scheme it does not model (``UNMODELLED_TILING``), or no size it knows: the budget alone."""
     size = _size(processor)
     fixed = (size["height"], size["width"]) if "height" in size and "width" in size else None
     tiles = bool(processor.get("image_grid_pinpoints") or processor.get("crop_to_patches"))
-    pan_and_scan = bool(processor.get("do_pan_and_scan"))
+    unmodelled = not tiles and unmodelled_tiling(processor)
     longest = size.get("longest_edge")
 
     def rule(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
@@ -130,9 +145,11 @@ def processor_cap(processor: dict[str, Any]):
             scale = kept_scale(processor, height, width)
             if scale is not None and scale < 1:
                 h, w = shrunk_keeping_choice(processor, height, width, scale)
-        elif fixed and not pan_and_scan:
+        elif unmodelled:
+            pass
+        elif fixed:
             h, w = min(height, fixed[0]), min(width, fixed[1])
-        elif longest and not pan_and_scan and max(h, w) > longest:
+        elif longest and max(h, w) > longest:
             scale = longest / max(h, w)
             h, w = max(1, int(h * scale)), max(1, int(w * scale))
         if h * w > max_pixels:
