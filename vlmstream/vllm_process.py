@@ -71,7 +71,7 @@ def kernel_args(model_path: str | Path) -> dict:
     """AsyncEngineArgs (or ``LLM`` keywords) that keep vLLM on kernels this install has, for the checkpoint folder
     ``model_path``. vLLM 0.26 picks FlashInfer's Gated DeltaNet prefill kernel on Hopper by default without checking
     that FlashInfer is installed; without it the engine starts, then dies at the first prefill of a Qwen3.5 model
-    (seen on the H200, benchmarks/RESULTS.md). Then its own Triton (FLA) kernel is asked for. ``vllm serve`` takes
+    (seen on the H200, benchmarks/RESULTS.md [aa]). Then its own Triton (FLA) kernel is asked for. ``vllm serve`` takes
     the same choice as ``--gdn-prefill-backend``."""
     config_file = Path(model_path) / "config.json"
     if not config_file.is_file():

@@ -73,8 +73,7 @@ def tiling_choice(processor: dict[str, Any], height: int, width: int) -> tuple[i
 def kept_scale(processor: dict[str, Any], height: int, width: int) -> float | None:
     """The least uniform scale of an image at which every resize a tiling processor makes of it still keeps or
     shrinks both axes: shipped at that scale (aspect kept), the processor makes the same choices (tile grid, best
-    resolution) and finds every pixel it uses. None for a processor that tiles nothing, or whose choices depend on
-    the image's own pixel count in a way no smaller copy keeps (Gemma 3's pan and scan): that image is kept whole."""
+    resolution) and finds every pixel it uses. None for a processor without pinpoints or ``crop_to_patches``."""
     size = _size(processor)
     fixed = (size["height"], size["width"]) if "height" in size and "width" in size else None
     pinpoints = processor.get("image_grid_pinpoints")
