@@ -329,6 +329,26 @@ def test_the_generic_path_caps_at_what_the_processor_keeps(tiny_dirs):
         assert processor_cap({"size": {"height": 560, "width": 560}, **tiling})(3000, 1000, 1, 1, 30_000) == (300, 100)
 
 
+def test_internvls_original_checkpoints_are_capped_by_the_tiles_their_config_sets():
+    """An InternVL checkpoint in its original layout (``internvl_chat``) sets its tiles in config.json and a plain
+    448-px size in its preprocessor config; vLLM tiles by config.json. The cap follows config.json: a 3000 x 5000 photo
+    keeps the aspect ratio and the grid transformers' rule picks for it, not 448 x 448."""
+    from transformers.models.got_ocr2.image_processing_got_ocr2 import get_optimal_tiled_canvas
+
+    from vlmstream.models.generic import generic_family
+
+    config = {"model_type": "internvl_chat", "architectures": ["InternVLChatModel"], "force_image_size": 448,
+              "vision_config": {"image_size": 448}, "min_dynamic_patch": 1, "max_dynamic_patch": 12,
+              "dynamic_image_size": True, "use_thumbnail": True}
+    family = generic_family(config, {"size": 448, "crop_size": 448, "image_mean": [0.485, 0.456, 0.406]})
+    height, width = family.target_size(3000, 5000, max_pixels=10**9)
+    columns, rows = get_optimal_tiled_canvas((3000, 5000), (448, 448), 1, 12)
+    assert get_optimal_tiled_canvas((height, width), (448, 448), 1, 12) == (columns, rows)
+    assert height >= 448 * rows and width >= 448 * columns and abs(width / height - 5000 / 3000) < 0.01
+    fixed = generic_family({**config, "dynamic_image_size": False}, {"size": 448})
+    assert fixed.target_size(3000, 5000, max_pixels=10**9) == (448, 747)  # one tile: aspect kept, 448 a side
+
+
 GENERIC_PROCESSORS = {  # name: (transformers class, its keywords as a checkpoint's preprocessor_config.json sets them)
     "llava-onevision": ("LlavaOnevisionImageProcessor", {}),
     "internvl": ("GotOcr2ImageProcessor", {"crop_to_patches": True, "min_patches": 1, "max_patches": 12,

@@ -96,8 +96,12 @@ def shrunk_keeping_choice(processor: dict[str, Any], height: int, width: int, sc
     the whole image and still only shrinks it: two grids whose aspect ratios are equally near the image's tie, and
     a pixel of rounding would break the tie. The whole image's size where no rounding keeps the choice."""
     choice = tiling_choice(processor, height, width)
-    for round_h in (math.ceil, math.floor):
-        for round_w in (math.ceil, math.floor):
+
+    def up(x: float) -> int:  # (448.00000000000006 is 448)
+        return math.ceil(x - 1e-6)
+
+    for round_h in (up, math.floor):
+        for round_w in (up, math.floor):
             h = min(height, max(1, round_h(height * scale)))
             w = min(width, max(1, round_w(width * scale)))
             if tiling_choice(processor, h, w) == choice and kept_scale(processor, h, w) <= 1 + 1e-9:
@@ -159,8 +163,22 @@ def processor_cap(processor: dict[str, Any]):
     return rule
 
 
+def tiling_in_config(config: dict[str, Any]) -> dict[str, Any]:
+    """Tiles a checkpoint sets in its ``config.json``, as the preprocessor-config keys this module reads. InternVL's
+    original checkpoints (``internvl_chat``) do so (``max_dynamic_patch`` and friends), and vLLM tiles them by it
+    whatever their ``preprocessor_config.json`` says, with the same grid rule as ``tiled_canvas``."""
+    if "max_dynamic_patch" not in config:
+        return {}
+    tile = int(config.get("force_image_size") or (config.get("vision_config") or {}).get("image_size") or 448)
+    dynamic = config.get("dynamic_image_size", True)
+    return {"crop_to_patches": True, "size": {"height": tile, "width": tile},
+            "min_patches": int(config.get("min_dynamic_patch") or 1) if dynamic else 1,
+            "max_patches": int(config["max_dynamic_patch"]) if dynamic else 1}
+
+
 def generic_family(config: dict[str, Any], processor: dict[str, Any]) -> ModelFamily:
     """The generic family of a checkpoint: its ``config.json`` and ``preprocessor_config.json`` (parsed)."""
+    processor = {**processor, **tiling_in_config(config)}
     return replace(GENERIC, model_types=(config.get("model_type") or "",),
                    architectures=tuple(config.get("architectures") or ()),
                    image_mean=tuple(processor.get("image_mean") or GENERIC.image_mean),
