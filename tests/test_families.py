@@ -362,7 +362,7 @@ GENERIC_PROCESSORS = {  # name: (transformers class, its keywords as a checkpoin
 def test_the_generic_cap_leaves_the_processor_the_same_choices_and_pixels(name, corpus_dir):
     """What decode ships on the generic path, processed by the model's own image processor, gives what the whole
     image gives: the same tiles (LLaVA-OneVision's best resolution, InternVL's grid, Idefics3's splits), pixels
-    within resampling noise. A tiling processor's choice follows the aspect ratio, so the cap keeps it (4000 x 900
+    within resampling noise (one uint8 level on average). A tiling processor's choice follows the aspect ratio, so the cap keeps it (4000 x 900
     is a tie between two InternVL grids that a pixel of rounding breaks); a plain fixed-size resize is capped per
     axis. Shapes over whole and tall, wide, square and small images; then the choices alone over many sizes."""
     import random
@@ -392,7 +392,8 @@ def test_the_generic_cap_leaves_the_processor_the_same_choices_and_pixels(name, 
         whole = processor(images=[image], return_tensors="pt")["pixel_values"]
         capped = processor(images=[shipped], return_tensors="pt")["pixel_values"]
         assert capped.shape == whole.shape, (height, width, cap_h, cap_w)
-        assert (capped - whole).abs().mean() < 0.01, (height, width)
+        # Resampling twice against once: within one uint8 level on average, in the processor's normalised units.
+        assert (capped - whole).abs().mean() < 1 / (255 * min(processor.image_std)), (height, width)
     assert shrunk >= 3  # the cap does cut: not a pass by shipping everything whole
 
     rng = random.Random(0)
