@@ -122,6 +122,10 @@
 #              budgets (about 25 minutes: a whole lease; each 27B engine's first start takes 4-5 minutes)
 #   qwen35-short  Qwen3.5-27B at 0.2 MP / 64 only: F1 the pipeline in both modes (90-s phases), then F2 naive vLLM
 #              and vLLM given image_embeds (its language model alone, 60-s phases); about 21 minutes
+#   qwen35-checked  the towers against transformers' full models after the kept grid parts (327822f): C1
+#              Qwen2.5-VL-7B, Q0 Qwen3-VL-8B; then the qwen35-short list (F1, F2; the first lease whose engines all
+#              answer the start check's one-token request), then TA the Qwen2.5-VL-7B tower alone at 0.2 / 1 / 12.8 MP
+#              with TFLOPS in any time left (about 23 minutes)
 #   generic    G2 the generic path (Gemma 3 4B config) at 1 MP / 64: naive vLLM against the pipeline (pixels), with
 #              every arm's CPU cores and CPU ms per image (the front-end cores the issue compares)
 #   honesty    H1 `estimate_honesty.py --cases g` with the Qwen2.5-VL-7B config at 0.2 MP / 64: an estimate from a 5%
@@ -568,6 +572,12 @@ if [ "$LIST" = qwen35-dense ]; then
     --start-limit 600 --out "$RES/d2_qwen35_27b_serve"
 fi
 
+if [ "$LIST" = qwen35-checked ]; then
+  check_tower c1_check_tower_q25 qwen2.5-vl-7b 60
+  check_tower q0_check_tower_q3 qwen3-vl-8b 60
+  LIST=qwen35-short; THEN_TOWER=1
+fi
+
 if [ "$LIST" = qwen35-short ]; then
   # A 27B engine's first start on a fresh machine took 225-267 s with its compile ([aa]), so a start limit of 600 s;
   # at 0.2 MP vLLM's 1,024 seats hold an image about 18 s, so a phase shorter than a minute measures only the fill.
@@ -577,6 +587,12 @@ if [ "$LIST" = qwen35-short ]; then
     --start-limit 600 --arms pipeline-embeds,pipeline-pixels --out "$RES/f1_qwen35_27b_pipeline"
   job f2_qwen35_27b_offline 420 560 $BENCH --model $Q5 --budgets 256 --seconds 60 --start-limit 600 \
     --arms naive,ceiling-embeds --out "$RES/f2_qwen35_27b_offline"
+fi
+
+if [ "${THEN_TOWER:-0}" = 1 ]; then
+  [ -e /root/model/config.json ] || python3 benchmarks/gpu/mk_model.py /root/model > "$RES/mk_model.log" 2>&1
+  job ta_tower_q25 70 150 python3 benchmarks/gpu/bench_vision_tower.py $TOWER_ARGS --profile-budget '' \
+    --out "$RES/ta_tower_q25.json"
 fi
 
 if [ "$LIST" = generic ]; then
