@@ -36,10 +36,17 @@ URI, the set of indexes that succeeded) in a second LRU of ``emitted_docs`` entr
 50 MB), and:
 
 * a record of the same version (same image count, no other source URI at a known index) that cannot add a success
-  (a description of an image that already succeeded; any dead letter) is dropped before it opens the document;
+  (a description of an image that already succeeded, by the model that described the result; any dead letter) is
+  dropped before it opens the document;
 * a result of the same version that lacks a success already emitted is never sent (``stats.stale``); a redriven
   success of a document forgotten this way is kept out too (the old result stays);
 * another image count or another source URI at an index is a newer version: it is emitted, and replaces the record.
+
+A description by another model than the one that described an image before is a replay with that model (topics
+replayed into an inference group running a new checkpoint): it replaces that image's entry and the result is sent
+again. A document still in memory is re-sent as each image's new description arrives (the compacted topic keeps the
+last); a forgotten one opens again and is sent once every image has an outcome again (a partial one times out as
+stale, above, and the old result stays).
 
 The record does not survive a restart (nor, exactly-once, the end of an ownership term): after one, a late record
 of a document emitted before it can still produce a partial result ``open_timeout_s`` later (reading the compacted
@@ -161,6 +168,9 @@ def _uri_hash(uri: str | None) -> bytes:
     return hashlib.blake2b(uri.encode(), digest_size=4).digest() if uri else b"\0\0\0\0"
 
 
+MIXED_MODELS = b"mixed"  # five bytes: never a 4-byte hash
+
+
 @dataclass(frozen=True, slots=True)
 class _Emitted:
     """What the last result emitted for a document said, compactly: enough to tell a late record of the same
@@ -169,11 +179,19 @@ class _Emitted:
     image_count: int
     uri_hashes: bytes  # 4 bytes per index, zeros where the source URI is unknown
     succeeded: frozenset[int]
+    model_hash: bytes  # the model that described every image that succeeded; MIXED_MODELS where they differ
 
     @classmethod
     def of(cls, images: list[dict[str, Any]]) -> "_Emitted":
+        models = {i.get("model") for i in images if i["status"] == "ok"}
+        model_hash = _uri_hash(models.pop()) if len(models) == 1 else MIXED_MODELS
         return cls(len(images), b"".join(_uri_hash(i.get("source_uri")) for i in images),
-                   frozenset(i["image_index"] for i in images if i["status"] == "ok"))
+                   frozenset(i["image_index"] for i in images if i["status"] == "ok"), model_hash)
+
+    def described_by(self, model: str | None) -> bool:
+        """Whether every image that succeeded was described by ``model``: a description by another one is a
+        replay with that model, which may replace the result, not a duplicate."""
+        return self.model_hash == _uri_hash(model)
 
     def same_version(self, image_count: int | None, uris: dict[int, str | None]) -> bool:
         """No other image count, and no other source URI at an index both know."""
@@ -404,7 +422,7 @@ class ResultsAggregator:
         return doc
 
     def _late(self, doc_id: str, image_count: int | None, image_index: int | None, source_uri: str | None, *,
-              success: bool) -> bool:
+              success: bool, model: str | None = None) -> bool:
         """Whether a record is of a document emitted and forgotten (not in ``_docs`` or ``_recent``), of the same
         version, and cannot add a success to its result: then it is dropped instead of opening the document."""
         if doc_id in self._docs or doc_id in self._recent:
@@ -415,15 +433,15 @@ class ResultsAggregator:
         uris = {} if image_index is None else {image_index: source_uri}
         if not emitted.same_version(image_count, uris):
             return False
-        if success and image_index not in emitted.succeeded:
-            return False  # a redriven image that succeeded: it opens the document (see the module docstring)
+        if success and (image_index not in emitted.succeeded or not emitted.described_by(model)):
+            return False  # a redriven image that succeeded, or a replay with another model: it opens the document
         self.stats.late += 1
         log.info("document %s: a late %s for image %s of a result already sent; dropped", doc_id,
                  "description" if success else "dead letter", image_index)
         return True
 
     def _on_description(self, tp: TopicPartition, offset: int, d: Description) -> None:
-        if self._late(d.doc_id, d.image_count, d.image_index, d.source_uri, success=True):
+        if self._late(d.doc_id, d.image_count, d.image_index, d.source_uri, success=True, model=d.model):
             return
         doc = self._doc(d.doc_id)
         doc.add_position(tp, offset)
@@ -433,8 +451,9 @@ class ResultsAggregator:
         before = doc.images.get(d.image_index)
         doc.images[d.image_index] = {"image_index": d.image_index, "status": "ok", "source_uri": d.source_uri,
                                      "text": d.text, "model": d.model}
+        # Another model's description of an image is a replay with that model: the result says so, image by image.
         self._maybe_emit(doc, changed=before is None or before.get("status") != "ok" or new_version
-                         or before.get("source_uri") != d.source_uri)
+                         or before.get("source_uri") != d.source_uri or before.get("model") != d.model)
 
     def _on_dead_letter(self, tp: TopicPartition, offset: int, letter: DeadLetter) -> None:
         if letter.doc_id is None or letter.stage in DOWNSTREAM_STAGES:

@@ -309,6 +309,46 @@ def test_a_partial_result_of_a_reopened_document_is_not_sent_but_a_newer_version
     assert aggregator.stats.stale == 1
 
 
+@pytest.mark.kafka
+def test_a_replay_with_another_model_replaces_the_result_in_memory_and_forgotten(topic_names, unique):
+    """Topics replayed into an inference group with a new checkpoint describe every image again under another model.
+    A description by another model is not a duplicate: the result is sent again with the new texts, whether the
+    document is still in memory or was forgotten (then once all its images are described again). A redelivered
+    description by the model that described the result is still dropped as late."""
+    settings = topic_names
+    held, gone = f"held-{unique}", f"gone-{unique}"
+    aggregator = ResultsAggregator(settings, group_id=f"test-results-{unique}", commit_interval_s=0.3,
+                                   open_timeout_s=1.0, recent_docs=1)
+    stop = threading.Event()
+    thread = aggregator.start_thread(stop, max_seconds=90)
+
+    def by(model: str, doc_id: str, index: int) -> Description:
+        return dataclasses.replace(description(doc_id, index, 2), model=model, text=f"{model} on {doc_id}/{index}")
+
+    try:
+        publish(settings, [by("old", gone, 0), by("old", gone, 1)])
+        results_by_doc(settings, expected=1)
+        publish(settings, [by("old", held, 0), by("old", held, 1)])  # pushes `gone` out of the LRU of one
+        results_by_doc(settings, expected=2)
+        wait_for(lambda: _forgotten(aggregator, gone), 20, "document released")
+        publish(settings, [by("old", gone, 1)])  # redelivered: late, dropped
+        wait_for(lambda: aggregator.stats.late >= 1, 20, "the redelivered description dropped")
+        publish(settings, [by("new", held, 0), by("new", held, 1), by("new", gone, 0), by("new", gone, 1)])
+        wait_for(lambda: aggregator.stats.records >= 9, 20, "the replay read")
+        time.sleep(2.5)  # past open_timeout_s: a partial result would be out by now
+        got = results_by_doc(settings, expected=4)  # `held` is sent again once or twice, as it stays in memory or not
+    finally:
+        stop.set()
+        thread.join(30)
+    for doc_id in (held, gone):
+        last = got[doc_id][-1]
+        assert [(i["model"], i["text"]) for i in last.images] == [("new", f"new on {doc_id}/0"),
+                                                                    ("new", f"new on {doc_id}/1")]
+        assert (last.succeeded, last.failed) == (2, 0)
+    assert len(got[gone]) == 2  # the old result, then the replay's once both images were in
+    assert aggregator.stats.late == 1 and aggregator.stats.stale == 0 and aggregator.stats.timed_out == 0
+
+
 class _Killed(BaseException):
     """The aggregator's process dying: nothing after it runs, not even an abort."""
 
