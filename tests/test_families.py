@@ -19,15 +19,17 @@ import numpy as np
 import pytest
 import torch
 
-from consumers.infer.tiny_model import GENERIC_TINY, TINY_FAMILIES, write_tiny_family_model
+from consumers.infer.tiny_model import (GENERIC_TILING_TINY, GENERIC_TINY, LLAVA_OV_PINPOINTS, TINY_FAMILIES,
+                                        write_tiny_family_model)
 from tests.helpers import counting
 from vlmstream.models.registry import family_of
 
 pytestmark = pytest.mark.model
 
 FAMILIES = list(TINY_FAMILIES)  # qwen2-vl, qwen3-vl, qwen3-vl-moe, qwen3.5
-# End to end: the families whose decode differs from Qwen2.5-VL's (test_cli_run.py runs that one), and the generic path.
-END_TO_END = ["qwen3-vl", "qwen3-vl-moe", "qwen3.5", GENERIC_TINY]
+# End to end: the families whose decode differs from Qwen2.5-VL's (test_cli_run.py runs that one), and the generic
+# path with a fixed resize and with a tiling processor.
+END_TO_END = ["qwen3-vl", "qwen3-vl-moe", "qwen3.5", GENERIC_TINY, GENERIC_TILING_TINY]
 PROMPT = "Describe this image."
 
 
@@ -43,7 +45,8 @@ def one_thread():
 @pytest.fixture(scope="module")
 def tiny_dirs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tiny-families")
-    return {name: write_tiny_family_model(root / name, name) for name in [*FAMILIES, GENERIC_TINY]}
+    return {name: write_tiny_family_model(root / name, name)
+            for name in [*FAMILIES, GENERIC_TINY, GENERIC_TILING_TINY]}
 
 
 def _lively(tower: torch.nn.Module) -> torch.nn.Module:
@@ -329,6 +332,38 @@ def test_the_generic_path_caps_at_what_the_processor_keeps(tiny_dirs):
         assert processor_cap({"size": {"height": 560, "width": 560}, **tiling})(3000, 1000, 1, 1, 30_000) == (300, 100)
 
 
+def test_image_processor_settings_are_read_where_transformers_reads_them(tiny_dirs, tmp_path):
+    """transformers 5 saves a processor's image settings inside processor_config.json (``image_processor``) and
+    writes no preprocessor_config.json; transformers and vLLM read that entry first. A checkpoint saved so still gets
+    the generic path (it used to be refused as no family) and a family's pixel limits come from that entry."""
+    import json
+    import shutil
+
+    from transformers import AutoImageProcessor
+    from transformers.image_processing_utils import select_best_resolution
+
+    tiling = tiny_dirs[GENERIC_TILING_TINY]
+    assert not (tiling / "preprocessor_config.json").exists()
+    family = family_of(tiling)
+    assert family.name == "generic" and not family.exact_size
+    processor = AutoImageProcessor.from_pretrained(tiling)
+    assert processor.image_grid_pinpoints == LLAVA_OV_PINPOINTS
+    for height, width in [(3000, 5000), (5000, 800), (400, 400)]:
+        cap = family.target_size(height, width, max_pixels=10**9)
+        assert cap[0] < height and cap[1] < width  # capped by the tiles' rule, not shipped whole
+        assert select_best_resolution(cap, LLAVA_OV_PINPOINTS) == select_best_resolution((height, width),
+                                                                                           LLAVA_OV_PINPOINTS)
+    # A family's limits from the nested entry, which wins over a preprocessor_config.json as in transformers.
+    qwen = shutil.copytree(tiny_dirs["qwen3-vl"], tmp_path / "qwen3-vl")
+    settings = json.loads((qwen / "preprocessor_config.json").read_text())
+    nested = {**settings, "size": {"shortest_edge": 64 * 32 * 32, "longest_edge": 256 * 32 * 32}}
+    (qwen / "processor_config.json").write_text(json.dumps({"processor_class": "Qwen3VLProcessor",
+                                                            "image_processor": nested}))
+    limits = family_of(qwen)
+    assert (limits.min_pixels, limits.max_pixels) == (64 * 32 * 32, 256 * 32 * 32)
+    assert AutoImageProcessor.from_pretrained(qwen).size["longest_edge"] == 256 * 32 * 32
+
+
 def test_internvls_original_checkpoints_are_capped_by_the_tiles_their_config_sets():
     """An InternVL checkpoint in its original layout (``internvl_chat``) sets its tiles in config.json and a plain
     448-px size in its preprocessor config; vLLM tiles by config.json. The cap follows config.json: a 3000 x 5000 photo
@@ -526,7 +561,13 @@ def test_run_with_each_tiny_model_end_to_end(tiny_dirs, name, topic_names, corpu
     if not family.exact_size:
         for record in read_topic(topic_names, t.images, expected=sum(expected.values()), timeout_s=30):
             meta = decode_image_payload(record.headers)
-            assert meta.width <= 224 and meta.height <= 224, meta  # the processor's 224 x 224
+            if name == GENERIC_TINY:
+                assert meta.width <= 224 and meta.height <= 224, meta  # the processor's 224 x 224
+                continue
+            # LLaVA-OneVision: the tiles' cap of the (oriented) image within the run's budget, smaller than it.
+            caps = {family.target_size(h, w, max_pixels=meta.max_pixels)
+                    for h, w in ((meta.orig_height, meta.orig_width), (meta.orig_width, meta.orig_height))}
+            assert (meta.height, meta.width) in caps and meta.height * meta.width < meta.orig_height * meta.orig_width
         assert not read_topic(topic_names, t.embeddings, timeout_s=5, idle_s=1)
         return
     embeddings = [Embedding.decode(r.value) for r in read_topic(topic_names, t.embeddings, timeout_s=30)]

@@ -6,7 +6,8 @@ every code path that runs the 7B model (prompt building, placeholder expansion, 
 runs on it too, only ~10 M parameters big. Its text is noise; its shapes and token accounting are exact.
 ``TINY_FAMILIES`` adds the same for Qwen2-VL (its LayerNorm tower), Qwen3-VL (dense and MoE; a DeepStack tower with two levels) and Qwen3.5 (its
 gated-delta/attention hybrid language model, the real 248k vocabulary and ids), each with the family's
-preprocessor config (vlmstream/models/).
+preprocessor config (vlmstream/models/). The generic path has two: Gemma 3 (a fixed square resize) and
+LLaVA-OneVision (tiles chosen by grid pinpoints).
 """
 
 from __future__ import annotations
@@ -257,9 +258,11 @@ TINY_FAMILIES = {
                           chat_template=QWEN3_5_CHAT_TEMPLATE, processor_class="Qwen3VLProcessor"),
 }
 DEFAULT_TINY_FAMILY = "qwen2.5-vl"
-# The generic path's tiny model: no family module describes Gemma 3; its own processor does the model's rest.
+# The generic path's tiny models: no family module describes them; their own processors do the model's rest.
+# Gemma 3 resizes to a fixed square; LLaVA-OneVision tiles by its grid pinpoints (the generic cap's tiling rule).
 GENERIC_TINY = "gemma3"
-TINY_FAMILY_NAMES = (DEFAULT_TINY_FAMILY, *TINY_FAMILIES, GENERIC_TINY)
+GENERIC_TILING_TINY = "llava-onevision"
+TINY_FAMILY_NAMES = (DEFAULT_TINY_FAMILY, *TINY_FAMILIES, GENERIC_TINY, GENERIC_TILING_TINY)
 
 GEMMA3_NEWLINES = ["\n", "\n\n", "\n\n\n", "\n\n\n\n"]
 GEMMA3_SPECIALS = ["<start_of_turn>", "<end_of_turn>", "<start_of_image>", "<end_of_image>", "<image_soft_token>"]
@@ -336,6 +339,69 @@ def write_tiny_gemma3(path: str | Path, seed: int = 0) -> Path:
     return path
 
 
+# LLaVA-OneVision's tiles, scaled down: 56 px (4 x 4 SigLIP patches of 14 px; the released model's are 384 px,
+# 27 x 27) in grids of up to 6 x 6 tiles, as the released pinpoints run from 384 to 2304 px.
+LLAVA_OV_TILE = 56
+LLAVA_OV_PINPOINTS = [[LLAVA_OV_TILE * rows, LLAVA_OV_TILE * columns] for rows in range(1, 7) for columns in range(1, 7)]
+LLAVA_OV_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<image>", "<video>"]
+# LLaVA-OneVision's (Qwen2) chat template, reduced to single-image user turns.
+LLAVA_OV_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}{% for c in message['content'] %}"
+    "{% if c['type'] == 'image' %}<image>\n{% elif c['type'] == 'text' %}{{ c['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def write_tiny_llava_onevision(path: str | Path, seed: int = 0) -> Path:
+    """A tiny random-weight LLaVA-OneVision (SigLIP tower on 56 px tiles, grid pinpoints up to 6 x 6 tiles,
+    ``anyres_max_9``, two Qwen2 text layers) with a byte-level tokenizer carrying its image token, and its processor
+    as transformers 5 saves one: the image processor's settings inside ``processor_config.json``, no
+    ``preprocessor_config.json``."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import (LlavaOnevisionConfig, LlavaOnevisionForConditionalGeneration,
+                              LlavaOnevisionImageProcessor, LlavaOnevisionProcessor, LlavaOnevisionVideoProcessor,
+                              PreTrainedTokenizerFast)
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    vocab = {symbol: i for i, symbol in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens(LLAVA_OV_SPECIALS)
+    ids = {token: tokenizer.token_to_id(token) for token in LLAVA_OV_SPECIALS}
+    text_tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, eos_token="<|im_end|>", pad_token="<|endoftext|>", padding_side="left",
+        extra_special_tokens={"image_token": "<image>", "video_token": "<video>"}, chat_template=LLAVA_OV_CHAT_TEMPLATE)
+    images = LlavaOnevisionImageProcessor(size={"height": LLAVA_OV_TILE, "width": LLAVA_OV_TILE},
+                                          image_grid_pinpoints=LLAVA_OV_PINPOINTS)
+    tokens_per_tile = (LLAVA_OV_TILE // 14) ** 2
+    LlavaOnevisionProcessor(image_processor=images, tokenizer=text_tokenizer,
+                            video_processor=LlavaOnevisionVideoProcessor(), num_image_tokens=tokens_per_tile,
+                            vision_feature_select_strategy="full", vision_aspect_ratio="anyres_max_9",
+                            chat_template=LLAVA_OV_CHAT_TEMPLATE).save_pretrained(path)
+    config = LlavaOnevisionConfig(
+        vision_config={"model_type": "siglip_vision_model", "hidden_size": 64, "intermediate_size": 128,
+                       "num_hidden_layers": 2, "num_attention_heads": 4, "image_size": LLAVA_OV_TILE,
+                       "patch_size": 14, "vision_use_head": False},
+        text_config={"model_type": "qwen2", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                     "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": tokenizer.get_vocab_size(),
+                     "max_position_embeddings": 8192, "initializer_range": 0.2,
+                     "eos_token_id": ids["<|im_end|>"], "pad_token_id": ids["<|endoftext|>"]},
+        image_token_index=ids["<image>"], video_token_index=ids["<video>"], image_grid_pinpoints=LLAVA_OV_PINPOINTS,
+        vision_feature_select_strategy="full", vision_feature_layer=-1, vision_aspect_ratio="anyres_max_9")
+    config.architectures = ["LlavaOnevisionForConditionalGeneration"]
+    config.eos_token_id, config.pad_token_id = ids["<|im_end|>"], ids["<|endoftext|>"]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlavaOnevisionForConditionalGeneration(config).eval()
+    model.save_pretrained(path)
+    _dump(path / _MARKER, {"version": TINY_MODEL_VERSION, "seed": seed, "family": GENERIC_TILING_TINY})
+    return path
+
+
 def gemma3_token_ids(ids: dict[str, int]) -> dict:
     """Gemma3Config's token arguments for the tokenizer ``write_gemma3_tokenizer_and_processor`` wrote."""
     return dict(boi_token_index=ids["<start_of_image>"], eoi_token_index=ids["<end_of_image>"],
@@ -350,6 +416,8 @@ def write_tiny_family_model(path: str | Path, name: str, seed: int = 0) -> Path:
         return write_tiny_model(path, seed)
     if name == GENERIC_TINY:
         return write_tiny_gemma3(path, seed)
+    if name == GENERIC_TILING_TINY:
+        return write_tiny_llava_onevision(path, seed)
     try:
         tiny = TINY_FAMILIES[name]
     except KeyError:

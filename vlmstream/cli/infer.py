@@ -119,7 +119,7 @@ def infer(
 
 def tiny_model(ctx: typer.Context, path: str = typer.Argument(..., help="Folder to write the model into."),
                family: str = typer.Option("qwen2.5-vl", "--family",
-                                          help="qwen2.5-vl, qwen2-vl, qwen3-vl, qwen3-vl-moe, qwen3.5, or gemma3 (the generic path)")) -> None:
+                                          help="qwen2.5-vl, qwen2-vl, qwen3-vl, qwen3-vl-moe, qwen3.5, or gemma3 / llava-onevision (the generic path)")) -> None:
     """Write a tiny random-weight model of a family (real architecture and special-token ids; no download);
     `vlmstream run --model PATH` then runs it."""
     from consumers.infer.tiny_model import TINY_FAMILY_NAMES, write_tiny_family_model

@@ -1,7 +1,7 @@
 """The generic path: any image-text model whose checkpoint no family module describes (Gemma 3, InternVL3,
 LLaVA-OneVision, Idefics3/SmolVLM, ...). The model's own processor does its model-specific resize, normalisation and
 patching in the engine; decode fetches, decodes, orients and converts as for every family, and caps the RGB it ships
-at what that processor keeps, read from the checkpoint's preprocessor_config.json (``processor_cap``), so the image
+at what that processor keeps, read from the checkpoint's image processor settings (``processor_cap``), so the image
 on the topic is never larger than the processor's own resize would make it, and never enlarged.
 
 Nothing here is exact to the patch: ``grid_thw`` of a generic image is an estimate in ``ESTIMATE_PATCH`` px patches
@@ -177,7 +177,8 @@ def tiling_in_config(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def generic_family(config: dict[str, Any], processor: dict[str, Any]) -> ModelFamily:
-    """The generic family of a checkpoint: its ``config.json`` and ``preprocessor_config.json`` (parsed)."""
+    """The generic family of a checkpoint: its ``config.json`` and image processor settings (parsed;
+    ``registry.image_processor_config``)."""
     processor = {**processor, **tiling_in_config(config)}
     return replace(GENERIC, model_types=(config.get("model_type") or "",),
                    architectures=tuple(config.get("architectures") or ()),

@@ -1,5 +1,5 @@
-"""Which ``ModelFamily`` a checkpoint belongs to, from its ``config.json``, with the pixel limits its
-``preprocessor_config.json`` sets. Families are the ``FAMILY`` of each module in this package."""
+"""Which ``ModelFamily`` a checkpoint belongs to, from its ``config.json``, with the pixel limits its image
+processor settings set (``processor_config.json``'s ``image_processor``, else ``preprocessor_config.json``). Families are the ``FAMILY`` of each module in this package."""
 
 from __future__ import annotations
 
@@ -53,10 +53,23 @@ def family_for_config(config: dict[str, Any]) -> ModelFamily:
         f"known model types: {', '.join(t for f in families().values() for t in f.model_types)}")
 
 
+def image_processor_config(folder: Path) -> dict[str, Any] | None:
+    """The checkpoint's image processor settings where transformers (and so vLLM) takes them from: the
+    ``image_processor`` entry of ``processor_config.json`` (as transformers 5 saves a processor), else
+    ``preprocessor_config.json``; None without either."""
+    processor_file = folder / "processor_config.json"
+    if processor_file.is_file():
+        nested = json.loads(processor_file.read_text()).get("image_processor")
+        if isinstance(nested, dict):
+            return nested
+    legacy_file = folder / "preprocessor_config.json"
+    return json.loads(legacy_file.read_text()) if legacy_file.is_file() else None
+
+
 def family_of(checkpoint: str | Path) -> ModelFamily:
-    """The family of the checkpoint folder ``checkpoint``, its pixel limits those of the folder's
-    ``preprocessor_config.json`` (``min_pixels``/``max_pixels``, or transformers 5's ``size`` with
-    ``shortest_edge``/``longest_edge``); without that file or those keys, the image processor's own defaults.
+    """The family of the checkpoint folder ``checkpoint``, its pixel limits those of the folder's image processor
+    settings (``image_processor_config``: ``min_pixels``/``max_pixels``, or transformers 5's ``size`` with
+    ``shortest_edge``/``longest_edge``); without them, the image processor's own defaults.
     A model no family describes but with a ``vision_config`` and a preprocessor config gets the generic path
     (``generic.generic_family``); anything else raises ``UnknownModelFamily``."""
     folder = Path(checkpoint)
@@ -65,8 +78,7 @@ def family_of(checkpoint: str | Path) -> ModelFamily:
                                  "checkpoint folder for its family to be known (download it first, e.g. "
                                  "huggingface-cli download)")
     config = json.loads((folder / "config.json").read_text())
-    processor_file = folder / "preprocessor_config.json"
-    processor = json.loads(processor_file.read_text()) if processor_file.exists() else None
+    processor = image_processor_config(folder)
     try:
         family = family_for_config(config)
     except UnknownModelFamily:
