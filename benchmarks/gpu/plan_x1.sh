@@ -128,6 +128,10 @@
 #              with TFLOPS in any time left (about 23 minutes)
 #   generic    G2 the generic path (Gemma 3 4B config) at 1 MP / 64: naive vLLM against the pipeline (pixels), with
 #              every arm's CPU cores and CPU ms per image (the front-end cores the issue compares)
+#   generic-tiling  G3 the generic path with a tiling processor (LLaVA-OneVision-Qwen2-7B's config, `mk_model.py
+#              DIR llava-onevision-7b`: 384-px tiles by grid pinpoints, up to about 7,300 image tokens) at the model's
+#              own size / 64 (`--budgets default`: decode caps at what its processor keeps, naive vLLM gets the files):
+#              naive vLLM against the pipeline (pixels), 60-s phases (about 10 minutes)
 #   honesty    H1 `estimate_honesty.py --cases g` with the Qwen2.5-VL-7B config at 0.2 MP / 64: an estimate from a 5%
 #              sample, then the whole job (26,000 documents, 82,725 images). In [m] the sample took about 250 s and
 #              the run about 66 img/s with start-up (scale 14 ran 22.6 min and was cut 13 s before its end); at
@@ -600,6 +604,13 @@ if [ "$LIST" = generic ]; then
   [ -e $G3/config.json ] || python3 benchmarks/gpu/mk_model.py $G3 gemma3-4b > "$RES/mk_g3.log" 2>&1
   job g2_generic_cores 330 450 $BENCH --model $G3 --budgets 1280 --seconds 25 --stop-after 1.5 \
     --arms naive,pipeline-pixels --out "$RES/g2_generic_cores"
+fi
+
+if [ "$LIST" = generic-tiling ]; then
+  LO=/root/llava-onevision-7b
+  [ -e $LO/config.json ] || python3 benchmarks/gpu/mk_model.py $LO llava-onevision-7b > "$RES/mk_lo.log" 2>&1
+  job g3_llava_ov 480 640 $BENCH --model $LO --budgets default --seconds 60 --stop-after 1.5 --start-limit 600 \
+    --arms naive,pipeline-pixels --out "$RES/g3_llava_ov"
 fi
 
 if [ "$LIST" = qwen3-long ]; then

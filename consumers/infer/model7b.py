@@ -1,5 +1,5 @@
 """Qwen2.5-VL-7B-Instruct, Qwen3-VL-8B-Instruct, Qwen3-VL-30B-A3B-Instruct, Qwen3.5-397B-A17B, Qwen3.5-27B and
-Gemma 3 4B (the generic path) folders without weights, for GPU measurements with vLLM ``load_format="dummy"`` and for the tower
+Gemma 3 4B and LLaVA-OneVision-Qwen2-7B (the generic path) folders without weights, for GPU measurements with vLLM ``load_format="dummy"`` and for the tower
 checks against transformers.
 
 The configs hold the released models' real values, so vLLM allocates, compiles and computes exactly as for
@@ -13,7 +13,8 @@ from pathlib import Path
 
 from consumers.infer.tiny_model import (FIRST_SPECIAL_ID, QWEN3_5_CHAT_TEMPLATE, QWEN3_5_FIRST_SPECIAL_ID,
                                         QWEN3_CHAT_TEMPLATE, _dump, gemma3_token_ids, model_config_dict,
-                                        write_gemma3_tokenizer_and_processor, write_processor_files,
+                                        write_gemma3_tokenizer_and_processor, write_llava_onevision_folder,
+                                        write_processor_files,
                                         write_size_processor_files, write_tokenizer_files)
 from vlmstream.models.qwen2_vl import QWEN2_VL
 from vlmstream.models.qwen3_5 import QWEN3_5
@@ -226,7 +227,25 @@ def write_gemma3_4b_config(path: str | Path) -> Path:
     return path
 
 
+def write_llava_onevision_7b_config(path: str | Path) -> Path:
+    """LLaVA-OneVision-Qwen2-7B's config (the generic path with a tiling processor), no weights: as transformers'
+    conversion script builds llava-hf/llava-onevision-qwen2-7b-ov-hf, a SigLIP-so400m tower of 26 layers on 384 px
+    tiles (729 tokens each), Qwen2-7B-Instruct's language model, ``<image>`` and ``<video>`` at 151646-151647, grid
+    pinpoints from 384 to 2304 px, ``anyres_max_9``."""
+    path, config = write_llava_onevision_folder(
+        path, 384, 729, first_special_id=FIRST_SPECIAL_ID,
+        vision_config={"hidden_size": 1152, "intermediate_size": 4304, "num_hidden_layers": 26,
+                       "num_attention_heads": 16, "patch_size": 14},
+        text_config={"hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
+                     "num_attention_heads": 28, "num_key_value_heads": 4, "vocab_size": 152064,
+                     "max_position_embeddings": 32768, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
+                     "tie_word_embeddings": False, "sliding_window": None, "use_sliding_window": False})
+    config.dtype = "bfloat16"
+    config.save_pretrained(path)
+    return path
+
+
 GPU_MODELS = {"qwen2.5-vl-7b": write_qwen25vl_7b_config, "qwen3-vl-8b": write_qwen3vl_8b_config,
               "qwen3-vl-30b-a3b": write_qwen3vl_30b_a3b_config, "qwen3.5-397b-a17b": write_qwen35_397b_a17b_config,
               "qwen3.5-27b": write_qwen35_27b_config,
-              "gemma3-4b": write_gemma3_4b_config}
+              "gemma3-4b": write_gemma3_4b_config, "llava-onevision-7b": write_llava_onevision_7b_config}

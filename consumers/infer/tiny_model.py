@@ -18,6 +18,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from vlmstream.models.family import ModelFamily
 from vlmstream.models.qwen2_vl import QWEN2_VL
@@ -342,7 +343,14 @@ def write_tiny_gemma3(path: str | Path, seed: int = 0) -> Path:
 # LLaVA-OneVision's tiles, scaled down: 56 px (4 x 4 SigLIP patches of 14 px; the released model's are 384 px,
 # 27 x 27) in grids of up to 6 x 6 tiles, as the released pinpoints run from 384 to 2304 px.
 LLAVA_OV_TILE = 56
-LLAVA_OV_PINPOINTS = [[LLAVA_OV_TILE * rows, LLAVA_OV_TILE * columns] for rows in range(1, 7) for columns in range(1, 7)]
+
+
+def grid_pinpoints(tile: int) -> list[list[int]]:
+    """LLaVA-OneVision's best-resolution candidates: every grid of 1 to 6 x 1 to 6 tiles."""
+    return [[tile * rows, tile * columns] for rows in range(1, 7) for columns in range(1, 7)]
+
+
+LLAVA_OV_PINPOINTS = grid_pinpoints(LLAVA_OV_TILE)
 LLAVA_OV_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<image>", "<video>"]
 # LLaVA-OneVision's (Qwen2) chat template, reduced to single-image user turns.
 LLAVA_OV_CHAT_TEMPLATE = (
@@ -353,20 +361,22 @@ LLAVA_OV_CHAT_TEMPLATE = (
 )
 
 
-def write_tiny_llava_onevision(path: str | Path, seed: int = 0) -> Path:
-    """A tiny random-weight LLaVA-OneVision (SigLIP tower on 56 px tiles, grid pinpoints up to 6 x 6 tiles,
-    ``anyres_max_9``, two Qwen2 text layers) with a byte-level tokenizer carrying its image token, and its processor
-    as transformers 5 saves one: the image processor's settings inside ``processor_config.json``, no
-    ``preprocessor_config.json``."""
-    import torch
+def write_llava_onevision_folder(path: str | Path, tile: int, tokens_per_tile: int, vision_config: dict,
+                                 text_config: dict, first_special_id: int = 0) -> tuple[Path, Any]:
+    """A LLaVA-OneVision checkpoint folder without weights: a byte-level tokenizer whose special tokens start at
+    ``first_special_id`` (fillers below it; the released model's are at 151643-151647) or right after the byte
+    symbols, and the processor as transformers 5 saves one (the image processor's settings inside
+    ``processor_config.json``, no ``preprocessor_config.json``): ``tile`` px tiles, grid pinpoints of up to 6 x 6
+    tiles, ``anyres_max_9``. Returns the folder and the ``LlavaOnevisionConfig`` to build or save."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import (LlavaOnevisionConfig, LlavaOnevisionForConditionalGeneration,
-                              LlavaOnevisionImageProcessor, LlavaOnevisionProcessor, LlavaOnevisionVideoProcessor,
-                              PreTrainedTokenizerFast)
+    from transformers import (LlavaOnevisionConfig, LlavaOnevisionImageProcessor, LlavaOnevisionProcessor,
+                              LlavaOnevisionVideoProcessor, PreTrainedTokenizerFast)
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     vocab = {symbol: i for i, symbol in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    for i in range(len(vocab), first_special_id):
+        vocab[f"<filler_{i}>"] = i
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tokenizer.decoder = decoders.ByteLevel()
@@ -375,25 +385,39 @@ def write_tiny_llava_onevision(path: str | Path, seed: int = 0) -> Path:
     text_tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=tokenizer, eos_token="<|im_end|>", pad_token="<|endoftext|>", padding_side="left",
         extra_special_tokens={"image_token": "<image>", "video_token": "<video>"}, chat_template=LLAVA_OV_CHAT_TEMPLATE)
-    images = LlavaOnevisionImageProcessor(size={"height": LLAVA_OV_TILE, "width": LLAVA_OV_TILE},
-                                          image_grid_pinpoints=LLAVA_OV_PINPOINTS)
-    tokens_per_tile = (LLAVA_OV_TILE // 14) ** 2
+    pinpoints = grid_pinpoints(tile)
+    images = LlavaOnevisionImageProcessor(size={"height": tile, "width": tile}, image_grid_pinpoints=pinpoints,
+                                          image_mean=[0.5] * 3, image_std=[0.5] * 3)
     LlavaOnevisionProcessor(image_processor=images, tokenizer=text_tokenizer,
                             video_processor=LlavaOnevisionVideoProcessor(), num_image_tokens=tokens_per_tile,
                             vision_feature_select_strategy="full", vision_aspect_ratio="anyres_max_9",
                             chat_template=LLAVA_OV_CHAT_TEMPLATE).save_pretrained(path)
+    text = {"vocab_size": max(text_config.get("vocab_size", 0), tokenizer.get_vocab_size()), **text_config,
+            "eos_token_id": ids["<|im_end|>"], "pad_token_id": ids["<|endoftext|>"]}
     config = LlavaOnevisionConfig(
-        vision_config={"model_type": "siglip_vision_model", "hidden_size": 64, "intermediate_size": 128,
-                       "num_hidden_layers": 2, "num_attention_heads": 4, "image_size": LLAVA_OV_TILE,
-                       "patch_size": 14, "vision_use_head": False},
-        text_config={"model_type": "qwen2", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-                     "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": tokenizer.get_vocab_size(),
-                     "max_position_embeddings": 8192, "initializer_range": 0.2,
-                     "eos_token_id": ids["<|im_end|>"], "pad_token_id": ids["<|endoftext|>"]},
-        image_token_index=ids["<image>"], video_token_index=ids["<video>"], image_grid_pinpoints=LLAVA_OV_PINPOINTS,
-        vision_feature_select_strategy="full", vision_feature_layer=-1, vision_aspect_ratio="anyres_max_9")
+        vision_config={"model_type": "siglip_vision_model", "image_size": tile, "vision_use_head": False,
+                       **vision_config},
+        text_config={"model_type": "qwen2", **text}, image_token_index=ids["<image>"],
+        video_token_index=ids["<video>"], image_grid_pinpoints=pinpoints, vision_feature_select_strategy="full",
+        vision_feature_layer=-1, vision_aspect_ratio="anyres_max_9")
     config.architectures = ["LlavaOnevisionForConditionalGeneration"]
     config.eos_token_id, config.pad_token_id = ids["<|im_end|>"], ids["<|endoftext|>"]
+    return path, config
+
+
+def write_tiny_llava_onevision(path: str | Path, seed: int = 0) -> Path:
+    """A tiny random-weight LLaVA-OneVision (SigLIP tower on 56 px tiles, grid pinpoints up to 6 x 6 tiles,
+    ``anyres_max_9``, two Qwen2 text layers) with its processor as transformers 5 saves one
+    (``write_llava_onevision_folder``)."""
+    import torch
+    from transformers import LlavaOnevisionForConditionalGeneration
+
+    path, config = write_llava_onevision_folder(
+        path, LLAVA_OV_TILE, (LLAVA_OV_TILE // 14) ** 2,
+        vision_config={"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                       "num_attention_heads": 4, "patch_size": 14},
+        text_config={"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+                     "num_key_value_heads": 2, "max_position_embeddings": 8192, "initializer_range": 0.2})
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = LlavaOnevisionForConditionalGeneration(config).eval()
