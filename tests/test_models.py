@@ -64,6 +64,12 @@ def test_an_unknown_image_text_model_takes_the_generic_path_and_an_unknown_text_
     (path / "config.json").write_text(json.dumps(config))
     with pytest.raises(UnknownModelFamily, match="'llava_next'"):
         family_of(path)
+    # With a vision part but no image processor settings: the generic path cannot cap, and the error says what to add.
+    config["vision_config"] = {}
+    (path / "config.json").write_text(json.dumps(config))
+    (path / "preprocessor_config.json").unlink()
+    with pytest.raises(UnknownModelFamily, match="'llava_next'.*preprocessor_config.json"):
+        family_of(path)
 
 
 def test_without_a_preprocessor_config_the_processor_defaults_apply(tmp_path):

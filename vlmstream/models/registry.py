@@ -84,8 +84,13 @@ def family_of(checkpoint: str | Path) -> ModelFamily:
     except UnknownModelFamily:
         # An image-text model of no family here: the generic path, when the checkpoint has a vision part and an
         # image processor to do its model-specific rest.
-        if "vision_config" not in config or processor is None:
+        if "vision_config" not in config:
             raise
+        if processor is None:
+            raise UnknownModelFamily(
+                f"{folder} is an image-text model of no family here (model_type {config.get('model_type')!r}), and "
+                f"the generic path needs its image processor's settings, which the folder lacks: add the "
+                f"checkpoint's preprocessor_config.json (or processor_config.json) to it") from None
         from vlmstream.models.generic import generic_family
 
         return generic_family(config, processor)
