@@ -237,6 +237,15 @@ def test_an_oversized_result_goes_out_with_texts_cut_and_an_unreadable_record_is
     assert [(r.image_count, r.succeeded) for r in got[after]] == [(1, 1)]
 
 
+def start_forgetting_aggregator(settings, unique: str) -> tuple[ResultsAggregator, threading.Event, threading.Thread]:
+    """An aggregator in a thread that forgets an emitted document as soon as another one is emitted (an LRU of
+    one) and times an open document out after 1 s: late records meet forgotten documents at once."""
+    aggregator = ResultsAggregator(settings, group_id=f"test-results-{unique}", commit_interval_s=0.3,
+                                   open_timeout_s=1.0, recent_docs=1)
+    stop = threading.Event()
+    return aggregator, stop, aggregator.start_thread(stop, max_seconds=90)
+
+
 def _forgotten(aggregator: ResultsAggregator, doc_id: str) -> bool:
     return doc_id not in aggregator._docs and doc_id not in aggregator._recent
 
@@ -249,10 +258,7 @@ def test_late_records_of_a_forgotten_document_never_replace_its_result_with_a_pa
     complete one in the compacted topic."""
     settings = topic_names
     whole, other, failed = (f"{name}-{unique}" for name in ("whole", "other", "failed"))
-    aggregator = ResultsAggregator(settings, group_id=f"test-results-{unique}", commit_interval_s=0.3,
-                                   open_timeout_s=1.0, recent_docs=1)
-    stop = threading.Event()
-    thread = aggregator.start_thread(stop, max_seconds=90)
+    aggregator, stop, thread = start_forgetting_aggregator(settings, unique)
     try:
         publish(settings, [description(whole, 0, 2), description(whole, 1, 2),
                            description(failed, 0, 2), dead_letter(failed, 1, 2, "out_of_memory")])
@@ -284,10 +290,7 @@ def test_a_partial_result_of_a_reopened_document_is_not_sent_but_a_newer_version
     version of the document (another image count) still replaces it."""
     settings = topic_names
     doc_id, other = f"doc-{unique}", f"other-{unique}"
-    aggregator = ResultsAggregator(settings, group_id=f"test-results-{unique}", commit_interval_s=0.3,
-                                   open_timeout_s=1.0, recent_docs=1)
-    stop = threading.Event()
-    thread = aggregator.start_thread(stop, max_seconds=90)
+    aggregator, stop, thread = start_forgetting_aggregator(settings, unique)
     try:
         publish(settings, [description(doc_id, 0, 3), description(doc_id, 1, 3),
                            dead_letter(doc_id, 2, 3, "out_of_memory")])
@@ -317,10 +320,7 @@ def test_a_replay_with_another_model_replaces_the_result_in_memory_and_forgotten
     description by the model that described the result is still dropped as late."""
     settings = topic_names
     held, gone = f"held-{unique}", f"gone-{unique}"
-    aggregator = ResultsAggregator(settings, group_id=f"test-results-{unique}", commit_interval_s=0.3,
-                                   open_timeout_s=1.0, recent_docs=1)
-    stop = threading.Event()
-    thread = aggregator.start_thread(stop, max_seconds=90)
+    aggregator, stop, thread = start_forgetting_aggregator(settings, unique)
 
     def by(model: str, doc_id: str, index: int) -> Description:
         return dataclasses.replace(description(doc_id, index, 2), model=model, text=f"{model} on {doc_id}/{index}")

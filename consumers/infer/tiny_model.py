@@ -75,20 +75,26 @@ VISION_CONFIG = {
 }
 
 
-def write_tokenizer_files(path: Path, first_special_id: int = FIRST_SPECIAL_ID,
-                          chat_template: str = CHAT_TEMPLATE) -> None:
-    """A byte-level tokenizer with the real special-token ids: ids below ``first_special_id`` (151643 for Qwen2.5
-    and Qwen3-VL, 248044 for Qwen3.5) are the 256 byte symbols and fillers, so text costs one token per byte
-    (more than the real BPE, never fewer)."""
+def byte_level_tokenizer(first_special_id: int = 0):
+    """A BPE tokenizer of the 256 byte symbols and no merges (one token per byte), with fillers up to
+    ``first_special_id`` so that the special tokens added next land at a real checkpoint's ids."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    vocab = {symbol: i for i, symbol in enumerate(alphabet)}
+    vocab = {symbol: i for i, symbol in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
     for i in range(len(vocab), first_special_id):
         vocab[f"<filler_{i}>"] = i
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tokenizer.decoder = decoders.ByteLevel()
+    return tokenizer
+
+
+def write_tokenizer_files(path: Path, first_special_id: int = FIRST_SPECIAL_ID,
+                          chat_template: str = CHAT_TEMPLATE) -> None:
+    """A byte-level tokenizer with the real special-token ids: ids below ``first_special_id`` (151643 for Qwen2.5
+    and Qwen3-VL, 248044 for Qwen3.5) are the 256 byte symbols and fillers, so text costs one token per byte
+    (more than the real BPE, never fewer)."""
+    tokenizer = byte_level_tokenizer(first_special_id)
     tokenizer.add_special_tokens(SPECIAL_TOKENS)
     ids = {s: tokenizer.token_to_id(s) for s in SPECIAL_TOKENS}
     if ids["<|endoftext|>"] != first_special_id or ids["<|image_pad|>"] != first_special_id + 12:
@@ -317,7 +323,6 @@ def write_gemma3_tokenizer_and_processor(path: Path, image_size: int, tokens_per
 def write_tiny_gemma3(path: str | Path, seed: int = 0) -> Path:
     """A tiny random-weight Gemma 3 (SigLIP tower at 224 px, 16 image tokens, two text layers) with a byte-level
     tokenizer carrying Gemma 3's image tokens, and its processor (fixed 224 x 224 resize, no pan and scan)."""
-    import torch
     from transformers import Gemma3Config, Gemma3ForConditionalGeneration
 
     path = Path(path)
@@ -332,11 +337,19 @@ def write_tiny_gemma3(path: str | Path, seed: int = 0) -> Path:
                        "num_hidden_layers": 2, "num_attention_heads": 4, "image_size": 224, "patch_size": 14},
         mm_tokens_per_image=16, **gemma3_token_ids(ids))
     config.architectures = ["Gemma3ForConditionalGeneration"]
+    return _write_weights(path, Gemma3ForConditionalGeneration, config, seed, GENERIC_TINY)
+
+
+def _write_weights(path: Path, model_class, config, seed: int, family: str) -> Path:
+    """The model's random weights drawn from ``seed`` (the callers' random state untouched) saved into ``path``,
+    then the marker that says the folder is whole."""
+    import torch
+
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = Gemma3ForConditionalGeneration(config).eval()
+        model = model_class(config).eval()
     model.save_pretrained(path)
-    _dump(path / _MARKER, {"version": TINY_MODEL_VERSION, "seed": seed, "family": GENERIC_TINY})
+    _dump(path / _MARKER, {"version": TINY_MODEL_VERSION, "seed": seed, "family": family})
     return path
 
 
@@ -368,18 +381,12 @@ def write_llava_onevision_folder(path: str | Path, tile: int, tokens_per_tile: i
     symbols, and the processor as transformers 5 saves one (the image processor's settings inside
     ``processor_config.json``, no ``preprocessor_config.json``): ``tile`` px tiles, grid pinpoints of up to 6 x 6
     tiles, ``anyres_max_9``. Returns the folder and the ``LlavaOnevisionConfig`` to build or save."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import (LlavaOnevisionConfig, LlavaOnevisionImageProcessor, LlavaOnevisionProcessor,
                               LlavaOnevisionVideoProcessor, PreTrainedTokenizerFast)
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    vocab = {symbol: i for i, symbol in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
-    for i in range(len(vocab), first_special_id):
-        vocab[f"<filler_{i}>"] = i
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer = byte_level_tokenizer(first_special_id)
     tokenizer.add_special_tokens(LLAVA_OV_SPECIALS)
     ids = {token: tokenizer.token_to_id(token) for token in LLAVA_OV_SPECIALS}
     text_tokenizer = PreTrainedTokenizerFast(
@@ -409,7 +416,6 @@ def write_tiny_llava_onevision(path: str | Path, seed: int = 0) -> Path:
     """A tiny random-weight LLaVA-OneVision (SigLIP tower on 56 px tiles, grid pinpoints up to 6 x 6 tiles,
     ``anyres_max_9``, two Qwen2 text layers) with its processor as transformers 5 saves one
     (``write_llava_onevision_folder``)."""
-    import torch
     from transformers import LlavaOnevisionForConditionalGeneration
 
     path, config = write_llava_onevision_folder(
@@ -418,12 +424,7 @@ def write_tiny_llava_onevision(path: str | Path, seed: int = 0) -> Path:
                        "num_attention_heads": 4, "patch_size": 14},
         text_config={"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
                      "num_key_value_heads": 2, "max_position_embeddings": 8192, "initializer_range": 0.2})
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = LlavaOnevisionForConditionalGeneration(config).eval()
-    model.save_pretrained(path)
-    _dump(path / _MARKER, {"version": TINY_MODEL_VERSION, "seed": seed, "family": GENERIC_TILING_TINY})
-    return path
+    return _write_weights(path, LlavaOnevisionForConditionalGeneration, config, seed, GENERIC_TILING_TINY)
 
 
 def gemma3_token_ids(ids: dict[str, int]) -> dict:
