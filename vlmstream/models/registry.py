@@ -1,5 +1,6 @@
 """Which ``ModelFamily`` a checkpoint belongs to, from its ``config.json``, with the pixel limits its image
-processor settings set (``processor_config.json``'s ``image_processor``, else ``preprocessor_config.json``). Families are the ``FAMILY`` of each module in this package."""
+processor settings set (``processor_config.json``'s ``image_processor``, else ``preprocessor_config.json``).
+Families are the ``FAMILY`` of each module in this package."""
 
 from __future__ import annotations
 
@@ -70,7 +71,7 @@ def family_of(checkpoint: str | Path) -> ModelFamily:
     """The family of the checkpoint folder ``checkpoint``, its pixel limits those of the folder's image processor
     settings (``image_processor_config``: ``min_pixels``/``max_pixels``, or transformers 5's ``size`` with
     ``shortest_edge``/``longest_edge``); without them, the image processor's own defaults.
-    A model no family describes but with a ``vision_config`` and a preprocessor config gets the generic path
+    A model no family describes but with a ``vision_config`` and image processor settings gets the generic path
     (``generic.generic_family``); anything else raises ``UnknownModelFamily``."""
     folder = Path(checkpoint)
     if not (folder / "config.json").is_file():
