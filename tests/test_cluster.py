@@ -47,6 +47,10 @@ def _topic(settings: Settings, partitions: int = 6) -> str:
     name = f"test.cluster.{uuid.uuid4().hex[:10]}"
     factor, min_isr = replication(settings, brokers=3)
     create_topics(settings, [TopicSpec(name, partitions, factor, {"min.insync.replicas": str(min_isr)})])
+    # Creation returns before every node has the new partitions' leaders in its metadata (on a loaded machine a
+    # describe right after it listed no leader at all): tests that pick a node by what it leads wait for them.
+    wait_for(lambda: sum(n for node, n in broker.partition_leaders(settings, [name]).items() if node > 0)
+             == partitions, 30, f"leaders for the {partitions} partitions of {name}")
     return name
 
 
