@@ -31,6 +31,8 @@ def test_a_meter_leaves_warm_up_out_of_its_rate_and_reports_drift_against_the_fi
     for t in range(30, 60, 5):  # 2 img/s
         done += 10
         meter.observe(t, done)
+        if t == 40:  # 15 s after the last reading before the first move: the rate covers those, not a 20-s window
+            assert progress_line(meter, 1000).count("2.00 img/s over 15 s") == 1
     assert meter.rate() == pytest.approx(2.0, rel=0.01)
     assert meter.first_steady == pytest.approx(2.0, rel=0.01)
     for t in range(60, 100, 5):  # slows to 1 img/s
@@ -42,6 +44,7 @@ def test_a_meter_leaves_warm_up_out_of_its_rate_and_reports_drift_against_the_fi
     assert eta.seconds == pytest.approx(100, rel=0.02) and eta.low_s <= eta.seconds <= eta.high_s
     line = progress_line(meter, done + 100)
     assert f"{done}/{done + 100} images" in line and "drift -50%" in line and "ETA" in line
+    assert "img/s over 20 s" in line
 
 
 def test_the_bottleneck_is_the_last_stage_with_a_queue_and_says_by_how_much():

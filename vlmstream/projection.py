@@ -73,13 +73,21 @@ class StageMeter:
     def rate(self) -> float | None:
         """Images per second over the window (from the stage's first move, when that is later); None before it
         moved."""
+        span = self._rate_span()
+        return None if span is None else (span[1][1] - span[0][1]) / (span[1][0] - span[0][0])
+
+    def rate_seconds(self) -> float | None:
+        """The seconds ``rate`` is taken over: the window, or less early in a run (since the stage first moved)."""
+        span = self._rate_span()
+        return None if span is None else span[1][0] - span[0][0]
+
+    def _rate_span(self) -> tuple[tuple[float, int], tuple[float, int]] | None:
         if self.moved_at is None:
             return None
         points = [(t, d) for t, d in self.readings if t >= self.moved_at]
-        if len(points) < 2:
+        if len(points) < 2 or points[-1][0] <= points[0][0]:
             return None
-        (t0, d0), (t1, d1) = points[0], points[-1]
-        return (d1 - d0) / (t1 - t0) if t1 > t0 else None
+        return points[0], points[-1]
 
     def rate_spread(self) -> tuple[float, float] | None:
         """(lowest, highest) rate over the window's quarters: how much the rate wanders, for the ETA's range."""
@@ -162,7 +170,8 @@ def progress_line(meter: StageMeter, total: int | None) -> str:
     parts = [f"{meter.name:<9} {meter.done}/{total if total is not None else '?'} images"]
     if total is not None and meter.done >= total:  # an idle window's rate is no slowdown
         return "  ".join([*parts, "done, nothing waits for it" if meter.done else "nothing waits for it"])
-    parts.append(f"{rate:.2f} img/s over {meter.window_s:.0f} s" if rate is not None else "not moving yet")
+    # The seconds the rate covers, not the window's length: early in a run it is taken over less.
+    parts.append(f"{rate:.2f} img/s over {meter.rate_seconds():.0f} s" if rate is not None else "not moving yet")
     if total is not None and (eta := meter.eta(total - meter.done)) is not None:
         parts.append(f"ETA {eta.render()}")
     if (drift := meter.drift()) is not None:
