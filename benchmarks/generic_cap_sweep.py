@@ -26,11 +26,12 @@ from transformers.models.llava_onevision.processing_llava_onevision import Llava
 
 from vlmstream.models.generic import processor_cap  # noqa: E402
 
-ONEVISION = {"size": {"height": 384, "width": 384},
+ONEVISION = {"image_processor_type": "LlavaOnevisionImageProcessor", "size": {"height": 384, "width": 384},
              "image_grid_pinpoints": LlavaOnevisionImageProcessor().image_grid_pinpoints}
-NEXT = {"size": {"shortest_edge": 336},
+NEXT = {"image_processor_type": "LlavaNextImageProcessor", "size": {"shortest_edge": 336},
         "image_grid_pinpoints": [[336, 672], [672, 336], [672, 672], [1008, 336], [336, 1008]]}
-INTERNVL = {"size": {"height": 448, "width": 448}, "crop_to_patches": True, "min_patches": 1, "max_patches": 12}
+INTERNVL = {"image_processor_type": "GotOcr2ImageProcessor", "size": {"height": 448, "width": 448},
+            "crop_to_patches": True, "min_patches": 1, "max_patches": 12}
 
 
 def onevision_tokens() -> callable:

@@ -324,12 +324,14 @@ def test_the_generic_path_caps_at_what_the_processor_keeps(tiny_dirs):
     assert family.target_size(90, 60, max_pixels=10**9) == (90, 60)
     assert family.target_size(3000, 1000, max_pixels=100 * 100) == (100, 100)
     # Idefics3/SmolVLM's longest edge keeps the aspect ratio.
-    assert processor_cap({"size": {"longest_edge": 1456}})(3000, 1500, 1, 1, 10**9) == (1456, 728)
+    assert processor_cap({"image_processor_type": "Idefics3ImageProcessorFast",
+                          "size": {"longest_edge": 1456}})(3000, 1500, 1, 1, 10**9) == (1456, 728)
     # Tiles of a scheme the rule does not model (Mllama's, Gemma 3's pan and scan, Idefics2's split of the whole
     # image): the image keeps its size, the budget alone bounds it.
     for tiling in ({"max_image_tiles": 4}, {"do_pan_and_scan": True}, {"do_image_splitting": True}):
-        assert processor_cap({"size": {"height": 560, "width": 560}, **tiling})(3000, 1000, 1, 1, 10**9) == (3000, 1000)
-        assert processor_cap({"size": {"height": 560, "width": 560}, **tiling})(3000, 1000, 1, 1, 30_000) == (300, 100)
+        config = {"image_processor_type": "Gemma3ImageProcessor", "size": {"height": 560, "width": 560}, **tiling}
+        assert processor_cap(config)(3000, 1000, 1, 1, 10**9) == (3000, 1000)
+        assert processor_cap(config)(3000, 1000, 1, 1, 30_000) == (300, 100)
 
 
 def test_image_processor_settings_are_read_where_transformers_reads_them(tiny_dirs, tmp_path):
@@ -411,7 +413,7 @@ def test_the_generic_cap_leaves_the_processor_the_same_choices_and_pixels(name, 
 
     class_name, keywords = GENERIC_PROCESSORS[name]
     processor = getattr(transformers, class_name)(**keywords)
-    config = {**keywords, **({"size": {"height": 384, "width": 384},
+    config = {"image_processor_type": class_name, **keywords, **({"size": {"height": 384, "width": 384},
                               "image_grid_pinpoints": processor.image_grid_pinpoints} if name == "llava-onevision"
                              else {"size": {"longest_edge": 1456}} if name == "idefics3" else {})}
     rule = processor_cap(config)
@@ -443,6 +445,68 @@ def test_the_generic_cap_leaves_the_processor_the_same_choices_and_pixels(name, 
             assert get_optimal_tiled_canvas((cap_h, cap_w), (448, 448), 1, 12) == grid
             assert (cap_h >= 448 * grid[1] or cap_h == height) and (cap_w >= 448 * grid[0] or cap_w == width)
 
+
+
+def test_every_image_text_processor_of_transformers_gets_the_same_tensors_from_what_decode_ships():
+    """Generality: for every image processor transformers 5.17 has for an image-text model, at its own defaults,
+    decode's copy is processed into the same tensors as the whole image (shapes equal, pixels within resampling
+    noise) wherever the cap cuts. A class whose resize the cap does not model keeps the image's size: reading its
+    ``size`` as a plain resize distorted Janus's and DeepSeek-VL's padded squares, Fuyu's canvas, Cohere2Vision's
+    tiles and shrank GLM-5's images to 1 x 1. LLaVA-NeXT/OneVision report the size they saw (``image_sizes``), which
+    the README states."""
+    import warnings
+
+    import transformers
+    from PIL import Image
+    from transformers.models.auto.image_processing_auto import IMAGE_PROCESSOR_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+    from vlmstream.models.generic import MODELLED, processor_cap, processor_class
+
+    names = sorted({classes.get("torchvision") or classes.get("pil")
+                    for model_type, classes in IMAGE_PROCESSOR_MAPPING_NAMES.items()
+                    if model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES and isinstance(classes, dict)} - {None})
+    assert len(names) > 40
+    texture = np.random.default_rng(0).integers(0, 256, (64, 64, 3), dtype=np.uint8)
+    cut_by: set[str] = set()
+    failures = []
+    for name in names:
+        cls = getattr(transformers, name, None)
+        if cls is None:
+            continue
+        try:
+            processor = cls()
+        except Exception:  # a class that needs an optional library this install lacks
+            continue
+        settings = processor.to_dict()
+        rule = processor_cap(settings)
+        for height, width in [(2000, 3000), (3000, 700), (1200, 1200), (300, 500)]:
+            shipped_size = rule(height, width, 1, 1, 10**12)
+            assert shipped_size[0] <= height and shipped_size[1] <= width, name
+            if shipped_size == (height, width):
+                continue
+            cut_by.add(processor_class(settings))
+            whole = np.asarray(Image.fromarray(texture).resize((width, height), Image.BICUBIC))
+            shipped = np.asarray(Image.fromarray(whole).resize(shipped_size[::-1], Image.BICUBIC))
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                a, b = (processor(images=[image], return_tensors="np") for image in (whole, shipped))
+            a, b = ({"pixel_values": x} if isinstance(x, np.ndarray) else dict(x) for x in (a, b))
+            for key in a:
+                if key == "image_sizes" and settings.get("image_grid_pinpoints") is not None:
+                    continue
+                if np.shape(a[key]) != np.shape(b[key]):
+                    failures.append(f"{name} {height}x{width} -> {shipped_size}: {key} {np.shape(a[key])} "
+                                    f"against {np.shape(b[key])}")
+                elif key == "pixel_values":
+                    # Resampling twice against once, on a texture with detail at every scale: two uint8 levels on
+                    # average in normalised units (std 0.25 at the least); a distorted image is off by ~0.8.
+                    difference = float(np.abs(np.asarray(a[key], np.float32) - np.asarray(b[key], np.float32)).mean())
+                    if difference > 2 / 255 / 0.25:
+                        failures.append(f"{name} {height}x{width} -> {shipped_size}: pixels off by {difference:.3f}")
+    assert not failures, failures
+    # Every class the cap models cuts somewhere at its defaults (GotOcr2 tiles only with crop_to_patches: above).
+    assert MODELLED - {"GotOcr2ImageProcessor"} <= cut_by, MODELLED - cut_by
 
 
 def test_the_generic_engine_describes_any_size_and_refuses_what_is_no_rgb_image(tiny_dirs):

@@ -109,6 +109,28 @@ def shrunk_keeping_choice(processor: dict[str, Any], height: int, width: int, sc
     return height, width
 
 
+# The image processors whose resize this module models, by transformers' class name (without "Fast" or "Pil"); a
+# checkpoint of any other keeps the image's size and the budget alone bounds it. Classes keep, pad or tile in ways a
+# size key does not say: Janus and DeepSeek-VL fit an image into their square keeping its aspect and pad it, Fuyu
+# fits into its canvas, Cohere2Vision tiles by its own rule, and GLM-5's `longest_edge` is no edge at all; a per-axis
+# or edge cap read from their `size` would distort or shrink what they see. Each class listed here is run by
+# tests/test_families.py on sizes the cap cuts, the whole image against the shipped copy: the same tensors.
+FIXED_RESIZE = frozenset({"Gemma3ImageProcessor", "SiglipImageProcessor", "BlipImageProcessor",
+                          "IdeficsImageProcessor"})  # to size.height x size.width, the aspect ratio ignored
+LONGEST_EDGE = frozenset({"Idefics2ImageProcessor", "Idefics3ImageProcessor", "SmolVLMImageProcessor",
+                          "PixtralImageProcessor"})  # the longer side to size.longest_edge, the aspect kept
+TILING = frozenset({"LlavaNextImageProcessor", "LlavaOnevisionImageProcessor", "GotOcr2ImageProcessor"})
+MODELLED = FIXED_RESIZE | LONGEST_EDGE | TILING
+
+
+def processor_class(processor: dict[str, Any]) -> str:
+    """The image processor's transformers class, its fast and PIL variants under the one name."""
+    name = str(processor.get("image_processor_type") or "")
+    for suffix in ("Fast", "Pil"):
+        name = name.removesuffix(suffix)
+    return name
+
+
 # Tiling schemes this module does not model (Mllama's max_image_tiles, Aria's split_image, Phi's crops, Gemma 3's
 # pan and scan): where one is on, a cap could take pixels its tiles use, so the image keeps its size.
 UNMODELLED_TILING = ("max_image_tiles", "split_image", "num_crops", "dynamic_hd", "do_pan_and_scan", "max_num_tiles")
@@ -134,12 +156,14 @@ def processor_cap(processor: dict[str, Any]):
     - A plain fixed-size resize (Gemma 3, SigLIP): each axis capped on its own, a first step of that same resize,
       which ignores the aspect ratio anyway.
     - A longest edge (Idefics3/SmolVLM): scaled so the longer side fits.
-    - A tiling scheme it does not model (``UNMODELLED_TILING``), or no size it knows: the budget alone."""
+    - A processor class not in ``MODELLED``, a tiling scheme it does not model (``UNMODELLED_TILING``), or no size
+      it knows: the budget alone."""
     size = _size(processor)
-    fixed = (size["height"], size["width"]) if "height" in size and "width" in size else None
-    tiles = bool(processor.get("image_grid_pinpoints") or processor.get("crop_to_patches"))
-    unmodelled = not tiles and unmodelled_tiling(processor)
-    longest = size.get("longest_edge")
+    kind = processor_class(processor)
+    fixed = (size["height"], size["width"]) if "height" in size and "width" in size and kind in FIXED_RESIZE else None
+    tiles = kind in TILING and bool(processor.get("image_grid_pinpoints") or processor.get("crop_to_patches"))
+    unmodelled = kind not in MODELLED or (not tiles and unmodelled_tiling(processor))
+    longest = size.get("longest_edge") if kind in LONGEST_EDGE else None
 
     def rule(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
         # (An empty image never gets here: the decoder refuses its header.)
@@ -171,7 +195,9 @@ def tiling_in_config(config: dict[str, Any]) -> dict[str, Any]:
         return {}
     tile = int(config.get("force_image_size") or (config.get("vision_config") or {}).get("image_size") or 448)
     dynamic = config.get("dynamic_image_size", True)
-    return {"crop_to_patches": True, "size": {"height": tile, "width": tile},
+    # vLLM tiles these by InternVL's grid rule, GotOcr2's (``tiled_canvas``), whatever processor class they name.
+    return {"image_processor_type": "GotOcr2ImageProcessor", "crop_to_patches": True,
+            "size": {"height": tile, "width": tile},
             "min_patches": int(config.get("min_dynamic_patch") or 1) if dynamic else 1,
             "max_patches": int(config["max_dynamic_patch"]) if dynamic else 1}
 
