@@ -171,7 +171,8 @@ class DecodeSettings(BaseModel):
         "by; its released checkpoints' pixel limits are the defaults below.")
     model: str = Field(
         "", description="Checkpoint folder whose config.json names the model family (model_family is then ignored) and "
-        "whose preprocessor_config.json bounds the pixels: min_pixels and max_pixels apply within its limits. "
+        "whose image processor settings (processor_config.json or preprocessor_config.json) bound the pixels: "
+        "min_pixels and max_pixels apply within its limits. "
         "`vlmstream run` sets it to infer.model.")
     min_pixels: int = family_named(DEFAULT_FAMILY).min_pixels
     max_pixels: int = Field(family_named(DEFAULT_FAMILY).max_pixels,

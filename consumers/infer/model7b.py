@@ -1,6 +1,6 @@
-"""Qwen2.5-VL-7B-Instruct, Qwen3-VL-8B-Instruct, Qwen3-VL-30B-A3B-Instruct, Qwen3.5-397B-A17B, Qwen3.5-27B and
-Gemma 3 4B and LLaVA-OneVision-Qwen2-7B (the generic path) folders without weights, for GPU measurements with vLLM ``load_format="dummy"`` and for the tower
-checks against transformers.
+"""Qwen2.5-VL-7B-Instruct, Qwen3-VL-8B-Instruct, Qwen3-VL-30B-A3B-Instruct, Qwen3.5-397B-A17B, Qwen3.5-27B, and
+Gemma 3 4B and LLaVA-OneVision-Qwen2-7B (the generic path) folders without weights, for GPU measurements with vLLM
+``load_format="dummy"`` and for the tower checks against transformers.
 
 The configs hold the released models' real values, so vLLM allocates, compiles and computes exactly as for
 the real checkpoints; the tokenizer is the tiny model's synthetic one (real special-token ids). Random

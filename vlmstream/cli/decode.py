@@ -12,7 +12,7 @@ def decode(
     workers: Optional[int] = typer.Option(None, "--workers", "-w", help="Worker processes; 0 = one per core."),
     model: Optional[str] = typer.Option(
         None, "--model", help="Checkpoint folder of the model that infers: its config.json picks the family the "
-        "images are resized for, its preprocessor config the pixel limits (decode.model)."),
+        "images are resized for, its image processor settings the pixel limits (decode.model)."),
     max_pixels: Optional[int] = typer.Option(None, help="Largest model input (pixels) after smart_resize."),
     min_pixels: Optional[int] = typer.Option(None, help="Smallest model input (pixels) after smart_resize."),
     codec: Optional[str] = typer.Option(None, help="Payload codec: jpeg, png (lossless) or raw RGB."),

@@ -524,7 +524,7 @@ def _manifest_roots(items: list[Any]) -> list[str]:
 
 def with_model_family(settings: Any) -> tuple[Any, str]:
     """Decode resizes for the model that infers: a local checkpoint folder (infer.model) becomes decode.model unless
-    that is set, so its config.json picks the family and its preprocessor config bounds the pixels. Fails here,
+    that is set, so its config.json picks the family and its image processor settings bound the pixels. Fails here,
     before anything starts, when no family describes the checkpoint. Returns the settings and the line saying which."""
     from consumers.decode.stage import decode_family
 
