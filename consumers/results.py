@@ -164,8 +164,9 @@ class _Doc:
         return self.image_count is not None and all(i in self.images for i in range(self.image_count))
 
 
-def _uri_hash(uri: str | None) -> bytes:
-    return hashlib.blake2b(uri.encode(), digest_size=4).digest() if uri else b"\0\0\0\0"
+def _short_hash(text: str | None) -> bytes:
+    """4 bytes for a source URI or a model name; zeros for none."""
+    return hashlib.blake2b(text.encode(), digest_size=4).digest() if text else b"\0\0\0\0"
 
 
 MIXED_MODELS = b"mixed"  # five bytes: never a 4-byte hash
@@ -184,14 +185,14 @@ class _Emitted:
     @classmethod
     def of(cls, images: list[dict[str, Any]]) -> "_Emitted":
         models = {i.get("model") for i in images if i["status"] == "ok"}
-        model_hash = _uri_hash(models.pop()) if len(models) == 1 else MIXED_MODELS
-        return cls(len(images), b"".join(_uri_hash(i.get("source_uri")) for i in images),
+        model_hash = _short_hash(models.pop()) if len(models) == 1 else MIXED_MODELS
+        return cls(len(images), b"".join(_short_hash(i.get("source_uri")) for i in images),
                    frozenset(i["image_index"] for i in images if i["status"] == "ok"), model_hash)
 
     def described_by(self, model: str | None) -> bool:
         """Whether every image that succeeded was described by ``model``: a description by another one is a
         replay with that model, which may replace the result, not a duplicate."""
-        return self.model_hash == _uri_hash(model)
+        return self.model_hash == _short_hash(model)
 
     def same_version(self, image_count: int | None, uris: dict[int, str | None]) -> bool:
         """No other image count, and no other source URI at an index both know."""
@@ -202,7 +203,7 @@ class _Emitted:
             if not 0 <= index < self.image_count:
                 return False
             known = self.uri_hashes[4 * index:4 * index + 4]
-            if uri and known != zero and known != _uri_hash(uri):
+            if uri and known != zero and known != _short_hash(uri):
                 return False
         return True
 

@@ -40,9 +40,9 @@ def size_class(width: int, height: int) -> str:
 
 def decode_family(settings) -> ModelFamily:
     """The family the images are resized for, with the pixel limits they are resized within: the checkpoint's
-    (``decode.model``: its config.json's family, the user's min_pixels/max_pixels within its image processor settings'
-    limits, since its processor would resize anything outside them), else ``decode.model_family`` with the user's
-    limits as they are."""
+    (``decode.model``: its config.json's family, the user's min_pixels/max_pixels within the limits of its image
+    processor settings, since its processor would resize anything outside them), else ``decode.model_family`` with
+    the user's limits as they are."""
     model = getattr(settings, "model", "")
     if not model:
         return family_named(settings.model_family).with_pixel_limits(settings.min_pixels, settings.max_pixels)
