@@ -230,49 +230,6 @@ def test_fast_blocks_compute_what_the_towers_own_blocks_compute(tiny_dirs, name,
 
 
 
-@pytest.mark.parametrize("name", ["qwen2.5-vl", "qwen3-vl"])
-def test_long_sequence_attention_computes_what_the_packed_call_computes(tmp_path, tiny_dirs, name, monkeypatch):
-    """The full-attention layers' per-image attention (``long_attention``; torch's sdpa on the CPU, cuDNN's kernel
-    on the GPU) on three images in one forward: the same tokens as the tower's own blocks, and it is called once per
-    full-attention layer: every block of Qwen3-VL, only ``fullatt_block_indexes`` of windowed Qwen2.5-VL (its
-    window layers keep the packed call). Sequences shorter than ``LONG_SEQUENCE`` keep the packed call too."""
-    from consumers.infer import vision
-    from consumers.infer.tiny_model import write_tiny_family_model
-    from consumers.infer.vision import VisionEncoder, load_vision_tower, patchify_batch
-
-    path = tiny_dirs.get(name) or write_tiny_family_model(tmp_path / name, name)
-    family = family_of(path)
-    tower = _lively(load_vision_tower(path, "cpu", torch.float32)[0])
-    images = [*_images(family.factor), np.full((family.factor * 4, family.factor * 12, 3), 90, np.uint8)]
-    pixel_values, grid_thw = patchify_batch(images, family=family)
-    expected = torch.cat(VisionEncoder(tower, "cpu", torch.float32, attention="sdpa",
-                                       fast_blocks=False).encode_patches(pixel_values, grid_thw))
-    encoder = VisionEncoder(tower, "cpu", torch.float32, attention="sdpa", long_attention="sdpa")
-    calls = []
-    encoder.fast.long_attention = counting(encoder.fast.long_attention, calls)
-    full_layers = len(getattr(tower, "fullatt_block_indexes", None) or tower.blocks)
-    assert full_layers < len(tower.blocks) or name == "qwen3-vl"
-    torch.testing.assert_close(torch.cat(encoder.encode_patches(pixel_values, grid_thw)), expected,
-                               atol=1e-5, rtol=1e-4)
-    assert not calls  # the tiny images are far below LONG_SEQUENCE
-    monkeypatch.setattr(vision, "LONG_SEQUENCE", 16)
-    torch.testing.assert_close(torch.cat(encoder.encode_patches(pixel_values, grid_thw)), expected,
-                               atol=1e-5, rtol=1e-4)
-    assert len(calls) == full_layers
-
-
-def test_a_long_sequence_attention_that_fails_its_probe_is_not_used(monkeypatch):
-    """On a device where the kernel cannot run (cuDNN's on the CPU), the blocks keep the packed call for every
-    layer rather than failing a forward."""
-    from consumers.infer.vision import long_sequence_attention
-
-    assert long_sequence_attention("off", "cpu", torch.float32) is None
-    assert long_sequence_attention("cudnn", "cpu", torch.float32) is None
-    assert long_sequence_attention("sdpa", "cpu", torch.float32) is not None
-    with pytest.raises(ValueError, match="infer.vision_long_attention"):
-        long_sequence_attention("fast", "cpu", torch.float32)
-
-
 def test_a_block_the_fast_path_does_not_know_keeps_transformers_forward(tiny_dirs):
     """A block whose MLP activation is not one the fused forward computes runs transformers' forward; the others
     still run the fused one, and the tower's output is unchanged. An activation with act(0) != 0 gets no padding."""

@@ -285,11 +285,6 @@ class InferSettings(BaseModel):
         "triton: one pass over whole rows (consumers/infer/block_norm.py; Inductor loops over rows wider than 1,024 "
         "values and reads them twice); torch: compiled with the matrix product after it; auto: triton where the "
         "blocks are compiled and Triton imports.")
-    vision_long_attention: Literal["off", "cudnn"] = Field(
-        "off", description="vLLM engine, our vision tower: how the full-attention layers attend over an image of "
-        "4,096 patches or more (about 0.8 MP and up). cudnn: torch's scaled_dot_product_attention on cuDNN's fused "
-        "kernel, one call per image (probed at start; where it cannot run, the packed call stays); off: FA3's "
-        "packed varlen call for every layer. Window layers and smaller images always take the packed call.")
     vision_fp8: bool = Field(
         False, description="vLLM engine, our vision tower: each block's four matrix products in FP8 (e4m3; weights "
         "scaled per output channel, activations per token), on GPUs with FP8 (compute capability 8.9+). Opt-in: "

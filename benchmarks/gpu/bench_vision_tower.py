@@ -16,8 +16,6 @@ Variants, side by side in one process on the same images (random weights: same c
                     take v as a view of the projection (fast hands FA3 the view; vision.takes_strided_v)
   fast-torchnorm+... fast+..., the norms in the compiled code of the steps around them (infer.vision_norm_kernel=
                     torch) instead of the Triton kernels of consumers/infer/block_norm.py
-  fast-cudnnlong+... fast+..., the full-attention layers' sequences of LONG_SEQUENCE patches or more by cuDNN's
-                    fused attention, one call per image (infer.vision_long_attention=cudnn; vision.py)
 with attention vllm_fa3 (vLLM's FlashAttention 3), torch_varlen (torch's varlen flash) or sdpa. Each timing covers
 GPU patchify + tower forward + merger for a batch of images, synchronised, after warm-up; it prints ms per image
 and images/s per budget with the spread of its timed passes, then torch.profiler tables (by GPU and by CPU time) of
@@ -140,7 +138,7 @@ def time_encoder(encoder: VisionEncoder, images: list[np.ndarray], batch: int, m
 
 # The <blocks> half of a variant's name (module docstring).
 BLOCKS = ("transformers", "fast", "fast-torchqkv", "fast-eager", "fast-fp8", "fast-torchmlp", "fast-contigv",
-          "fast-torchnorm", "fast-cudnnlong")
+          "fast-torchnorm")
 
 
 def make_encoder(tower, device: torch.device, dtype: torch.dtype, variant: str) -> VisionEncoder:
@@ -153,8 +151,7 @@ def make_encoder(tower, device: torch.device, dtype: torch.dtype, variant: str) 
                          qkv_kernel="torch" if blocks == "fast-torchqkv" else "auto", fp8=blocks == "fast-fp8",
                          mlp_kernel="torch" if blocks == "fast-torchmlp" else "auto",
                          strided_v=False if blocks == "fast-contigv" else None,
-                         norm_kernel="torch" if blocks == "fast-torchnorm" else "auto",
-                         long_attention="cudnn" if blocks == "fast-cudnnlong" else "off")
+                         norm_kernel="torch" if blocks == "fast-torchnorm" else "auto")
 
 
 def in_rounds(variants: list[str], rounds: int) -> list[tuple[str, str]]:

@@ -36,9 +36,7 @@ def main() -> int:
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="qwen3-vl-8b", choices=sorted(GPU_MODELS))
-    ap.add_argument("--blocks", default="fast", choices=("fast", "transformers", "fast-fp8", "fast-cudnnlong"),
-                    help="fast-cudnnlong: the fast blocks with the full-attention layers' long sequences by cuDNN "
-                         "(infer.vision_long_attention=cudnn)")
+    ap.add_argument("--blocks", default="fast", choices=("fast", "transformers", "fast-fp8"))
     ap.add_argument("--images", default=os.environ.get("IMAGES"))
     ap.add_argument("--n", type=int, default=8)
     ap.add_argument("--max-pixels", type=int, default=1003520)
@@ -58,14 +56,7 @@ def main() -> int:
     # The encoder gets a copy: it swaps the patch embedding and picks its own attention, and the reference must run
     # transformers' own modules (its sdpa attention, its index tensors, its Conv3d).
     encoder = VisionEncoder(copy.deepcopy(model.model.visual), "cuda", torch.bfloat16, family=family,
-                            fast_blocks=args.blocks != "transformers", fp8=args.blocks == "fast-fp8",
-                            long_attention="cudnn" if args.blocks == "fast-cudnnlong" else "off")
-    long_calls: list = []
-    if args.blocks == "fast-cudnnlong":
-        if encoder.fast is None or encoder.fast.long_attention is None:
-            raise SystemExit("--blocks fast-cudnnlong: cuDNN's attention is not usable here (see the log)")
-        kernel = encoder.fast.long_attention
-        encoder.fast.long_attention = lambda *a: long_calls.append(1) or kernel(*a)
+                            fast_blocks=args.blocks != "transformers", fp8=args.blocks == "fast-fp8")
     started = time.perf_counter()
     ours = encoder.encode(images)
     torch.cuda.synchronize()
@@ -98,9 +89,6 @@ def main() -> int:
               "encode_s": round(encode_s, 3), "shapes_first": shapes[:1]}
     blocks_as_asked = (report["fast_blocks"] == len(encoder.visual.blocks)) == (args.blocks != "transformers")
     report["blocks"] = args.blocks
-    # fast-cudnnlong checks the long-sequence path only where the images took it.
-    report["long_attention_calls"] = len(long_calls)
-    blocks_as_asked = blocks_as_asked and (args.blocks != "fast-cudnnlong" or bool(long_calls))
     report["pass"] = bool(encoder.image_embeds_width == expected_width and blocks_as_asked
                           and (args.blocks == "fast-fp8" or (worst_token_cos > 0.99 and worst_embedding_cos > 0.999)))
     Path(args.out).write_text(json.dumps(report, indent=1))

@@ -132,12 +132,6 @@
 #              DIR llava-onevision-7b`: 384-px tiles by grid pinpoints, up to about 7,300 image tokens) at the model's
 #              own size / 64 (`--budgets default`: decode caps at what its processor keeps, naive vLLM gets the files):
 #              naive vLLM against the pipeline (pixels), 60-s phases (about 10 minutes)
-#   tower-attention  the full-attention layers' long sequences by cuDNN's fused kernel, one call per image
-#              (infer.vision_long_attention=cudnn) against FA3's packed varlen call: A1 bench_attention.py (the
-#              attention alone at 80- and 72-wide heads); A2 the Qwen2.5-VL-7B and A3 the Qwen3-VL-8B tower alone at
-#              1 and 12.8 MP, fast+vllm_fa3 against fast-cudnnlong+vllm_fa3 in two rounds (the second reversed),
-#              with a profile at 12.8 MP; C2/C3 both towers with it against transformers' full models; then the
-#              generic-tiling list (about 22 minutes)
 #   honesty    H1 `estimate_honesty.py --cases g` with the Qwen2.5-VL-7B config at 0.2 MP / 64: an estimate from a 5%
 #              sample, then the whole job (26,000 documents, 82,725 images). In [m] the sample took about 250 s and
 #              the run about 66 img/s with start-up (scale 14 ran 22.6 min and was cut 13 s before its end); at
@@ -610,21 +604,6 @@ if [ "$LIST" = generic ]; then
   [ -e $G3/config.json ] || python3 benchmarks/gpu/mk_model.py $G3 gemma3-4b > "$RES/mk_g3.log" 2>&1
   job g2_generic_cores 330 450 $BENCH --model $G3 --budgets 1280 --seconds 25 --stop-after 1.5 \
     --arms naive,pipeline-pixels --out "$RES/g2_generic_cores"
-fi
-
-if [ "$LIST" = tower-attention ]; then
-  [ -e /root/model/config.json ] || python3 benchmarks/gpu/mk_model.py /root/model > "$RES/mk_model.log" 2>&1
-  job a1_attention 60 150 python3 benchmarks/gpu/bench_attention.py --out "$RES/a1_attention.json"
-  LONG_VARIANTS="--budgets 1280,default --variants fast+vllm_fa3,fast-cudnnlong+vllm_fa3 --seconds 3 --rounds 2"
-  job a2_tower_q25 150 240 python3 benchmarks/gpu/bench_vision_tower.py --model /root/model --imgs /root/imgs \
-    $LONG_VARIANTS --profile-budget default --out "$RES/a2_tower_q25.json"
-  job a3_tower_q3 150 240 python3 benchmarks/gpu/bench_vision_tower.py --model qwen3-vl-8b --imgs /root/imgs \
-    $LONG_VARIANTS --profile-budget '' --out "$RES/a3_tower_q3.json"
-  job c2_check_long_q25 60 150 python3 benchmarks/gpu/check_tower.py --model qwen2.5-vl-7b --blocks fast-cudnnlong \
-    --images /root/imgs --n 8 --max-pixels 1003520 --out "$RES/c2_check_long_q25.json"
-  job c3_check_long_q3 60 150 python3 benchmarks/gpu/check_tower.py --model qwen3-vl-8b --blocks fast-cudnnlong \
-    --images /root/imgs --n 8 --max-pixels 1003520 --out "$RES/c3_check_long_q3.json"
-  LIST=generic-tiling
 fi
 
 if [ "$LIST" = generic-tiling ]; then

@@ -407,51 +407,6 @@ def _windowed_sdpa(q, k, v, cu_seqlens: torch.Tensor, scale: float) -> torch.Ten
     return out
 
 
-# The shortest sequence (patches) that the long-sequence attention takes: an image of about 1 MP or more in a
-# full-attention layer. Window layers (64 patches) and small images stay on the packed varlen call.
-LONG_SEQUENCE = 4096
-
-
-def long_sequence_attention(kind: str, device: torch.device | str, dtype: torch.dtype):
-    """The attention the fast blocks call for a full-attention layer's long sequences, one call per image:
-    ``kind`` "cudnn" is torch's scaled_dot_product_attention restricted to cuDNN's fused kernel, "sdpa" torch's own
-    choice (CPU tests), "off" None. A kernel that fails its probe here (a tiny sequence with v strided, as the
-    q/k/v kernel leaves it, against the per-window sdpa loop) gives None and a log line, so the varlen call stays."""
-    if kind == "off":
-        return None
-    if kind not in ("cudnn", "sdpa"):
-        raise ValueError(f"infer.vision_long_attention must be off, cudnn or sdpa, not {kind!r}")
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    backends = [SDPBackend.CUDNN_ATTENTION] if kind == "cudnn" else None
-
-    def attend(q, k, v, bounds: list[int], scale: float) -> torch.Tensor:
-        out = torch.empty_like(q)
-        for start, end in zip(bounds[:-1], bounds[1:]):
-            parts = [t[start:end].transpose(0, 1).unsqueeze(0) for t in (q, k, v)]
-            if backends is None:
-                attended = torch.nn.functional.scaled_dot_product_attention(*parts, scale=scale)
-            else:
-                with sdpa_kernel(backends):
-                    attended = torch.nn.functional.scaled_dot_product_attention(*parts, scale=scale)
-            out[start:end] = attended[0].transpose(0, 1)
-        return out
-
-    try:
-        gen = torch.Generator(device="cpu").manual_seed(0)
-        qkv = torch.randn(48, 3, 2, 64, generator=gen).to(device, dtype)
-        q, k = qkv[:, 0].contiguous(), qkv[:, 1].contiguous()
-        cu = torch.tensor([0, 16, 48], dtype=torch.int32)
-        ok = torch.allclose(attend(q, k, qkv[:, 2], cu.tolist(), 0.125).float(),
-                            _windowed_sdpa(q, k, qkv[:, 2].contiguous(), cu, 0.125).float(), atol=2e-2, rtol=2e-2)
-        if not ok:
-            raise RuntimeError("its output differs from the per-window sdpa loop's")
-    except Exception as exc:  # noqa: BLE001 - the packed varlen call then takes long sequences too
-        log.info("long-sequence vision attention %s unavailable on %s: %s", kind, device, exc)
-        return None
-    return attend
-
-
 def _padded(width: int, alignment: int) -> int:
     return -(-width // alignment) * alignment
 
@@ -593,16 +548,11 @@ class FastVisionBlocks:
 
     def __init__(self, visual: torch.nn.Module, attention=None, compile_blocks: bool = False,
                  alignment: int = GEMM_ALIGNMENT, qkv_kernel: str = "auto", fp8: bool = False,
-                 mlp_kernel: str = "auto", strided_v: bool = False, norm_kernel: str = "auto",
-                 long_attention=None):
+                 mlp_kernel: str = "auto", strided_v: bool = False, norm_kernel: str = "auto"):
         for name, value in (("qkv_kernel", qkv_kernel), ("mlp_kernel", mlp_kernel), ("norm_kernel", norm_kernel)):
             if value not in ("auto", "triton", "torch"):
                 raise ValueError(f"{name} must be auto, triton or torch, not {value!r}")
         self.attention = attention
-        self.long_attention = long_attention
-        # (the forward's cu_seqlens on the device, the same bounds on the host), set by the encoder before each
-        # forward: the long-sequence attention splits by the host copy, so it never waits for the GPU.
-        self.sequence_bounds: tuple[torch.Tensor, list[int]] | None = None
         self.fp8 = fp8
         self.before, self.after, self.project, self.up = _before_attention, _after_attention, _project, _up_projection
         if compile_blocks:
@@ -681,11 +631,7 @@ class FastVisionBlocks:
                 cos, sin = (t.float().unsqueeze(-2) for t in position_embeddings)
                 q, k, v = self.before(hidden_states, block.norm1.weight, shape.norm1_bias, qkv_weight,
                                       attn.qkv.bias, cos, sin, eps, heads)
-            bounds = self.sequence_bounds
-            if (self.long_attention is not None and bounds is not None and cu_seqlens is bounds[0]
-                    and max_seqlen is not None and max_seqlen >= LONG_SEQUENCE):
-                attended = self.long_attention(q, k, v, bounds[1], scale)
-            elif self.attention is None:
+            if self.attention is None:
                 attended = _windowed_sdpa(q, k, v, cu_seqlens, scale)
             else:
                 if max_seqlen is None:
@@ -862,9 +808,7 @@ class VisionEncoder:
     ``family`` defaults to the one whose patch size and merge size the tower's config has. ``fp8``: the fast
     blocks' matrix products in FP8 (``fp8.py``; on CUDA only where the GPU has FP8, on the CPU in float32 for tests).
     ``qkv_kernel``, ``mlp_kernel``, ``norm_kernel`` and ``strided_v``: as ``FastVisionBlocks`` takes them;
-    ``strided_v`` None (the default) where the attention takes it (``takes_strided_v``). ``long_attention``: how the
-    full-attention layers attend over an image of ``LONG_SEQUENCE`` patches or more (``long_sequence_attention``:
-    "off" keeps the packed varlen call for every layer).
+    ``strided_v`` None (the default) where the attention takes it (``takes_strided_v``).
     """
 
     def __init__(self, visual: torch.nn.Module, device: torch.device | str = "cpu",
@@ -872,7 +816,7 @@ class VisionEncoder:
                  max_patches_per_call: int = 65536, linear_patch_embedding: bool = True,
                  fast_blocks: bool = True, compile_blocks: bool = True, family: ModelFamily | None = None,
                  qkv_kernel: str = "auto", fp8: bool = False, mlp_kernel: str = "auto",
-                 strided_v: bool | None = None, norm_kernel: str = "auto", long_attention: str = "off"):
+                 strided_v: bool | None = None, norm_kernel: str = "auto"):
         if fp8:
             problem = "it needs the fast vision blocks" if not fast_blocks else fp8_problem(
                 device, dtype or next(visual.parameters()).dtype)
@@ -905,8 +849,7 @@ class VisionEncoder:
                              or takes_strided_v(self.attention, self.device, self.dtype))
             fast = FastVisionBlocks(self.visual, VARLEN_KERNELS.get(self.attention), compile_blocks,
                                     qkv_kernel=qkv_kernel, fp8=fp8, mlp_kernel=mlp_kernel, strided_v=strided_v,
-                                    norm_kernel=norm_kernel,
-                                    long_attention=long_sequence_attention(long_attention, self.device, self.dtype))
+                                    norm_kernel=norm_kernel)
             self.fast = fast if fast.replaced else None
             if compile_blocks and self.fast is not None:
                 self.compiled = self._warm_up_compiled()
@@ -982,8 +925,6 @@ class VisionEncoder:
         inputs = {key: self._there(value) if isinstance(value, torch.Tensor) else value
                   for key, value in inputs.items()}
         inputs["max_seqlen"] = _longest(cu_seqlens)
-        if self.fast is not None:
-            self.fast.sequence_bounds = (inputs["cu_seqlens"], cu_seqlens.tolist())
         return inputs
 
     def _image_index_parts(self, grid: tuple[int, int, int]) -> dict[str, torch.Tensor]:
