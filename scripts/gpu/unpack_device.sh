@@ -30,5 +30,6 @@ printf '#!/bin/sh\nexec python3 -m vlmstream.cli "$@"\n' > /tmp/vlmbin/vlmstream
 printf '#!/bin/sh\nexec python3 -m vllm.entrypoints.cli.main "$@"\n' > /tmp/vlmbin/vllm
 chmod +x /tmp/vlmbin/*
 python3 "$repo/scripts/gpu/patch_flashinfer.py"
+python3 "$repo/scripts/gpu/patch_pixtral.py"
 python3 "$repo/scripts/gpu/importcheck.py"
 echo "UNPACKED in $(( $(date +%s) - t0 )) s: /tmp/site $(du -sh /tmp/site | cut -f1), /opt/jre, $VLMSTREAM_HOME/kafka-4.1.1-jars ($(ls "$VLMSTREAM_HOME/kafka-4.1.1-jars" | wc -l) jars), /root/imgs ($(ls /root/imgs | wc -l) files)"
