@@ -1110,3 +1110,30 @@ def test_an_engine_that_starts_but_cannot_answer_fails_at_start_and_is_shut_down
         assert dying.shut_down
     finally:
         loop.stop()
+
+
+def test_a_model_whose_vllm_module_does_not_import_is_named_with_the_import_error(tmp_path, monkeypatch):
+    """model_module_failure: the start error of a model whose vLLM module fails to import names that import. The
+    module here is what vLLM 0.26.0's pixtral.py (imported by every LLaVA-family module) asks of the real
+    transformers 5.17, which no longer has the name (seen on the H200, benchmarks/RESULTS.md [ac]); a module that
+    imports, an architecture vLLM does not list, and a folder without config.json add nothing."""
+    from vlmstream.vllm_process import model_module_failure
+
+    package = tmp_path / "fake_vllm_models"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "llava_like.py").write_text(
+        "from transformers.models.pixtral.modeling_pixtral import PixtralRotaryEmbedding  # noqa: F401\n")
+    (package / "fine.py").write_text("VALUE = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    models = {"LlavaLikeForConditionalGeneration": ("llava_like", "LlavaLike"), "FineModel": ("fine", "Fine")}
+    folder = tmp_path / "checkpoint"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"architectures": ["LlavaLikeForConditionalGeneration"]}))
+    cause = model_module_failure(folder, models, package="fake_vllm_models")
+    assert cause is not None and "LlavaLikeForConditionalGeneration" in cause
+    assert "ImportError" in cause and "PixtralRotaryEmbedding" in cause
+    for architectures in (["FineModel"], ["NotInVllm"]):
+        (folder / "config.json").write_text(json.dumps({"architectures": architectures}))
+        assert model_module_failure(folder, models, package="fake_vllm_models") is None
+    assert model_module_failure(tmp_path / "no-config", models, package="fake_vllm_models") is None

@@ -83,6 +83,34 @@ def kernel_args(model_path: str | Path) -> dict:
     return {"gdn_prefill_backend": "triton"}
 
 
+def model_module_failure(model_path: str | Path, models: dict | None = None,
+                         package: str = "vllm.model_executor.models") -> str | None:
+    """Why vLLM's module for the checkpoint's architecture does not import in this install, or None (it imports,
+    vLLM does not know the architecture, or the folder has no config.json). vLLM inspects a model class in a
+    subprocess and reports only that the inspection failed; the import error behind it (a vLLM built against
+    another transformers, say) is in the engine's log alone. ``models``: architecture -> (module, class), vLLM's
+    registry by default."""
+    config_file = Path(model_path) / "config.json"
+    if not config_file.is_file():
+        return None
+    if models is None:
+        try:
+            from vllm.model_executor.models.registry import _VLLM_MODELS as models
+        except Exception:  # noqa: BLE001 - no vLLM, or one without that table: nothing to add
+            return None
+    for architecture in json.loads(config_file.read_text()).get("architectures") or []:
+        if architecture not in models:
+            continue
+        module = f"{package}.{models[architecture][0]}"
+        try:
+            importlib.import_module(module)
+        except Exception as exc:  # noqa: BLE001 - any failure to import is the answer
+            return (f"vLLM's module for {architecture} ({module}) does not import here: {type(exc).__name__}: "
+                    f"{str(exc)[:300]} (the installed transformers or another package is not the version this "
+                    "vLLM was built against)")
+    return None
+
+
 INSTALL_HINT = "pip install 'vlmstream[gpu]'"
 
 

@@ -24,7 +24,8 @@ from consumers.condense.engine import CondenseFailure, CondenseOutput, CondenseR
 from consumers.condense.stage import AnswerSchema
 from vlmstream.config import CondenseSettings
 from vlmstream.queued_engine import ENGINE_DEAD, QueuedEngine
-from vlmstream.vllm_process import EngineLoop, EngineUnavailable, engine_process_threads, import_vllm, kernel_args
+from vlmstream.vllm_process import (EngineLoop, EngineUnavailable, engine_process_threads, import_vllm, kernel_args,
+                                    model_module_failure)
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +85,13 @@ class VllmCondenseEngine(QueuedEngine):
         try:
             with engine_process_threads(settings.engine_cpu_threads):
                 self.llm = self._engine_loop.start_llm(self._v, self._v.AsyncEngineArgs(**args))
+        except Exception as exc:
+            self._engine_loop.stop()
+            cause = model_module_failure(self.model_path)
+            if cause is None:
+                raise
+            raise RuntimeError(f"vLLM {self._v.version} cannot serve the condense model {self.model_path!r} "
+                               f"(condense.model): {type(exc).__name__}: {exc}; {cause}") from exc
         except BaseException:
             self._engine_loop.stop()
             raise

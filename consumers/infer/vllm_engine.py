@@ -51,7 +51,7 @@ from vlmstream.config import InferSettings
 from vlmstream.models.family import ModelFamily
 from vlmstream.models.registry import family_of
 from vlmstream.vllm_process import (EngineLoop, EngineUnavailable, child_environment, engine_process_threads,
-                                    import_vllm, kernel_args)
+                                    import_vllm, kernel_args, model_module_failure)
 
 log = logging.getLogger(__name__)
 
@@ -344,8 +344,10 @@ class VllmEngine(QueuedEngine):
         except Exception as exc:
             self._engine_loop.stop()
             self._engine_loop.reap_children()
+            cause = model_module_failure(self.model_path)
             raise RuntimeError(f"vLLM {self._v.version} cannot serve infer.model {self.model_path!r} "
-                               f"(mode {self.mode}): {type(exc).__name__}: {exc}") from exc
+                               f"(mode {self.mode}): {type(exc).__name__}: {exc}"
+                               + (f"; {cause}" if cause else "")) from exc
         except BaseException:
             self._engine_loop.stop()
             raise
