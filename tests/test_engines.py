@@ -650,7 +650,7 @@ def test_the_engine_tower_setting_is_refused_where_it_cannot_run_and_reaches_the
     # Unset engine_tower in embeds mode: the clock times our tower there.
     assert engine_tower_args(clocked, "embeds", QWEN2_VL)[1]["VLMSTREAM_INFER__ENGINE_TOWER"] == "true"
     on = InferSettings(engine_tower=True, vision_qkv_kernel="torch", vision_compile=False, vision_mlp_kernel="triton",
-                       vision_norm_kernel="torch", vision_window_kernel="sdpa_efficient")
+                       vision_norm_kernel="torch")
     assert engine_tower_args(on, "embeds", QWEN2_VL)[0] == {"worker_extension_cls": ENGINE_TOWER_EXTENSION}
     with pytest.raises(ValueError, match="infer.engine_tower=false"):
         engine_tower_args(on, "pixels", GENERIC)
@@ -662,8 +662,7 @@ def test_the_engine_tower_setting_is_refused_where_it_cannot_run_and_reaches_the
     with child_environment(env):
         seen = Settings().infer
         assert (seen.engine_tower, seen.vision_qkv_kernel, seen.vision_compile, seen.vision_fp8,
-                seen.vision_mlp_kernel, seen.vision_norm_kernel, seen.vision_window_kernel) == (
-                    True, "torch", False, False, "triton", "torch", "sdpa_efficient")
+                seen.vision_mlp_kernel, seen.vision_norm_kernel) == (True, "torch", False, False, "triton", "torch")
     assert "VLMSTREAM_INFER__VISION_COMPILE" not in os.environ
 
 

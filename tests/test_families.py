@@ -230,37 +230,6 @@ def test_fast_blocks_compute_what_the_towers_own_blocks_compute(tiny_dirs, name,
 
 
 
-def test_whole_windows_in_one_dense_call_compute_what_the_packed_call_computes(tmp_path):
-    """Qwen2.5-VL's window layers with ``window_kernel`` (torch's sdpa here; a dense GPU kernel there): the whole
-    windows in one call, the windows an image's edge cuts short in the packed one, on three images whose sizes give
-    both kinds, in one forward: the same tokens as the tower's own blocks. Every window layer goes through the split,
-    no full-attention layer does, and the split covers every token once."""
-    from consumers.infer.tiny_model import write_tiny_family_model
-    from consumers.infer.vision import VisionEncoder, load_vision_tower, patchify_batch, window_attention
-
-    path = write_tiny_family_model(tmp_path / "qwen2.5-vl", "qwen2.5-vl")
-    family = family_of(path)
-    tower = _lively(load_vision_tower(path, "cpu", torch.float32)[0])
-    # 16 x 20 and 18 x 12 patches: whole 8 x 8 windows and cut ones; 8 x 24: whole ones only.
-    images = [*_images(family.factor), np.full((family.factor * 4, family.factor * 12, 3), 90, np.uint8)]
-    pixel_values, grid_thw = patchify_batch(images, family=family)
-    expected = torch.cat(VisionEncoder(tower, "cpu", torch.float32, attention="sdpa",
-                                       fast_blocks=False).encode_patches(pixel_values, grid_thw))
-    encoder = VisionEncoder(tower, "cpu", torch.float32, attention="sdpa", window_kernel="sdpa")
-    calls = []
-    encoder.fast.window_kernel = counting(encoder.fast.window_kernel, calls)
-    torch.testing.assert_close(torch.cat(encoder.encode_patches(pixel_values, grid_thw)), expected,
-                               atol=1e-5, rtol=1e-4)
-    assert len(calls) == len(tower.blocks) - len(tower.fullatt_block_indexes)
-    split = encoder.fast.window_split[1]
-    assert split.area == 64 and split.whole.numel() and split.cut.numel()
-    covered = torch.cat([split.whole, split.cut]).sort().values
-    assert torch.equal(covered, torch.arange(int(grid_thw.prod(-1).sum())))
-    assert window_attention("varlen", "cpu", torch.float32) is None
-    with pytest.raises(ValueError, match="infer.vision_window_kernel"):
-        window_attention("fast", "cpu", torch.float32)
-
-
 def test_a_block_the_fast_path_does_not_know_keeps_transformers_forward(tiny_dirs):
     """A block whose MLP activation is not one the fused forward computes runs transformers' forward; the others
     still run the fused one, and the tower's output is unchanged. An activation with act(0) != 0 gets no padding."""

@@ -285,12 +285,6 @@ class InferSettings(BaseModel):
         "triton: one pass over whole rows (consumers/infer/block_norm.py; Inductor loops over rows wider than 1,024 "
         "values and reads them twice); torch: compiled with the matrix product after it; auto: triton where the "
         "blocks are compiled and Triton imports.")
-    vision_window_kernel: Literal["varlen", "sdpa_efficient", "sdpa_flash"] = Field(
-        "varlen", description="vLLM engine, our vision tower, windowed towers (Qwen2.5-VL): how the window layers "
-        "attend over their whole windows (64 patches each). varlen: every window in FA3's packed varlen call, as "
-        "the full layers; sdpa_efficient / sdpa_flash: the whole windows in one dense call of torch's memory-"
-        "efficient or flash kernel, the windows cut short at an image's edge in the packed call (probed at start; "
-        "where the kernel cannot run, varlen).")
     vision_fp8: bool = Field(
         False, description="vLLM engine, our vision tower: each block's four matrix products in FP8 (e4m3; weights "
         "scaled per output channel, activations per token), on GPUs with FP8 (compute capability 8.9+). Opt-in: "

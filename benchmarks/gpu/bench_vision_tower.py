@@ -16,9 +16,6 @@ Variants, side by side in one process on the same images (random weights: same c
                     take v as a view of the projection (fast hands FA3 the view; vision.takes_strided_v)
   fast-torchnorm+... fast+..., the norms in the compiled code of the steps around them (infer.vision_norm_kernel=
                     torch) instead of the Triton kernels of consumers/infer/block_norm.py
-  fast-effwindow+... fast+..., a windowed tower's whole windows in one dense call of torch's memory-efficient
-                    attention (infer.vision_window_kernel=sdpa_efficient); fast-flashwindow+... the same with
-                    torch's flash kernel (sdpa_flash)
 with attention vllm_fa3 (vLLM's FlashAttention 3), torch_varlen (torch's varlen flash) or sdpa. Each timing covers
 GPU patchify + tower forward + merger for a batch of images, synchronised, after warm-up; it prints ms per image
 and images/s per budget with the spread of its timed passes, then torch.profiler tables (by GPU and by CPU time) of
@@ -141,7 +138,7 @@ def time_encoder(encoder: VisionEncoder, images: list[np.ndarray], batch: int, m
 
 # The <blocks> half of a variant's name (module docstring).
 BLOCKS = ("transformers", "fast", "fast-torchqkv", "fast-eager", "fast-fp8", "fast-torchmlp", "fast-contigv",
-          "fast-torchnorm", "fast-effwindow", "fast-flashwindow")
+          "fast-torchnorm")
 
 
 def make_encoder(tower, device: torch.device, dtype: torch.dtype, variant: str) -> VisionEncoder:
@@ -154,9 +151,7 @@ def make_encoder(tower, device: torch.device, dtype: torch.dtype, variant: str) 
                          qkv_kernel="torch" if blocks == "fast-torchqkv" else "auto", fp8=blocks == "fast-fp8",
                          mlp_kernel="torch" if blocks == "fast-torchmlp" else "auto",
                          strided_v=False if blocks == "fast-contigv" else None,
-                         norm_kernel="torch" if blocks == "fast-torchnorm" else "auto",
-                         window_kernel={"fast-effwindow": "sdpa_efficient",
-                                        "fast-flashwindow": "sdpa_flash"}.get(blocks, "varlen"))
+                         norm_kernel="torch" if blocks == "fast-torchnorm" else "auto")
 
 
 def in_rounds(variants: list[str], rounds: int) -> list[tuple[str, str]]:

@@ -37,8 +37,6 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="qwen3-vl-8b", choices=sorted(GPU_MODELS))
     ap.add_argument("--blocks", default="fast", choices=("fast", "transformers", "fast-fp8"))
-    ap.add_argument("--window-kernel", default="varlen", choices=("varlen", "sdpa_efficient", "sdpa_flash"),
-                    help="infer.vision_window_kernel for the fast blocks (windowed towers)")
     ap.add_argument("--images", default=os.environ.get("IMAGES"))
     ap.add_argument("--n", type=int, default=8)
     ap.add_argument("--max-pixels", type=int, default=1003520)
@@ -58,12 +56,7 @@ def main() -> int:
     # The encoder gets a copy: it swaps the patch embedding and picks its own attention, and the reference must run
     # transformers' own modules (its sdpa attention, its index tensors, its Conv3d).
     encoder = VisionEncoder(copy.deepcopy(model.model.visual), "cuda", torch.bfloat16, family=family,
-                            fast_blocks=args.blocks != "transformers", fp8=args.blocks == "fast-fp8",
-                            window_kernel=args.window_kernel)
-    window_calls: list = []
-    if args.window_kernel != "varlen" and encoder.fast is not None and encoder.fast.window_kernel is not None:
-        kernel = encoder.fast.window_kernel
-        encoder.fast.window_kernel = lambda *a: window_calls.append(1) or kernel(*a)
+                            fast_blocks=args.blocks != "transformers", fp8=args.blocks == "fast-fp8")
     started = time.perf_counter()
     ours = encoder.encode(images)
     torch.cuda.synchronize()
@@ -96,9 +89,6 @@ def main() -> int:
               "encode_s": round(encode_s, 3), "shapes_first": shapes[:1]}
     blocks_as_asked = (report["fast_blocks"] == len(encoder.visual.blocks)) == (args.blocks != "transformers")
     report["blocks"] = args.blocks
-    # A window kernel asked for is checked only where the forwards took it.
-    report["window_kernel"], report["window_kernel_calls"] = args.window_kernel, len(window_calls)
-    blocks_as_asked = blocks_as_asked and (args.window_kernel == "varlen" or bool(window_calls))
     report["pass"] = bool(encoder.image_embeds_width == expected_width and blocks_as_asked
                           and (args.blocks == "fast-fp8" or (worst_token_cos > 0.99 and worst_embedding_cos > 0.999)))
     Path(args.out).write_text(json.dumps(report, indent=1))

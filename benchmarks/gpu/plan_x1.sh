@@ -132,11 +132,6 @@
 #              DIR llava-onevision-7b`: 384-px tiles by grid pinpoints, up to about 7,300 image tokens) at the model's
 #              own size / 64 (`--budgets default`: decode caps at what its processor keeps, naive vLLM gets the files):
 #              naive vLLM against the pipeline (pixels), 60-s phases (about 10 minutes)
-#   tower-window  Qwen2.5-VL-7B's window layers with the whole windows in one dense call (infer.vision_window_kernel)
-#              against FA3's packed varlen call for every window: W1 bench_attention.py at 80-wide heads (1,024-patch
-#              sequences and 64-patch windows); W2 the tower alone at 0.2 / 1 / 12.8 MP, fast+vllm_fa3 against
-#              fast-effwindow+vllm_fa3 and fast-flashwindow+vllm_fa3 in two rounds (the second reversed); W3/W4 the
-#              tower with each dense kernel against transformers' full model (about 4 minutes)
 #   honesty    H1 `estimate_honesty.py --cases g` with the Qwen2.5-VL-7B config at 0.2 MP / 64: an estimate from a 5%
 #              sample, then the whole job (26,000 documents, 82,725 images). In [m] the sample took about 250 s and
 #              the run about 66 img/s with start-up (scale 14 ran 22.6 min and was cut 13 s before its end); at
@@ -609,19 +604,6 @@ if [ "$LIST" = generic ]; then
   [ -e $G3/config.json ] || python3 benchmarks/gpu/mk_model.py $G3 gemma3-4b > "$RES/mk_g3.log" 2>&1
   job g2_generic_cores 330 450 $BENCH --model $G3 --budgets 1280 --seconds 25 --stop-after 1.5 \
     --arms naive,pipeline-pixels --out "$RES/g2_generic_cores"
-fi
-
-if [ "$LIST" = tower-window ]; then
-  [ -e /root/model/config.json ] || python3 benchmarks/gpu/mk_model.py /root/model > "$RES/mk_model.log" 2>&1
-  job w1_attention 20 60 python3 benchmarks/gpu/bench_attention.py --head-dims 80 --lengths 1024 \
-    --out "$RES/w1_attention.json"
-  job w2_tower_window 120 200 python3 benchmarks/gpu/bench_vision_tower.py --model /root/model --imgs /root/imgs \
-    --budgets 256,1280,default --variants fast+vllm_fa3,fast-effwindow+vllm_fa3,fast-flashwindow+vllm_fa3 \
-    --seconds 3 --rounds 2 --profile-budget '' --out "$RES/w2_tower_window.json"
-  for kernel in sdpa_efficient sdpa_flash; do
-    job "w3_check_$kernel" 25 80 python3 benchmarks/gpu/check_tower.py --model qwen2.5-vl-7b --window-kernel $kernel \
-      --images /root/imgs --n 8 --max-pixels 1003520 --out "$RES/w3_check_$kernel.json"
-  done
 fi
 
 if [ "$LIST" = generic-tiling ]; then

@@ -407,68 +407,6 @@ def _windowed_sdpa(q, k, v, cu_seqlens: torch.Tensor, scale: float) -> torch.Ten
     return out
 
 
-@dataclass
-class WindowSplit:
-    """A forward's window layers split for ``window_kernel``: the tokens of every whole window (``area`` patches,
-    back to back in window order), and the tokens and bounds of the windows an image's edge cut short."""
-    whole: torch.Tensor  # token indices, windows of ``area`` one after another
-    area: int
-    cut: torch.Tensor  # token indices of the cut windows
-    cut_bounds: torch.Tensor  # int32 cumulative bounds over ``cut``
-    cut_longest: int
-
-
-def window_split_parts(bounds: torch.Tensor, area: int) -> dict[str, torch.Tensor]:
-    """One image's whole and cut windows from its window bounds (cumulative, from 0): token indices of the whole
-    windows, and of the cut ones with their lengths. Empty windows are dropped, as the forward's bounds drop them."""
-    starts, ends = bounds[:-1], bounds[1:]
-    lengths = ends - starts
-    whole, cut = lengths == area, (lengths > 0) & (lengths < area)
-    steps = torch.arange(area, dtype=torch.long)
-    pieces = [torch.arange(a, b, dtype=torch.long) for a, b in zip(starts[cut].tolist(), ends[cut].tolist())]
-    return {"window_whole": (starts[whole].unsqueeze(1) + steps).reshape(-1),
-            "window_cut": torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long),
-            "window_cut_lengths": lengths[cut]}
-
-
-def window_attention(kind: str, device: torch.device | str, dtype: torch.dtype):
-    """The attention the fast blocks call for a window layer's whole windows, all in one dense call over
-    (windows, heads, area, dim): ``kind`` "sdpa_efficient" or "sdpa_flash" is torch's scaled_dot_product_attention
-    restricted to that kernel, "sdpa" torch's own choice (CPU tests), "varlen" None (every window in the packed
-    varlen call, as for the full layers). The cut windows at images' edges still take the packed call. A kernel
-    that fails its probe (two windows of 16 against the per-window sdpa loop) gives None and a log line."""
-    if kind == "varlen":
-        return None
-    backends = {"sdpa": None, "sdpa_efficient": "EFFICIENT_ATTENTION", "sdpa_flash": "FLASH_ATTENTION"}
-    if kind not in backends:
-        raise ValueError(f"infer.vision_window_kernel must be varlen, {', '.join(backends)}, not {kind!r}")
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    chosen = [getattr(SDPBackend, backends[kind])] if backends[kind] else None
-
-    def attend(q, k, v, area: int, scale: float) -> torch.Tensor:
-        # (windows * area, heads, dim) -> (windows, heads, area, dim) views; the output comes back packed.
-        shaped = [t.view(-1, area, *t.shape[1:]).transpose(1, 2) for t in (q, k, v)]
-        if chosen is None:
-            out = torch.nn.functional.scaled_dot_product_attention(*shaped, scale=scale)
-        else:
-            with sdpa_kernel(chosen):
-                out = torch.nn.functional.scaled_dot_product_attention(*shaped, scale=scale)
-        return out.transpose(1, 2).reshape(q.shape)
-
-    try:
-        gen = torch.Generator(device="cpu").manual_seed(0)
-        q, k, v = (torch.randn(32, 2, 64, generator=gen).to(device, dtype) for _ in range(3))
-        cu = torch.tensor([0, 16, 32], dtype=torch.int32)
-        if not torch.allclose(attend(q, k, v, 16, 0.125).float(), _windowed_sdpa(q, k, v, cu, 0.125).float(),
-                              atol=2e-2, rtol=2e-2):
-            raise RuntimeError("its output differs from the per-window sdpa loop's")
-    except Exception as exc:  # noqa: BLE001 - the packed varlen call then takes every window
-        log.info("window attention %s unavailable on %s: %s", kind, device, exc)
-        return None
-    return attend
-
-
 def _padded(width: int, alignment: int) -> int:
     return -(-width // alignment) * alignment
 
@@ -610,15 +548,11 @@ class FastVisionBlocks:
 
     def __init__(self, visual: torch.nn.Module, attention=None, compile_blocks: bool = False,
                  alignment: int = GEMM_ALIGNMENT, qkv_kernel: str = "auto", fp8: bool = False,
-                 mlp_kernel: str = "auto", strided_v: bool = False, norm_kernel: str = "auto",
-                 window_kernel=None):
+                 mlp_kernel: str = "auto", strided_v: bool = False, norm_kernel: str = "auto"):
         for name, value in (("qkv_kernel", qkv_kernel), ("mlp_kernel", mlp_kernel), ("norm_kernel", norm_kernel)):
             if value not in ("auto", "triton", "torch"):
                 raise ValueError(f"{name} must be auto, triton or torch, not {value!r}")
         self.attention = attention
-        self.window_kernel = window_kernel
-        # (the forward's window bounds on the device, their WindowSplit), set by the encoder before each forward.
-        self.window_split: tuple[torch.Tensor, WindowSplit] | None = None
         self.fp8 = fp8
         self.before, self.after, self.project, self.up = _before_attention, _after_attention, _project, _up_projection
         if compile_blocks:
@@ -668,23 +602,6 @@ class FastVisionBlocks:
                 self.project, self.up = (compiled_in_process(f) if compile_blocks else f
                                          for f in (_project, _up_projection))
 
-    def _split_windows(self, q, k, v, split: WindowSplit, scale: float) -> torch.Tensor:
-        """A window layer's attention with the whole windows in one dense call (``window_kernel``) and the cut
-        ones in the packed call; each part gathered out of the packed tokens and scattered back."""
-        out = torch.empty_like(q)
-        if split.whole.numel():
-            whole = self.window_kernel(*(t.index_select(0, split.whole) for t in (q, k, v)), split.area, scale)
-            out.index_copy_(0, split.whole, whole)
-        if split.cut.numel():
-            parts = [t.index_select(0, split.cut) for t in (q, k, v)]
-            if self.attention is None:
-                cut = _windowed_sdpa(*parts, split.cut_bounds, scale)
-            else:
-                cut = self.attention(*parts, split.cut_bounds, split.cut_bounds, split.cut_longest,
-                                     split.cut_longest, scale)
-            out.index_copy_(0, split.cut, cut)
-        return out
-
     @staticmethod
     def remove(visual: torch.nn.Module) -> None:
         """Give every block back transformers' own forward."""
@@ -714,10 +631,7 @@ class FastVisionBlocks:
                 cos, sin = (t.float().unsqueeze(-2) for t in position_embeddings)
                 q, k, v = self.before(hidden_states, block.norm1.weight, shape.norm1_bias, qkv_weight,
                                       attn.qkv.bias, cos, sin, eps, heads)
-            split = self.window_split
-            if self.window_kernel is not None and split is not None and cu_seqlens is split[0]:
-                attended = self._split_windows(q, k, v, split[1], scale)
-            elif self.attention is None:
+            if self.attention is None:
                 attended = _windowed_sdpa(q, k, v, cu_seqlens, scale)
             else:
                 if max_seqlen is None:
@@ -894,9 +808,7 @@ class VisionEncoder:
     ``family`` defaults to the one whose patch size and merge size the tower's config has. ``fp8``: the fast
     blocks' matrix products in FP8 (``fp8.py``; on CUDA only where the GPU has FP8, on the CPU in float32 for tests).
     ``qkv_kernel``, ``mlp_kernel``, ``norm_kernel`` and ``strided_v``: as ``FastVisionBlocks`` takes them;
-    ``strided_v`` None (the default) where the attention takes it (``takes_strided_v``). ``window_kernel``: how a
-    windowed tower's (Qwen2.5-VL's) window layers attend over their whole windows (``window_attention``: "varlen"
-    keeps the packed call for every window).
+    ``strided_v`` None (the default) where the attention takes it (``takes_strided_v``).
     """
 
     def __init__(self, visual: torch.nn.Module, device: torch.device | str = "cpu",
@@ -904,7 +816,7 @@ class VisionEncoder:
                  max_patches_per_call: int = 65536, linear_patch_embedding: bool = True,
                  fast_blocks: bool = True, compile_blocks: bool = True, family: ModelFamily | None = None,
                  qkv_kernel: str = "auto", fp8: bool = False, mlp_kernel: str = "auto",
-                 strided_v: bool | None = None, norm_kernel: str = "auto", window_kernel: str = "varlen"):
+                 strided_v: bool | None = None, norm_kernel: str = "auto"):
         if fp8:
             problem = "it needs the fast vision blocks" if not fast_blocks else fp8_problem(
                 device, dtype or next(visual.parameters()).dtype)
@@ -913,8 +825,6 @@ class VisionEncoder:
         self.family = family or family_of_tower(visual)
         # Qwen2.5-VL's windowed tower: window indices precomputed.
         self.windowed = hasattr(visual, "window_size") and hasattr(visual, "fullatt_block_indexes")
-        # Patches in a whole window (64 for Qwen2.5-VL's 112-px windows of 14-px patches).
-        self.window_area = (visual.window_size // visual.patch_size) ** 2 if self.windowed else 0
         self._grid_parts = GridIndexParts(self._image_index_parts)
         self.deepstack_levels = len(getattr(visual, "deepstack_visual_indexes", None) or ())
         self.embedding_width = ModelFamily.embedding_width(visual.config.to_dict())
@@ -939,9 +849,7 @@ class VisionEncoder:
                              or takes_strided_v(self.attention, self.device, self.dtype))
             fast = FastVisionBlocks(self.visual, VARLEN_KERNELS.get(self.attention), compile_blocks,
                                     qkv_kernel=qkv_kernel, fp8=fp8, mlp_kernel=mlp_kernel, strided_v=strided_v,
-                                    norm_kernel=norm_kernel,
-                                    window_kernel=window_attention(window_kernel, self.device, self.dtype)
-                                    if self.windowed else None)
+                                    norm_kernel=norm_kernel)
             self.fast = fast if fast.replaced else None
             if compile_blocks and self.fast is not None:
                 self.compiled = self._warm_up_compiled()
@@ -1014,20 +922,9 @@ class VisionEncoder:
             cu_window_seqlens = torch.unique_consecutive(bounds).to(torch.int32)
             inputs["cu_window_seqlens"] = cu_window_seqlens
             inputs["max_window_seqlen"] = _longest(cu_window_seqlens)
-        split = None
-        if "window_whole" in parts[0] and self.fast is not None and self.fast.window_kernel is not None:
-            cut_lengths = torch.cat([p["window_cut_lengths"] for p in parts])
-            split = WindowSplit(
-                whole=self._there(torch.cat([p["window_whole"] + b for p, b in zip(parts, before)])),
-                area=self.window_area,
-                cut=self._there(torch.cat([p["window_cut"] + b for p, b in zip(parts, before)])),
-                cut_bounds=self._there(torch.nn.functional.pad(cut_lengths.cumsum(0), (1, 0)).to(torch.int32)),
-                cut_longest=int(cut_lengths.max()) if len(cut_lengths) else 0)
         inputs = {key: self._there(value) if isinstance(value, torch.Tensor) else value
                   for key, value in inputs.items()}
         inputs["max_seqlen"] = _longest(cu_seqlens)
-        if split is not None:
-            self.fast.window_split = (inputs["cu_window_seqlens"], split)
         return inputs
 
     def _image_index_parts(self, grid: tuple[int, int, int]) -> dict[str, torch.Tensor]:
@@ -1046,7 +943,6 @@ class VisionEncoder:
                 one, spatial_merge_size=visual.spatial_merge_size, window_size=visual.window_size,
                 patch_size=visual.patch_size)
             parts["window_index"], parts["window_bounds"] = window_index, bounds[1:].to(torch.long)
-            parts.update(window_split_parts(bounds.to(torch.long), self.window_area))
         return parts
 
     def _there(self, tensor: torch.Tensor) -> torch.Tensor:
