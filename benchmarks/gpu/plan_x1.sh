@@ -132,6 +132,9 @@
 #              DIR llava-onevision-7b`: 384-px tiles by grid pinpoints, up to about 7,300 image tokens) at the model's
 #              own size / 64 (`--budgets default`: decode caps at what its processor keeps, naive vLLM gets the files):
 #              naive vLLM against the pipeline (pixels), 60-s phases (about 10 minutes)
+#   tower-queued  the towers alone at 0.2 / 1 / 12.8 MP with each timing's passes also queued back to back (one wait
+#              at the end, as the pipeline's tower queues its next pass: bench_vision_tower.py's queued_* figures):
+#              U1 Qwen2.5-VL-7B, U2 Qwen3-VL-8B, two rounds each, a profile of Qwen2.5-VL at 12.8 MP (about 3 minutes)
 #   honesty    H1 `estimate_honesty.py --cases g` with the Qwen2.5-VL-7B config at 0.2 MP / 64: an estimate from a 5%
 #              sample, then the whole job (26,000 documents, 82,725 images). In [m] the sample took about 250 s and
 #              the run about 66 img/s with start-up (scale 14 ran 22.6 min and was cut 13 s before its end); at
@@ -604,6 +607,15 @@ if [ "$LIST" = generic ]; then
   [ -e $G3/config.json ] || python3 benchmarks/gpu/mk_model.py $G3 gemma3-4b > "$RES/mk_g3.log" 2>&1
   job g2_generic_cores 330 450 $BENCH --model $G3 --budgets 1280 --seconds 25 --stop-after 1.5 \
     --arms naive,pipeline-pixels --out "$RES/g2_generic_cores"
+fi
+
+if [ "$LIST" = tower-queued ]; then
+  [ -e /root/model/config.json ] || python3 benchmarks/gpu/mk_model.py /root/model > "$RES/mk_model.log" 2>&1
+  job u1_tower_q25 60 150 python3 benchmarks/gpu/bench_vision_tower.py $TOWER_ARGS --rounds 2 \
+    --profile-budget default --out "$RES/u1_tower_q25.json"
+  job u2_tower_q3 60 150 python3 benchmarks/gpu/bench_vision_tower.py --model qwen3-vl-8b --imgs /root/imgs \
+    --budgets 256,1280,default --variants fast+vllm_fa3 --seconds 3 --rounds 2 --profile-budget '' \
+    --out "$RES/u2_tower_q3.json"
 fi
 
 if [ "$LIST" = generic-tiling ]; then
