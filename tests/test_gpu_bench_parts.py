@@ -301,3 +301,27 @@ def test_the_profiled_pass_counts_each_kernel_once():
     assert slower["share_of_h200_bf16_peak_by_kernel_time"] == 0.25
     assert slower["kernel_ms_per_image"] == round(half_peak_us / 1e3, 2)
     assert bench_vision_tower.by_kernel_time(None, images, config, 14) == {}
+
+
+def test_device_gaps_are_the_idle_time_between_merged_device_activity():
+    """bench_vision_tower.device_gaps: device events that overlap (a copy beside a kernel) make one busy block; the
+    gaps between blocks, by size and the largest with their neighbours; CPU events and annotations do not count."""
+    from types import SimpleNamespace
+
+    import bench_vision_tower
+    from torch.autograd import DeviceType
+
+    def event(name, start, end, device=DeviceType.CUDA, **extra):
+        return SimpleNamespace(name=name, time_range=SimpleNamespace(start=start, end=end), device_type=device,
+                               **extra)
+
+    events = [event("gemm", 0, 100), event("copy", 50, 120), event("norm", 123, 200),  # a 3 us gap
+              event("aten::addmm", 200, 260, DeviceType.CPU), event("attention", 260, 400),  # a 60 us gap
+              event("mark", 400, 1000, is_user_annotation=True), event("mlp", 550, 600)]  # a 150 us gap
+    gaps = bench_vision_tower.device_gaps(events, largest=2)
+    assert gaps["span_us"] == 600 and gaps["busy_us"] == 120 + 77 + 140 + 50
+    assert gaps["idle_us"] == 3 + 60 + 150
+    assert gaps["gaps_by_size"] == {"under 5 us": 1, "5-20 us": 0, "20-100 us": 1, "100 us and over": 1}
+    assert gaps["largest"] == [{"us": 150, "after": "attention", "before": "mlp"},
+                               {"us": 60, "after": "norm", "before": "attention"}]
+    assert bench_vision_tower.device_gaps([event("aten::addmm", 0, 1, DeviceType.CPU)]) is None

@@ -24,7 +24,8 @@ while the GPU runs the one before, as the pipeline's tower does), then torch.pro
 where one such pass of each variant spends its time: the timed encoder itself while it is the latest made
 (``timed_encoder``), so that a process's first encoder is profiled in the state that was timed, with that pass's
 kernels' GPU ms per image and the share of the bf16 peak they reach by it (``KERNEL TIME``: the kernels' own
-efficiency, apart from the gaps the host leaves between them). ``--rounds 2``
+efficiency, apart from the gaps the host leaves between them), and where the GPU sat idle inside that pass
+(``DEVICE GAPS``: span, busy, idle, the gaps by size and the largest with the activity either side). ``--rounds 2``
 times every variant twice, the second round in reverse order.
 
 Each row says how many blocks ran the fast forward (``fast_blocks``), whether they were compiled, and which of their
@@ -191,10 +192,45 @@ def kernel_time_us(averages) -> float | None:
     return sum(e.self_device_time_total for e in kernels) if kernels else None
 
 
+def device_gaps(events, largest: int = 8) -> dict | None:
+    """Where the GPU sat idle inside a profiled pass: its device activity (kernels, copies, memsets) as intervals
+    on the timeline, their union (busy), the span from the first start to the last end, the idle time in between, how
+    many gaps of each size, and the largest gaps with the activity on either side. None without device events.
+    A pass whose span is far above its kernels' time has its loss here: between kernels, not in them. The profiler
+    slows the host that launches the kernels, so these gaps can be longer than an unprofiled pass's."""
+    from torch.autograd import DeviceType
+
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in events
+                   if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False))
+    if not spans:
+        return None
+    # Overlapping activity (two streams, a copy beside a kernel) merges into one busy block: [start, end, the
+    # activity that opened it, the one that ends it].
+    blocks: list[list] = []
+    for start, end, name in spans:
+        if blocks and start <= blocks[-1][1]:
+            if end >= blocks[-1][1]:
+                blocks[-1][1], blocks[-1][3] = end, name
+        else:
+            blocks.append([start, end, name, name])
+    busy = sum(end - start for start, end, _, _ in blocks)
+    span = blocks[-1][1] - blocks[0][0]
+    gaps = [(after[0] - before[1], before[3], after[2]) for before, after in zip(blocks, blocks[1:])]
+    sizes = {"under 5 us": 0, "5-20 us": 0, "20-100 us": 0, "100 us and over": 0}
+    for gap, _, _ in gaps:
+        key = ("under 5 us" if gap < 5 else "5-20 us" if gap < 20 else "20-100 us" if gap < 100
+               else "100 us and over")
+        sizes[key] += 1
+    top = sorted(gaps, reverse=True)[:largest]
+    return {"span_us": round(span, 1), "busy_us": round(busy, 1), "idle_us": round(span - busy, 1),
+            "gaps_by_size": sizes,
+            "largest": [{"us": round(g, 1), "after": a[:80], "before": b[:80]} for g, a, b in top]}
+
+
 def profile_table(encoder: VisionEncoder, images: list[np.ndarray], batch: int,
-                  rows: int = 15) -> tuple[str, float | None]:
+                  rows: int = 15) -> tuple[str, float | None, dict | None]:
     """Where one pass over ``images`` (forwards of ``batch`` images, as a timed pass runs them) spends its time, and
-    its kernels' GPU time in µs (None on the CPU)."""
+    its kernels' GPU time in µs (None on the CPU), and where the GPU sat idle during the pass (``device_gaps``)."""
     from torch.profiler import ProfilerActivity, profile
 
     one_pass = pass_over(encoder, images, batch)
@@ -211,7 +247,7 @@ def profile_table(encoder: VisionEncoder, images: list[np.ndarray], batch: int,
         # pass whose wall time is far above its kernels' time is bound by the second table (launches, copies, waits).
         table = averages.table(sort_by="self_cuda_time_total", row_limit=rows, max_name_column_width=60) + \
             "\nBy self CPU time:\n" + table
-    return table, kernel_time_us(averages)
+    return table, kernel_time_us(averages), device_gaps(prof.events())
 
 
 def main() -> None:
@@ -289,12 +325,13 @@ def main() -> None:
         timed_latest = None
         # The timed passes' images (twice a batch), so that the table accounts for what a timed pass spends.
         images = exact_size_images(args.imgs, BATCH[budget] * 2, BUDGETS[budget], factor=family.factor)
-        table, kernel_us = profile_table(encoder, images, BATCH[budget])
+        table, kernel_us, gaps = profile_table(encoder, images, BATCH[budget])
         kernel_time = by_kernel_time(kernel_us, images, config, patch)
         report["profile"][variant] = {"attention": encoder.attention, "compiled": encoder.compiled,
-                                      "timed_encoder": timed, "table": table, **kernel_time}
+                                      "timed_encoder": timed, "table": table, **kernel_time, "device_gaps": gaps}
         print(f"PROFILE {variant}, budget {budget}, attention {encoder.attention}\n{table}", flush=True)
         print("KERNEL TIME", variant, budget, json.dumps(kernel_time), flush=True)
+        print("DEVICE GAPS", variant, budget, json.dumps(gaps), flush=True)
     Path(args.out).write_text(json.dumps(report, indent=1))
 
 

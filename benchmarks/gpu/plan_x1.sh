@@ -134,7 +134,8 @@
 #              naive vLLM against the pipeline (pixels), 60-s phases (about 10 minutes)
 #   tower-queued  the towers alone at 0.2 / 1 / 12.8 MP with each timing's passes also queued back to back (one wait
 #              at the end, as the pipeline's tower queues its next pass: bench_vision_tower.py's queued_* figures):
-#              U1 Qwen2.5-VL-7B, U2 Qwen3-VL-8B, two rounds each, a profile of Qwen2.5-VL at 12.8 MP (about 3 minutes)
+#              U1 Qwen2.5-VL-7B, U2 Qwen3-VL-8B, two rounds each, a profile of Qwen2.5-VL at 12.8 MP with the GPU's
+#              idle gaps between its kernels (DEVICE GAPS: where the wall time above the kernels' goes; about 3 minutes)
 #   honesty    H1 `estimate_honesty.py --cases g` with the Qwen2.5-VL-7B config at 0.2 MP / 64: an estimate from a 5%
 #              sample, then the whole job (26,000 documents, 82,725 images). In [m] the sample took about 250 s and
 #              the run about 66 img/s with start-up (scale 14 ran 22.6 min and was cut 13 s before its end); at
