@@ -452,8 +452,8 @@ def test_every_image_text_processor_of_transformers_gets_the_same_tensors_from_w
     decode's copy is processed into the same tensors as the whole image (shapes equal, pixels within resampling
     noise) wherever the cap cuts. A class whose resize the cap does not model keeps the image's size: reading its
     ``size`` as a plain resize would distort Janus's and DeepSeek-VL's padded squares and Fuyu's canvas, change
-    Cohere2Vision's tiles and shrink GLM-5's images to 1 x 1. LLaVA-NeXT/OneVision report the size they saw (``image_sizes``), which
-    the README states."""
+    Cohere2Vision's tiles and shrink GLM-5's images to 1 x 1. LLaVA-NeXT/OneVision report the size they saw
+    (``image_sizes``), which the README states."""
     import warnings
 
     import transformers

@@ -29,22 +29,18 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from consumers.infer.vision import VARLEN_KERNELS, pick_vision_attention  # noqa: E402
+from consumers.infer.vision import VARLEN_KERNELS, _windowed_sdpa, pick_vision_attention  # noqa: E402
 
 SDPA_BACKENDS = {"sdpa_cudnn": SDPBackend.CUDNN_ATTENTION, "sdpa_flash": SDPBackend.FLASH_ATTENTION,
                  "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION}
 
 
 def per_sequence(backend):
-    """SDPA over each sequence of a packed (tokens, heads, dim) batch, written into one packed output."""
+    """SDPA over each sequence of a packed (tokens, heads, dim) batch (the blocks' own per-window loop), on one
+    backend."""
     def attend(q, k, v, bounds, scale):
-        out = torch.empty_like(q)
         with sdpa_kernel([backend]):
-            for a, b in zip(bounds, bounds[1:]):
-                part = torch.nn.functional.scaled_dot_product_attention(
-                    *(t[a:b].transpose(0, 1).unsqueeze(0) for t in (q, k, v)), scale=scale)
-                out[a:b] = part[0].transpose(0, 1)
-        return out
+            return _windowed_sdpa(q, k, v, torch.tensor(bounds), scale)
     return attend
 
 

@@ -72,14 +72,13 @@ def achieved(row: dict, flops_per_image: float) -> dict:
     dense bf16 peak."""
     if "ms_per_image" not in row:
         return row
-    rate = flops_per_image / (row["ms_per_image"] / 1e3) / 1e12
-    extra = {}
-    if "queued_ms_per_image" in row:
-        queued = flops_per_image / (row["queued_ms_per_image"] / 1e3) / 1e12
-        extra = {"queued_tflops": round(queued, 1), "queued_share_of_h200_bf16_peak": round(
-            queued / H200_DENSE_BF16_TFLOPS, 3)}
-    return {**row, "gflop_per_image": round(flops_per_image / 1e9, 1), "tflops": round(rate, 1),
-            "share_of_h200_bf16_peak": round(rate / H200_DENSE_BF16_TFLOPS, 3), **extra}
+    out = {**row, "gflop_per_image": round(flops_per_image / 1e9, 1)}
+    for prefix in ("", "queued_"):
+        if f"{prefix}ms_per_image" in row:
+            rate = flops_per_image / (row[f"{prefix}ms_per_image"] / 1e3) / 1e12
+            out[f"{prefix}tflops"] = round(rate, 1)
+            out[f"{prefix}share_of_h200_bf16_peak"] = round(rate / H200_DENSE_BF16_TFLOPS, 3)
+    return out
 
 
 def mean_flops(config: dict, images: list[np.ndarray], patch: int) -> float:
