@@ -136,6 +136,9 @@
 #              at the end, as the pipeline's tower queues its next pass: bench_vision_tower.py's queued_* figures):
 #              U1 Qwen2.5-VL-7B, U2 Qwen3-VL-8B, two rounds each, a profile of Qwen2.5-VL at 12.8 MP with the GPU's
 #              idle gaps between its kernels (DEVICE GAPS: where the wall time above the kernels' goes; about 3 minutes)
+#   tower-gaps the Qwen2.5-VL-7B tower alone at 1 / 12.8 MP, torch's default CUDA allocator against expandable
+#              segments, one process each in the order A X X A, the first two profiled at 12.8 MP with DEVICE GAPS
+#              (about 4 minutes)
 #   honesty    H1 `estimate_honesty.py --cases g` with the Qwen2.5-VL-7B config at 0.2 MP / 64: an estimate from a 5%
 #              sample, then the whole job (26,000 documents, 82,725 images). In [m] the sample took about 250 s and
 #              the run about 66 img/s with start-up (scale 14 ran 22.6 min and was cut 13 s before its end); at
@@ -617,6 +620,23 @@ if [ "$LIST" = tower-queued ]; then
   job u2_tower_q3 60 150 python3 benchmarks/gpu/bench_vision_tower.py --model qwen3-vl-8b --imgs /root/imgs \
     --budgets 256,1280,default --variants fast+vllm_fa3 --seconds 3 --rounds 2 --profile-budget '' \
     --out "$RES/u2_tower_q3.json"
+fi
+
+if [ "$LIST" = tower-gaps ]; then
+  # The Qwen2.5-VL-7B tower alone at 1 and 12.8 MP, each process profiled at 12.8 MP (DEVICE GAPS), with torch's
+  # default CUDA allocator (A) and with expandable segments (X), in the order A X X A: an allocator that grows or
+  # frees its blocks for each new image size can stall the GPU between kernels, which a queued pass cannot hide.
+  [ -e /root/model/config.json ] || python3 benchmarks/gpu/mk_model.py /root/model > "$RES/mk_model.log" 2>&1
+  GAPS_ARGS="--model /root/model --imgs /root/imgs --budgets 1280,default --variants fast+vllm_fa3 --seconds 3"
+  EXPANDABLE="env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
+  job g1_default 50 150 python3 benchmarks/gpu/bench_vision_tower.py $GAPS_ARGS --profile-budget default \
+    --out "$RES/g1_default.json"
+  job g2_expandable 50 150 $EXPANDABLE python3 benchmarks/gpu/bench_vision_tower.py $GAPS_ARGS \
+    --profile-budget default --out "$RES/g2_expandable.json"
+  job g3_expandable 50 150 $EXPANDABLE python3 benchmarks/gpu/bench_vision_tower.py $GAPS_ARGS \
+    --profile-budget '' --out "$RES/g3_expandable.json"
+  job g4_default 50 150 python3 benchmarks/gpu/bench_vision_tower.py $GAPS_ARGS --profile-budget '' \
+    --out "$RES/g4_default.json"
 fi
 
 if [ "$LIST" = generic-tiling ]; then
