@@ -32,7 +32,7 @@ SMALL = 256 * 28 * 28
 
 def counting(kernel, calls: list):
     """``kernel`` that appends to ``calls`` each time it runs (how tests see which kernel a tower went through)."""
-    return lambda *args: calls.append(1) or kernel(*args)
+    return lambda *args, **kwargs: calls.append(1) or kernel(*args, **kwargs)
 
 
 def wait_for(predicate, timeout_s: float, what: str, fleet: Fleet | None = None, interval_s: float = 0.3):

@@ -892,6 +892,11 @@ def test_triton_norm_kernels_compute_what_the_torch_code_does(interpreted_norm_k
             expected_total, expected = interpreted_norm_kernels.add_norm(x, y, weight, b, 1e-6)
             assert torch.equal(total, expected_total)
             torch.testing.assert_close(normed, expected, atol=1e-5, rtol=1e-5)
+            # A shift (the MLP's last bias, carried in the residual stream) moves the sum, not its norm.
+            shift = torch.randn(width)
+            shifted, normed_shifted = kernels.add_norm(x, y, weight, b, 1e-6, shift=shift)
+            torch.testing.assert_close(shifted, expected_total + shift, atol=1e-6, rtol=1e-6)
+            torch.testing.assert_close(normed_shifted, expected, atol=1e-5, rtol=1e-5)
             # bf16: the interpreter rounds to bf16 its own way; a unit in the last place apart at most.
             total, normed = kernels.add_norm(x.bfloat16(), y.bfloat16(), weight.bfloat16(),
                                              None if b is None else b.bfloat16(), 1e-6)

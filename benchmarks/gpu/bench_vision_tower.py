@@ -16,6 +16,8 @@ Variants, side by side in one process on the same images (random weights: same c
                     take v as a view of the projection (fast hands FA3 the view; vision.takes_strided_v)
   fast-torchnorm+... fast+..., the norms in the compiled code of the steps around them (infer.vision_norm_kernel=
                     torch) instead of the Triton kernels of consumers/infer/block_norm.py
+  fast-addafter+... fast+..., the block's last residual add as an add after the MLP's last product instead of in
+                    that product (FastVisionBlocks' residual_in_product=False)
 with attention vllm_fa3 (vLLM's FlashAttention 3), torch_varlen (torch's varlen flash) or sdpa. Each timing covers
 GPU patchify + tower forward + merger for a batch of images, synchronised, after warm-up; it prints ms per image
 and images/s per budget with the spread of its timed passes, then the same number of passes queued back to back
@@ -156,7 +158,7 @@ def time_encoder(encoder: VisionEncoder, images: list[np.ndarray], batch: int, m
 
 # The <blocks> half of a variant's name (module docstring).
 BLOCKS = ("transformers", "fast", "fast-torchqkv", "fast-eager", "fast-fp8", "fast-torchmlp", "fast-contigv",
-          "fast-torchnorm")
+          "fast-torchnorm", "fast-addafter")
 
 
 def make_encoder(tower, device: torch.device, dtype: torch.dtype, variant: str) -> VisionEncoder:
@@ -169,7 +171,8 @@ def make_encoder(tower, device: torch.device, dtype: torch.dtype, variant: str) 
                          qkv_kernel="torch" if blocks == "fast-torchqkv" else "auto", fp8=blocks == "fast-fp8",
                          mlp_kernel="torch" if blocks == "fast-torchmlp" else "auto",
                          strided_v=False if blocks == "fast-contigv" else None,
-                         norm_kernel="torch" if blocks == "fast-torchnorm" else "auto")
+                         norm_kernel="torch" if blocks == "fast-torchnorm" else "auto",
+                         residual_in_product=blocks != "fast-addafter")
 
 
 def in_rounds(variants: list[str], rounds: int) -> list[tuple[str, str]]:

@@ -139,6 +139,9 @@
 #   tower-gaps the Qwen2.5-VL-7B tower alone at 1 / 12.8 MP, torch's default CUDA allocator against expandable
 #              segments, one process each in the order A X X A, the first two profiled at 12.8 MP with DEVICE GAPS
 #              (about 4 minutes)
+#   tower-residual the block's last residual add in the MLP's last product against an add after it, both towers
+#              alone at 0.2 / 1 / 12.8 MP (two rounds), both towers against transformers' full model, then Qwen2.5-VL
+#              at 12.8 MP / 64: the pipeline (embeds) and `vllm serve`, 60 s each (about 15 minutes)
 #   honesty    H1 `estimate_honesty.py --cases g` with the Qwen2.5-VL-7B config at 0.2 MP / 64: an estimate from a 5%
 #              sample, then the whole job (26,000 documents, 82,725 images). In [m] the sample took about 250 s and
 #              the run about 66 img/s with start-up (scale 14 ran 22.6 min and was cut 13 s before its end); at
@@ -637,6 +640,26 @@ if [ "$LIST" = tower-gaps ]; then
     --profile-budget '' --out "$RES/g3_expandable.json"
   job g4_default 50 150 python3 benchmarks/gpu/bench_vision_tower.py $GAPS_ARGS --profile-budget '' \
     --out "$RES/g4_default.json"
+fi
+
+if [ "$LIST" = tower-residual ]; then
+  # The block's last residual add in the MLP's last product (cuBLAS beta = 1, in place) against the add after it
+  # (fast-addafter), both towers, one process each, two rounds (the second reversed); then both towers against
+  # transformers' full model; then Qwen2.5-VL-7B at 12.8 MP / 64, the pipeline (embeds) and `vllm serve` (8 API
+  # servers), 60 s each, in any time left.
+  [ -e /root/model/config.json ] || python3 benchmarks/gpu/mk_model.py /root/model > "$RES/mk_model.log" 2>&1
+  job r1_tower_q25 90 200 python3 benchmarks/gpu/bench_vision_tower.py --model /root/model --imgs /root/imgs \
+    --budgets 256,1280,default --variants fast+vllm_fa3,fast-addafter+vllm_fa3 --seconds 3 --rounds 2 \
+    --profile-budget default --out "$RES/r1_tower_q25.json"
+  job r2_tower_q3 90 200 python3 benchmarks/gpu/bench_vision_tower.py --model qwen3-vl-8b --imgs /root/imgs \
+    --budgets 256,1280,default --variants fast+vllm_fa3,fast-addafter+vllm_fa3 --seconds 3 --rounds 2 \
+    --profile-budget '' --out "$RES/r2_tower_q3.json"
+  check_tower c1_check_qwen25 qwen2.5-vl-7b 100
+  check_tower c2_check_qwen3 qwen3-vl-8b 120
+  LARGE="$BENCH --model /root/model --budgets default"
+  job x2_pipeline 220 330 $LARGE --seconds 60 --stop-after 1.5 --arms pipeline-embeds --profile \
+    --out "$RES/x2_pipeline"
+  job x1_serve 200 330 $LARGE --seconds 60 --arms serve --serve-k 8 --out "$RES/x1_serve"
 fi
 
 if [ "$LIST" = generic-tiling ]; then

@@ -9,7 +9,8 @@ where one read and one write of its rows at the add kernel's pace would take abo
 whole rows in registers, so each row is read once and written once; ``add_norm`` reads both inputs once and writes
 the sum and its norm. Same arithmetic as the torch code: statistics in float32; RMSNorm rounds the normalised row to
 the input type before the weight scales it (transformers'), LayerNorm applies weight and bias in float32 and rounds
-once (torch's), and the residual sum is rounded to the input type before it is normalised, as torch's add is.
+once (torch's), and the residual sum is rounded to the input type before it is normalised, as torch's add is
+(``add_norm``'s ``shift`` is added to that rounded sum, as a second torch add would).
 """
 
 from __future__ import annotations
@@ -36,10 +37,12 @@ def norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: 
 
 
 def add_norm(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-             eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x + y, its norm): the residual stream after the attention, and the MLP's input."""
+             eps: float, shift: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + y, its norm): the residual stream after the attention, and the MLP's input. With ``shift`` (a row) the
+    residual stream returned is x + y + shift; the norm is still of x + y (the fast blocks carry the MLP's last
+    bias in the stream so that the MLP's last product can add its output to it in place)."""
     total = x + y
-    return total, norm(total, weight, bias, eps)
+    return (total if shift is None else total + shift), norm(total, weight, bias, eps)
 
 
 def _add(a, b):
@@ -62,8 +65,9 @@ def build_kernels() -> SimpleNamespace:
     _add_jit = triton.jit(_add)
 
     @triton.jit
-    def norm_kernel(x_ptr, y_ptr, total_ptr, weight_ptr, bias_ptr, out_ptr, rows, eps, WIDTH: tl.constexpr,
-                    BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, ADD: tl.constexpr, LAYER: tl.constexpr):
+    def norm_kernel(x_ptr, y_ptr, total_ptr, weight_ptr, bias_ptr, shift_ptr, out_ptr, rows, eps,
+                    WIDTH: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr, ADD: tl.constexpr,
+                    LAYER: tl.constexpr, SHIFT: tl.constexpr):
         # One program: BLOCK_R whole rows, each read once; the statistics are sums across the tile's columns.
         r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)[:, None]
         c = tl.arange(0, BLOCK_W)[None, :]
@@ -73,7 +77,11 @@ def build_kernels() -> SimpleNamespace:
         if ADD:
             x = (x.to(tl.float32) + tl.load(y_ptr + at, mask=mask, other=0.0).to(tl.float32)).to(
                 x_ptr.dtype.element_ty)
-            tl.store(total_ptr + at, x, mask=mask)
+            if SHIFT:
+                shift = tl.load(shift_ptr + c, mask=c < WIDTH, other=0.0).to(tl.float32)
+                tl.store(total_ptr + at, (x.to(tl.float32) + shift).to(x_ptr.dtype.element_ty), mask=mask)
+            else:
+                tl.store(total_ptr + at, x, mask=mask)
         xf = x.to(tl.float32)
         weight = tl.load(weight_ptr + c, mask=c < WIDTH, other=0.0).to(tl.float32)
         if LAYER:
@@ -87,7 +95,7 @@ def build_kernels() -> SimpleNamespace:
             out = weight * (xf * tl.rsqrt(mean_square + eps)).to(x_ptr.dtype.element_ty).to(tl.float32)
         tl.store(out_ptr + at, out.to(out_ptr.dtype.element_ty), mask=mask)
 
-    def launch(x, y, weight, bias, eps, block_elements: int = 4096):
+    def launch(x, y, weight, bias, eps, shift=None, block_elements: int = 4096):
         if y is not None and y.shape != x.shape:
             raise ValueError(f"the residual add needs two tensors of one shape, got {tuple(x.shape)} and "
                              f"{tuple(y.shape)}")
@@ -101,8 +109,9 @@ def build_kernels() -> SimpleNamespace:
         out = torch.empty_like(x)
         total = torch.empty_like(x) if y is not None else out
         norm_kernel[(triton.cdiv(rows, block_r),)](
-            x, x if y is None else y, total, weight, weight if bias is None else bias, out, rows, eps, WIDTH=width,
-            BLOCK_R=block_r, BLOCK_W=block_w, ADD=y is not None, LAYER=bias is not None,
+            x, x if y is None else y, total, weight, weight if bias is None else bias,
+            weight if shift is None else shift, out, rows, eps, WIDTH=width, BLOCK_R=block_r, BLOCK_W=block_w,
+            ADD=y is not None, LAYER=bias is not None, SHIFT=y is not None and shift is not None,
             num_warps=8 if block_r * block_w >= 4096 else 4)
         return total.view(shape), out.view(shape)
 
@@ -110,8 +119,8 @@ def build_kernels() -> SimpleNamespace:
         return launch(x, None, weight, bias, eps)[1]
 
     def add_norm(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-        return launch(x, y, weight, bias, eps)
+                 eps: float, shift: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        return launch(x, y, weight, bias, eps, shift)
 
     return SimpleNamespace(norm=norm, add_norm=add_norm)
 

@@ -359,10 +359,24 @@ def _after_attention(x, attended, proj_weight, proj_bias, norm_weight, norm_bias
     return x + linear(activation(h), down_weight, down_bias)
 
 
-def _up_projection(x, attended, proj_weight, proj_bias, norm_weight, norm_bias, up_weight, up_bias, eps: float):
-    """The block after its attention up to the MLP's activation: (residual stream, the MLP's first projection)."""
+def _up_projection(x, attended, proj_weight, proj_bias, norm_weight, norm_bias, up_weight, up_bias, eps: float,
+                   residual_bias=None):
+    """The block after its attention up to the MLP's activation: (residual stream, the MLP's first projection).
+    ``residual_bias`` (the MLP's last bias, for ``_add_down_projection``) is added to the residual stream that is
+    returned, not to what the norm reads."""
     x = x + linear(attended.reshape(x.shape[0], -1), proj_weight, proj_bias)
-    return x, linear(norm(x, norm_weight, norm_bias, eps), up_weight, up_bias)
+    h = linear(norm(x, norm_weight, norm_bias, eps), up_weight, up_bias)
+    return (x if residual_bias is None else x + residual_bias), h
+
+
+def _add_down_projection(residual: torch.Tensor, activated: torch.Tensor, down_weight) -> torch.Tensor:
+    """``residual + activated @ down_weight.T``, the block's last residual add done by the product itself: cuBLAS
+    adds its output to ``residual`` in place (beta = 1), so the sum costs no pass of its own over the rows (a product
+    and then an add write the product's rows and read them back). ``residual`` must be a tensor nothing else reads:
+    the up step's fresh output, with the MLP's last bias already in it. FP8 weight pairs take the plain add."""
+    if isinstance(down_weight, tuple):
+        return residual + linear(activated, down_weight, None)
+    return residual.addmm_(activated, down_weight.t())
 
 
 def _steps_with_norm_kernels(kernels):
@@ -372,9 +386,10 @@ def _steps_with_norm_kernels(kernels):
     def project(x, norm_weight, norm_bias, qkv_weight, qkv_bias, eps: float):
         return linear(kernels.norm(x, norm_weight, norm_bias, eps), qkv_weight, qkv_bias)
 
-    def up_projection(x, attended, proj_weight, proj_bias, norm_weight, norm_bias, up_weight, up_bias, eps: float):
+    def up_projection(x, attended, proj_weight, proj_bias, norm_weight, norm_bias, up_weight, up_bias, eps: float,
+                      residual_bias=None):
         x, normed = kernels.add_norm(x, linear(attended.reshape(x.shape[0], -1), proj_weight, proj_bias),
-                                     norm_weight, norm_bias, eps)
+                                     norm_weight, norm_bias, eps, shift=residual_bias)
         return x, linear(normed, up_weight, up_bias)
 
     return project, up_projection
@@ -544,16 +559,21 @@ class FastVisionBlocks:
     first product with its Triton activation): "triton" (one pass over whole rows, ``block_norm.py``; probed once
     against torch's norm on the tower's width, dtype and device, and dropped with a warning if they disagree),
     "torch" (in the compiled code of that step), "auto" (Triton where the blocks are compiled and Triton imports).
+    ``residual_in_product``: where the MLP's activation has a Triton kernel, its last product adds its output to the
+    residual stream in place (``_add_down_projection``) instead of a separate add after it; False only to measure
+    what that is worth.
     """
 
     def __init__(self, visual: torch.nn.Module, attention=None, compile_blocks: bool = False,
                  alignment: int = GEMM_ALIGNMENT, qkv_kernel: str = "auto", fp8: bool = False,
-                 mlp_kernel: str = "auto", strided_v: bool = False, norm_kernel: str = "auto"):
+                 mlp_kernel: str = "auto", strided_v: bool = False, norm_kernel: str = "auto",
+                 residual_in_product: bool = True):
         for name, value in (("qkv_kernel", qkv_kernel), ("mlp_kernel", mlp_kernel), ("norm_kernel", norm_kernel)):
             if value not in ("auto", "triton", "torch"):
                 raise ValueError(f"{name} must be auto, triton or torch, not {value!r}")
         self.attention = attention
         self.fp8 = fp8
+        self.residual_in_product = residual_in_product
         self.before, self.after, self.project, self.up = _before_attention, _after_attention, _project, _up_projection
         if compile_blocks:
             self.before, self.after, self.project, self.up = (
@@ -640,9 +660,13 @@ class FastVisionBlocks:
                 attended = self.attention(q, k, v, cu, cu, int(max_seqlen), int(max_seqlen), scale)
             activation = self.mlp_kernels.get(shape.activation)
             if activation is not None:
+                if not self.residual_in_product:
+                    x, h = self.up(hidden_states, attended, proj_weight, attn.proj.bias, block.norm2.weight,
+                                   shape.norm2_bias, up_weight, up_bias, eps)
+                    return x + linear(activation(h), down_weight, shape.down_bias)
                 x, h = self.up(hidden_states, attended, proj_weight, attn.proj.bias, block.norm2.weight,
-                               shape.norm2_bias, up_weight, up_bias, eps)
-                return x + linear(activation(h), down_weight, shape.down_bias)
+                               shape.norm2_bias, up_weight, up_bias, eps, shape.down_bias)
+                return _add_down_projection(x, activation(h), down_weight)
             return self.after(hidden_states, attended, proj_weight, attn.proj.bias, block.norm2.weight,
                               shape.norm2_bias, up_weight, up_bias, down_weight, shape.down_bias, eps,
                               shape.activation)
@@ -807,7 +831,8 @@ class VisionEncoder:
     DeepStack levels (Qwen3-VL) each level's merged tokens, concatenated on the feature axis.
     ``family`` defaults to the one whose patch size and merge size the tower's config has. ``fp8``: the fast
     blocks' matrix products in FP8 (``fp8.py``; on CUDA only where the GPU has FP8, on the CPU in float32 for tests).
-    ``qkv_kernel``, ``mlp_kernel``, ``norm_kernel`` and ``strided_v``: as ``FastVisionBlocks`` takes them;
+    ``qkv_kernel``, ``mlp_kernel``, ``norm_kernel``, ``residual_in_product`` and ``strided_v``: as
+    ``FastVisionBlocks`` takes them;
     ``strided_v`` None (the default) where the attention takes it (``takes_strided_v``).
     """
 
@@ -816,7 +841,7 @@ class VisionEncoder:
                  max_patches_per_call: int = 65536, linear_patch_embedding: bool = True,
                  fast_blocks: bool = True, compile_blocks: bool = True, family: ModelFamily | None = None,
                  qkv_kernel: str = "auto", fp8: bool = False, mlp_kernel: str = "auto",
-                 strided_v: bool | None = None, norm_kernel: str = "auto"):
+                 strided_v: bool | None = None, norm_kernel: str = "auto", residual_in_product: bool = True):
         if fp8:
             problem = "it needs the fast vision blocks" if not fast_blocks else fp8_problem(
                 device, dtype or next(visual.parameters()).dtype)
@@ -849,7 +874,7 @@ class VisionEncoder:
                              or takes_strided_v(self.attention, self.device, self.dtype))
             fast = FastVisionBlocks(self.visual, VARLEN_KERNELS.get(self.attention), compile_blocks,
                                     qkv_kernel=qkv_kernel, fp8=fp8, mlp_kernel=mlp_kernel, strided_v=strided_v,
-                                    norm_kernel=norm_kernel)
+                                    norm_kernel=norm_kernel, residual_in_product=residual_in_product)
             self.fast = fast if fast.replaced else None
             if compile_blocks and self.fast is not None:
                 self.compiled = self._warm_up_compiled()
