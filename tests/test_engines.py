@@ -231,6 +231,35 @@ def test_fast_vision_blocks_with_a_triton_kernel_compute_transformers_output(set
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
 
 
+def test_a_windowed_towers_window_blocks_take_their_own_kernel(images, model_dir):
+    """``window_attention``: the tiny Qwen2.5-VL tower's window blocks call that kernel, its whole-image blocks
+    (``fullatt_block_indexes``) the other, each with its own sequence bounds, and the output is transformers'."""
+    from consumers.infer.vision import FastVisionBlocks, _windowed_sdpa, load_vision_tower, patchify_batch
+
+    tower, _ = load_vision_tower(model_dir, "cpu", torch.float32)
+    whole = set(tower.fullatt_block_indexes)
+    assert 0 < len(whole) < len(tower.blocks)
+    seen = {"window": [], "whole": []}
+
+    def kernel(kind):
+        def attend(q, k, v, cu_q, cu_k, max_q, max_k, scale):
+            seen[kind].append(int(max_q))
+            return _windowed_sdpa(q, k, v, cu_q, scale)
+        return attend
+
+    pixel_values, grid_thw = patchify_batch(images[:2])
+    with torch.inference_mode():
+        expected = tower(pixel_values, grid_thw=grid_thw).pooler_output
+        FastVisionBlocks(tower, attention=kernel("whole"), window_attention=kernel("window"))
+        got = tower(pixel_values, grid_thw=grid_thw).pooler_output
+        FastVisionBlocks.remove(tower)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
+    assert len(seen["whole"]) == len(whole) and len(seen["window"]) == len(tower.blocks) - len(whole)
+    # a window holds at most window_size / patch_size squared patches; a whole image more than that
+    window_patches = (tower.window_size // tower.patch_size) ** 2
+    assert max(seen["window"]) <= window_patches < min(seen["whole"])
+
+
 def test_one_encoder_forward_over_mixed_sizes_equals_one_image_at_a_time(engine, images):
     together = engine.encoder.encode(images)
     for image, batched in zip(images, together):

@@ -1,6 +1,7 @@
 """The vision towers' attention alone on the GPU: vLLM's FlashAttention 3 (what the fast vision blocks call, one
-packed varlen call per layer) against torch's scaled_dot_product_attention backends (cuDNN, flash, memory-efficient)
-called once per sequence, or once over a batch of equal windows, side by side in one process.
+packed varlen call per layer) against torch's own packed varlen call (FlashAttention 2, ``torch_varlen``) and
+torch's scaled_dot_product_attention backends (cuDNN, flash, memory-efficient) called once per sequence, or once
+over a batch of equal windows, side by side in one process.
 
 Two shapes, at the head widths of the towers we run (Qwen2.5-VL: 16 heads of 80; Qwen3-VL and Qwen3.5: 16 of 72):
   full     the full-attention layers: each image one sequence of all its patches (--lengths: patches per image;
@@ -81,6 +82,11 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     kernel = VARLEN_KERNELS[pick_vision_attention("cuda", torch.bfloat16, "vllm_fa3")]
+    try:  # torch's own varlen flash attention (FlashAttention 2), the same packed call as FA3's
+        torch_varlen = VARLEN_KERNELS[pick_vision_attention("cuda", torch.bfloat16, "torch_varlen")]
+    except RuntimeError as exc:
+        print(f"torch_varlen unavailable: {exc}", flush=True)
+        torch_varlen = None
     rows = []
     cases = [("full", int(n), args.images) for n in args.lengths.split(",")]
     cases.append(("window", 64, args.window_tokens // 64))
@@ -93,6 +99,8 @@ def main() -> None:
             cu = torch.tensor(bounds, dtype=torch.int32, device="cuda")
             scale = dim ** -0.5
             variants = {"fa3_varlen": lambda: kernel(q, k, v, cu, cu, length, length, scale)}
+            if torch_varlen is not None:
+                variants["torch_varlen"] = lambda: torch_varlen(q, k, v, cu, cu, length, length, scale)
             for name, backend in SDPA_BACKENDS.items():
                 attend = equal_windows(backend, length) if shape == "window" else per_sequence(backend)
                 variants[name] = (lambda attend=attend: attend(q, k, v, bounds, scale))

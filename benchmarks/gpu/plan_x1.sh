@@ -142,6 +142,9 @@
 #   tower-residual the block's last residual add in the MLP's last product against an add after it, both towers
 #              alone at 0.2 / 1 / 12.8 MP (two rounds), both towers against transformers' full model, then Qwen2.5-VL
 #              at 12.8 MP / 64: the pipeline (embeds) and `vllm serve`, 60 s each (about 15 minutes)
+#   tower-fa2window  Qwen2.5-VL's window blocks through torch's varlen flash attention (FlashAttention 2), its
+#              whole-image blocks through FA3, against FA3 everywhere: the attention alone, the tower alone at three
+#              budgets in two rounds, the tower with it against transformers' full model (about 4 minutes)
 #   honesty    H1 `estimate_honesty.py --cases g` with the Qwen2.5-VL-7B config at 0.2 MP / 64: an estimate from a 5%
 #              sample, then the whole job (26,000 documents, 82,725 images). In [m] the sample took about 250 s and
 #              the run about 66 img/s with start-up (scale 14 ran 22.6 min and was cut 13 s before its end); at
@@ -660,6 +663,20 @@ if [ "$LIST" = tower-residual ]; then
   job x2_pipeline 220 330 $LARGE --seconds 60 --stop-after 1.5 --arms pipeline-embeds --profile \
     --out "$RES/x2_pipeline"
   job x1_serve 200 330 $LARGE --seconds 60 --arms serve --serve-k 8 --out "$RES/x1_serve"
+fi
+
+if [ "$LIST" = tower-fa2window ]; then
+  # Qwen2.5-VL's window blocks through torch's varlen flash attention (FlashAttention 2) and its whole-image blocks
+  # through FA3, against FA3 everywhere: the attention alone (the 64-patch windows, both kernels' packed calls), the
+  # tower alone at three budgets in two rounds, and the tower with it against transformers' full model.
+  [ -e /root/model/config.json ] || python3 benchmarks/gpu/mk_model.py /root/model > "$RES/mk_model.log" 2>&1
+  job a1_attention 30 120 python3 benchmarks/gpu/bench_attention.py --head-dims 80 --lengths 1024 \
+    --out "$RES/a1_attention.json"
+  job w1_tower_q25 90 200 python3 benchmarks/gpu/bench_vision_tower.py --model /root/model --imgs /root/imgs \
+    --budgets 256,1280,default --variants fast+vllm_fa3,fast-fa2window+vllm_fa3 --seconds 3 --rounds 2 \
+    --profile-budget '' --out "$RES/w1_tower_q25.json"
+  job c1_check_fa2window 30 120 python3 benchmarks/gpu/check_tower.py --model qwen2.5-vl-7b --blocks fast-fa2window \
+    --images /root/imgs --n 8 --max-pixels 1003520 --out "$RES/c1_check_fa2window.json"
 fi
 
 if [ "$LIST" = generic-tiling ]; then

@@ -562,12 +562,15 @@ class FastVisionBlocks:
     ``residual_in_product``: where the MLP's activation has a Triton kernel, its last product adds its output to the
     residual stream in place (``_add_down_projection``) instead of a separate add after it; False only to measure
     what that is worth.
+    ``window_attention``: the varlen kernel for the blocks of a windowed tower (Qwen2.5-VL) that attend within
+    windows, not over whole images (the blocks outside ``fullatt_block_indexes``); None: ``attention`` for those too.
+    A kernel built for long sequences need not be the fastest on thousands of 64-patch windows.
     """
 
     def __init__(self, visual: torch.nn.Module, attention=None, compile_blocks: bool = False,
                  alignment: int = GEMM_ALIGNMENT, qkv_kernel: str = "auto", fp8: bool = False,
                  mlp_kernel: str = "auto", strided_v: bool = False, norm_kernel: str = "auto",
-                 residual_in_product: bool = True):
+                 residual_in_product: bool = True, window_attention=None):
         for name, value in (("qkv_kernel", qkv_kernel), ("mlp_kernel", mlp_kernel), ("norm_kernel", norm_kernel)):
             if value not in ("auto", "triton", "torch"):
                 raise ValueError(f"{name} must be auto, triton or torch, not {value!r}")
@@ -604,7 +607,9 @@ class FastVisionBlocks:
                 self.mlp_kernels = {silu_gate: kernels.silu_gate, gelu_tanh: kernels.gelu_tanh,
                                     quick_gelu: kernels.quick_gelu}
         self.replaced = 0
-        for block in visual.blocks:
+        self.window_attention = window_attention
+        whole_image = set(getattr(visual, "fullatt_block_indexes", None) or range(len(visual.blocks)))
+        for index, block in enumerate(visual.blocks):
             shape = _block_shape(block, alignment)
             if isinstance(shape, str):
                 name = type(block).__name__
@@ -612,7 +617,7 @@ class FastVisionBlocks:
                     _reported_shapes.add(name)
                     log.info("vision block %s keeps transformers' forward: %s", name, shape)
                 continue
-            block.forward = self._block_forward(block, shape)
+            block.forward = self._block_forward(block, shape, windowed=index not in whole_image)
             self.replaced += 1
             if self.replaced == 1 and self.norm_kernels is not None and not _norm_kernels_agree(
                     self.norm_kernels, block.norm2.weight, shape.norm2_bias, shape.norm_eps):
@@ -632,7 +637,7 @@ class FastVisionBlocks:
         self.before, self.after, self.project, self.up = _before_attention, _after_attention, _project, _up_projection
         self.rotate_qkv, self.mlp_kernels, self.strided_v, self.norm_kernels = None, {}, False, None
 
-    def _block_forward(self, block: torch.nn.Module, shape: _BlockShape):
+    def _block_forward(self, block: torch.nn.Module, shape: _BlockShape, windowed: bool = False):
         attn = block.attn
         up_weight, up_bias, down_weight = shape.mlp
         qkv_weight, proj_weight = attn.qkv.weight, attn.proj.weight
@@ -651,13 +656,15 @@ class FastVisionBlocks:
                 cos, sin = (t.float().unsqueeze(-2) for t in position_embeddings)
                 q, k, v = self.before(hidden_states, block.norm1.weight, shape.norm1_bias, qkv_weight,
                                       attn.qkv.bias, cos, sin, eps, heads)
-            if self.attention is None:
+            attention = self.window_attention if windowed and self.window_attention is not None \
+                else self.attention
+            if attention is None:
                 attended = _windowed_sdpa(q, k, v, cu_seqlens, scale)
             else:
                 if max_seqlen is None:
                     max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
                 cu = cu_seqlens.to(torch.int32)
-                attended = self.attention(q, k, v, cu, cu, int(max_seqlen), int(max_seqlen), scale)
+                attended = attention(q, k, v, cu, cu, int(max_seqlen), int(max_seqlen), scale)
             activation = self.mlp_kernels.get(shape.activation)
             if activation is not None:
                 if not self.residual_in_product:
@@ -832,7 +839,8 @@ class VisionEncoder:
     ``family`` defaults to the one whose patch size and merge size the tower's config has. ``fp8``: the fast
     blocks' matrix products in FP8 (``fp8.py``; on CUDA only where the GPU has FP8, on the CPU in float32 for tests).
     ``qkv_kernel``, ``mlp_kernel``, ``norm_kernel``, ``residual_in_product`` and ``strided_v``: as
-    ``FastVisionBlocks`` takes them;
+    ``FastVisionBlocks`` takes them; ``window_attention``: a name as ``attention`` takes one, for a windowed tower's
+    window blocks (None: ``attention``'s kernel there too);
     ``strided_v`` None (the default) where the attention takes it (``takes_strided_v``).
     """
 
@@ -841,7 +849,8 @@ class VisionEncoder:
                  max_patches_per_call: int = 65536, linear_patch_embedding: bool = True,
                  fast_blocks: bool = True, compile_blocks: bool = True, family: ModelFamily | None = None,
                  qkv_kernel: str = "auto", fp8: bool = False, mlp_kernel: str = "auto",
-                 strided_v: bool | None = None, norm_kernel: str = "auto", residual_in_product: bool = True):
+                 strided_v: bool | None = None, norm_kernel: str = "auto", residual_in_product: bool = True,
+                 window_attention: str | None = None):
         if fp8:
             problem = "it needs the fast vision blocks" if not fast_blocks else fp8_problem(
                 device, dtype or next(visual.parameters()).dtype)
@@ -860,6 +869,10 @@ class VisionEncoder:
         if linear_patch_embedding:  # False only to measure what the swap is worth
             use_linear_patch_embedding(self.visual)
         self.attention = pick_vision_attention(self.device, self.dtype, attention)
+        # A kernel of its own for a windowed tower's window blocks (FastVisionBlocks' window_attention).
+        self.window_attention = None
+        if window_attention and self.windowed and fast_blocks:
+            self.window_attention = pick_vision_attention(self.device, self.dtype, window_attention)
         # The tower's config object is its own (vision_config); the language model keeps its implementation.
         self.visual.config._attn_implementation = self.attention
         self.merge_unit = self.visual.config.spatial_merge_size ** 2
@@ -869,12 +882,14 @@ class VisionEncoder:
         FastVisionBlocks.remove(self.visual)
         if fast_blocks:  # False only to measure what they are worth
             compile_blocks = compile_blocks and self.device.type == "cuda"
+            kernels = [self.attention] + ([self.window_attention] if self.window_attention else [])
             if strided_v is None:
-                strided_v = (self.attention not in VARLEN_KERNELS
-                             or takes_strided_v(self.attention, self.device, self.dtype))
+                strided_v = all(name not in VARLEN_KERNELS or takes_strided_v(name, self.device, self.dtype)
+                                for name in kernels)
             fast = FastVisionBlocks(self.visual, VARLEN_KERNELS.get(self.attention), compile_blocks,
                                     qkv_kernel=qkv_kernel, fp8=fp8, mlp_kernel=mlp_kernel, strided_v=strided_v,
-                                    norm_kernel=norm_kernel, residual_in_product=residual_in_product)
+                                    norm_kernel=norm_kernel, residual_in_product=residual_in_product,
+                                    window_attention=VARLEN_KERNELS.get(self.window_attention))
             self.fast = fast if fast.replaced else None
             if compile_blocks and self.fast is not None:
                 self.compiled = self._warm_up_compiled()
