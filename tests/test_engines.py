@@ -260,6 +260,22 @@ def test_a_windowed_towers_window_blocks_take_their_own_kernel(images, model_dir
     assert max(seen["window"]) <= window_patches < min(seen["whole"])
 
 
+def test_the_window_blocks_kernel_is_picked_where_it_can_run_and_refused_by_its_setting(model_dir):
+    """pick_window_attention: "same" and, off CUDA or without a varlen kernel for the whole-image blocks, "auto" give
+    the window blocks the tower's own attention (None); a kernel asked by name that cannot run here is refused with
+    the setting that fixes it. The encoder asks only for a windowed tower."""
+    from consumers.infer.vision import VisionEncoder, load_vision_tower, pick_window_attention
+
+    assert pick_window_attention("cpu", torch.float32, "same", "sdpa") is None
+    assert pick_window_attention("cpu", torch.float32, "auto", "sdpa") is None
+    with pytest.raises(ValueError, match="infer.vision_window_attention=auto"):
+        pick_window_attention("cpu", torch.float32, "torch_varlen", "sdpa")
+    tower, _ = load_vision_tower(model_dir, "cpu", torch.float32)
+    assert VisionEncoder(tower, "cpu", torch.float32, window_attention="same").window_attention is None
+    with pytest.raises(ValueError, match="infer.vision_window_attention"):
+        VisionEncoder(tower, "cpu", torch.float32, window_attention="vllm_fa3")
+
+
 def test_one_encoder_forward_over_mixed_sizes_equals_one_image_at_a_time(engine, images):
     together = engine.encoder.encode(images)
     for image, batched in zip(images, together):
@@ -679,7 +695,7 @@ def test_the_engine_tower_setting_is_refused_where_it_cannot_run_and_reaches_the
     # Unset engine_tower in embeds mode: the clock times our tower there.
     assert engine_tower_args(clocked, "embeds", QWEN2_VL)[1]["VLMSTREAM_INFER__ENGINE_TOWER"] == "true"
     on = InferSettings(engine_tower=True, vision_qkv_kernel="torch", vision_compile=False, vision_mlp_kernel="triton",
-                       vision_norm_kernel="torch")
+                       vision_norm_kernel="torch", vision_window_attention="same")
     assert engine_tower_args(on, "embeds", QWEN2_VL)[0] == {"worker_extension_cls": ENGINE_TOWER_EXTENSION}
     with pytest.raises(ValueError, match="infer.engine_tower=false"):
         engine_tower_args(on, "pixels", GENERIC)
@@ -691,7 +707,8 @@ def test_the_engine_tower_setting_is_refused_where_it_cannot_run_and_reaches_the
     with child_environment(env):
         seen = Settings().infer
         assert (seen.engine_tower, seen.vision_qkv_kernel, seen.vision_compile, seen.vision_fp8,
-                seen.vision_mlp_kernel, seen.vision_norm_kernel) == (True, "torch", False, False, "triton", "torch")
+                seen.vision_mlp_kernel, seen.vision_norm_kernel, seen.vision_window_attention) == (
+            True, "torch", False, False, "triton", "torch", "same")
     assert "VLMSTREAM_INFER__VISION_COMPILE" not in os.environ
 
 

@@ -285,6 +285,12 @@ class InferSettings(BaseModel):
         "triton: one pass over whole rows (consumers/infer/block_norm.py; Inductor loops over rows wider than 1,024 "
         "values and reads them twice); torch: compiled with the matrix product after it; auto: triton where the "
         "blocks are compiled and Triton imports.")
+    vision_window_attention: Literal["auto", "torch_varlen", "vllm_fa3", "same"] = Field(
+        "auto", description="vLLM engine, our vision tower: the attention kernel of a windowed tower's window blocks "
+        "(Qwen2.5-VL's: 64-patch windows; its whole-image blocks and other towers keep the fastest kernel for long "
+        "sequences, vLLM's FA3). auto: torch's varlen flash attention (FlashAttention 2) on CUDA where it passes its "
+        "probe: on an H200 its call over 64-patch windows ran 1.6 times as fast as FA3's, the tower 3-4% faster at "
+        "1 and 12.8 MP (benchmarks/RESULTS.md [ah]); same: the whole-image blocks' kernel; or a kernel by name.")
     vision_fp8: bool = Field(
         False, description="vLLM engine, our vision tower: each block's four matrix products in FP8 (e4m3; weights "
         "scaled per output channel, activations per token), on GPUs with FP8 (compute capability 8.9+). Opt-in: "

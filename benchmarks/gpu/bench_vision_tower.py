@@ -18,9 +18,9 @@ Variants, side by side in one process on the same images (random weights: same c
                     torch) instead of the Triton kernels of consumers/infer/block_norm.py
   fast-addafter+... fast+..., the block's last residual add as an add after the MLP's last product instead of in
                     that product (FastVisionBlocks' residual_in_product=False)
-  fast-fa2window+... fast+..., a windowed tower's window blocks (Qwen2.5-VL's) through torch's varlen flash
-                    attention (FlashAttention 2) and its whole-image blocks through <attention> (VisionEncoder's
-                    window_attention="torch_varlen")
+  fast-fa3window+... fast+..., a windowed tower's window blocks (Qwen2.5-VL's) through <attention> too, not through
+                    torch's varlen flash attention (FlashAttention 2), which fast gives them (infer.vision_window_
+                    attention=same)
 with attention vllm_fa3 (vLLM's FlashAttention 3), torch_varlen (torch's varlen flash) or sdpa. Each timing covers
 GPU patchify + tower forward + merger for a batch of images, synchronised, after warm-up; it prints ms per image
 and images/s per budget with the spread of its timed passes, then the same number of passes queued back to back
@@ -161,7 +161,7 @@ def time_encoder(encoder: VisionEncoder, images: list[np.ndarray], batch: int, m
 
 # The <blocks> half of a variant's name (module docstring).
 BLOCKS = ("transformers", "fast", "fast-torchqkv", "fast-eager", "fast-fp8", "fast-torchmlp", "fast-contigv",
-          "fast-torchnorm", "fast-addafter", "fast-fa2window")
+          "fast-torchnorm", "fast-addafter", "fast-fa3window")
 
 
 def make_encoder(tower, device: torch.device, dtype: torch.dtype, variant: str) -> VisionEncoder:
@@ -176,7 +176,7 @@ def make_encoder(tower, device: torch.device, dtype: torch.dtype, variant: str) 
                          strided_v=False if blocks == "fast-contigv" else None,
                          norm_kernel="torch" if blocks == "fast-torchnorm" else "auto",
                          residual_in_product=blocks != "fast-addafter",
-                         window_attention="torch_varlen" if blocks == "fast-fa2window" else None)
+                         window_attention="same" if blocks == "fast-fa3window" else "auto")
 
 
 def in_rounds(variants: list[str], rounds: int) -> list[tuple[str, str]]:

@@ -4,12 +4,12 @@ levels) and what it publishes as the embedding, against ``get_image_features`` o
 pixels. Needs torch and transformers only (no vLLM). ``--blocks fast`` (the default) checks what the engine runs:
 FastVisionBlocks, compiled, with the Triton q/k/v and MLP activation kernels; ``--blocks transformers`` the tower's
 own blocks; ``--blocks fast-fp8`` the fast blocks with infer.vision_fp8 (their products in FP8); ``--blocks
-fast-fa2window`` the fast blocks with a windowed tower's window blocks through torch's varlen flash attention
-(VisionEncoder's window_attention). FP8's cosines are reported, not passed or failed: with random weights they say
-nothing of a released checkpoint's accuracy.
+fast-fa3window`` the fast blocks with a windowed tower's window blocks through FA3 as well (infer.vision_window_
+attention=same; ``fast`` gives them torch's varlen flash attention). FP8's cosines are reported, not passed or
+failed: with random weights they say nothing of a released checkpoint's accuracy.
 
 Usage: python3 benchmarks/gpu/check_tower.py [--model qwen3-vl-8b|qwen2.5-vl-7b]
-           [--blocks fast|transformers|fast-fp8|fast-fa2window]
+           [--blocks fast|transformers|fast-fp8|fast-fa3window]
            [--images DIR] [--n 8] [--max-pixels 1003520] [--out $OUT/tower_check.json]
 Prints one RESULT line; exits 1 when a check fails.
 """
@@ -39,7 +39,7 @@ def main() -> int:
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="qwen3-vl-8b", choices=sorted(GPU_MODELS))
-    ap.add_argument("--blocks", default="fast", choices=("fast", "transformers", "fast-fp8", "fast-fa2window"))
+    ap.add_argument("--blocks", default="fast", choices=("fast", "transformers", "fast-fp8", "fast-fa3window"))
     ap.add_argument("--images", default=os.environ.get("IMAGES"))
     ap.add_argument("--n", type=int, default=8)
     ap.add_argument("--max-pixels", type=int, default=1003520)
@@ -60,7 +60,7 @@ def main() -> int:
     # transformers' own modules (its sdpa attention, its index tensors, its Conv3d).
     encoder = VisionEncoder(copy.deepcopy(model.model.visual), "cuda", torch.bfloat16, family=family,
                             fast_blocks=args.blocks != "transformers", fp8=args.blocks == "fast-fp8",
-                            window_attention="torch_varlen" if args.blocks == "fast-fa2window" else None)
+                            window_attention="same" if args.blocks == "fast-fa3window" else "auto")
     started = time.perf_counter()
     ours = encoder.encode(images)
     torch.cuda.synchronize()

@@ -666,17 +666,17 @@ if [ "$LIST" = tower-residual ]; then
 fi
 
 if [ "$LIST" = tower-fa2window ]; then
-  # Qwen2.5-VL's window blocks through torch's varlen flash attention (FlashAttention 2) and its whole-image blocks
-  # through FA3, against FA3 everywhere: the attention alone (the 64-patch windows, both kernels' packed calls), the
-  # tower alone at three budgets in two rounds, and the tower with it against transformers' full model.
+  # Qwen2.5-VL's window blocks through torch's varlen flash attention (FlashAttention 2, the default) and its
+  # whole-image blocks through FA3, against FA3 everywhere (fast-fa3window): the attention alone (the 64-patch
+  # windows, both kernels' packed calls), the tower alone at three budgets in two rounds, and the tower against
+  # transformers' full model.
   [ -e /root/model/config.json ] || python3 benchmarks/gpu/mk_model.py /root/model > "$RES/mk_model.log" 2>&1
   job a1_attention 30 120 python3 benchmarks/gpu/bench_attention.py --head-dims 80 --lengths 1024 \
     --out "$RES/a1_attention.json"
   job w1_tower_q25 90 200 python3 benchmarks/gpu/bench_vision_tower.py --model /root/model --imgs /root/imgs \
-    --budgets 256,1280,default --variants fast+vllm_fa3,fast-fa2window+vllm_fa3 --seconds 3 --rounds 2 \
+    --budgets 256,1280,default --variants fast-fa3window+vllm_fa3,fast+vllm_fa3 --seconds 3 --rounds 2 \
     --profile-budget '' --out "$RES/w1_tower_q25.json"
-  job c1_check_fa2window 30 120 python3 benchmarks/gpu/check_tower.py --model qwen2.5-vl-7b --blocks fast-fa2window \
-    --images /root/imgs --n 8 --max-pixels 1003520 --out "$RES/c1_check_fa2window.json"
+  check_tower c1_check_qwen25 qwen2.5-vl-7b 100
 fi
 
 if [ "$LIST" = generic-tiling ]; then

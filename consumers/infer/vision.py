@@ -275,6 +275,30 @@ def pick_vision_attention(device: torch.device | str, dtype: torch.dtype, reques
     return "sdpa"
 
 
+def pick_window_attention(device: torch.device | str, dtype: torch.dtype, requested: str, attention: str) -> str | None:
+    """The kernel for a windowed tower's window blocks (Qwen2.5-VL's: thousands of 64-patch windows per image), or
+    None for the tower's own ``attention`` there too. "auto": torch's varlen flash attention (FlashAttention 2) on
+    CUDA in half precision where it passes its probe, since on an H200 its packed call over 64-patch windows ran 1.6
+    times as fast as vLLM's FA3, which wins on whole images (benchmarks/RESULTS.md [ah]); "same": None; a name as
+    ``pick_vision_attention`` takes one: that kernel, or a ValueError naming infer.vision_window_attention."""
+    device = torch.device(device)
+    if requested in ("same", None):
+        return None
+    if requested == "auto":
+        if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16) or attention not in VARLEN_KERNELS:
+            return None
+        try:
+            return pick_vision_attention(device, dtype, "torch_varlen")
+        except RuntimeError as exc:
+            log.info("window blocks keep %s: %s", attention, exc)
+            return None
+    try:
+        return pick_vision_attention(device, dtype, requested)
+    except (KeyError, RuntimeError) as exc:
+        raise ValueError(f"infer.vision_window_attention={requested!r} cannot run on {device} ({exc}); set "
+                         "infer.vision_window_attention=auto or same") from exc
+
+
 class PatchProjection(torch.nn.Module):
     """The patch embedding's Conv3d as the matrix product it is.
 
@@ -839,8 +863,8 @@ class VisionEncoder:
     ``family`` defaults to the one whose patch size and merge size the tower's config has. ``fp8``: the fast
     blocks' matrix products in FP8 (``fp8.py``; on CUDA only where the GPU has FP8, on the CPU in float32 for tests).
     ``qkv_kernel``, ``mlp_kernel``, ``norm_kernel``, ``residual_in_product`` and ``strided_v``: as
-    ``FastVisionBlocks`` takes them; ``window_attention``: a name as ``attention`` takes one, for a windowed tower's
-    window blocks (None: ``attention``'s kernel there too);
+    ``FastVisionBlocks`` takes them; ``window_attention``: the kernel of a windowed tower's window blocks
+    (``pick_window_attention``: "auto", "same" as ``attention``, or a name ``attention`` takes);
     ``strided_v`` None (the default) where the attention takes it (``takes_strided_v``).
     """
 
@@ -850,7 +874,7 @@ class VisionEncoder:
                  fast_blocks: bool = True, compile_blocks: bool = True, family: ModelFamily | None = None,
                  qkv_kernel: str = "auto", fp8: bool = False, mlp_kernel: str = "auto",
                  strided_v: bool | None = None, norm_kernel: str = "auto", residual_in_product: bool = True,
-                 window_attention: str | None = None):
+                 window_attention: str = "auto"):
         if fp8:
             problem = "it needs the fast vision blocks" if not fast_blocks else fp8_problem(
                 device, dtype or next(visual.parameters()).dtype)
@@ -869,10 +893,8 @@ class VisionEncoder:
         if linear_patch_embedding:  # False only to measure what the swap is worth
             use_linear_patch_embedding(self.visual)
         self.attention = pick_vision_attention(self.device, self.dtype, attention)
-        # A kernel of its own for a windowed tower's window blocks (FastVisionBlocks' window_attention).
-        self.window_attention = None
-        if window_attention and self.windowed and fast_blocks:
-            self.window_attention = pick_vision_attention(self.device, self.dtype, window_attention)
+        self.window_attention = (pick_window_attention(self.device, self.dtype, window_attention, self.attention)
+                                 if self.windowed and fast_blocks else None)
         # The tower's config object is its own (vision_config); the language model keeps its implementation.
         self.visual.config._attn_implementation = self.attention
         self.merge_unit = self.visual.config.spatial_merge_size ** 2

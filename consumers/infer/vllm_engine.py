@@ -159,6 +159,7 @@ def engine_tower_args(settings: InferSettings, mode: str, family: ModelFamily) -
            "VLMSTREAM_INFER__VISION_QKV_KERNEL": settings.vision_qkv_kernel,
            "VLMSTREAM_INFER__VISION_MLP_KERNEL": settings.vision_mlp_kernel,
            "VLMSTREAM_INFER__VISION_NORM_KERNEL": settings.vision_norm_kernel,
+           "VLMSTREAM_INFER__VISION_WINDOW_ATTENTION": settings.vision_window_attention,
            "VLMSTREAM_INFER__VISION_FP8": str(settings.vision_fp8).lower()}
     return {"worker_extension_cls": ENGINE_TOWER_EXTENSION}, env
 
@@ -284,7 +285,8 @@ class VllmEngine(QueuedEngine):
                                          compile_blocks=settings.vision_compile, family=self.family,
                                          qkv_kernel=settings.vision_qkv_kernel, fp8=settings.vision_fp8,
                                          mlp_kernel=settings.vision_mlp_kernel,
-                                         norm_kernel=settings.vision_norm_kernel)
+                                         norm_kernel=settings.vision_norm_kernel,
+                                         window_attention=settings.vision_window_attention)
             if self._embeds_here() and self.encoder.image_embeds_width != self.image_embeds_width:
                 self._engine_loop.shutdown_llm(self.llm)
                 self._engine_loop.stop()
