@@ -314,7 +314,8 @@ def main() -> None:
                         torch.cuda.reset_peak_memory_stats()
                     rows[key] = {**achieved(time_encoder(encoder, images, batch, args.seconds), flops_per_image),
                                  "fast_blocks": encoder.fast.replaced if encoder.fast else 0,
-                                 "compiled": encoder.compiled, "kernels": block_kernels(encoder.fast)}
+                                 "compiled": encoder.compiled, "kernels": block_kernels(encoder.fast),
+                                 "window_attention": encoder.window_attention}
                     if budget == args.profile_budget and batch == BATCH[budget]:
                         timed_latest = (variant, encoder)
                 except Exception as exc:  # noqa: BLE001 - one variant failing must not hide the others

@@ -86,6 +86,7 @@ def main() -> int:
                 mean_got, mean_ref, dim=0)))
     expected_width = family.image_embeds_width(config.vision_config.to_dict())
     report = {"model": args.model, "family": family.name, "n": len(images), "attention": encoder.attention,
+              "window_attention": encoder.window_attention,
               "fast_blocks": encoder.fast.replaced if encoder.fast else 0, "compiled": encoder.compiled,
               "kernels": block_kernels(encoder.fast), "image_embeds_width": encoder.image_embeds_width,
               "expected_width": expected_width, "deepstack_levels": encoder.deepstack_levels,

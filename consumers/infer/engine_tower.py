@@ -170,8 +170,9 @@ def encoder_for(model) -> VisionEncoder:
                             mlp_kernel=settings.vision_mlp_kernel, norm_kernel=settings.vision_norm_kernel,
                             window_attention=settings.vision_window_attention)
     log.warning("vlmstream's vision tower runs in vLLM's engine process for %s: %d fast blocks, compiled=%s, "
-                "attention %s, checkpoint weights %s", type(model).__name__,
+                "attention %s (window blocks: %s), checkpoint weights %s", type(model).__name__,
                 encoder.fast.replaced if encoder.fast else 0, encoder.compiled, encoder.attention,
+                encoder.window_attention or "the same",
                 "loaded" if real_weights else "absent (random tower, as vLLM's dummy weights)")
     return encoder
 
