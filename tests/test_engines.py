@@ -17,7 +17,7 @@ import torch
 from consumers.infer.engine import EngineDeadError, InferenceFailure, InferenceOutput, InferenceRequest
 from consumers.infer.prompts import OutputSchema, OutputSchemaViolation
 from consumers.infer.tiny_model import default_tiny_model_dir
-from tests.helpers import counting, smallest_exact_size_images
+from tests.helpers import counting, lively, smallest_exact_size_images
 from vlmstream.config import InferSettings
 
 pytestmark = pytest.mark.model
@@ -196,17 +196,19 @@ def test_triton_mlp_activation_kernels_compute_what_the_torch_code_does(interpre
 
 @pytest.mark.parametrize("setting", [{"qkv_kernel": "triton"}, {"qkv_kernel": "triton", "strided_v": True},
                                      {"mlp_kernel": "triton"}, {"qkv_kernel": "triton", "norm_kernel": "triton"},
-                                     {"mlp_kernel": "triton", "norm_kernel": "triton"}])
+                                     {"mlp_kernel": "triton", "norm_kernel": "triton"},
+                                     {"mlp_kernel": "triton", "norm_kernel": "triton", "residual_in_product": False}])
 def test_fast_vision_blocks_with_a_triton_kernel_compute_transformers_output(setting, interpreted_triton,
                                                                            interpreted_mlp_kernels,
                                                                            interpreted_norm_kernels, images, model_dir):
     """Each Triton kernel the fast blocks can run (built for the CPU interpreter), in every block of the tiny
     Qwen2.5-VL tower: the tower's output is transformers'. With ``strided_v`` the attention gets v as a view of the
-    projection; the norm kernels run in the steps beside the q/k/v and MLP kernels."""
+    projection; the norm kernels run in the steps beside the q/k/v and MLP kernels; the block's last residual add in
+    the MLP's last product (the default) and after it."""
     from consumers.infer.mlp_activation import silu_gate
     from consumers.infer.vision import FastVisionBlocks, block_kernels, load_vision_tower, patchify_batch
 
-    tower, _ = load_vision_tower(model_dir, "cpu", torch.float32)
+    tower = lively(load_vision_tower(model_dir, "cpu", torch.float32)[0])  # every bias non-zero
     pixel_values, grid_thw = patchify_batch(images[:2])
     with torch.inference_mode():
         expected = tower(pixel_values, grid_thw=grid_thw).pooler_output

@@ -21,7 +21,7 @@ import torch
 
 from consumers.infer.tiny_model import (GENERIC_TILING_TINY, GENERIC_TINY, LLAVA_OV_PINPOINTS, TINY_FAMILIES,
                                         write_tiny_family_model)
-from tests.helpers import counting
+from tests.helpers import counting, lively
 from vlmstream.models.registry import family_of
 
 pytestmark = pytest.mark.model
@@ -47,19 +47,6 @@ def tiny_dirs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tiny-families")
     return {name: write_tiny_family_model(root / name, name)
             for name in [*FAMILIES, GENERIC_TINY, GENERIC_TILING_TINY]}
-
-
-def _lively(tower: torch.nn.Module) -> torch.nn.Module:
-    """The tower's weights redrawn at unit scale: the tiny checkpoints' initializer (std 0.02) leaves every
-    activation's input near 0, where GELU, its tanh form and QuickGELU agree; these make a wrong one show."""
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for parameter in tower.parameters():
-            if parameter.dim() > 1:
-                parameter.copy_(torch.randn(parameter.shape, generator=generator) / parameter[0].numel() ** 0.5)
-            else:
-                parameter.copy_(0.5 + 0.5 * torch.randn(parameter.shape, generator=generator))
-    return tower
 
 
 def _images(factor: int) -> list[np.ndarray]:
@@ -191,7 +178,7 @@ def test_fast_blocks_compute_what_the_towers_own_blocks_compute(tiny_dirs, name,
     from consumers.infer.vision import FastVisionBlocks, VisionEncoder, load_vision_tower, patchify_batch
 
     family = family_of(tiny_dirs[name])
-    tower = _lively(load_vision_tower(tiny_dirs[name], "cpu", torch.float32)[0])
+    tower = lively(load_vision_tower(tiny_dirs[name], "cpu", torch.float32)[0])
     keys = set(tower.state_dict())
     images = [*_images(family.factor), np.full((family.factor * 4, family.factor * 12, 3), 90, np.uint8)]
     pixel_values, grid_thw = patchify_batch(images, family=family)
@@ -236,7 +223,7 @@ def test_a_block_the_fast_path_does_not_know_keeps_transformers_forward(tiny_dir
     from consumers.infer.vision import FastVisionBlocks, VisionEncoder, _padded_mlp, load_vision_tower, patchify_batch
 
     family = family_of(tiny_dirs["qwen3-vl"])
-    tower = _lively(load_vision_tower(tiny_dirs["qwen3-vl"], "cpu", torch.float32)[0])
+    tower = lively(load_vision_tower(tiny_dirs["qwen3-vl"], "cpu", torch.float32)[0])
     tower.blocks[1].mlp.act_fn = torch.nn.Tanh()
     pixel_values, grid_thw = patchify_batch(_images(family.factor), family=family)
     expected = torch.cat(VisionEncoder(tower, "cpu", torch.float32, fast_blocks=False).encode_patches(

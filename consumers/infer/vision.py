@@ -691,13 +691,13 @@ class FastVisionBlocks:
                 attended = attention(q, k, v, cu, cu, int(max_seqlen), int(max_seqlen), scale)
             activation = self.mlp_kernels.get(shape.activation)
             if activation is not None:
-                if not self.residual_in_product:
-                    x, h = self.up(hidden_states, attended, proj_weight, attn.proj.bias, block.norm2.weight,
-                                   shape.norm2_bias, up_weight, up_bias, eps)
-                    return x + linear(activation(h), down_weight, shape.down_bias)
+                # With the add in the product, the residual stream comes back with the MLP's last bias in it.
+                carried = shape.down_bias if self.residual_in_product else None
                 x, h = self.up(hidden_states, attended, proj_weight, attn.proj.bias, block.norm2.weight,
-                               shape.norm2_bias, up_weight, up_bias, eps, shape.down_bias)
-                return _add_down_projection(x, activation(h), down_weight)
+                               shape.norm2_bias, up_weight, up_bias, eps, carried)
+                if self.residual_in_product:
+                    return _add_down_projection(x, activation(h), down_weight)
+                return x + linear(activation(h), down_weight, shape.down_bias)
             return self.after(hidden_states, attended, proj_weight, attn.proj.bias, block.norm2.weight,
                               shape.norm2_bias, up_weight, up_bias, down_weight, shape.down_bias, eps,
                               shape.activation)
