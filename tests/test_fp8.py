@@ -50,11 +50,12 @@ def test_each_familys_tower_in_fp8_stays_close_to_its_float_tower(tmp_path, name
     """The tower's image_embeds (DeepStack levels included) with every block's four products in FP8, against the
     same fast blocks in float32: token by token close, not identical (FP8 ran), on weights at unit scale."""
     from consumers.infer.vision import VisionEncoder, load_vision_tower, patchify_batch
-    from tests.test_families import _images, _lively
+    from tests.helpers import lively
+    from tests.test_families import _images
 
     path = write_tiny_family_model(tmp_path / name, name)
     family = family_of(path)
-    tower = _lively(load_vision_tower(path, "cpu", torch.float32)[0])
+    tower = lively(load_vision_tower(path, "cpu", torch.float32)[0])
     pixel_values, grid_thw = patchify_batch(_images(family.factor), family=family)
     exact = torch.cat(VisionEncoder(tower, "cpu", torch.float32, attention="sdpa").encode_patches(pixel_values,
                                                                                                    grid_thw))
