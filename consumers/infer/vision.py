@@ -669,6 +669,8 @@ class FastVisionBlocks:
             qkv_weight, proj_weight, up_weight, down_weight = (
                 fp8_weight(w) for w in (qkv_weight, proj_weight, up_weight, down_weight))
         heads, scale, eps = attn.num_heads, attn.scaling, shape.norm_eps
+        # Fixed per block: a window block of a windowed tower takes its own kernel where one was given.
+        attention = self.window_attention if windowed and self.window_attention is not None else self.attention
 
         def forward(hidden_states, cu_seqlens, max_seqlen=None, position_embeddings=None, **_):
             if self.rotate_qkv is not None:
@@ -680,8 +682,6 @@ class FastVisionBlocks:
                 cos, sin = (t.float().unsqueeze(-2) for t in position_embeddings)
                 q, k, v = self.before(hidden_states, block.norm1.weight, shape.norm1_bias, qkv_weight,
                                       attn.qkv.bias, cos, sin, eps, heads)
-            attention = self.window_attention if windowed and self.window_attention is not None \
-                else self.attention
             if attention is None:
                 attended = _windowed_sdpa(q, k, v, cu_seqlens, scale)
             else:
