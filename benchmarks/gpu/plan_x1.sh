@@ -146,7 +146,7 @@
 #              whole-image blocks through FA3, against FA3 everywhere: the attention alone, the tower alone at three
 #              budgets in two rounds, the tower with it against transformers' full model (about 4 minutes)
 #   serve-ratios  Qwen2.5-VL-7B / 64 with the window blocks on FA2: the pipeline (embeds) and `vllm serve` (8 API
-#              servers) at 1 MP for 60 s each, then at 12.8 MP for 5 minutes each (about 23 minutes: a whole lease)
+#              servers) at 12.8 MP for 5 minutes each, then at 1 MP for 90 s each (about 24 minutes: a whole lease)
 #   honesty    H1 `estimate_honesty.py --cases g` with the Qwen2.5-VL-7B config at 0.2 MP / 64: an estimate from a 5%
 #              sample, then the whole job (26,000 documents, 82,725 images). In [m] the sample took about 250 s and
 #              the run about 66 img/s with start-up (scale 14 ran 22.6 min and was cut 13 s before its end); at
@@ -682,17 +682,17 @@ if [ "$LIST" = tower-fa2window ]; then
 fi
 
 if [ "$LIST" = serve-ratios ]; then
-  # Qwen2.5-VL-7B / 64 with the window blocks on FA2 (37ac1ca): at 1 MP the pipeline (embeds) and `vllm serve`
-  # (8 API servers), 60 s each; then at 12.8 MP the pipeline and serve for 5 minutes each (sustained).
+  # Qwen2.5-VL-7B / 64 with the window blocks on FA2 (37ac1ca): at 12.8 MP the pipeline (embeds) and `vllm serve`
+  # (8 API servers) for 5 minutes each (sustained), then at 1 MP for 90 s each.
   [ -e /root/model/config.json ] || python3 benchmarks/gpu/mk_model.py /root/model > "$RES/mk_model.log" 2>&1
   MID="$BENCH --model /root/model --budgets 1280"
   LARGE="$BENCH --model /root/model --budgets default"
-  job s1_pipeline_1mp 220 330 $MID --seconds 60 --stop-after 1.5 --arms pipeline-embeds --profile \
-    --out "$RES/s1_pipeline_1mp"
-  job s2_serve_1mp 200 330 $MID --seconds 60 --arms serve --serve-k 8 --out "$RES/s2_serve_1mp"
   job s3_pipeline_5min 480 620 $LARGE --seconds 300 --stop-after 1.2 --arms pipeline-embeds --profile \
     --out "$RES/s3_pipeline_5min"
   job s4_serve_5min 450 600 $LARGE --seconds 300 --arms serve --serve-k 8 --out "$RES/s4_serve_5min"
+  job s1_pipeline_1mp 250 360 $MID --seconds 90 --stop-after 1.5 --arms pipeline-embeds --profile \
+    --out "$RES/s1_pipeline_1mp"
+  job s2_serve_1mp 230 360 $MID --seconds 90 --arms serve --serve-k 8 --out "$RES/s2_serve_1mp"
 fi
 
 if [ "$LIST" = generic-tiling ]; then
