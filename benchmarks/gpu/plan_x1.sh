@@ -147,6 +147,8 @@
 #              budgets in two rounds, the tower with it against transformers' full model (about 4 minutes)
 #   serve-ratios  Qwen2.5-VL-7B / 64 with the window blocks on FA2: the pipeline (embeds) and `vllm serve` (8 API
 #              servers) at 12.8 MP for 5 minutes each, then at 1 MP for 90 s each (about 24 minutes: a whole lease)
+#   serve-ratios-2  Qwen2.5-VL-7B / 64: the pipeline (embeds) and `vllm serve` (8 API servers) at 1 MP for 5 minutes
+#              each, then at 0.2 MP for 120 s each (about 1,500 s of jobs: a whole lease)
 #   honesty    H1 `estimate_honesty.py --cases g` with the Qwen2.5-VL-7B config at 0.2 MP / 64: an estimate from a 5%
 #              sample, then the whole job (26,000 documents, 82,725 images). In [m] the sample took about 250 s and
 #              the run about 66 img/s with start-up (scale 14 ran 22.6 min and was cut 13 s before its end); at
@@ -693,6 +695,21 @@ if [ "$LIST" = serve-ratios ]; then
   job s1_pipeline_1mp 250 360 $MID --seconds 90 --stop-after 1.5 --arms pipeline-embeds --profile \
     --out "$RES/s1_pipeline_1mp"
   job s2_serve_1mp 230 360 $MID --seconds 90 --arms serve --serve-k 8 --out "$RES/s2_serve_1mp"
+fi
+
+if [ "$LIST" = serve-ratios-2 ]; then
+  # Qwen2.5-VL-7B / 64, the code's defaults: at 1 MP the pipeline (embeds) and `vllm serve` (8 API servers) for 5
+  # minutes each, so that the engine's fill at the start weighs little ([aj]'s 90-s phases counted it); then at 0.2 MP
+  # for 120 s each.
+  [ -e /root/model/config.json ] || python3 benchmarks/gpu/mk_model.py /root/model > "$RES/mk_model.log" 2>&1
+  MID="$BENCH --model /root/model --budgets 1280"
+  SMALL="$BENCH --model /root/model --budgets 256"
+  job t1_pipeline_1mp_5min 500 620 $MID --seconds 300 --stop-after 1.2 --arms pipeline-embeds --profile \
+    --out "$RES/t1_pipeline_1mp_5min"
+  job t2_serve_1mp_5min 430 560 $MID --seconds 300 --arms serve --serve-k 8 --out "$RES/t2_serve_1mp_5min"
+  job t3_pipeline_02mp 300 400 $SMALL --seconds 120 --stop-after 1.5 --arms pipeline-embeds --profile \
+    --out "$RES/t3_pipeline_02mp"
+  job t4_serve_02mp 250 360 $SMALL --seconds 120 --arms serve --serve-k 8 --out "$RES/t4_serve_02mp"
 fi
 
 if [ "$LIST" = generic-tiling ]; then
