@@ -15,6 +15,7 @@ import arm_pipeline  # noqa: E402 - gpu_bench's parts import each other by name,
 import bench_processes  # noqa: E402
 import bench_report  # noqa: E402
 import gpu_bench  # noqa: E402
+import rates  # noqa: E402
 
 
 def test_gpu_ids_pick_physical_gpus_and_count_them():
@@ -97,11 +98,28 @@ def test_engine_log_readers(tmp_path):
     [window] = arm_pipeline.profile_summary(profile)
     assert window["threads"][0]["top_self"] == [["a.py:f", 0.5]] * 3
     assert [c["process"] for c in window["children"]] == ["EngineCore"]
-    assert arm_pipeline.minute_rates([1.0, 2.0, 61.0], 0.0, 120.0) == [0.03, 0.02]
+
+
+def test_phase_rates_mean_the_same_for_the_pipeline_and_serve():
+    assert rates.minute_rates([1.0, 2.0, 61.0], 0.0, 120.0) == [0.03, 0.02]
     # The middle of a 150-s phase with 30-s windows: 30-120 s. A slow fill and a drain outside it do not count.
     done = [5.0, 29.0] + [30.0 + k * 0.5 for k in range(180)] + [121.0, 149.0]
-    assert arm_pipeline.steady_rate(done, 0.0, 150.0, 30.0) == 2.0
-    assert arm_pipeline.steady_rate(done, 0.0, 80.0, 30.0) is None  # no middle as long as a window
+    assert rates.steady_rate(done, 0.0, 150.0, 30.0) == 2.0
+    assert rates.steady_rate(done, 0.0, 80.0, 30.0) is None  # no middle as long as a window
+    figures = rates.phase_rates(done, 0.0, 150.0, 30.0)
+    assert figures["img_per_s"] == round(184 / 150, 2) and figures["steady_img_per_s"] == 2.0
+    assert figures["first_window_img_per_s"] == round(3 / 30, 2)  # 5, 29 and the first at 30.0
+    assert figures["last_window_img_per_s"] == round(2 / 30, 2) and figures["minute_rates"] == [1.03, 2.0]
+    assert rates.phase_rates(done, 0.0, 60.0, 30.0)["window_s"] == 20.0  # a third of a short phase
+    # serve's client reports through the same function, and the ratios then compare the steady middles too.
+    arms = {"pipeline-embeds": {"img_per_s": 20.0, "steady_img_per_s": 22.0},
+            "serve": {"img_per_s": 16.0, "steady_img_per_s": 17.6}}
+    assert bench_report.ratios(arms) == {"pipeline-embeds / serve": 1.25, "pipeline-embeds / serve, steady": 1.25}
+    assert "steady 17.6 img/s" in bench_report.markdown(
+        {"config": {"max_tokens": 64, "seconds": 90.0}, "budgets": {"1280": {"arms": arms, "ratios": {}}}})
+    import serve_client
+
+    assert serve_client.phase_rates is rates.phase_rates
 
 
 def test_offline_worker_command_enters_the_worker(tmp_path):

@@ -19,6 +19,7 @@ from bench_processes import (
     MIN_PIXELS, PHASE_OVERHEAD_S, PROMPT_TEXT, REPO, gpu_env, image_files, kill_tree, log, log_tail, spawn,
     vlmstream_cmd,
 )
+from rates import phase_rates
 
 from benchmarks.images import link_documents  # noqa: E402 - bench_processes put the repository on sys.path
 
@@ -260,22 +261,6 @@ def engine_scheduler_limits(log_path: Path) -> list[str]:
     return re.findall(r"scheduler limits (\{[^}]*\})", text)
 
 
-def minute_rates(done: list[float], t0: float, t_end: float) -> list[float]:
-    """Images/s in each whole minute from the first publish: the sustained curve of a long run."""
-    return [round(sum(1 for t in done if t0 + 60 * i <= t < t0 + 60 * (i + 1)) / 60.0, 2)
-            for i in range(int((t_end - t0) // 60))]
-
-
-def steady_rate(done: list[float], t0: float, t_end: float, window_s: float) -> float | None:
-    """Images/s between the end of the first window and the start of the last: the rate with the engine's fill
-    (hundreds of requests in flight before the first answer comes back) and a fixed set's drain left out, as a
-    sustained stream would see it. None when the phase is too short to have a middle."""
-    start, end = t0 + window_s, t_end - window_s
-    if end - start < window_s:
-        return None
-    return round(sum(1 for t in done if start <= t < end) / (end - start), 2)
-
-
 def runner_stats(log_path: Path) -> dict:
     """The inference runners' own account (the JSON RunnerStats line each logs at exit): how long each engine had
     nothing submitted after its first record, and how long of that the runner itself held fetched records (the
@@ -465,16 +450,10 @@ def run_pipeline(args: argparse.Namespace, mode: str, bootstrap: str, out: Path,
             published = watcher.published_ms(measured_prefix)
             t0 = min(published) / 1000.0 if published else t_launch
             t_end = done[-1] if done else time.time()
-            wall = max(1e-6, t_end - t0)
-            win = min(args.window, wall / 3)
-            first = sum(1 for t in done if t <= t0 + win)
-            last = sum(1 for t in done if t >= t_end - win)
-            rec["minute_rates"] = minute_rates(done, t0, t_end)
-            rec["steady_img_per_s"] = steady_rate(done, t0, t_end, win)
+            rec.update(phase_rates(done, t0, t_end, args.window))
+            win = rec["window_s"]
             rec.update(complete=len(done) >= n_docs, described=len(done),
                        dead_letters=watcher.dead_letters(measured_prefix),
-                       wall_s=round(wall, 2), img_per_s=round(len(done) / wall, 2), window_s=round(win, 1),
-                       first_window_img_per_s=round(first / win, 2), last_window_img_per_s=round(last / win, 2),
                        gpu_busy=gpu.busy(t0, t_end), gpu_busy_first_window=gpu.busy(t0, t0 + win),
                        gpu_busy_last_window=gpu.busy(t_end - win, t_end), decode_cores=cpu.cores(t0, t_end),
                        infer_cores=infer_cpu.cores(t0, t_end),

@@ -60,7 +60,7 @@ def run_serve(args: argparse.Namespace, api_servers: int, out: Path, on_phase: C
                           "--procs", str(args.serve_procs), "--conc", str(args.serve_conc),
                           "--max-tokens", str(args.max_tokens),
                           "--max-pixels", str(BUDGETS[budget] if budget_kwargs else 0),
-                          "--min-pixels", str(MIN_PIXELS), "--prompt", PROMPT_TEXT]
+                          "--min-pixels", str(MIN_PIXELS), "--prompt", PROMPT_TEXT, "--window", str(args.window)]
             # The log is shared by the server and every client run: this run's RESULT is the one after this offset.
             log_from = logp.stat().st_size
             cpu = CpuSampler([server.pid])  # the server's processes (API servers, engine), not the clients

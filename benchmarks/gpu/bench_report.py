@@ -36,9 +36,9 @@ def best_serve(results: dict, api_server_counts: list[int]) -> None:
 
 
 def ratios(arms: dict) -> dict:
-    def rate(name: str) -> float | None:
+    def rate(name: str, figure: str = "img_per_s") -> float | None:
         r = arms.get(name, {})
-        return r.get("img_per_s") if isinstance(r, dict) and not r.get("error") else None
+        return r.get(figure) if isinstance(r, dict) and not r.get("error") else None
 
     out = {}
     for p in ("pipeline-embeds", "pipeline-pixels"):
@@ -46,6 +46,11 @@ def ratios(arms: dict) -> dict:
             a, b = rate(p), rate(other)
             if a and b:
                 out[f"{p} / {other}"] = round(a / b, 2)
+        # Both sides between their first and last windows: a whole phase counts each side's fill at its start, and
+        # the pipeline keeps far more images in flight (twice the engine's batch) than serve's client (--serve-conc).
+        a, b = rate(p, "steady_img_per_s"), rate("serve", "steady_img_per_s")
+        if a and b:
+            out[f"{p} / serve, steady"] = round(a / b, 2)
     a, b = rate("ceiling-preresized"), rate("naive")
     if a and b:
         out["ceiling-preresized / naive"] = round(a / b, 2)
@@ -90,8 +95,6 @@ def markdown(results: dict) -> str:
                 note.append(f"phase {r.get('phase')}, {r.get('decode_workers')} decode workers, {r.get('gpus')} GPU(s), "
                             f"{'complete' if r.get('complete') else 'INCOMPLETE'}, dead letters {r.get('dead_letters')}, "
                             f"warm-up {r.get('warmup_s')} s")
-                if r.get("steady_img_per_s"):
-                    note.append(f"steady {r['steady_img_per_s']} img/s between the first and last windows")
                 if r.get("tower_tflops_in_engine"):
                     note.append(f"tower {r['tower_tflops_in_engine']} TFLOPS by "
                                 f"{r.get('tower_timed_by', 'its time in the engine')} "
@@ -108,6 +111,8 @@ def markdown(results: dict) -> str:
                             f"conc {r.get('conc')}")
                 if r.get("best_of"):
                     note.append("fastest of " + ", ".join(f"{k} {v}" for k, v in r["best_of"].items()))
+            if r.get("steady_img_per_s"):
+                note.append(f"steady {r['steady_img_per_s']} img/s between the first and last windows")
             if "mean_prompt_tokens" in r:
                 note.append(f"prompt {r['mean_prompt_tokens']} tok")
             cells = [r.get("img_per_s"), r.get("first_window_img_per_s"), r.get("last_window_img_per_s"),

@@ -4,7 +4,7 @@ for what is in flight. Prints `RESULT {json}`: completed requests over the time 
 last answer received (t0 is wall-clock time.time(), for the GPU sampler).
 
 Usage: serve_client.py --url http://127.0.0.1:8000 --model DIR --imgs DIR --seconds 30 --procs 6 --conc 192
-                       --max-tokens 64 --max-pixels 200704 [--min-pixels 3136] [--prompt TEXT]
+                       --max-tokens 64 --max-pixels 200704 [--min-pixels 3136] [--prompt TEXT] [--window 30]
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ import json
 import multiprocessing as mp
 import os
 import time
+
+from rates import phase_rates  # this script's folder is on sys.path when it runs
 
 
 def worker(args: argparse.Namespace, rank: int, conc: int, start_at: float, stop_at: float, q: mp.Queue) -> None:
@@ -31,15 +33,15 @@ def worker(args: argparse.Namespace, rank: int, conc: int, start_at: float, stop
                     {"type": "image_url", "image_url": {"url": "file://" + files[i % len(files)]}},
                     {"type": "text", "text": args.prompt}]}]}
 
-    async def main() -> tuple[int, int, float, str]:
+    async def main() -> tuple[int, int, list[float], str]:
         ok = failed = 0
-        last = 0.0
+        done: list[float] = []  # when each answer came back
         first_err = ""
         counter = rank
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900),
                                          connector=aiohttp.TCPConnector(limit=conc)) as s:
             async def loop() -> None:
-                nonlocal ok, failed, last, first_err, counter
+                nonlocal ok, failed, first_err, counter
                 first = True
                 while first or time.time() < stop_at:  # every loop sends at least one request
                     first = False
@@ -50,7 +52,7 @@ def worker(args: argparse.Namespace, rank: int, conc: int, start_at: float, stop
                             j = await r.json(content_type=None)
                             if r.status == 200:
                                 ok += 1
-                                last = time.time()
+                                done.append(time.time())
                             else:
                                 failed += 1
                                 first_err = first_err or str(j)[:300]
@@ -60,7 +62,7 @@ def worker(args: argparse.Namespace, rank: int, conc: int, start_at: float, stop
             while time.time() < start_at:
                 await asyncio.sleep(0.01)
             await asyncio.gather(*[loop() for _ in range(conc)])
-        return ok, failed, last, first_err
+        return ok, failed, done, first_err
 
     q.put(asyncio.run(main()))
 
@@ -87,6 +89,7 @@ def main() -> None:
     ap.add_argument("--max-pixels", type=int, default=0, help="0: the model's default budget (no kwargs).")
     ap.add_argument("--min-pixels", type=int, default=3136)
     ap.add_argument("--prompt", default="Describe this image in detail.")
+    ap.add_argument("--window", type=float, default=30.0, help="Length of the first/last rate windows (s).")
     args = ap.parse_args()
     warm_up(args)
     q: mp.Queue = mp.Queue()
@@ -101,13 +104,12 @@ def main() -> None:
         p.join()
     ok = sum(o[0] for o in outs)
     failed = sum(o[1] for o in outs)
-    last = max(o[2] for o in outs) or time.time()
-    wall = last - start_at
+    done = sorted(t for o in outs for t in o[2])
     errs = [o[3] for o in outs if o[3]]
-    print("RESULT " + json.dumps(dict(n=ok, ok=ok, failed=failed, wall_s=round(wall, 2), img_per_s=round(ok / wall, 2),
-                                      t0=start_at, conc=args.conc, procs=args.procs, max_pixels=args.max_pixels,
-                                      max_tokens=args.max_tokens, url="file", first_error=errs[0] if errs else "")),
-          flush=True)
+    rates = phase_rates(done, start_at, done[-1] if done else time.time(), args.window)
+    print("RESULT " + json.dumps(dict(n=ok, ok=ok, failed=failed, **rates, t0=start_at, conc=args.conc,
+                                      procs=args.procs, max_pixels=args.max_pixels, max_tokens=args.max_tokens,
+                                      url="file", first_error=errs[0] if errs else "")), flush=True)
 
 
 if __name__ == "__main__":
