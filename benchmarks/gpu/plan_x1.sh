@@ -147,8 +147,9 @@
 #              budgets in two rounds, the tower with it against transformers' full model (about 4 minutes)
 #   serve-ratios  Qwen2.5-VL-7B / 64 with the window blocks on FA2: the pipeline (embeds) and `vllm serve` (8 API
 #              servers) at 12.8 MP for 5 minutes each, then at 1 MP for 90 s each (about 24 minutes: a whole lease)
-#   serve-ratios-2  Qwen2.5-VL-7B / 64: the pipeline (embeds) and `vllm serve` (8 API servers) at 1 MP for 5 minutes
-#              each, then at 0.2 MP for 120 s each (about 1,500 s of jobs: a whole lease)
+#   serve-ratios-2  Qwen2.5-VL-7B / 64 at 1 MP: the pipeline (embeds) and `vllm serve` (8 API servers) alternated,
+#              P S P S, 150 s each (about 1,260 s of jobs: a whole lease)
+#   serve-ratios-02  the same at 0.2 MP, 90 s each (about 1,020 s of jobs)
 #   honesty    H1 `estimate_honesty.py --cases g` with the Qwen2.5-VL-7B config at 0.2 MP / 64: an estimate from a 5%
 #              sample, then the whole job (26,000 documents, 82,725 images). In [m] the sample took about 250 s and
 #              the run about 66 img/s with start-up (scale 14 ran 22.6 min and was cut 13 s before its end); at
@@ -698,18 +699,25 @@ if [ "$LIST" = serve-ratios ]; then
 fi
 
 if [ "$LIST" = serve-ratios-2 ]; then
-  # Qwen2.5-VL-7B / 64, the code's defaults: at 1 MP the pipeline (embeds) and `vllm serve` (8 API servers) for 5
-  # minutes each, so that the engine's fill at the start weighs little ([aj]'s 90-s phases counted it); then at 0.2 MP
-  # for 120 s each.
+  # Qwen2.5-VL-7B / 64, the code's defaults, at 1 MP: the pipeline (embeds) and `vllm serve` (8 API servers)
+  # alternated, pipeline, serve, pipeline, serve, 150 s each. Both report the steady rate between their first and
+  # last windows (rates.py), so the ratio table holds the whole-phase ratio and the steady one.
   [ -e /root/model/config.json ] || python3 benchmarks/gpu/mk_model.py /root/model > "$RES/mk_model.log" 2>&1
-  MID="$BENCH --model /root/model --budgets 1280"
-  SMALL="$BENCH --model /root/model --budgets 256"
-  job t1_pipeline_1mp_5min 500 620 $MID --seconds 300 --stop-after 1.2 --arms pipeline-embeds --profile \
-    --out "$RES/t1_pipeline_1mp_5min"
-  job t2_serve_1mp_5min 430 560 $MID --seconds 300 --arms serve --serve-k 8 --out "$RES/t2_serve_1mp_5min"
-  job t3_pipeline_02mp 300 400 $SMALL --seconds 120 --stop-after 1.5 --arms pipeline-embeds --profile \
-    --out "$RES/t3_pipeline_02mp"
-  job t4_serve_02mp 250 360 $SMALL --seconds 120 --arms serve --serve-k 8 --out "$RES/t4_serve_02mp"
+  MID="$BENCH --model /root/model --budgets 1280 --seconds 150"
+  for k in 1 2; do
+    job t${k}_pipeline_1mp 350 450 $MID --stop-after 1.3 --arms pipeline-embeds --profile --out "$RES/t${k}_pipeline_1mp"
+    job t${k}_serve_1mp 280 380 $MID --arms serve --serve-k 8 --out "$RES/t${k}_serve_1mp"
+  done
+fi
+
+if [ "$LIST" = serve-ratios-02 ]; then
+  # The same at 0.2 MP, 90 s each: pipeline, serve, pipeline, serve.
+  [ -e /root/model/config.json ] || python3 benchmarks/gpu/mk_model.py /root/model > "$RES/mk_model.log" 2>&1
+  SMALL="$BENCH --model /root/model --budgets 256 --seconds 90"
+  for k in 1 2; do
+    job u${k}_pipeline_02mp 280 380 $SMALL --stop-after 1.5 --arms pipeline-embeds --profile --out "$RES/u${k}_pipeline_02mp"
+    job u${k}_serve_02mp 230 330 $SMALL --arms serve --serve-k 8 --out "$RES/u${k}_serve_02mp"
+  done
 fi
 
 if [ "$LIST" = generic-tiling ]; then
