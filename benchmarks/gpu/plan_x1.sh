@@ -698,27 +698,22 @@ if [ "$LIST" = serve-ratios ]; then
   job s2_serve_1mp 230 360 $MID --seconds 90 --arms serve --serve-k 8 --out "$RES/s2_serve_1mp"
 fi
 
-if [ "$LIST" = serve-ratios-2 ]; then
-  # Qwen2.5-VL-7B / 64, the code's defaults, at 1 MP: the pipeline (embeds) and `vllm serve` (8 API servers)
-  # alternated, pipeline, serve, pipeline, serve, 150 s each. Both report the steady rate between their first and
-  # last windows (rates.py), so the ratio table holds the whole-phase ratio and the steady one.
+# alternated_pairs TAG BUDGET SECONDS STOP_AFTER PIPELINE_S SERVE_S: Qwen2.5-VL-7B / 64 with the code's defaults, the
+# pipeline (embeds) and `vllm serve` (8 API servers) alternated at one budget, pipeline, serve, pipeline, serve; each
+# job expected to take PIPELINE_S or SERVE_S. Both report the steady rate between their first and last windows
+# (rates.py), so the ratio table holds the whole-phase ratio and the steady one.
+alternated_pairs() {
+  local tag=$1 budget=$2 seconds=$3 stop_after=$4 pipeline_s=$5 serve_s=$6 k
   [ -e /root/model/config.json ] || python3 benchmarks/gpu/mk_model.py /root/model > "$RES/mk_model.log" 2>&1
-  MID="$BENCH --model /root/model --budgets 1280 --seconds 150"
   for k in 1 2; do
-    job t${k}_pipeline_1mp 350 450 $MID --stop-after 1.3 --arms pipeline-embeds --profile --out "$RES/t${k}_pipeline_1mp"
-    job t${k}_serve_1mp 280 380 $MID --arms serve --serve-k 8 --out "$RES/t${k}_serve_1mp"
+    job "${tag}${k}_pipeline" "$pipeline_s" $(( pipeline_s + 100 )) $BENCH --model /root/model --budgets "$budget" \
+      --seconds "$seconds" --stop-after "$stop_after" --arms pipeline-embeds --profile --out "$RES/${tag}${k}_pipeline"
+    job "${tag}${k}_serve" "$serve_s" $(( serve_s + 100 )) $BENCH --model /root/model --budgets "$budget" \
+      --seconds "$seconds" --arms serve --serve-k 8 --out "$RES/${tag}${k}_serve"
   done
-fi
-
-if [ "$LIST" = serve-ratios-02 ]; then
-  # The same at 0.2 MP, 90 s each: pipeline, serve, pipeline, serve.
-  [ -e /root/model/config.json ] || python3 benchmarks/gpu/mk_model.py /root/model > "$RES/mk_model.log" 2>&1
-  SMALL="$BENCH --model /root/model --budgets 256 --seconds 90"
-  for k in 1 2; do
-    job u${k}_pipeline_02mp 280 380 $SMALL --stop-after 1.5 --arms pipeline-embeds --profile --out "$RES/u${k}_pipeline_02mp"
-    job u${k}_serve_02mp 230 330 $SMALL --arms serve --serve-k 8 --out "$RES/u${k}_serve_02mp"
-  done
-fi
+}
+[ "$LIST" = serve-ratios-2 ] && alternated_pairs t_1mp 1280 150 1.3 350 280
+[ "$LIST" = serve-ratios-02 ] && alternated_pairs u_02mp 256 90 1.5 280 230
 
 if [ "$LIST" = generic-tiling ]; then
   LO=/root/llava-onevision-7b
