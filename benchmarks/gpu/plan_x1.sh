@@ -149,7 +149,8 @@
 #              servers) at 12.8 MP for 5 minutes each, then at 1 MP for 90 s each (about 24 minutes: a whole lease)
 #   serve-ratios-2  Qwen2.5-VL-7B / 64 at 1 MP: the pipeline (embeds) and `vllm serve` (8 API servers) alternated,
 #              P S P S, 150 s each (about 1,260 s of jobs: a whole lease)
-#   serve-ratios-02  the same at 0.2 MP, 90 s each (about 1,020 s of jobs)
+#   serve-ratios-02  the same at 0.2 MP, 90 s each, then the pipeline once more with the tower in the consumer under
+#              CUDA MPS (about 1,300 s of jobs)
 #   honesty    H1 `estimate_honesty.py --cases g` with the Qwen2.5-VL-7B config at 0.2 MP / 64: an estimate from a 5%
 #              sample, then the whole job (26,000 documents, 82,725 images). In [m] the sample took about 250 s and
 #              the run about 66 img/s with start-up (scale 14 ran 22.6 min and was cut 13 s before its end); at
@@ -713,7 +714,13 @@ alternated_pairs() {
   done
 }
 [ "$LIST" = serve-ratios-2 ] && alternated_pairs t_1mp 1280 150 1.3 350 280
-[ "$LIST" = serve-ratios-02 ] && alternated_pairs u_02mp 256 90 1.5 280 230
+if [ "$LIST" = serve-ratios-02 ]; then
+  alternated_pairs u_02mp 256 90 1.5 280 230
+  # The tower in the consumer's process under CUDA MPS, so that it runs beside vLLM's language model instead of
+  # before it in the engine's step: whether overlapping the two beats the default at 0.2 MP.
+  job u3_pipeline_mps_02mp 280 380 env VLMSTREAM_INFER__ENGINE_TOWER=false $BENCH --model /root/model --budgets 256 \
+    --seconds 90 --stop-after 1.5 --arms pipeline-embeds --profile --mps --out "$RES/u3_pipeline_mps_02mp"
+fi
 
 if [ "$LIST" = generic-tiling ]; then
   LO=/root/llava-onevision-7b
