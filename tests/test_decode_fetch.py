@@ -169,6 +169,8 @@ def test_missing_and_oversized_local_files(tmp_path):
     assert kind_of(lambda: f.fetch(str(tmp_path / "nope.jpg"))) == "fetch_not_found"
     (tmp_path / "big.bin").write_bytes(b"\0" * (MAX_BYTES + 1))
     assert kind_of(lambda: f.fetch(str(tmp_path / "big.bin"))) == "fetch_too_large"
+    with pytest.raises(ImageError, match=r"over decode\.max_image_bytes \(.*VLMSTREAM_DECODE__MAX_IMAGE_BYTES raises"):
+        f.fetch(str(tmp_path / "big.bin"))  # the reason names the setting that lets a genuine large file through
 
 
 def test_fifos_are_refused_without_waiting_for_a_writer(tmp_path):

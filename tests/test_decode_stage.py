@@ -139,6 +139,8 @@ def test_bomb_is_refused_before_any_pixel_is_decoded(tmp_path):
     result = stage(str(tmp_path / "big.png"))
     assert isinstance(result, ImageFailure) and result.error_kind == "decode_too_many_pixels", result
     assert time.perf_counter() - started < 0.5
+    # The reason names the setting that would let a genuine large image through.
+    assert "12000000 pixels (Pillow's header check): over decode.max_source_pixels (10,000,000" in result.detail
 
 
 def test_jpeg_is_decoded_at_the_smallest_dct_scale_that_covers_the_target():
@@ -387,6 +389,7 @@ def test_tiff_tile_far_larger_than_its_image_is_refused_before_loading(tmp_path)
     assert "tile 2048x2048" in corrupt.detail
     too_many = stage(str(_write(tmp_path, _tiled_tiff(16, 16, 4096))))  # 16.8 MP: over max_source_pixels
     assert isinstance(too_many, ImageFailure) and too_many.error_kind == "decode_too_many_pixels", too_many
+    assert "decode.max_source_pixels" in too_many.detail
 
 
 @pytest.mark.parametrize("endian, kind", [(">", 3), (">", 4), ("<", 3), ("<", 4)],

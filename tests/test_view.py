@@ -174,6 +174,13 @@ def test_thumbnails_come_only_from_inside_the_roots(tmp_path, corpus_dir):
     assert client.get("/thumbnail", params={"uri": "https://example.com/a.jpg"}).status_code == 404
     rebound = TestClient(make_app(settings, ViewState(10)), base_url="http://attacker.example")
     assert rebound.get("/api/state").status_code == 400  # a name other than this machine's
+    # Over decode's limits the page makes no thumbnail either, and says which setting refused it.
+    for limit, setting in (({"max_source_pixels": 100}, "decode.max_source_pixels"),
+                           ({"max_image_bytes": 100}, "decode.max_image_bytes")):
+        strict = settings.model_copy(update={"decode": settings.decode.model_copy(update=limit)})
+        answer = TestClient(make_app(strict, ViewState(10)), base_url="http://127.0.0.1").get(
+            "/thumbnail", params={"uri": str(root / "in.jpg")})
+        assert answer.status_code == 413 and setting in answer.text, (limit, answer.status_code, answer.text)
 
 
 # --- a live run ---------------------------------------------------------------------------------------------

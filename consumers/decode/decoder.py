@@ -13,6 +13,7 @@ decoded one, so the stage applies ``orientation`` after the resize (see ``resize
 
 from __future__ import annotations
 
+import re
 import struct
 import warnings
 from dataclasses import dataclass
@@ -69,6 +70,12 @@ class Decoded:
         return self.target_height, self.target_width
 
 
+def _bomb_size(exc: Exception) -> str:
+    """The image size in Pillow's bomb refusal ("Image size (N pixels) exceeds limit of ..."), else its words."""
+    found = re.search(r"\((\d+) pixels\)", str(exc))
+    return f"{int(found.group(1))} pixels (Pillow's header check)" if found else f"Pillow: {exc}"
+
+
 def configure_pillow(max_source_pixels: int) -> None:
     """Process-wide Pillow policy: its decompression-bomb threshold is ours, its bomb warning is an error, and
     truncated files never load silently."""
@@ -113,14 +120,17 @@ class Decoder:
 
     # -- shared helpers ---------------------------------------------------------------------------------
 
+    def _too_many(self, what: str) -> TooManyPixels:
+        """The bomb guard's refusal, naming the setting that lifts it: a genuine large scan (a map, a poster) is
+        refused by the same rule as a decompression bomb, and its owner needs to know what to raise."""
+        return TooManyPixels(f"{what}: over decode.max_source_pixels ({self.max_source_pixels:,}; "
+                             f"VLMSTREAM_DECODE__MAX_SOURCE_PIXELS raises it)")
+
     def _check_and_target(self, stored_w: int, stored_h: int, orientation: int) -> tuple[int, int, int, int]:
         if stored_w <= 0 or stored_h <= 0:
             raise CorruptImage(f"header declares an empty image ({stored_w}x{stored_h})")
         if stored_w * stored_h > self.max_source_pixels:
-            raise TooManyPixels(
-                f"{stored_w}x{stored_h} = {stored_w * stored_h} pixels exceeds max_source_pixels "
-                f"{self.max_source_pixels}"
-            )
+            raise self._too_many(f"{stored_w}x{stored_h} = {stored_w * stored_h} pixels")
         width, height = (stored_h, stored_w) if swaps_axes(orientation) else (stored_w, stored_h)
         target_h, target_w = self.family.target_size(height, width)
         return width, height, target_w, target_h
@@ -170,7 +180,7 @@ class Decoder:
         try:
             image = Image.open(BytesIO(data))
         except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
-            raise TooManyPixels(str(exc)) from exc
+            raise self._too_many(_bomb_size(exc)) from exc
         except UnidentifiedImageError as exc:
             raise CorruptImage(f"{fmt} signature but Pillow cannot read it: {exc}") from exc
         except (OSError, SyntaxError, ValueError, EOFError, struct.error) as exc:
@@ -223,7 +233,7 @@ class Decoder:
         except ImageError:
             raise
         except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
-            raise TooManyPixels(str(exc)) from exc
+            raise self._too_many(_bomb_size(exc)) from exc
         except (OSError, SyntaxError, ValueError, EOFError, struct.error, IndexError) as exc:
             raise _pillow_failure(fmt, exc, data) from exc
         except RuntimeError as exc:
@@ -239,8 +249,7 @@ class Decoder:
             return
         tile = tile_w * tile_h
         if tile > self.max_source_pixels:
-            raise TooManyPixels(f"TIFF tile {tile_w}x{tile_h} = {tile} pixels exceeds max_source_pixels "
-                                f"{self.max_source_pixels}")
+            raise self._too_many(f"TIFF tile {tile_w}x{tile_h} = {tile} pixels")
         if tile > max(_TILE_OVER_IMAGE_AREA * stored_w * stored_h, _TILE_PIXELS_ANY_IMAGE):
             raise CorruptImage(f"TIFF tile {tile_w}x{tile_h} is far larger than its {stored_w}x{stored_h} image")
 

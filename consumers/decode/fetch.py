@@ -145,7 +145,7 @@ class Fetcher:
         try:
             size = fs.size(path)
             if size is not None and size > self.max_bytes:
-                raise TooLarge(f"{uri} has {size} bytes, limit {self.max_bytes}")
+                raise TooLarge(f"{uri} has {size:,} bytes", self.max_bytes)
             with fs.open(path, "rb") as handle:
                 data = handle.read(self.max_bytes + 1)
         except FileNotFoundError as exc:
@@ -155,7 +155,7 @@ class Fetcher:
         except (TimeoutError, ConnectionError) as exc:
             raise FetchTimeout(f"{uri}: {exc}") from exc
         if len(data) > self.max_bytes:
-            raise TooLarge(f"{uri} has more than {self.max_bytes} bytes")
+            raise TooLarge(f"{uri} is larger", self.max_bytes)
         return data
 
     # -- http(s) ------------------------------------------------------------------------------------------
@@ -237,7 +237,7 @@ class Fetcher:
     def _read_capped(self, url: str, response, deadline: float) -> bytes:
         declared = response.headers.get("content-length")
         if declared and declared.isdigit() and int(declared) > self.max_bytes:
-            raise TooLarge(f"{url}: Content-Length {declared} exceeds {self.max_bytes}")
+            raise TooLarge(f"{url}: Content-Length {int(declared):,}", self.max_bytes)
         inflater = _inflater_for(url, response.headers.get("content-encoding", ""))
         chunks, received, total = [], 0, 0
         # iter_raw() without a chunk size yields each network read as it arrives, so the deadline is checked
@@ -245,14 +245,14 @@ class Fetcher:
         for raw in response.iter_raw():
             received += len(raw)
             if received > self.max_bytes:
-                raise TooLarge(f"{url}: more than {self.max_bytes} bytes")
+                raise TooLarge(f"{url}: the body is larger", self.max_bytes)
             # httpx's read timeout is per read; a server dripping one byte at a time is stopped here.
             if time.monotonic() > deadline:
                 raise FetchTimeout(f"{url}: body not received within {self.deadline_s:g}s")
             chunk = inflater.inflate(raw, self.max_bytes - total + 1) if inflater else raw
             total += len(chunk)
             if total > self.max_bytes:
-                raise TooLarge(f"{url}: more than {self.max_bytes} bytes once decoded")
+                raise TooLarge(f"{url}: the body is larger once decompressed", self.max_bytes)
             chunks.append(chunk)
         if inflater and not inflater.finished:
             raise HttpError(f"{url}: {inflater.encoding} body ends early")

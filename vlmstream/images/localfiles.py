@@ -35,7 +35,13 @@ class ForbiddenPath(FetchError):
 
 
 class TooLarge(FetchError):
+    """A file or download over the byte limit; the reason names the setting that raises it."""
+
     error_kind = "fetch_too_large"
+
+    def __init__(self, what: str, limit: int):
+        super().__init__(f"{what}: over decode.max_image_bytes ({limit:,} bytes; "
+                         f"VLMSTREAM_DECODE__MAX_IMAGE_BYTES raises it)")
 
 
 class LocalFiles:
@@ -79,7 +85,7 @@ class LocalFiles:
                     raise NotFound(f"{raw_path} is not a regular file")
                 size = info.st_size
                 if size > self.max_bytes:
-                    raise TooLarge(f"{raw_path} has {size} bytes, limit {self.max_bytes}")
+                    raise TooLarge(f"{raw_path} has {size:,} bytes", self.max_bytes)
                 data = handle.read(self.max_bytes + 1)
         except FileNotFoundError as exc:
             raise NotFound(f"{raw_path}: no such file") from exc
@@ -92,7 +98,7 @@ class LocalFiles:
                 raise NotFound(f"{raw_path}: {exc.strerror}") from exc
             raise IoError(f"{raw_path}: {exc}") from exc
         if len(data) > self.max_bytes:  # the file grew while we read it
-            raise TooLarge(f"{raw_path} has more than {self.max_bytes} bytes")
+            raise TooLarge(f"{raw_path} grew while it was read", self.max_bytes)
         return data
 
 
