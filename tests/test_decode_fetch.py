@@ -290,6 +290,7 @@ def test_slow_servers_are_stopped_at_the_deadline(server, tmp_path, path, read_t
         f.fetch(f"{server}{path}")
     assert info.value.error_kind == "fetch_timeout" and info.value.retriable
     assert time.monotonic() - started < within_s
+    assert "decode.http_read_timeout_s" in str(info.value)  # what a user raises for a slow but genuine server
 
 
 def test_compressed_responses_are_inflated_within_the_byte_cap(server, tmp_path):
@@ -320,6 +321,7 @@ def test_stage_turns_fetch_errors_into_failure_values(server, tmp_path):
     stage = DecodeStage(settings, "")
     failure = stage(f"{server}/image.jpg")
     assert isinstance(failure, ImageFailure) and failure.error_kind == "fetch_forbidden_host"
+    assert "decode.allow_private_hosts" in failure.detail  # the setting that lets a trusted private server in
     assert stage(str(tmp_path / "missing.jpg")).error_kind == "fetch_not_found"
     allowed = DecodeStage(settings.model_copy(update={"allow_private_hosts": True}), "")
     result = allowed(f"{server}/image.jpg")

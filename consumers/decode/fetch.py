@@ -65,6 +65,10 @@ FSSPEC_PROTOCOLS = frozenset(
 MAX_REDIRECTS = 5
 
 
+# What a slow server's timeout names: the whole fetch may take the connect timeout plus twice the read timeout.
+TIMEOUT_SETTINGS = " (the limit: decode.http_connect_timeout_s + 2 x decode.http_read_timeout_s)"
+
+
 class Fetcher:
     def __init__(
         self,
@@ -199,7 +203,7 @@ class Fetcher:
             self._check_http_url(url)
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise FetchTimeout(f"{url}: not fetched within {self.deadline_s:g}s")
+                raise FetchTimeout(f"{url}: not fetched within {self.deadline_s:g}s{TIMEOUT_SETTINGS}")
             # httpx's timeouts apply per read: no single read may outlast the deadline either.
             timeout = httpx.Timeout(min(self.read_timeout_s, remaining),
                                     connect=min(self.connect_timeout_s, remaining))
@@ -214,7 +218,7 @@ class Fetcher:
                     self._check_status(url, response)
                     return self._read_capped(url, response, deadline)
             except httpx.TimeoutException as exc:
-                raise FetchTimeout(f"{url}: {type(exc).__name__}") from exc
+                raise FetchTimeout(f"{url}: {type(exc).__name__}{TIMEOUT_SETTINGS}") from exc
             except (httpx.InvalidURL, httpx.UnsupportedProtocol) as exc:
                 raise BadUri(f"{url[:200]}: {exc}") from exc
             except httpx.TransportError as exc:  # connection refused/reset, protocol errors: worth a retry
@@ -248,7 +252,7 @@ class Fetcher:
                 raise TooLarge(f"{url}: the body is larger", self.max_bytes)
             # httpx's read timeout is per read; a server dripping one byte at a time is stopped here.
             if time.monotonic() > deadline:
-                raise FetchTimeout(f"{url}: body not received within {self.deadline_s:g}s")
+                raise FetchTimeout(f"{url}: body not received within {self.deadline_s:g}s{TIMEOUT_SETTINGS}")
             chunk = inflater.inflate(raw, self.max_bytes - total + 1) if inflater else raw
             total += len(chunk)
             if total > self.max_bytes:
@@ -284,7 +288,8 @@ class Fetcher:
         if address.is_multicast or address.is_unspecified:
             return "multicast/unspecified"
         if address.is_loopback or address.is_private:
-            return None if self.allow_private_hosts else "private/loopback; set allow_private_hosts to allow"
+            return None if self.allow_private_hosts else (
+                "private/loopback; decode.allow_private_hosts (VLMSTREAM_DECODE__ALLOW_PRIVATE_HOSTS=true) allows it")
         if address.is_reserved or not address.is_global:
             return "reserved"
         return None
