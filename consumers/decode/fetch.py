@@ -159,7 +159,7 @@ class Fetcher:
         except (TimeoutError, ConnectionError) as exc:
             raise FetchTimeout(f"{uri}: {exc}") from exc
         if len(data) > self.max_bytes:
-            raise TooLarge(f"{uri} is larger", self.max_bytes)
+            raise TooLarge(uri, self.max_bytes)
         return data
 
     # -- http(s) ------------------------------------------------------------------------------------------
@@ -249,14 +249,14 @@ class Fetcher:
         for raw in response.iter_raw():
             received += len(raw)
             if received > self.max_bytes:
-                raise TooLarge(f"{url}: the body is larger", self.max_bytes)
+                raise TooLarge(f"{url}: its body", self.max_bytes)
             # httpx's read timeout is per read; a server dripping one byte at a time is stopped here.
             if time.monotonic() > deadline:
                 raise FetchTimeout(f"{url}: body not received within {self.deadline_s:g}s{TIMEOUT_SETTINGS}")
             chunk = inflater.inflate(raw, self.max_bytes - total + 1) if inflater else raw
             total += len(chunk)
             if total > self.max_bytes:
-                raise TooLarge(f"{url}: the body is larger once decompressed", self.max_bytes)
+                raise TooLarge(f"{url}: its body once decompressed", self.max_bytes)
             chunks.append(chunk)
         if inflater and not inflater.finished:
             raise HttpError(f"{url}: {inflater.encoding} body ends early")
