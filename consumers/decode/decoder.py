@@ -120,17 +120,11 @@ class Decoder:
 
     # -- shared helpers ---------------------------------------------------------------------------------
 
-    def _too_many(self, what: str) -> TooManyPixels:
-        """The bomb guard's refusal, naming the setting that lifts it: a genuine large scan (a map, a poster) is
-        refused by the same rule as a decompression bomb, and its owner needs to know what to raise."""
-        return TooManyPixels(f"{what}: over decode.max_source_pixels ({self.max_source_pixels:,}; "
-                             f"VLMSTREAM_DECODE__MAX_SOURCE_PIXELS raises it)")
-
     def _check_and_target(self, stored_w: int, stored_h: int, orientation: int) -> tuple[int, int, int, int]:
         if stored_w <= 0 or stored_h <= 0:
             raise CorruptImage(f"header declares an empty image ({stored_w}x{stored_h})")
         if stored_w * stored_h > self.max_source_pixels:
-            raise self._too_many(f"{stored_w}x{stored_h} = {stored_w * stored_h} pixels")
+            raise TooManyPixels(f"{stored_w}x{stored_h} = {stored_w * stored_h} pixels", self.max_source_pixels)
         width, height = (stored_h, stored_w) if swaps_axes(orientation) else (stored_w, stored_h)
         target_h, target_w = self.family.target_size(height, width)
         return width, height, target_w, target_h
@@ -180,7 +174,7 @@ class Decoder:
         try:
             image = Image.open(BytesIO(data))
         except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
-            raise self._too_many(_bomb_size(exc)) from exc
+            raise TooManyPixels(_bomb_size(exc), self.max_source_pixels) from exc
         except UnidentifiedImageError as exc:
             raise CorruptImage(f"{fmt} signature but Pillow cannot read it: {exc}") from exc
         except (OSError, SyntaxError, ValueError, EOFError, struct.error) as exc:
@@ -233,7 +227,7 @@ class Decoder:
         except ImageError:
             raise
         except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
-            raise self._too_many(_bomb_size(exc)) from exc
+            raise TooManyPixels(_bomb_size(exc), self.max_source_pixels) from exc
         except (OSError, SyntaxError, ValueError, EOFError, struct.error, IndexError) as exc:
             raise _pillow_failure(fmt, exc, data) from exc
         except RuntimeError as exc:
@@ -249,7 +243,7 @@ class Decoder:
             return
         tile = tile_w * tile_h
         if tile > self.max_source_pixels:
-            raise self._too_many(f"TIFF tile {tile_w}x{tile_h} = {tile} pixels")
+            raise TooManyPixels(f"TIFF tile {tile_w}x{tile_h} = {tile} pixels", self.max_source_pixels)
         if tile > max(_TILE_OVER_IMAGE_AREA * stored_w * stored_h, _TILE_PIXELS_ANY_IMAGE):
             raise CorruptImage(f"TIFF tile {tile_w}x{tile_h} is far larger than its {stored_w}x{stored_h} image")
 

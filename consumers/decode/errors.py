@@ -3,7 +3,7 @@ model family's resize rule: vlmstream/models/qwen2_vl.py.)"""
 
 from __future__ import annotations
 
-from vlmstream.images.errors import ImageError
+from vlmstream.images.errors import ImageError, TooManyPixels  # noqa: F401 - shared with `vlmstream view`: its home
 
 
 class NotAnImage(ImageError):
@@ -20,10 +20,6 @@ class TruncatedImage(ImageError):
 
 class CorruptImage(ImageError):
     error_kind = "decode_corrupt"
-
-
-class TooManyPixels(ImageError):
-    error_kind = "decode_too_many_pixels"
 
 
 class PageOutOfRange(ImageError):

@@ -31,6 +31,7 @@ from starlette.routing import Route
 
 from schemas import DeadLetter, Description, DocumentRef, DocumentResult, SchemaError
 from vlmstream.config import Settings
+from vlmstream.images.errors import TooManyPixels
 from vlmstream.images.localfiles import ForbiddenPath, LocalFiles, NotFound, TooLarge
 from vlmstream.images.pages import split_page
 
@@ -229,10 +230,6 @@ def _progress_loop(settings: Settings, state: ViewState, stop: threading.Event) 
         stop.wait(PROGRESS_EVERY_S)
 
 
-class ThumbnailTooLarge(Exception):
-    """An image whose header declares more pixels than decode would decode: the page makes no thumbnail of it."""
-
-
 def make_app(settings: Settings, state: ViewState) -> Starlette:
     files = LocalFiles(settings.decode.allowed_roots, settings.decode.max_image_bytes)
     size = settings.view.thumbnail_px
@@ -245,8 +242,7 @@ def make_app(settings: Settings, state: ViewState) -> Starlette:
         data = files.read(path)  # ForbiddenPath outside the roots, whatever `..`, symlink or encoding led there
         with Image.open(io.BytesIO(data)) as image:
             if image.width * image.height > max_pixels:
-                raise ThumbnailTooLarge(f"{image.width}x{image.height} pixels: over decode.max_source_pixels "
-                                        f"({max_pixels:,})")
+                raise TooManyPixels(f"{image.width}x{image.height} pixels", max_pixels)
             if page:
                 image.seek(page - 1)
             image.draft("RGB", (size, size))  # JPEG: decode at a reduced scale
@@ -275,7 +271,7 @@ def make_app(settings: Settings, state: ViewState) -> Starlette:
             return Response(f"forbidden: {exc}", status_code=403)
         except NotFound as exc:
             return Response(str(exc), status_code=404)
-        except (TooLarge, ThumbnailTooLarge) as exc:
+        except (TooLarge, TooManyPixels) as exc:
             return Response(str(exc), status_code=413)
         except (OSError, ValueError, EOFError) as exc:  # not an image Pillow can open, or a page it lacks
             return Response(f"cannot make a thumbnail: {exc}", status_code=415)

@@ -16,3 +16,15 @@ class ImageError(Exception):
             self.error_kind = error_kind
         if retriable is not None:
             self.retriable = retriable
+
+
+class TooManyPixels(ImageError):
+    """More pixels than ``decode.max_source_pixels``: the decompression-bomb guard, which refuses a genuine large
+    scan (a map, a poster) by the same rule, so the reason names the setting its owner would raise. Raised by the
+    decode stage and by ``vlmstream view``'s thumbnails alike."""
+
+    error_kind = "decode_too_many_pixels"
+
+    def __init__(self, what: str, limit: int):
+        super().__init__(f"{what}: over decode.max_source_pixels ({limit:,}; "
+                         f"VLMSTREAM_DECODE__MAX_SOURCE_PIXELS raises it)")
