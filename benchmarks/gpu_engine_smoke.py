@@ -3,7 +3,8 @@ weights).
 
 Run on the device (vLLM unpacked per shared/gpu/README.md, PYTHONPATH set):
     python benchmarks/gpu_engine_smoke.py [--model qwen2.5-vl-7b|qwen3-vl-8b] [--images DIR] [--n 64]
-        [--max-pixels 1003520] [--tokens 64] [--modes embeds,pixels,pixels-engine-tower,embeds-engine-tower]
+        [--max-pixels 1003520] [--tokens 64]
+        [--modes embeds,pixels,pixels-engine-tower,embeds-engine-tower,embeds-engine-tower-ahead]
         [--out $OUT/engine_smoke.json]
 
 What it checks and prints:
@@ -18,7 +19,9 @@ What it checks and prints:
    mode's (the same seeded tower and language model: equal texts say the engine ran our tower); mode
    ``embeds-engine-tower``: embeds mode with our tower in vLLM's engine, the decoded images sent there as pixel rows
    (consumers/infer/pixel_rows.py), compared the same way, and its embeddings, which vLLM's engine kept for the
-   consumer (engine_tower.EmbeddingTap), against embeds mode's (cosine per image).
+   consumer (engine_tower.EmbeddingTap), against embeds mode's (cosine per image); mode
+   ``embeds-engine-tower-ahead``: the same with the tower run ahead of the engine's step (infer.tower_ahead), compared
+   the same way, with the ahead encoder's counts (how many images the step took made ahead, how many it encoded).
 Every engine is closed before the next starts; the script exits with os._exit so no thread or EngineCore
 child can keep the device call alive.
 """
@@ -125,7 +128,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--batch-size", type=int, default=8, help="images per vision-tower forward")
     ap.add_argument("--modes", default="embeds,pixels",
-                    help="comma list of embeds, pixels, pixels-engine-tower, embeds-engine-tower")
+                    help="comma list of embeds, pixels, pixels-engine-tower, embeds-engine-tower, "
+                    "embeds-engine-tower-ahead")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "engine_smoke.json"))
     args = ap.parse_args()
 
@@ -153,7 +157,8 @@ def main() -> None:
             t = time.perf_counter()
             try:
                 base, _, tower_in_engine = mode.partition("-")
-                update = {"mode": base, "engine_tower": tower_in_engine == "engine-tower"}
+                update = {"mode": base, "engine_tower": tower_in_engine.startswith("engine-tower"),
+                          "tower_ahead": tower_in_engine == "engine-tower-ahead"}
                 engine = VllmEngine(model_dir, settings.model_copy(update=update), load_format="dummy")
             except Exception as exc:
                 if mode != "embeds":
@@ -177,10 +182,12 @@ def main() -> None:
                 run_all(engine, requests_for(warm, args.tokens, f"warm2-{mode}-", family=family))
             entry["embeds_only_engine"] = "embeds_only_error" not in report if mode == "embeds" else None
             # pixels mode: pure vLLM path, no extra tower pass; embeds-engine-tower: the engine keeps them
-            want = mode in ("embeds", "embeds-engine-tower")
+            want = mode in ("embeds", "embeds-engine-tower", "embeds-engine-tower-ahead")
             results, entry["run"] = run_all(engine, requests_for(images, args.tokens, f"{mode}-", want, family))
             texts[mode] = [getattr(results.get(f"{mode}-{i}/0"), "text", None) for i in range(len(images))]
             embeddings[mode] = [getattr(results.get(f"{mode}-{i}/0"), "embedding", None) for i in range(len(images))]
+            if mode.endswith("-ahead"):
+                entry["ahead"] = engine.tower_report().get("ahead")
             first = next(iter(results.values()))
             entry["timings_ms_first"] = {k: round(v, 1) for k, v in getattr(first, "timings_ms", {}).items()}
             print("RESULT", mode, json.dumps(entry), flush=True)
@@ -234,20 +241,24 @@ def main() -> None:
     # tower. vLLM's own tower (mode pixels) has other random weights, so its texts differ. Random weights make
     # near-ties in the logits, so a few texts may differ by bf16 rounding (the pixels are normalised on the GPU for
     # embeds and by vLLM's processor for pixels).
-    for other in ("pixels-engine-tower", "embeds-engine-tower", "pixels"):
-        if "embeds" in texts and other in texts:
-            pairs = list(zip(texts["embeds"], texts[other]))
-            report[f"{other}_same_text_as_embeds"] = round(sum(a == b for a, b in pairs) / len(pairs), 3)
-    if "embeds" in embeddings and "embeds-engine-tower" in embeddings:
+    # Each mode against embeds mode, and the tower run ahead against the same tower in the step.
+    pairs_of_modes = [("embeds", other) for other in ("pixels-engine-tower", "embeds-engine-tower",
+                                                      "embeds-engine-tower-ahead", "pixels")]
+    pairs_of_modes.append(("embeds-engine-tower", "embeds-engine-tower-ahead"))
+    for base, other in pairs_of_modes:
+        if base in texts and other in texts:
+            pairs = list(zip(texts[base], texts[other]))
+            report[f"{other}_same_text_as_{base}"] = round(sum(a == b for a, b in pairs) / len(pairs), 3)
+        if base not in embeddings or other not in embeddings or not other.startswith("embeds-"):
+            continue
         pairs = [(a.astype(np.float32), b.astype(np.float32))
-                 for a, b in zip(embeddings["embeds"], embeddings["embeds-engine-tower"])
-                 if a is not None and b is not None]
+                 for a, b in zip(embeddings[base], embeddings[other]) if a is not None and b is not None]
         cos = [cosine(a, b) for a, b in pairs]
-        report["embeds-engine-tower_embeddings_vs_embeds"] = {
-            "images": len(images), "with_embedding": sum(e is not None for e in embeddings["embeds-engine-tower"]),
+        report[f"{other}_embeddings_vs_{base}"] = {
+            "images": len(images), "with_embedding": sum(e is not None for e in embeddings[other]),
             "min_cosine": round(min(cos), 6) if cos else None,
             "pass": bool(cos and len(pairs) == len(images) and min(cos) > 0.999)}
-        print("RESULT engine-tower-embeddings", json.dumps(report["embeds-engine-tower_embeddings_vs_embeds"]),
+        print(f"RESULT {other}-embeddings-vs-{base}", json.dumps(report[f"{other}_embeddings_vs_{base}"]),
               flush=True)
     if any("same_text" in k for k in report):
         print("RESULT engine-tower-texts", json.dumps({k: v for k, v in report.items() if "same_text" in k}),

@@ -400,7 +400,8 @@ def run_pipeline(args: argparse.Namespace, mode: str, bootstrap: str, out: Path,
                          "vision_batch_images": env.get("VLMSTREAM_INFER__VISION_BATCH_IMAGES", "default"),
                          "engine_cpu_threads": env.get("VLMSTREAM_INFER__ENGINE_CPU_THREADS", "default"),
                          "engine_tower": env.get("VLMSTREAM_INFER__ENGINE_TOWER", "default"),
-                         "tower_clock": env.get("VLMSTREAM_INFER__TOWER_CLOCK", "false")}
+                         "tower_clock": env.get("VLMSTREAM_INFER__TOWER_CLOCK", "false"),
+                         "tower_ahead": env.get("VLMSTREAM_INFER__TOWER_AHEAD", "false")}
 
             # Warm-up: engines started (phase 0), this budget's shapes seen, the new decode fleet in its group and
             # every stage has handled records before the clock starts.

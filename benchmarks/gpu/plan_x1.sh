@@ -151,6 +151,11 @@
 #              P S P S, 150 s each (about 1,260 s of jobs: a whole lease)
 #   serve-ratios-02  the same at 0.2 MP, 90 s each, then the pipeline once more with the tower in the consumer under
 #              CUDA MPS (about 1,300 s of jobs)
+#   tower-ahead  infer.tower_ahead (the engine's tower run ahead of its step on a stream of its own, not yet run on a
+#              GPU): A0 gpu_engine_smoke.py with the tower in the step, then ahead of it (same texts and embeddings?
+#              how many images the step took made ahead); then Qwen2.5-VL-7B / 64, embeds with embeddings published,
+#              at 0.2 MP in 90-s phases, the tower in the step (S) and ahead (A) in the order S A A S; then at 1 MP
+#              A S in any time left (about 1,420 s of jobs before the 1 MP pair)
 #   honesty    H1 `estimate_honesty.py --cases g` with the Qwen2.5-VL-7B config at 0.2 MP / 64: an estimate from a 5%
 #              sample, then the whole job (26,000 documents, 82,725 images). In [m] the sample took about 250 s and
 #              the run about 66 img/s with start-up (scale 14 ran 22.6 min and was cut 13 s before its end); at
@@ -720,6 +725,21 @@ if [ "$LIST" = serve-ratios-02 ]; then
   # before it in the engine's step: whether overlapping the two beats the default at 0.2 MP.
   job u3_pipeline_mps_02mp 280 380 env VLMSTREAM_INFER__ENGINE_TOWER=false $BENCH --model /root/model --budgets 256 \
     --seconds 90 --stop-after 1.5 --arms pipeline-embeds --profile --mps --out "$RES/u3_pipeline_mps_02mp"
+fi
+
+if [ "$LIST" = tower-ahead ]; then
+  [ -e /root/model/config.json ] || python3 benchmarks/gpu/mk_model.py /root/model > "$RES/mk_model.log" 2>&1
+  job a0_smoke_ahead 300 420 python3 benchmarks/gpu_engine_smoke.py --images /root/imgs --n 32 \
+    --modes embeds-engine-tower,embeds-engine-tower-ahead --out "$RES/a0_smoke_ahead.json"
+  AHEAD="env VLMSTREAM_INFER__TOWER_AHEAD=true"
+  SMALL="$BENCH --model /root/model --budgets 256 --seconds 90 --stop-after 1.5 --arms pipeline-embeds --profile"
+  job a1_step_02mp 280 380 $SMALL --out "$RES/a1_step_02mp"
+  job a1_ahead_02mp 280 380 $AHEAD $SMALL --out "$RES/a1_ahead_02mp"
+  job a2_ahead_02mp 280 380 $AHEAD $SMALL --out "$RES/a2_ahead_02mp"
+  job a2_step_02mp 280 380 $SMALL --out "$RES/a2_step_02mp"
+  MID="$BENCH --model /root/model --budgets 1280 --seconds 90 --stop-after 1.5 --arms pipeline-embeds --profile"
+  job a3_ahead_1mp 250 360 $AHEAD $MID --out "$RES/a3_ahead_1mp"
+  job a3_step_1mp 250 360 $MID --out "$RES/a3_step_1mp"
 fi
 
 if [ "$LIST" = generic-tiling ]; then

@@ -23,6 +23,10 @@ With embeddings published, embeds mode's pixel rows carry a tag per image (``pix
 each tagged image's embedding until the consumer takes it (``EmbeddingTap``): the tower runs once per image for both
 the description and the embedding.
 
+With ``infer.tower_ahead`` the import also wraps vLLM's ``EngineCore.preprocess_add_request``, which its input thread
+calls for each request it receives, so that each image's pixel rows go to ``tower_ahead.AheadEncoder`` as they arrive:
+the tower then runs ahead of the engine's step, and the step takes what it made (``tower_ahead`` says how).
+
 Nothing here imports vLLM unless vLLM is installed, and nothing in the consumer's own process imports this module.
 """
 
@@ -33,9 +37,14 @@ import functools
 import importlib
 import importlib.util
 import logging
+import threading
 import weakref
 
+import numpy as np
+import torch
+
 from consumers.infer import pixel_rows
+from consumers.infer.tower_ahead import AheadEncoder
 from consumers.infer.vision import (VisionEncoder, load_vision_tower, mean_pooled, patchify_batch,
                                     to_host_later)
 
@@ -61,6 +70,7 @@ class TowerClock:
 
     def __init__(self, event=None):
         self._event = event  # the CUDA event class; found on the first forward (tests give their own)
+        self._lock = threading.Lock()  # the step's forwards and, with infer.tower_ahead, the ahead thread's
         self._pending: collections.deque = collections.deque()
         self.forwards = 0
         self.images = 0
@@ -68,8 +78,6 @@ class TowerClock:
 
     def start(self):
         if self._event is None:
-            import torch
-
             self._event = functools.partial(torch.cuda.Event, enable_timing=True)
         started = self._event()
         started.record()
@@ -78,12 +86,14 @@ class TowerClock:
     def stop(self, started, images: int) -> None:
         ended = self._event()
         ended.record()
-        self._pending.append((started, ended, images))
-        self._collect()
+        with self._lock:
+            self._pending.append((started, ended, images))
+            self._collect()
 
     def totals(self) -> dict:
-        self._collect()
-        return {"forwards": self.forwards, "images": self.images, "gpu_ms": round(self.gpu_ms, 1)}
+        with self._lock:
+            self._collect()
+            return {"forwards": self.forwards, "images": self.images, "gpu_ms": round(self.gpu_ms, 1)}
 
     def _collect(self) -> None:
         while self._pending and self._pending[0][1].query():
@@ -104,11 +114,13 @@ class EmbeddingTap:
     An image's embedding is the family's (``VisionEncoder.embedding_width``: the mean of the main merger's tokens,
     DeepStack levels left out), in float16. Each forward's embeddings and tags reach the host by one non-blocking
     copy into page-locked memory, with an event that ``take`` waits on (long passed by then): the engine's step never
-    waits for the GPU here. At most ``keep`` embeddings wait; the oldest go first (those of requests the consumer
-    never asks about, such as aborted ones), counted in ``dropped``."""
+    waits for the GPU here. Only tags that ask for it (``pixel_rows.keeps_embedding``) keep an embedding. At most
+    ``keep`` embeddings wait; the oldest go first (those of requests the consumer never asks about, such as aborted
+    ones), counted in ``dropped``. Thread-safe: with ``infer.tower_ahead`` the ahead thread puts too."""
 
     def __init__(self, keep: int = 32768):  # far above the images in flight (infer.max_images_in_flight)
         self.keep = keep
+        self._lock = threading.Lock()
         self._pending: collections.deque = collections.deque()  # (event or None, tags, embeddings) per forward
         self._ready: collections.OrderedDict = collections.OrderedDict()  # tag -> float16 bytes
         self.kept = 0
@@ -118,22 +130,29 @@ class EmbeddingTap:
     def put(self, tag_bytes, tokens, width: int) -> None:
         """``tag_bytes`` (n, TAG_BYTES) uint8 and the n images' tokens, on one device."""
         (tag_bytes, embeddings), copied = to_host_later([tag_bytes, mean_pooled(tokens, width)])
-        self._pending.append((copied, tag_bytes, embeddings))
-        self.kept += len(tokens)
+        with self._lock:
+            self._pending.append((copied, tag_bytes, embeddings))
+
+    def put_tags(self, tags: list[int], tokens, width: int) -> None:
+        """``put`` with the tags as numbers."""
+        tag_bytes = torch.from_numpy(np.array(tags, dtype="<u8").view(np.uint8).reshape(-1, pixel_rows.TAG_BYTES))
+        self.put(tag_bytes.to(tokens[0].device), tokens, width)
 
     def take(self, tags: list[int]) -> dict[int, bytes]:
         """The float16 bytes of the embedding of each of ``tags`` kept here, each given once; tags not kept are left
         out."""
-        self._settle(wait=False)
-        if any(tag not in self._ready for tag in tags):
-            self._settle(wait=True)
-        found = {tag: self._ready.pop(tag) for tag in tags if tag in self._ready}
-        self.taken += len(found)
-        return found
+        with self._lock:
+            self._settle(wait=False)
+            if any(tag not in self._ready for tag in tags):
+                self._settle(wait=True)
+            found = {tag: self._ready.pop(tag) for tag in tags if tag in self._ready}
+            self.taken += len(found)
+            return found
 
     def totals(self) -> dict:
-        return {"kept": self.kept, "taken": self.taken, "dropped": self.dropped,
-                "waiting": len(self._ready) + sum(len(e) for _, _, e in self._pending)}
+        with self._lock:
+            return {"kept": self.kept, "taken": self.taken, "dropped": self.dropped,
+                    "waiting": len(self._ready) + sum(len(e) for _, _, e in self._pending)}
 
     def _settle(self, wait: bool) -> None:
         """Move the forwards whose copies are done (all of them with ``wait``) from pending to ready."""
@@ -145,7 +164,9 @@ class EmbeddingTap:
                 event.synchronize()
             self._pending.popleft()
             for tag, row in zip(pixel_rows.tag_values(tag_bytes), embeddings.numpy()):
-                self._ready[tag] = row.tobytes()
+                if pixel_rows.keeps_embedding(tag):
+                    self._ready[tag] = row.tobytes()
+                    self.kept += 1
             while len(self._ready) > self.keep:
                 self._ready.popitem(last=False)
                 self.dropped += 1
@@ -192,6 +213,12 @@ def through_our_tower(original, build=encoder_for):
         encoder = _encoders.get(self)
         if encoder is None:
             encoder = _encoders[self] = build(self)
+            if AHEAD is not None:
+                AHEAD.attach(encoder, functools.partial(keep_embeddings, width=encoder.embedding_width), CLOCK)
+        if rows and AHEAD is not None:
+            tag_bytes = pixel_rows.tags(image_input["image_embeds"], image_input["image_grid_thw"], encoder.family)
+            if tag_bytes is not None:
+                return _made_ahead(encoder, image_input, pixel_rows.tag_values(tag_bytes.cpu()))
 
         def encode():
             grid_thw = image_input["image_grid_thw"]
@@ -213,6 +240,71 @@ def through_our_tower(original, build=encoder_for):
 
     _process_image_input.vlmstream_tower = "vlmstream"
     return _process_image_input
+
+
+def keep_embeddings(tags: list[int], outputs, width: int) -> None:
+    """The ahead thread's images' embeddings, for those whose tag asks for one, into TAP."""
+    TAP.put_tags(tags, outputs, width)
+
+
+def _made_ahead(encoder: VisionEncoder, image_input: dict, tags: list[int]) -> tuple:
+    """Each image's output from AHEAD where the thread made it, else encoded here in the step (timed by CLOCK, the
+    embeddings its tags ask for kept in TAP), in the batch's order."""
+    outputs = AHEAD.take(tags)
+    missing = [i for i, output in enumerate(outputs) if output is None]
+    if missing:
+        images = pixel_rows.unpack(image_input["image_embeds"], image_input["image_grid_thw"], encoder.family)
+
+        def encode():
+            with AHEAD.encoder_lock:
+                pixel_values, grid_thw = patchify_batch([images[i] for i in missing], encoder.device, encoder.dtype,
+                                                        encoder.family)
+                return encoder.encode_patches(pixel_values, grid_thw)
+
+        made = _clocked(image_input["image_embeds"], encode)
+        for i, output in zip(missing, made):
+            outputs[i] = output
+        kept = [i for i in missing if pixel_rows.keeps_embedding(tags[i])]
+        if kept:
+            TAP.put_tags([tags[i] for i in kept], [outputs[i] for i in kept], encoder.embedding_width)
+    return tuple(outputs)
+
+
+def offered_ahead(preprocess_add_request):
+    """vLLM's ``EngineCore.preprocess_add_request`` (its input thread's, run beside the engine's step) with each
+    image's pixel rows offered to AHEAD once the request is built (vLLM's processor cache has filled them in by
+    then)."""
+
+    @functools.wraps(preprocess_add_request)
+    def _preprocess_add_request(self, request):
+        prepared = preprocess_add_request(self, request)
+        try:
+            features = getattr(prepared[0], "mm_features", None) or ()
+            for feature in features:
+                data = feature.data.get_data() if feature.data is not None and feature.modality == "image" else {}
+                rows, grid = data.get("image_embeds"), data.get("image_grid_thw")
+                if isinstance(rows, torch.Tensor) and grid is not None:
+                    AHEAD.offer(rows, grid)
+        except Exception as exc:  # noqa: BLE001 - the step encodes what was not offered; the request goes on
+            log.warning("vlmstream tower ahead: a request's images were not offered (%s: %s)", type(exc).__name__,
+                        str(exc)[:300])
+        return prepared
+
+    _preprocess_add_request.vlmstream_ahead = True
+    return _preprocess_add_request
+
+
+def install_ahead(module_name: str = "vllm.v1.engine.core", class_name: str = "EngineCore") -> bool:
+    """Offer each request's images to AHEAD from vLLM's input thread; False where that class is not there."""
+    try:
+        cls = getattr(importlib.import_module(module_name), class_name)
+    except (ImportError, AttributeError) as exc:
+        log.warning("vlmstream tower ahead: %s.%s is not there (%s); the tower runs in the engine's step",
+                    module_name, class_name, exc)
+        return False
+    if not getattr(cls.preprocess_add_request, "vlmstream_ahead", False):
+        cls.preprocess_add_request = offered_ahead(cls.preprocess_add_request)
+    return True
 
 
 def timed_tower(process_image_input):
@@ -278,22 +370,27 @@ class EngineTowerExtension:
         return {"installed": list(INSTALLED), "tower": TOWER, "model": model_takes_it(self), "encoders": [
             {"fast_blocks": e.fast.replaced if e.fast else 0, "compiled": e.compiled, "attention": e.attention,
              "image_embeds_width": e.image_embeds_width} for e in _encoders.values()], "clock": CLOCK.totals(),
-            "embeddings": TAP.totals()}
+            "embeddings": TAP.totals(), "ahead": AHEAD.report() if AHEAD is not None else None}
 
     def vlmstream_take_embeddings(self, tags: list[int]) -> dict[int, bytes]:
         return TAP.take(tags)
 
 
-def _installed_on_import() -> tuple[str, list[str]]:
-    """Which tower this engine process runs ("vlmstream" or "vllm", from the settings VllmEngine exported to it)
-    and the model classes it is installed in."""
+def _installed_on_import() -> tuple[str, list[str], AheadEncoder | None]:
+    """Which tower this engine process runs ("vlmstream" or "vllm", from the settings VllmEngine exported to it),
+    the model classes it is installed in, and with infer.tower_ahead the encoder that runs it ahead of the step."""
     from vlmstream.config import Settings
 
-    tower = "vlmstream" if Settings().infer.engine_tower else "vllm"
+    settings = Settings().infer
+    tower = "vlmstream" if settings.engine_tower else "vllm"
     if importlib.util.find_spec("vllm") is None:
-        return tower, []
-    return tower, install(wrap=through_our_tower if tower == "vlmstream" else timed_tower)
+        return tower, [], None
+    installed = install(wrap=through_our_tower if tower == "vlmstream" else timed_tower)
+    ahead = None
+    if tower == "vlmstream" and settings.tower_ahead and install_ahead():
+        ahead = AheadEncoder(settings.tower_ahead_tokens)
+    return tower, installed, ahead
 
 
 # Installed on import: the only place vLLM lets a worker run code of ours before it builds its model.
-TOWER, INSTALLED = _installed_on_import()
+TOWER, INSTALLED, AHEAD = _installed_on_import()

@@ -145,6 +145,9 @@ def engine_tower_args(settings: InferSettings, mode: str, family: ModelFamily) -
     (both empty when both are off). The engine process reads the tower's settings from its environment
     (engine_tower.encoder_for)."""
     settings = settings.model_copy(update={"engine_tower": engine_tower_on(settings, mode, family)})
+    if settings.tower_ahead and not (settings.engine_tower and mode == "embeds"):
+        raise ValueError("infer.tower_ahead runs our tower ahead inside vLLM's engine in embeds mode: set "
+                         "infer.mode=embeds and infer.engine_tower=true, or infer.tower_ahead=false")
     if not (settings.engine_tower or settings.tower_clock):
         return {}, {}
     name = tower_setting(settings)
@@ -160,7 +163,9 @@ def engine_tower_args(settings: InferSettings, mode: str, family: ModelFamily) -
            "VLMSTREAM_INFER__VISION_MLP_KERNEL": settings.vision_mlp_kernel,
            "VLMSTREAM_INFER__VISION_NORM_KERNEL": settings.vision_norm_kernel,
            "VLMSTREAM_INFER__VISION_WINDOW_ATTENTION": settings.vision_window_attention,
-           "VLMSTREAM_INFER__VISION_FP8": str(settings.vision_fp8).lower()}
+           "VLMSTREAM_INFER__VISION_FP8": str(settings.vision_fp8).lower(),
+           "VLMSTREAM_INFER__TOWER_AHEAD": str(settings.tower_ahead).lower(),
+           "VLMSTREAM_INFER__TOWER_AHEAD_TOKENS": str(settings.tower_ahead_tokens)}
     return {"worker_extension_cls": ENGINE_TOWER_EXTENSION}, env
 
 
@@ -251,7 +256,8 @@ class VllmEngine(QueuedEngine):
                 log.warning("%s; running the vision tower in this process instead (infer.engine_tower=false)", problem)
                 self._engine_loop.shutdown_llm(self.llm)
                 self._engine_loop.reap_children()
-                self._set_tower_place(self.settings.model_copy(update={"engine_tower": False, "tower_clock": False}))
+                self._set_tower_place(self.settings.model_copy(update={"engine_tower": False, "tower_clock": False,
+                                                                       "tower_ahead": False}))
                 embeds_only = self._start_vllm(args, embeds_only)  # as the first start found it to work
             elif problem:
                 self._engine_loop.shutdown_llm(self.llm)
@@ -380,6 +386,11 @@ class VllmEngine(QueuedEngine):
         """What the wrapper in vLLM's worker reports (engine_tower.EngineTowerExtension): one worker, one GPU."""
         return (await self.llm.collective_rpc("vlmstream_tower_report"))[0]
 
+    def tower_report(self) -> dict:
+        """What vLLM's worker reports now (engine_tower.EngineTowerExtension): the tower it runs, its clock, the
+        embeddings it keeps and, with infer.tower_ahead, what the tower run ahead of the step made and missed."""
+        return self._engine_loop.call(self._tower_report(), 10)
+
     async def _take_engine_embeddings(self, tags: list[int]) -> dict[int, bytes]:
         return (await self.llm.collective_rpc("vlmstream_take_embeddings", args=(tags,)))[0]
 
@@ -403,7 +414,7 @@ class VllmEngine(QueuedEngine):
     def _log_engine_tower_clock(self) -> None:
         self._tower_watch.cancel()
         try:
-            report = self._engine_loop.call(self._tower_report(), 10)
+            report = self.tower_report()
             clock = report["clock"]
         except Exception as exc:  # noqa: BLE001 - only a closing log line is lost
             # A stop by signal reaches vLLM's engine process too: it may be gone before this reading.
@@ -411,9 +422,12 @@ class VllmEngine(QueuedEngine):
                         str(exc)[:200])
             return
         log.info("the vision tower in vLLM's engine process (%s): %d images in %d forwards, %.1f GPU ms per image; "
-                 "embeddings kept there for this process: %s",
+                 "embeddings kept there for this process: %s%s",
                  "vlmstream's" if self.settings.engine_tower else "vLLM's own", clock["images"], clock["forwards"],
-                 clock["gpu_ms"] / max(1, clock["images"]), report.get("embeddings"))
+                 clock["gpu_ms"] / max(1, clock["images"]), report.get("embeddings"),
+                 # With infer.tower_ahead the clock's ahead forwards count their stream's elapsed time, which holds
+                 # whatever of the language model's work the GPU ran beside them.
+                 f"; run ahead of the step: {report['ahead']}" if report.get("ahead") else "")
 
     # ----------------------------------------------------------------------------- Engine protocol
 
@@ -521,18 +535,24 @@ class VllmEngine(QueuedEngine):
                 continue
             image_embeds, embedding, timings = result if result else (None, None, {})
             timings = {"queue_ms": (time.perf_counter() - submitted) * 1e3 - timings.get("encode_ms", 0.0), **timings}
-            tag = None  # under which vLLM's engine keeps this image's embedding
+            embedding_tag = None  # under which vLLM's engine keeps this image's embedding
             if self.mode == "pixels":
                 mm_item = request.image
             else:  # image_embeds from our tower here, or the image's own bytes for our tower in the engine
                 if self._tower_in_engine:
-                    tag = next(self._tags) if self._engine_embeddings and request.want_embedding else None
+                    # Tagged for the embedding, and with infer.tower_ahead every image, which the tower run ahead
+                    # finds by its tag.
+                    keep = bool(self._engine_embeddings and request.want_embedding)
+                    tag = (pixel_rows.make_tag(next(self._tags), keep) if keep or self.settings.tower_ahead
+                           else None)
+                    embedding_tag = tag if keep else None
                     rows = pixel_rows.pack(request.image, request.grid_thw, self.family, tag)
                 else:
                     rows = image_embeds
                 mm_item = {"image_embeds": rows, "image_grid_thw": self._torch.tensor([list(request.grid_thw)])}
             future = self._engine_loop.submit(
-                self._generate(request, mm_item, embedding if request.want_embedding else None, timings, tag))
+                self._generate(request, mm_item, embedding if request.want_embedding else None, timings,
+                               embedding_tag))
             self._tasks.add(future)
             future.add_done_callback(self._tasks.discard)
 
