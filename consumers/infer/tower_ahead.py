@@ -210,6 +210,9 @@ class AheadEncoder:
         return group
 
     def _run(self) -> None:
+        if self._stream is not None:
+            # A new thread's current CUDA device is the first one; the Triton kernels launch on the current device.
+            torch.cuda.set_device(self.encoder.device)
         while True:
             with self._cond:
                 group = []
@@ -242,13 +245,15 @@ class AheadEncoder:
 
     @torch.inference_mode()
     def _encode(self, group: list[tuple[int, _Offered]]) -> list[tuple[torch.Tensor, object]]:
-        from consumers.infer.vision import patchify_batch
+        from consumers.infer.vision import patchify_batch, to_device
 
         encoder = self.encoder
         stream = torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
         with self.encoder_lock, stream:
-            images = [pixel_rows.unpack(o.rows.to(encoder.device, non_blocking=True),
-                                        torch.tensor([o.grid]), encoder.family)[0] for _, o in group]
+            # Staged in page-locked memory: a copy from the request's pageable memory would first wait for
+            # everything queued on this stream, and the thread could not queue the next forward meanwhile.
+            images = [pixel_rows.unpack(to_device(o.rows, encoder.device), torch.tensor([o.grid]), encoder.family)[0]
+                      for _, o in group]
             started = self._clock.start() if self._clock is not None and self._stream is not None else None
             pixel_values, grid_thw = patchify_batch(images, encoder.device, encoder.dtype, encoder.family)
             outputs = encoder.encode_patches(pixel_values, grid_thw)
