@@ -34,6 +34,7 @@ import asyncio
 import collections
 import dataclasses
 import itertools
+import json
 import logging
 import time
 from pathlib import Path
@@ -89,6 +90,7 @@ def image_embeds_problem(tokens, grid_thw: tuple[int, int, int], family: ModelFa
 
 # vLLM imports this class's module in its worker before it builds the model (engine_tower.py says why).
 ENGINE_TOWER_EXTENSION = "consumers.infer.engine_tower.EngineTowerExtension"
+TOWER_AHEAD_LOG = "the tower run ahead of the step:"  # then its counts as JSON, for the GPU benchmark to read
 ENGINE_TOWER_CLOCK_S = 10.0  # how often the consumer reads the engine tower's GPU time (a utility call between steps)
 
 
@@ -427,7 +429,7 @@ class VllmEngine(QueuedEngine):
                  clock["gpu_ms"] / max(1, clock["images"]), report.get("embeddings"),
                  # With infer.tower_ahead the clock's ahead forwards count their stream's elapsed time, which holds
                  # whatever of the language model's work the GPU ran beside them.
-                 f"; run ahead of the step: {report['ahead']}" if report.get("ahead") else "")
+                 f"; {TOWER_AHEAD_LOG} {json.dumps(report['ahead'])}" if report.get("ahead") else "")
 
     # ----------------------------------------------------------------------------- Engine protocol
 
