@@ -756,18 +756,38 @@ class EngineCoreLikeVllms:
         return types.SimpleNamespace(mm_features=[types.SimpleNamespace(modality="image", data=item)]), 0
 
 
+class ModelRunnerLikeVllms:
+    """The part of vLLM's GPUModelRunner that engine_tower.install_ahead wraps: ``_batch_mm_inputs_from_scheduler``
+    returning (hashes, [(modality, MultiModalKwargsItem)], lora refs) for a step, each item's fields by name with
+    their ``data`` on the host."""
+
+    def _batch_mm_inputs_from_scheduler(self, scheduler_output):
+        items = [("image", {"image_embeds": types.SimpleNamespace(data=rows),
+                            "image_grid_thw": types.SimpleNamespace(data=torch.tensor(grid))})
+                 for rows, grid in scheduler_output]
+        return [f"h{i}" for i in range(len(items))], items, []
+
+
 def test_the_tower_ahead_takes_images_from_vllms_input_thread_and_the_step_takes_them(images, model_dir, monkeypatch):
-    """With infer.tower_ahead the engine's input thread offers each request's pixel rows; the model's step then
-    takes the outputs made ahead, encodes what was not made, gives the same outputs as without it and keeps the
-    embeddings the tags ask for."""
+    """With infer.tower_ahead the engine's input thread offers each request's pixel rows; the model runner's batch
+    of a step's encoder inputs names, on the host, the tags its tower calls hold; the step then takes the outputs
+    made ahead, encodes what was not made, gives the same outputs as without it and keeps the embeddings the tags ask
+    for. Without the runner's note (or with one that does not match the batch) the tags come from the rows."""
     from consumers.infer import engine_tower, pixel_rows
     from consumers.infer.tower_ahead import AheadEncoder
 
     monkeypatch.setattr(QwenModelLikeVllms, "_process_image_input", QwenModelLikeVllms._process_image_input)
-    monkeypatch.setattr(EngineCoreLikeVllms, "preprocess_add_request", EngineCoreLikeVllms.preprocess_add_request)
+    for cls, method in ((EngineCoreLikeVllms, "preprocess_add_request"),
+                        (ModelRunnerLikeVllms, "_batch_mm_inputs_from_scheduler")):
+        monkeypatch.setattr(cls, method, getattr(cls, method))
     engine_tower.install([(__name__, "QwenModelLikeVllms")])
-    assert engine_tower.install_ahead(__name__, "EngineCoreLikeVllms")
-    assert engine_tower.install_ahead("vllm_is_not_here", "EngineCore") is False
+    hooks = [(__name__, "EngineCoreLikeVllms", "preprocess_add_request", engine_tower.offered_ahead),
+             (__name__, "ModelRunnerLikeVllms", "_batch_mm_inputs_from_scheduler", engine_tower.noting_tags)]
+    assert engine_tower.install_ahead(hooks + [("vllm_is_not_here", "GPUModelRunner", "x", None)]) is False
+    assert not getattr(EngineCoreLikeVllms.preprocess_add_request, "vlmstream_ahead", False)  # all or nothing
+    assert engine_tower.install_ahead(hooks) and engine_tower.install_ahead(hooks)
+    assert EngineCoreLikeVllms.preprocess_add_request.__wrapped__ is not EngineCoreLikeVllms.preprocess_add_request
+    assert not hasattr(EngineCoreLikeVllms.preprocess_add_request.__wrapped__, "vlmstream_ahead")  # wrapped once
     ahead = AheadEncoder()
     monkeypatch.setattr(engine_tower, "AHEAD", ahead)
     monkeypatch.setenv("VLMSTREAM_INFER__VISION_QKV_KERNEL", "torch")
@@ -783,8 +803,12 @@ def test_the_tower_ahead_takes_images_from_vllms_input_thread_and_the_step_takes
         prepared, wave = core.preprocess_add_request({"image_embeds": r, "image_grid_thw": torch.tensor([g])})
         assert wave == 0 and prepared.mm_features
     _until(lambda: ahead.report()["encoded"] == 2)
+    runner = ModelRunnerLikeVllms()
+    hashes, _, _ = runner._batch_mm_inputs_from_scheduler(list(zip(rows, grids)))
+    assert hashes == ["h0", "h1", "h2"]
     batch = {"type": "image_embeds", "image_embeds": torch.cat(rows), "image_grid_thw": torch.tensor(grids)}
     got = model._process_image_input(batch)
+    assert engine_tower.SCHEDULED.pop(grids[:1]) is None  # all three taken by the call
     untagged = torch.cat([pixel_rows.pack(im, g, encoder.family) for im, g in zip(images[:3], grids)])
     want = model._process_image_input({**batch, "image_embeds": untagged})  # no tags: all in the step
     assert len(got) == 3
@@ -794,6 +818,16 @@ def test_the_tower_ahead_takes_images_from_vllms_input_thread_and_the_step_takes
     assert (report["taken"], report["missed"], report["held_tokens"]) == (2, 1, 0)
     kept = engine_tower.TAP.take(tags)
     assert sorted(kept) == sorted([tags[0], tags[2]])  # the thread's and the step's, only where asked for
+
+    # A note that does not match the batch (other grids) is dropped, and the tags come from the rows.
+    more = [pixel_rows.make_tag(n, True) for n in (24, 25)]
+    runner._batch_mm_inputs_from_scheduler([(rows[0], grids[0]), (rows[0], grids[0])])
+    pair = {"type": "image_embeds", "image_grid_thw": torch.tensor(grids[1:]),
+            "image_embeds": torch.cat([pixel_rows.pack(im, g, encoder.family, tag)
+                                       for im, g, tag in zip(images[1:3], grids[1:], more)])}
+    for g, w in zip(model._process_image_input(pair), want[1:], strict=True):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+    assert sorted(engine_tower.TAP.take(more)) == sorted(more)
     ahead.close()
     engine_tower._encoders.pop(model)
 

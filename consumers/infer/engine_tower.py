@@ -24,8 +24,10 @@ each tagged image's embedding until the consumer takes it (``EmbeddingTap``): th
 the description and the embedding.
 
 With ``infer.tower_ahead`` the import also wraps vLLM's ``EngineCore.preprocess_add_request``, which its input thread
-calls for each request it receives, so that each image's pixel rows go to ``tower_ahead.AheadEncoder`` as they arrive:
-the tower then runs ahead of the engine's step, and the step takes what it made (``tower_ahead`` says how).
+calls for each request it receives, so that each image's pixel rows go to ``tower_ahead.AheadEncoder`` as they arrive,
+and ``GPUModelRunner._batch_mm_inputs_from_scheduler``, so that the step knows on the host which tagged images its
+tower calls hold (``ScheduledTags``): the tower then runs ahead of the engine's step, and the step takes what it made
+(``tower_ahead`` says how).
 
 Nothing here imports vLLM unless vLLM is installed, and nothing in the consumer's own process imports this module.
 """
@@ -216,9 +218,13 @@ def through_our_tower(original, build=encoder_for):
             if AHEAD is not None:
                 AHEAD.attach(encoder, functools.partial(keep_embeddings, width=encoder.embedding_width), CLOCK)
         if rows and AHEAD is not None:
-            tag_bytes = pixel_rows.tags(image_input["image_embeds"], image_input["image_grid_thw"], encoder.family)
-            if tag_bytes is not None:
-                return _made_ahead(encoder, image_input, pixel_rows.tag_values(tag_bytes.cpu()))
+            tags = SCHEDULED.pop([tuple(g) for g in image_input["image_grid_thw"].tolist()])
+            if tags is None:  # not noted by the model runner: read from the rows, waiting for the GPU
+                tag_bytes = pixel_rows.tags(image_input["image_embeds"], image_input["image_grid_thw"],
+                                            encoder.family)
+                tags = None if tag_bytes is None else pixel_rows.tag_values(tag_bytes.cpu())
+            if tags is not None:
+                return _made_ahead(encoder, image_input, tags)
 
         def encode():
             grid_thw = image_input["image_grid_thw"]
@@ -270,6 +276,67 @@ def _made_ahead(encoder: VisionEncoder, image_input: dict, tags: list[int]) -> t
     return tuple(outputs)
 
 
+class ScheduledTags:
+    """The tags of the images the engine's step is about to encode, read on the host from the batch of encoder inputs
+    vLLM's model runner gathers (``GPUModelRunner._batch_mm_inputs_from_scheduler``) before it copies them to the
+    GPU, in the order the tower's calls then see them (vLLM groups consecutive items, keeping their order). Read from
+    the rows on the GPU instead, each tag would wait for everything queued there before it, the previous step's
+    forward included, which vLLM's asynchronous scheduling runs while it prepares this step."""
+
+    def __init__(self):
+        self._pending: collections.deque = collections.deque()  # (tag or None, grid) per image
+
+    def note(self, mm_kwargs) -> None:
+        """A step's (modality, MultiModalKwargsItem) list; what an earlier step left is forgotten."""
+        self._pending.clear()
+        for modality, item in mm_kwargs:
+            if modality == "image":
+                self._pending.append(_tag_and_grid(item))
+
+    def pop(self, grids: list[tuple]) -> list[int] | None:
+        """The tags of the next images, whose grids must be ``grids``; None (and nothing kept) where they are not
+        the images noted, or not all tagged."""
+        if len(self._pending) < len(grids):
+            self._pending.clear()
+            return None
+        popped = [self._pending.popleft() for _ in grids]
+        if any(tag is None or grid != tuple(g) for (tag, grid), g in zip(popped, grids)):
+            self._pending.clear()
+            return None
+        return [tag for tag, _ in popped]
+
+
+def _tag_and_grid(item) -> tuple[int | None, tuple | None]:
+    """One image item's tag (None for rows without one) and grid, read on the host."""
+    try:
+        rows, grid = item["image_embeds"].data, item["image_grid_thw"].data
+    except (KeyError, AttributeError, TypeError):
+        return None, None
+    grid = tuple(int(v) for v in torch.as_tensor(grid).reshape(-1).tolist())
+    encoder = AHEAD.encoder if AHEAD is not None else None
+    if (encoder is None or not isinstance(rows, torch.Tensor) or rows.dtype != torch.uint8 or rows.dim() != 2
+            or rows.device.type != "cpu"
+            or rows.shape[1] != pixel_rows.row_width(encoder.family) + pixel_rows.TAG_BYTES):
+        return None, grid
+    return pixel_rows.tag_values(rows[:1, -pixel_rows.TAG_BYTES:].contiguous())[0], grid
+
+
+SCHEDULED = ScheduledTags()
+
+
+def noting_tags(batch_mm_inputs_from_scheduler):
+    """vLLM's ``GPUModelRunner._batch_mm_inputs_from_scheduler`` with the step's image tags noted in SCHEDULED."""
+
+    @functools.wraps(batch_mm_inputs_from_scheduler)
+    def _batch_mm_inputs_from_scheduler(self, scheduler_output):
+        batched = batch_mm_inputs_from_scheduler(self, scheduler_output)
+        SCHEDULED.note(batched[1])
+        return batched
+
+    _batch_mm_inputs_from_scheduler.vlmstream_ahead = True
+    return _batch_mm_inputs_from_scheduler
+
+
 def offered_ahead(preprocess_add_request):
     """vLLM's ``EngineCore.preprocess_add_request`` (its input thread's, run beside the engine's step) with each
     image's pixel rows offered to AHEAD once the request is built (vLLM's processor cache has filled them in by
@@ -294,16 +361,28 @@ def offered_ahead(preprocess_add_request):
     return _preprocess_add_request
 
 
-def install_ahead(module_name: str = "vllm.v1.engine.core", class_name: str = "EngineCore") -> bool:
-    """Offer each request's images to AHEAD from vLLM's input thread; False where that class is not there."""
-    try:
-        cls = getattr(importlib.import_module(module_name), class_name)
-    except (ImportError, AttributeError) as exc:
-        log.warning("vlmstream tower ahead: %s.%s is not there (%s); the tower runs in the engine's step",
-                    module_name, class_name, exc)
-        return False
-    if not getattr(cls.preprocess_add_request, "vlmstream_ahead", False):
-        cls.preprocess_add_request = offered_ahead(cls.preprocess_add_request)
+# Where vLLM 0.26 lets the tower run ahead: its input thread's request preparation offers each image, and its model
+# runner's batch of a step's encoder inputs says which images the step's tower calls hold.
+AHEAD_HOOKS = (("vllm.v1.engine.core", "EngineCore", "preprocess_add_request", offered_ahead),
+               ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "_batch_mm_inputs_from_scheduler", noting_tags))
+
+
+def install_ahead(hooks=AHEAD_HOOKS) -> bool:
+    """Wrap each (module, class, method) of ``hooks`` with its wrapper; False, and nothing wrapped, where any is not
+    there. Installing twice changes nothing."""
+    found = []
+    for module_name, class_name, method, wrap in hooks:
+        try:
+            cls = getattr(importlib.import_module(module_name), class_name)
+            getattr(cls, method)
+        except (ImportError, AttributeError) as exc:
+            log.warning("vlmstream tower ahead: %s.%s.%s is not there (%s); the tower runs in the engine's step",
+                        module_name, class_name, method, exc)
+            return False
+        found.append((cls, method, wrap))
+    for cls, method, wrap in found:
+        if not getattr(getattr(cls, method), "vlmstream_ahead", False):
+            setattr(cls, method, wrap(getattr(cls, method)))
     return True
 
 
