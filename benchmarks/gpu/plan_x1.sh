@@ -152,7 +152,8 @@
 #   serve-ratios-02  the same at 0.2 MP, 90 s each, then the pipeline once more with the tower in the consumer under
 #              CUDA MPS (about 1,300 s of jobs)
 #   tower-ahead  infer.tower_ahead (the engine's tower run ahead of its step on a stream of its own, not yet run on a
-#              GPU): A0 gpu_engine_smoke.py with the tower in the step, then ahead of it (same texts and embeddings?
+#              GPU): H0 check_ahead_hooks.py (its hooks against vLLM's own types, on the CPU, seconds), A0
+#              gpu_engine_smoke.py with the tower in the step, then ahead of it (same texts and embeddings?
 #              how many images the step took made ahead); then Qwen2.5-VL-7B / 64, embeds with embeddings published,
 #              at 0.2 MP in 90-s phases, the tower in the step (S) and ahead (A) in the order S A A S; then at 1 MP
 #              A S in any time left (about 1,420 s of jobs before the 1 MP pair)
@@ -729,6 +730,7 @@ fi
 
 if [ "$LIST" = tower-ahead ]; then
   [ -e /root/model/config.json ] || python3 benchmarks/gpu/mk_model.py /root/model > "$RES/mk_model.log" 2>&1
+  job h0_ahead_hooks 30 120 python3 benchmarks/gpu/check_ahead_hooks.py
   job a0_smoke_ahead 300 420 python3 benchmarks/gpu_engine_smoke.py --images /root/imgs --n 32 \
     --modes embeds-engine-tower,embeds-engine-tower-ahead --out "$RES/a0_smoke_ahead.json"
   AHEAD="env VLMSTREAM_INFER__TOWER_AHEAD=true"
