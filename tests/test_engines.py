@@ -734,14 +734,15 @@ def test_the_tower_ahead_makes_each_offered_image_once_within_its_budget(images,
 
     # keep_behind=2: taking the fourth image offered drops the first two, never taken (an aborted request's), and
     # keeps the third.
-    behind = AheadEncoder(keep_behind=2)
+    # max_patches=1: one image per forward of the thread (an image never waits for a smaller one).
+    behind = AheadEncoder(keep_behind=2, max_patches=1)
     behind.attach(encoder)
     for r, g in zip(rows, grids):
         behind.offer(r, torch.tensor([g]))
     _until(lambda: behind.report()["encoded"] == 4)
     behind.take([tags[3]])
     report = behind.report()
-    assert (report["dropped"], report["taken"], report["made_waiting"]) == (2, 1, 1)
+    assert (report["dropped"], report["taken"], report["made_waiting"], report["forwards"]) == (2, 1, 1, 4)
     assert report["held_tokens"] == tokens[2]
     behind.close()
 

@@ -56,6 +56,7 @@ class _Encoded:
 class AheadTotals:
     offered: int = 0
     encoded: int = 0  # by the thread
+    forwards: int = 0  # the thread's
     taken: int = 0  # by the step, made by the thread
     missed: int = 0  # asked for before the thread had made them: encoded in the step
     dropped: int = 0  # made or queued, never taken
@@ -68,13 +69,17 @@ class AheadEncoder:
     ``budget_tokens``: most merged tokens made and not yet taken (their GPU memory: tokens x the tower's output width
     x 2 bytes; 65,536 tokens of Qwen2.5-VL-7B are 470 MB). ``keep_behind``: an image made or queued is dropped once
     images offered this many after it have been taken. ``max_queued``: most images waiting for the thread (their
-    rows are the requests' own memory); the oldest go first. The encoder arrives with ``attach`` (the engine builds
+    rows are the requests' own memory); the oldest go first. ``max_patches``: most patches per forward of the
+    thread (one image always fits): the step may ask for an image of the forward the thread is running, and then
+    waits for the whole forward, so it is kept short (16 images at 0.2 MP, three at 1 MP). The encoder arrives with ``attach`` (the engine builds
     it on its first image batch); images offered before that are not kept, and the step encodes them."""
 
-    def __init__(self, budget_tokens: int = 65536, keep_behind: int = 4096, max_queued: int = 16384):
+    def __init__(self, budget_tokens: int = 65536, keep_behind: int = 4096, max_queued: int = 16384,
+                 max_patches: int = 16384):
         if budget_tokens < 1:
             raise ValueError("infer.tower_ahead_tokens must be at least 1")
         self.budget_tokens, self.keep_behind, self.max_queued = budget_tokens, keep_behind, max_queued
+        self.max_patches = max_patches
         self.encoder = None
         self.encoder_lock = threading.Lock()  # the thread's launches and the step's own encoding, one at a time
         self.totals = AheadTotals()
@@ -196,13 +201,13 @@ class AheadEncoder:
     def _next_group(self) -> list[tuple[int, _Offered]]:
         """The images at the queue's head that fit the budget and one forward (under the lock); empty: wait."""
         group, patches = [], 0
-        limit = self.encoder.max_patches_per_call
+        limit = min(self.max_patches, self.encoder.max_patches_per_call)
         unit = self.encoder.family.merge_size ** 2
         held = self._held
         for tag, offered in self._queued.items():
             image_patches = offered.tokens * unit
             fits_budget = held + offered.tokens <= self.budget_tokens or (held == 0 and not group)
-            if not fits_budget or (group and patches + image_patches > limit) or len(group) >= 64:
+            if not fits_budget or (group and patches + image_patches > limit):
                 break
             group.append((tag, offered))
             patches += image_patches
@@ -240,6 +245,8 @@ class AheadEncoder:
                     self.totals.encoded += 1
                 if made is None:
                     self.totals.failed += 1
+                else:
+                    self.totals.forwards += 1
                 self._drop_behind()
                 self._cond.notify_all()
 
