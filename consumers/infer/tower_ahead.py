@@ -17,7 +17,7 @@ without this module. What is never taken (an aborted request's image) is dropped
 taken past it (``keep_behind``). One lock keeps the thread and the step from running the encoder at once: its
 compiled code and its caches are not shared between threads.
 
-Nothing here imports vLLM; ``engine_tower`` installs the hook and calls ``take``.
+Nothing here imports vLLM; ``engine_tower`` installs the hooks in vLLM and calls ``offer`` and ``take``.
 """
 
 from __future__ import annotations
