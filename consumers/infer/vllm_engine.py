@@ -378,6 +378,10 @@ class VllmEngine(QueuedEngine):
         if self.settings.engine_tower and not report.get("encoders"):
             log.warning("vLLM ran no image at start, so the tower in its engine process is built (and compiled) on "
                         "the first batch")
+        if self.settings.tower_ahead and not report.get("ahead"):
+            log.warning("infer.tower_ahead: vLLM %s's engine has none of the places the tower run ahead hooks into "
+                        "(engine_tower.AHEAD_HOOKS; its process log says which is missing); the tower runs in the "
+                        "engine's step", self._v.version)
         return None
 
     def _embeds_here(self) -> bool:
