@@ -155,8 +155,9 @@
 #              GPU): H0 check_ahead_hooks.py (its hooks against vLLM's own types, on the CPU, seconds), A0
 #              gpu_engine_smoke.py with the tower in the step, then ahead of it (same texts and embeddings?
 #              how many images the step took made ahead); then Qwen2.5-VL-7B / 64, embeds with embeddings published,
-#              at 0.2 MP in 90-s phases, the tower in the step (S) and ahead (A) in the order S A A S; then at 1 MP
-#              A S in any time left (about 1,420 s of jobs before the 1 MP pair)
+#              at 0.2 MP in 90-s phases, the tower in the step (S) and ahead (A), with `vllm serve` (8 API servers,
+#              V) in the middle: S A V A S (the last S about 80 s past a whole lease's 1,600 s of jobs); then at
+#              1 MP A S in any time left
 #   honesty    H1 `estimate_honesty.py --cases g` with the Qwen2.5-VL-7B config at 0.2 MP / 64: an estimate from a 5%
 #              sample, then the whole job (26,000 documents, 82,725 images). In [m] the sample took about 250 s and
 #              the run about 66 img/s with start-up (scale 14 ran 22.6 min and was cut 13 s before its end); at
@@ -737,6 +738,9 @@ if [ "$LIST" = tower-ahead ]; then
   SMALL="$BENCH --model /root/model --budgets 256 --seconds 90 --stop-after 1.5 --arms pipeline-embeds --profile"
   job a1_step_02mp 280 380 $SMALL --out "$RES/a1_step_02mp"
   job a1_ahead_02mp 280 380 $AHEAD $SMALL --out "$RES/a1_ahead_02mp"
+  # serve in the same lease: whether either pipeline reaches 2x it at 0.2 MP.
+  job a1_serve_02mp 230 330 $BENCH --model /root/model --budgets 256 --seconds 90 --arms serve --serve-k 8 \
+    --out "$RES/a1_serve_02mp"
   job a2_ahead_02mp 280 380 $AHEAD $SMALL --out "$RES/a2_ahead_02mp"
   job a2_step_02mp 280 380 $SMALL --out "$RES/a2_step_02mp"
   MID="$BENCH --model /root/model --budgets 1280 --seconds 90 --stop-after 1.5 --arms pipeline-embeds --profile"
