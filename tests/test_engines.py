@@ -794,7 +794,7 @@ def test_the_tower_ahead_takes_images_from_vllms_input_thread_and_the_step_takes
     monkeypatch.setenv("VLMSTREAM_INFER__VISION_QKV_KERNEL", "torch")
     model = QwenModelLikeVllms(model_dir)
     encoder = engine_tower._encoders[model] = _cpu_encoder(model_dir)
-    ahead.attach(encoder, functools.partial(engine_tower.keep_embeddings, width=encoder.embedding_width))
+    ahead.attach(encoder, functools.partial(engine_tower.TAP.put_tags, width=encoder.embedding_width))
 
     grids = [(1, im.shape[0] // 14, im.shape[1] // 14) for im in images[:3]]
     tags = [pixel_rows.make_tag(n, keep) for n, keep in ((21, True), (22, False), (23, True))]

@@ -216,7 +216,7 @@ def through_our_tower(original, build=encoder_for):
         if encoder is None:
             encoder = _encoders[self] = build(self)
             if AHEAD is not None:
-                AHEAD.attach(encoder, functools.partial(keep_embeddings, width=encoder.embedding_width), CLOCK)
+                AHEAD.attach(encoder, functools.partial(TAP.put_tags, width=encoder.embedding_width), CLOCK)
         if rows and AHEAD is not None:
             tags = SCHEDULED.pop([tuple(g) for g in image_input["image_grid_thw"].tolist()])
             if tags is None:  # not noted by the model runner: read from the rows, waiting for the GPU
@@ -248,11 +248,6 @@ def through_our_tower(original, build=encoder_for):
     return _process_image_input
 
 
-def keep_embeddings(tags: list[int], outputs, width: int) -> None:
-    """The ahead thread's images' embeddings, for those whose tag asks for one, into TAP."""
-    TAP.put_tags(tags, outputs, width)
-
-
 def _made_ahead(encoder: VisionEncoder, image_input: dict, tags: list[int]) -> tuple:
     """Each image's output from AHEAD where the thread made it, else encoded here in the step (timed by CLOCK, the
     embeddings its tags ask for kept in TAP), in the batch's order."""
@@ -263,9 +258,7 @@ def _made_ahead(encoder: VisionEncoder, image_input: dict, tags: list[int]) -> t
 
         def encode():
             with AHEAD.encoder_lock:
-                pixel_values, grid_thw = patchify_batch([images[i] for i in missing], encoder.device, encoder.dtype,
-                                                        encoder.family)
-                return encoder.encode_patches(pixel_values, grid_thw)
+                return encoder.encode_images([images[i] for i in missing])
 
         made = _clocked(image_input["image_embeds"], encode)
         for i, output in zip(missing, made):
@@ -312,13 +305,8 @@ def _tag_and_grid(item) -> tuple[int | None, tuple | None]:
         rows, grid = item["image_embeds"].data, item["image_grid_thw"].data
     except (KeyError, AttributeError, TypeError):
         return None, None
-    grid = tuple(int(v) for v in torch.as_tensor(grid).reshape(-1).tolist())
     encoder = AHEAD.encoder if AHEAD is not None else None
-    if (encoder is None or not isinstance(rows, torch.Tensor) or rows.dtype != torch.uint8 or rows.dim() != 2
-            or rows.device.type != "cpu"
-            or rows.shape[1] != pixel_rows.row_width(encoder.family) + pixel_rows.TAG_BYTES):
-        return None, grid
-    return pixel_rows.tag_values(rows[:1, -pixel_rows.TAG_BYTES:].contiguous())[0], grid
+    return pixel_rows.tag_of(rows, grid, encoder.family) if encoder is not None else (None, None)
 
 
 SCHEDULED = ScheduledTags()

@@ -94,6 +94,20 @@ def tags(rows: torch.Tensor, grid_thw: torch.Tensor, family: ModelFamily) -> tor
     return torch.stack([rows[first, row_width(family):] for first in firsts])
 
 
+def tag_of(rows, grid_thw, family: ModelFamily) -> tuple[int | None, tuple[int, int, int] | None]:
+    """One image's rows and grid as a request carries them, on the host -> (its tag, or None for rows that are not
+    that image's tagged pixel rows; its grid as three numbers, or None for a grid that is not one)."""
+    grid = tuple(int(v) for v in torch.as_tensor(grid_thw).reshape(-1).tolist())
+    if len(grid) != 3:
+        return None, None
+    width = row_width(family)
+    tokens = _tokens(torch.tensor([grid]), family)[0]
+    if (not isinstance(rows, torch.Tensor) or rows.dtype != torch.uint8 or rows.device.type != "cpu"
+            or tuple(rows.shape) != (tokens, width + TAG_BYTES)):
+        return None, grid
+    return tag_values(rows[:1, width:].contiguous())[0], grid
+
+
 def tag_values(tag_bytes: torch.Tensor) -> list[int]:
     """(n, TAG_BYTES) uint8 on the host -> the n numbers."""
     return np.ascontiguousarray(tag_bytes.numpy()).view("<u8").ravel().tolist()

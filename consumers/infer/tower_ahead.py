@@ -71,8 +71,9 @@ class AheadEncoder:
     images offered this many after it have been taken. ``max_queued``: most images waiting for the thread (their
     rows are the requests' own memory); the oldest go first. ``max_patches``: most patches per forward of the
     thread (one image always fits): the step may ask for an image of the forward the thread is running, and then
-    waits for the whole forward, so it is kept short (16 images at 0.2 MP, three at 1 MP). The encoder arrives with ``attach`` (the engine builds
-    it on its first image batch); images offered before that are not kept, and the step encodes them."""
+    waits for the whole forward, so it is kept short (16 images at 0.2 MP, three at 1 MP). The encoder arrives with
+    ``attach`` (the engine builds it on its first image batch); images offered before that are not kept, and the
+    step encodes them."""
 
     def __init__(self, budget_tokens: int = 65536, keep_behind: int = 4096, max_queued: int = 16384,
                  max_patches: int = 16384):
@@ -115,19 +116,13 @@ class AheadEncoder:
     def offer(self, rows: torch.Tensor, grid_thw) -> bool:
         """One image's pixel rows (tagged) as a request brings them; False (nothing kept) before ``attach`` and for
         rows that are not one tagged image of the grid."""
-        encoder = self.encoder
-        if encoder is None:
+        if self.encoder is None:
             return False
-        width = pixel_rows.row_width(encoder.family)
-        if rows.dtype != torch.uint8 or rows.dim() != 2 or rows.shape[1] != width + pixel_rows.TAG_BYTES:
+        tag, grid = pixel_rows.tag_of(rows, grid_thw, self.encoder.family)
+        if tag is None:
             return False
-        grid = tuple(int(v) for v in torch.as_tensor(grid_thw).reshape(-1).tolist())
-        if len(grid) != 3 or rows.shape[0] != grid[0] * grid[1] * grid[2] // encoder.family.merge_size ** 2:
-            return False
-        tokens = rows.shape[0]
-        tag = pixel_rows.tag_values(rows[:1, width:].contiguous())[0]
         with self._cond:
-            self._queued[tag] = _Offered(next(self._seq), rows, grid, tokens)
+            self._queued[tag] = _Offered(next(self._seq), rows, grid, rows.shape[0])
             self.totals.offered += 1
             while len(self._queued) > self.max_queued:
                 self._queued.popitem(last=False)
@@ -252,7 +247,7 @@ class AheadEncoder:
 
     @torch.inference_mode()
     def _encode(self, group: list[tuple[int, _Offered]]) -> list[tuple[torch.Tensor, object]]:
-        from consumers.infer.vision import patchify_batch, to_device
+        from consumers.infer.vision import to_device
 
         encoder = self.encoder
         stream = torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
@@ -262,8 +257,7 @@ class AheadEncoder:
             images = [pixel_rows.unpack(to_device(o.rows, encoder.device), torch.tensor([o.grid]), encoder.family)[0]
                       for _, o in group]
             started = self._clock.start() if self._clock is not None and self._stream is not None else None
-            pixel_values, grid_thw = patchify_batch(images, encoder.device, encoder.dtype, encoder.family)
-            outputs = encoder.encode_patches(pixel_values, grid_thw)
+            outputs = encoder.encode_images(images)
             if started is not None:
                 self._clock.stop(started, len(outputs))
             if self._keep_embeddings is not None:

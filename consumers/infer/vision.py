@@ -1010,12 +1010,18 @@ class VisionEncoder:
     def _there(self, tensor: torch.Tensor) -> torch.Tensor:
         return to_device(tensor, self.device)
 
+    def encode_images(self, images: Sequence[np.ndarray | torch.Tensor]) -> list[torch.Tensor]:
+        """Exact-size H x W x 3 uint8 images (one forward: the caller keeps them within ``max_patches_per_call``;
+        on the host or the device) -> per-image ``image_embeds``."""
+        pixel_values, grid_thw = patchify_batch(images, self.device, self.dtype, self.family)
+        return self.encode_patches(pixel_values, grid_thw)
+
     def encode(self, images: Sequence[np.ndarray]) -> list[EncodedImage]:
         results: list[EncodedImage] = []
         for group in self._groups(images):
-            pixel_values, grid_thw = patchify_batch(group, self.device, self.dtype, self.family)
-            tokens = self.encode_patches(pixel_values, grid_thw)
-            results += [EncodedImage(t, tuple(g), self.embedding_width) for t, g in zip(tokens, grid_thw.tolist())]
+            tokens = self.encode_images(group)
+            results += [EncodedImage(t, grid_for(im.shape[0], im.shape[1], self.family), self.embedding_width)
+                        for t, im in zip(tokens, group)]
         return results
 
     @torch.inference_mode()

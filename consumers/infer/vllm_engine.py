@@ -367,7 +367,7 @@ class VllmEngine(QueuedEngine):
         """Log what vLLM's worker says it runs (engine_tower.EngineTowerExtension); why the engine did not take it,
         or None."""
         try:
-            report = self._engine_loop.call(self._tower_report(), 120)
+            report = self.tower_report(timeout_s=120)
         except Exception as exc:  # noqa: BLE001 - whatever went wrong, the engine did not take our tower
             report = {"installed": [], "error": f"{type(exc).__name__}: {str(exc)[:300]}"}
         self.engine_tower_report = report
@@ -392,10 +392,10 @@ class VllmEngine(QueuedEngine):
         """What the wrapper in vLLM's worker reports (engine_tower.EngineTowerExtension): one worker, one GPU."""
         return (await self.llm.collective_rpc("vlmstream_tower_report"))[0]
 
-    def tower_report(self) -> dict:
+    def tower_report(self, timeout_s: float = 10) -> dict:
         """What vLLM's worker reports now (engine_tower.EngineTowerExtension): the tower it runs, its clock, the
         embeddings it keeps and, with infer.tower_ahead, what the tower run ahead of the step made and missed."""
-        return self._engine_loop.call(self._tower_report(), 10)
+        return self._engine_loop.call(self._tower_report(), timeout_s)
 
     async def _take_engine_embeddings(self, tags: list[int]) -> dict[int, bytes]:
         return (await self.llm.collective_rpc("vlmstream_take_embeddings", args=(tags,)))[0]
