@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -220,8 +221,10 @@ def test_vlmstream_run_stops_its_workers_on_sigterm_when_the_cluster_is_gone(own
     settings = own_broker.settings
     folder = tmp_path / "docs"
     folder.mkdir()
-    for path in _uris(corpus_dir, 4):
-        (folder / Path(path).name).write_bytes(Path(path).read_bytes())
+    # Enough documents that the run is still at work when the broker goes: the tiny model describes a few images
+    # within the 5 s below, and a run that finished first would be stopping already when SIGTERM comes.
+    for i, path in enumerate(_uris(corpus_dir, 48)):
+        (folder / f"{i:02d}-{Path(path).name}").write_bytes(Path(path).read_bytes())
     b = settings.broker
     env = {k: v for k, v in os.environ.items() if not k.startswith("VLMSTREAM_")}
     env.update({"VLMSTREAM_HOME": str(b.home), "VLMSTREAM_BROKER__PORT": str(b.port),
@@ -267,3 +270,42 @@ def test_vlmstream_run_stops_its_workers_on_sigterm_when_the_cluster_is_gone(own
     assert "stopped by SIGTERM" in log and code == 143, log[-4000:]
     worker_logs = "".join(p.read_text(errors="replace") for p in (Path(b.home) / "logs").glob("*.log"))
     assert "terminate called" not in worker_logs
+
+
+_DRAINS_IN_2_S = ("import signal, sys, time\n"
+                  "signal.signal(signal.SIGTERM, lambda *_: (time.sleep(2), sys.exit(0)))\n"
+                  "print('ready', flush=True)\n"
+                  "time.sleep(60)\n")
+
+
+def _stop_a_draining_worker_while_signalled(stopped_by: str | None) -> tuple[dict, str | None]:
+    """`vlmstream run` stopping a worker that takes 2 s to drain, a SIGTERM reaching `vlmstream run` 0.5 s in."""
+    from vlmstream.cli.run import _raise_stopped, _stop_children
+
+    worker = subprocess.Popen([sys.executable, "-c", _DRAINS_IN_2_S], stdout=subprocess.PIPE, text=True,
+                              start_new_session=True)
+    assert worker.stdout.readline().strip() == "ready"
+    previous = signal.signal(signal.SIGTERM, _raise_stopped)
+    timer = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM))
+    timer.start()
+    try:
+        return _stop_children({"worker": worker}, grace_s=30, stopped_by=stopped_by)
+    finally:
+        timer.join()
+        signal.signal(signal.SIGTERM, previous)
+        if worker.poll() is None:
+            worker.kill()
+        worker.wait()
+        worker.stdout.close()
+
+
+def test_a_first_sigterm_while_a_finished_run_stops_its_workers_lets_them_drain():
+    """A run whose documents were all described stops its workers; a SIGTERM then is the run's first signal: the
+    workers drain (exit 0) and the run reports the signal, instead of killing them as a second signal does."""
+    codes, stopped_by = _stop_a_draining_worker_while_signalled(None)
+    assert codes == {"worker": 0} and stopped_by == "SIGTERM"
+
+
+def test_a_second_signal_while_the_workers_drain_stops_them_at_once():
+    codes, stopped_by = _stop_a_draining_worker_while_signalled("Ctrl-C")
+    assert codes == {"worker": -signal.SIGKILL} and stopped_by == "Ctrl-C"

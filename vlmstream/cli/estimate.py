@@ -260,6 +260,7 @@ def run_sample(docs: list[JobDocument], settings: Any, timeout_s: float, own_s: 
     children: dict[str, subprocess.Popen] = {}
     ready_at = measured_at = done_at = 0.0
     deadline = time.monotonic() + timeout_s
+    interrupted: str | None = None
     try:
         workers_at = time.time()
         # _child gives the workers the sample's settings file and none of the settings variables of this
@@ -294,11 +295,14 @@ def run_sample(docs: list[JobDocument], settings: Any, timeout_s: float, own_s: 
                 publish_documents(_as_stage(settings, "producer"), [d.doc for d in rest], force=True)
                 measured_at = time.time()
         done_at = time.time()
+    except KeyboardInterrupt:
+        interrupted = "Ctrl-C"  # the workers still drain; a second Ctrl-C stops them at once
+        raise
     finally:
         watcher.close()
         stopping = time.monotonic()
         try:
-            _stop_children(children)
+            _stop_children(children, stopped_by=interrupted)
         except BaseException:  # a second Ctrl-C, or a closed terminal: the workers must not outlive the estimate
             for proc in children.values():
                 _kill(proc)

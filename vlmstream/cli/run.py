@@ -113,9 +113,12 @@ def _raise_stopped(signum: int, _frame: Any) -> None:
     raise _Stopped(signum)
 
 
-def _stop_children(children: dict[str, subprocess.Popen], grace_s: float = STOP_GRACE_S) -> dict[str, int | None]:
+def _stop_children(children: dict[str, subprocess.Popen], grace_s: float = STOP_GRACE_S,
+                   stopped_by: str | None = None) -> tuple[dict[str, int | None], str | None]:
     """SIGTERM (drain, commit, leave the group), then SIGKILL whatever outlives the grace period, or everything at
-    once on a second SIGTERM/Ctrl-C."""
+    once on a second SIGTERM/Ctrl-C. ``stopped_by`` names the signal that stopped the run, if one did: a first
+    signal that arrives while a finished run stops its workers is that run's first, and lets them drain. Returns
+    the workers' exit codes and the signal that stopped the run, if any."""
     # Only the worker's main process: it drains and stops its own children (a vLLM EngineCore signalled
     # directly would abort the requests in flight instead of finishing them).
     for proc in children.values():
@@ -125,16 +128,26 @@ def _stop_children(children: dict[str, subprocess.Popen], grace_s: float = STOP_
         console.print(f"stopping: the workers flush and commit (up to {grace_s:.0f} s, also when the cluster does "
                       "not answer); Ctrl-C again to stop them at once")
     deadline = time.monotonic() + grace_s
-    try:
-        for proc in children.values():
-            try:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
+    while True:
+        try:
+            for proc in children.values():
+                try:
+                    proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    _kill(proc)
+            break
+        except KeyboardInterrupt as exc:
+            if stopped_by is None:  # the first signal: the drain goes on
+                stopped_by = _signal_name(exc)
+                continue
+            for proc in children.values():  # a second signal: at once (their next owners redo the uncommitted)
                 _kill(proc)
-    except KeyboardInterrupt:  # a second signal: at once (their next owners redo what was not committed)
-        for proc in children.values():
-            _kill(proc)
-    return {name: proc.returncode for name, proc in children.items()}
+            break
+    return {name: proc.returncode for name, proc in children.items()}, stopped_by
+
+
+def _signal_name(exc: KeyboardInterrupt) -> str:
+    return "SIGTERM" if isinstance(exc, _Stopped) else "Ctrl-C"
 
 
 def _kill(proc: subprocess.Popen) -> None:
@@ -425,11 +438,11 @@ def run(
         if rate:
             rate_memory.save(RememberedRate(rate, settings.decode.max_pixels, settings.infer.model))
     except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM (_Stopped)
-        stopped_by = "SIGTERM" if isinstance(exc, _Stopped) else "Ctrl-C"
+        stopped_by = _signal_name(exc)
     finally:
         try:
             # The workers first: the live view's clients may wait on a cluster that does not answer.
-            codes = _stop_children(children) if children else {}
+            codes, stopped_by = _stop_children(children, stopped_by=stopped_by) if children else ({}, stopped_by)
         finally:
             signal.signal(signal.SIGTERM, previous_handler)
             for config_file in config_files.values():
