@@ -68,6 +68,10 @@ def test_run_describes_every_image_of_a_folder_and_reports_each_document(topic_n
         proc.stderr[-3000:]
     totals = [int(n) for n in re.findall(r"decode +\d+/(\d+) images", proc.stderr)]
     assert totals and max(totals) == sum(expected.values()), totals
+    # The last line, once every result is in, shows no image still waiting for inference (its group's commits
+    # trail the descriptions).
+    done, total = re.findall(r"inference +(\d+)/(\d+) images", proc.stderr)[-1]
+    assert done == total, proc.stderr[-3000:]
 
     results = {}
     for record in read_topic(topic_names, t.results, expected=len(expected), timeout_s=60):

@@ -28,6 +28,8 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 # --max-pixels or decode.max_pixels change it.
 TINY_MODEL_MAX_PIXELS = 512 * qwen2_vl.FACTOR**2  # 401,408
 PROGRESS_EVERY_S = 5.0
+# The longest the last progress line waits for the workers' last commits (inference commits at most once a second).
+COMMITS_SETTLE_S = 3.0
 
 
 def _settings_file(settings: Any) -> Path:
@@ -432,6 +434,7 @@ def run(
                     console.print(f"[red]{len(lost)} of them were not acknowledged by the cluster; not waited for[/]")
         # The live view once more, at the end: a run shorter than PROGRESS_EVERY_S would otherwise show none, and a
         # longer one would end on a line up to that old.
+        _await_commits(view, COMMITS_SETTLE_S)
         show_progress()
         watcher.close()
         rate = probe.infer_rate(window_s=float("inf"))
@@ -584,6 +587,22 @@ def _fresh_settings(settings: Any) -> Any:
         "infer": settings.infer.model_copy(update={"group_id": f"{settings.infer.group_id}.{suffix}"}),
         "condense": settings.condense.model_copy(update={"group_id": f"{settings.condense.group_id}.{suffix}"}),
     })
+
+
+def _await_commits(view: Any, within_s: float) -> None:
+    """Wait (at most ``within_s``) until the stages' groups have committed past every record on their input topics.
+    The stage lines count committed offsets, and a worker commits what it finished at intervals (inference at most
+    once a second): read the moment the last description arrives, they would show images as still waiting that
+    were described."""
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            snap = view.update()
+        except Exception:  # noqa: BLE001 - the progress line says the stages are not readable
+            return
+        if (snap.images_waiting == 0 and snap.documents_waiting == 0) or time.monotonic() >= deadline:
+            return
+        time.sleep(0.25)
 
 
 def _progress_line(view: Any, started: float, docs_done: int, docs: int, described: int, images: int,
