@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 from collections import Counter
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from schemas import Description, DocumentResult
+from tests.helpers import REPO
 from tests.kafka_helpers import read_topic
 from vlmstream import broker
 from vlmstream.config import Settings
@@ -175,3 +177,34 @@ def test_run_on_a_folder_without_images_says_so_before_starting_anything(tmp_pat
     assert done.returncode == 2
     assert "holds no image files" in " ".join(done.stderr.split())
     assert "workers started" not in done.stdout
+
+
+@pytest.mark.model
+def test_a_sigterm_while_a_finished_run_stops_its_workers_lets_them_drain_and_keeps_the_summary(
+        kafka_settings: Settings, corpus_dir, tmp_path):
+    """Every result in, the run stops its workers; a SIGTERM then (a supervisor's, say) is its first signal: the
+    workers drain and exit 0, the summary is printed, and the exit status says the run was signalled."""
+    folder = tmp_path / "docs"
+    folder.mkdir()
+    for path in sorted(p for p in corpus_dir.rglob("*") if p.suffix.lower() in (".jpg", ".png"))[:2]:
+        shutil.copy(path, folder / path.name)
+    env = dict(os.environ, VLMSTREAM_PRODUCER__STATE_DIR=str(tmp_path / "ledger"), OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, "-m", "vlmstream.cli", "run", str(folder), "--per-file", "--fresh",
+                             "--decode-workers", "1", "--max-pixels", str(128 * 28 * 28), "--max-new-tokens", "4",
+                             "--show", "0", "--timeout-s", "400"],
+                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("stopping:"):
+                proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    said = " ".join("".join(lines).split())
+    assert code == 143, said[-3000:]
+    assert "workers stopped: {'decode': 0, 'infer': 0}" in said, said[-3000:]  # the summary, the workers drained
+    assert "stopped by SIGTERM while its workers stopped: workers exited with decode 0, infer 0" in said

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
@@ -121,17 +122,24 @@ def _stop_children(children: dict[str, subprocess.Popen], grace_s: float = STOP_
     once on a second SIGTERM/Ctrl-C. ``stopped_by`` names the signal that stopped the run, if one did: a first
     signal that arrives while a finished run stops its workers is that run's first, and lets them drain. Returns
     the workers' exit codes and the signal that stopped the run, if any."""
-    # Only the worker's main process: it drains and stops its own children (a vLLM EngineCore signalled
-    # directly would abort the requests in flight instead of finishing them).
-    for proc in children.values():
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-    if any(proc.poll() is None for proc in children.values()):
-        console.print(f"stopping: the workers flush and commit (up to {grace_s:.0f} s, also when the cluster does "
-                      "not answer); Ctrl-C again to stop them at once")
     deadline = time.monotonic() + grace_s
+    signalled = False
     while True:
         try:
+            if not signalled:
+                # Held while the workers are signalled: a signal raised between two of them would leave the rest
+                # unsignalled (and, raised out of here, the run would not wait for any). Delivered on release, inside
+                # this try.
+                with _signals_held():
+                    # Only the worker's main process: it drains and stops its own children (a vLLM EngineCore
+                    # signalled directly would abort the requests in flight instead of finishing them).
+                    for proc in children.values():
+                        if proc.poll() is None:
+                            proc.send_signal(signal.SIGTERM)
+                    signalled = True
+                    if any(proc.poll() is None for proc in children.values()):
+                        console.print(f"stopping: the workers flush and commit (up to {grace_s:.0f} s, also when "
+                                      "the cluster does not answer); Ctrl-C again to stop them at once")
             for proc in children.values():
                 try:
                     proc.wait(timeout=max(0.1, deadline - time.monotonic()))
@@ -146,6 +154,17 @@ def _stop_children(children: dict[str, subprocess.Popen], grace_s: float = STOP_
                 _kill(proc)
             break
     return {name: proc.returncode for name, proc in children.items()}, stopped_by
+
+
+@contextlib.contextmanager
+def _signals_held():
+    """SIGTERM and SIGINT wait (the kernel keeps them pending) until the block ends."""
+    held = {signal.SIGTERM, signal.SIGINT}
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def _signal_name(exc: KeyboardInterrupt) -> str:
@@ -308,6 +327,7 @@ def run(
     probe = None
     previous_handler = signal.signal(signal.SIGTERM, _raise_stopped)
     stopped_by: str | None = None
+    finished = False  # every expected result arrived
     try:
         # Position the live view before anything is published, so no description is missed.
         watcher = make_consumer(_as_stage(settings, "tap"), None)  # reads the outputs only
@@ -440,6 +460,7 @@ def run(
         rate = probe.infer_rate(window_s=float("inf"))
         if rate:
             rate_memory.save(RememberedRate(rate, settings.decode.max_pixels, settings.infer.model))
+        finished = True
     except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM (_Stopped)
         stopped_by = _signal_name(exc)
     finally:
@@ -455,15 +476,15 @@ def run(
                 probe.close()
             except Exception as exc:  # noqa: BLE001 - the live view only; the workers have stopped
                 console.print(f"[yellow]closing the live view failed: {exc!r}[/]")
+    if finished:  # every result was in before any signal: the run's summary stands
+        _print_summary(results, time.monotonic() - started, codes, images_described)
+        if condense:
+            console.print(f"answers (topic {settings.topics.summaries}) or condense dead letters: "
+                          f"{len(condensed & expected)} of {len(expected)} documents")
     if stopped_by is not None:
-        console.print(f"[yellow]stopped by {stopped_by}: workers exited with "
-                      f"{', '.join(f'{n} {c}' for n, c in codes.items()) or 'nothing started'}[/]")
+        console.print(f"[yellow]stopped by {stopped_by}{' while its workers stopped' if finished else ''}: workers "
+                      f"exited with {', '.join(f'{n} {c}' for n, c in codes.items()) or 'nothing started'}[/]")
         raise typer.Exit(130 if stopped_by == "Ctrl-C" else 143)
-    elapsed = time.monotonic() - started
-    _print_summary(results, elapsed, codes, images_described)
-    if condense:
-        console.print(f"answers (topic {settings.topics.summaries}) or condense dead letters: "
-                      f"{len(condensed & expected)} of {len(expected)} documents")
     # A worker stopped by our SIGTERM before it had set up its handlers ends with -SIGTERM: still clean.
     clean = all(code in (0, -signal.SIGTERM) for code in codes.values())
     raise typer.Exit(0 if clean else 1)
