@@ -354,3 +354,30 @@ def test_device_gaps_are_the_idle_time_between_merged_device_activity():
     assert gaps["largest"] == [{"us": 150, "after": "attention", "before": "mlp"},
                                {"us": 60, "after": "norm", "before": "attention"}]
     assert bench_vision_tower.device_gaps([event("aten::addmm", 0, 1, DeviceType.CPU)]) is None
+
+
+def test_a_drained_stop_signals_the_consumer_alone_and_lets_it_stop_its_own_children(tmp_path):
+    """The pipeline arm stops an inference consumer as a user should (README: signal the vlmstream process alone):
+    its engine process, in its group, must not get the SIGTERM, or it aborts and the consumer cannot read its
+    reports at close. Here the parent records whether its child was still alive when the parent's SIGTERM came."""
+    import subprocess
+    import time
+
+    marker = tmp_path / "child-alive-at-parent-stop"
+    parent = (
+        "import signal, subprocess, sys, time\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+        "def stop(*_):\n"
+        f"    open({str(marker)!r}, 'w').write(str(child.poll() is None))\n"
+        "    child.terminate(); child.wait(); sys.exit(0)\n"
+        "signal.signal(signal.SIGTERM, stop)\n"
+        "print('ready', flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", parent], start_new_session=True, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    started = time.monotonic()
+    bench_processes.stop_drained(proc, grace_s=20)
+    proc.stdout.close()
+    assert proc.returncode == 0 and marker.read_text() == "True"  # drained by itself, its child alive until then
+    assert time.monotonic() - started < 15

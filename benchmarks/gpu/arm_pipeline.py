@@ -17,7 +17,7 @@ from typing import Callable
 from bench_processes import (
     BUDGETS, CpuSampler, EXPECTED_RATE, FIRST_WARM_DOCS_PER_GPU, GpuSampler, LATER_WARM_DOCS_PER_GPU,
     MIN_PIXELS, PHASE_OVERHEAD_S, PROMPT_TEXT, REPO, gpu_env, image_files, kill_tree, log, log_tail, spawn,
-    vlmstream_cmd,
+    stop_drained, vlmstream_cmd,
 )
 from rates import phase_rates
 
@@ -507,8 +507,9 @@ def run_pipeline(args: argparse.Namespace, mode: str, bootstrap: str, out: Path,
             kill_tree(decode, grace_s=20)  # SIGTERM: the fleet finishes what it holds and leaves its group
             decode = None
     finally:
-        for p in [decode, *reversed(infers)]:  # SIGTERM: each drains and leaves its group; then SIGKILL what is left
-            kill_tree(p, grace_s=20)
+        kill_tree(decode, grace_s=20)  # SIGTERM: the fleet finishes what it holds and leaves its group
+        for p in reversed(infers):  # the consumer alone: it stops its engine after reading the engine's reports
+            stop_drained(p, grace_s=40)
         if watcher is not None:
             watcher.close()
         gpu.stop()

@@ -72,6 +72,25 @@ def tree_cpu_seconds(pid: int) -> float:
     return sum(process_cpu_seconds(p) for p in [pid, *descendants(pid)])
 
 
+def stop_drained(proc: subprocess.Popen | None, grace_s: float = 20.0) -> None:
+    """SIGTERM to proc alone, grace_s for it to drain and stop its own children, then ``kill_tree`` on what is left.
+    A vLLM consumer signalled with its whole group loses its engine process to the same signal (it aborts its
+    requests at once), and with it what the consumer reads from the engine at close: the tower's clock and the
+    ahead encoder's counts."""
+    if proc is None:
+        return
+    if proc.poll() is None:
+        try:
+            os.kill(proc.pid, signal.SIGTERM)
+        except OSError:
+            pass
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            pass
+    kill_tree(proc, grace_s=2)
+
+
 def kill_tree(proc: subprocess.Popen | None, grace_s: float = 10.0, sig: int = signal.SIGTERM) -> None:
     """Signal the process group (and any descendant that left it), wait grace_s, then SIGKILL whatever is left."""
     if proc is None:
