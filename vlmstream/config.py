@@ -314,8 +314,8 @@ class InferSettings(BaseModel):
         False, description="vLLM engine, embeds mode with engine_tower: run our vision tower ahead of the engine's "
         "step (consumers/infer/tower_ahead.py): each request's image is encoded on a CUDA stream of its own as vLLM's "
         "input thread receives it, beside the language model's forwards, and the step takes the tokens made instead "
-        "of running the tower between the language model's turns. Every image's rows then carry a tag. Opt-in: not "
-        "yet measured on a GPU.")
+        "of running the tower between the language model's turns. Every image's rows then carry a tag. Opt-in: on "
+        "one H200 at 0.2 MP it gained nothing (benchmarks/RESULTS.md [ak]); 1 MP is not measured.")
     tower_ahead_tokens: int = Field(
         65536, ge=1, description="vLLM engine, with tower_ahead: most merged visual tokens made ahead and not yet "
         "taken by the engine's step (GPU memory: tokens x the tower's output width x 2 bytes; 65,536 of "
