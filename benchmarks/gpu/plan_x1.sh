@@ -151,8 +151,8 @@
 #              P S P S, 150 s each (about 1,260 s of jobs: a whole lease)
 #   serve-ratios-02  the same at 0.2 MP, 90 s each, then the pipeline once more with the tower in the consumer under
 #              CUDA MPS (about 1,300 s of jobs)
-#   tower-ahead  infer.tower_ahead (the engine's tower run ahead of its step on a stream of its own, not yet run on a
-#              GPU): H0 check_ahead_hooks.py (its hooks against vLLM's own types, on the CPU, seconds), A0
+#   tower-ahead  infer.tower_ahead (the engine's tower run ahead of its step on a stream of its own; [ak] ran H0-A1
+#              serve, 0.2 MP only): H0 check_ahead_hooks.py (its hooks against vLLM's own types, on the CPU, seconds), A0
 #              gpu_engine_smoke.py with the tower in the step, then ahead of it (same texts and embeddings?
 #              how many images the step took made ahead); then Qwen2.5-VL-7B / 64, embeds with embeddings published,
 #              at 0.2 MP in 90-s phases, the tower in the step (S) and ahead (A), with `vllm serve` (8 API servers,
