@@ -303,7 +303,8 @@ def run_sample(docs: list[JobDocument], settings: Any, timeout_s: float, own_s: 
         stopping = time.monotonic()
         try:
             _stop_children(children, stopped_by=interrupted)
-        except BaseException:  # a second Ctrl-C, or a closed terminal: the workers must not outlive the estimate
+        except BaseException:  # a Ctrl-C after the second (which _stop_children answers by killing), or any other
+            # error while it waits: the workers must not outlive the estimate
             for proc in children.values():
                 _kill(proc)
             raise
