@@ -11,7 +11,7 @@ printed beside them: it runs on other cores, on any machine.
     python benchmarks/bench_generic_front_end.py [--images DIR] [--model PATH] [--rounds 2]
 
 --model: a checkpoint folder of a model no family describes (default: Gemma 3 4B's config and processor, 896 x 896,
-written without weights by consumers/infer/model7b.py; only its processor config is read).
+written without weights by benchmarks/model7b.py; only its processor config is read).
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def main() -> None:
     from transformers import AutoImageProcessor
 
     from consumers.decode.stage import DecodeStage
-    from consumers.infer.model7b import GPU_MODELS
+    from benchmarks.model7b import GPU_MODELS
     from vlmstream.config import DecodeSettings
     from vlmstream.images.payload import decode as decode_payload
 

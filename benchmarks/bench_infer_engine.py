@@ -66,7 +66,7 @@ def bench_tower(args) -> dict:
     from transformers import AutoImageProcessor
     from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
 
-    from consumers.infer.model7b import write_qwen25vl_7b_config
+    from benchmarks.model7b import write_qwen25vl_7b_config
     from consumers.infer.vision import VisionEncoder, patchify_batch, vision_config_from
 
     device = args.device

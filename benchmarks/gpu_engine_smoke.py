@@ -121,7 +121,7 @@ def reference_embeddings(model_dir, tower_state, images):
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--images", default=os.environ.get("IMAGES"))
-    ap.add_argument("--model", default="qwen2.5-vl-7b", help="qwen2.5-vl-7b or qwen3-vl-8b (consumers/infer/model7b.py)")
+    ap.add_argument("--model", default="qwen2.5-vl-7b", help="qwen2.5-vl-7b or qwen3-vl-8b (benchmarks/model7b.py)")
     ap.add_argument("--model-dir", default=None, help="default: /tmp/vlmstream-MODEL")
     ap.add_argument("--n", type=int, default=64)
     ap.add_argument("--max-pixels", type=int, default=1280 * 28 * 28)
@@ -133,7 +133,7 @@ def main() -> None:
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "engine_smoke.json"))
     args = ap.parse_args()
 
-    from consumers.infer.model7b import GPU_MODELS
+    from benchmarks.model7b import GPU_MODELS
     from consumers.infer.prompts import OutputSchema
     from consumers.infer.vllm_engine import VllmEngine
     from vlmstream.config import InferSettings

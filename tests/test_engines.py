@@ -1296,7 +1296,7 @@ def test_vllm_is_asked_for_its_triton_deltanet_kernel_only_where_flashinfer_woul
     """kernel_args: a model with Gated DeltaNet layers (Qwen3.5) gets vLLM's Triton prefill kernel when FlashInfer's
     is not installed (vLLM 0.26 would pick FlashInfer's on Hopper and die at the first prefill); with FlashInfer,
     or for a model without those layers, vLLM keeps its own choice. Real configs, as the GPU runs use them."""
-    from consumers.infer.model7b import GPU_MODELS
+    from benchmarks.model7b import GPU_MODELS
     from vlmstream import vllm_process
 
     folder = GPU_MODELS[model](tmp_path / model)

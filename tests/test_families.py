@@ -557,7 +557,7 @@ def test_a_text_only_model_is_no_family_and_no_generic_model(tmp_path):
 def test_a_model_the_engine_cannot_load_fails_at_start_naming_the_setting(tmp_path):
     from consumers.infer.engine import EngineCannotLoadModel
     from consumers.infer.factory import make_engine
-    from consumers.infer.model7b import write_qwen3vl_8b_config
+    from benchmarks.model7b import write_qwen3vl_8b_config
     from vlmstream.config import InferSettings
 
     folder = write_qwen3vl_8b_config(tmp_path / "weightless")  # a config, no weights
@@ -635,12 +635,12 @@ def test_run_with_each_tiny_model_end_to_end(tiny_dirs, name, topic_names, corpu
 @pytest.mark.parametrize("name", ["qwen2.5-vl-7b", "qwen3-vl-8b", "qwen3-vl-30b-a3b", "qwen3.5-397b-a17b",
                                   "qwen3.5-27b", "gemma3-4b", "llava-onevision-7b"])
 def test_each_gpu_models_config_builds_the_model_it_names(tmp_path, name):
-    """The released configs the GPU benchmarks run with dummy weights (consumers/infer/model7b.py): transformers
+    """The released configs the GPU benchmarks run with dummy weights (benchmarks/model7b.py): transformers
     builds each (on the meta device: no memory), the registry finds its family, and a family's tower makes
     image_embeds of the width vLLM's model takes (the language model's, times 1 + DeepStack levels)."""
     from transformers import AutoConfig, AutoModelForImageTextToText
 
-    from consumers.infer.model7b import GPU_MODELS
+    from benchmarks.model7b import GPU_MODELS
 
     folder = GPU_MODELS[name](tmp_path / name)
     config = AutoConfig.from_pretrained(folder)

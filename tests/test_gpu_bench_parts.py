@@ -231,7 +231,7 @@ def test_the_towers_tflops_inside_the_pipeline(tmp_path):
     it), over the tower's ms per image in the engine; none for a model whose tower is vLLM's (the generic path)."""
     from PIL import Image
 
-    from consumers.infer.model7b import GPU_MODELS
+    from benchmarks.model7b import GPU_MODELS
     from tower_flops import tower_flops
     from vlmstream.models.registry import family_of
 

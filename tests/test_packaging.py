@@ -41,3 +41,12 @@ def test_the_wheel_holds_every_package_and_its_data(tmp_path):
     data = {"vlmstream/kafka/log4j2.xml", "vlmstream/kafka/pom.xml",
             *(str(s.relative_to(REPO)) for s in (REPO / "schemas" / "json").glob("*.schema.json"))}
     assert data <= names, sorted(data - names)
+
+
+def test_no_installed_module_imports_the_benchmarks():
+    """Benchmark code (the GPU models' configs, the arms) lives under benchmarks/, which the wheel does not hold: an
+    installed module that imported it would fail on every install but a checkout."""
+    importers = sorted(str(path.relative_to(REPO)) for root in ROOTS for path in (REPO / root).rglob("*.py")
+                       if any(line.lstrip().startswith(("from benchmarks", "import benchmarks"))
+                              for line in path.read_text().splitlines()))
+    assert not importers, importers

@@ -156,7 +156,7 @@ def main() -> None:
     from consumers.condense.engine import CondenseRequest
     from consumers.condense.stage import AnswerSchema, Condenser
     from consumers.condense.vllm_engine import VllmCondenseEngine
-    from consumers.infer.model7b import write_qwen25vl_7b_config
+    from benchmarks.model7b import write_qwen25vl_7b_config
     from vlmstream.config import CondenseSettings, InferSettings
 
     model = Path(args.model)

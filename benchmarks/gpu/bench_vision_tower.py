@@ -57,7 +57,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks" / "gpu"))
 
 from benchmarks.images import exact_size_images  # noqa: E402 - after the path insert
-from consumers.infer.model7b import GPU_MODELS  # noqa: E402
+from benchmarks.model7b import GPU_MODELS  # noqa: E402
 from consumers.infer.vision import VisionEncoder, block_kernels, load_vision_tower, patchify_batch  # noqa: E402
 from vlmstream.models.registry import family_of  # noqa: E402
 from tower_flops import H200_DENSE_BF16_TFLOPS, tower_flops  # noqa: E402 - benchmarks/gpu is on sys.path

@@ -33,7 +33,7 @@ def main() -> int:
     from transformers import AutoConfig, AutoImageProcessor, AutoModelForImageTextToText
 
     from benchmarks.images import exact_size_images
-    from consumers.infer.model7b import GPU_MODELS
+    from benchmarks.model7b import GPU_MODELS
     from consumers.infer.vision import VisionEncoder, block_kernels
     from vlmstream.models.registry import family_of
 

@@ -37,7 +37,7 @@ def make_engine(settings: InferSettings, model_path: str | Path | None = None) -
     if kind == "vllm":
         from consumers.infer.vllm_engine import VllmEngine
 
-        # A local folder with a config but no weights (model7b, benchmarks/gpu/mk_model.py) gets vLLM's random ones.
+        # A local folder with a config but no weights (benchmarks/gpu/mk_model.py) gets vLLM's random ones.
         folder = Path(model_path)
         weightless = folder.is_dir() and not any(folder.glob("*.safetensors")) and not any(folder.glob("*.bin"))
         return VllmEngine(model_path, settings, mode=settings.mode, load_format="dummy" if weightless else "auto")
