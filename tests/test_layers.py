@@ -109,6 +109,53 @@ def test_no_loops_between_packages():
     assert not loops, "packages that import each other in a loop:\n" + "\n".join(sorted(set(loops)))
 
 
+def module_circles(modules: dict[str, Path] | None = None) -> list[list[str]]:
+    """Groups of two or more project modules that reach each other through their imports (any import: function-local
+    and type-checking ones too), by Tarjan's strongly connected components."""
+    modules = modules or project_modules()
+    graph = {m: {t for _, t in imports_of(m, p) if t in modules and t != m} for m, p in modules.items()}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    circles = []
+
+    def visit(module: str) -> None:
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        for target in graph[module]:
+            if target not in index:
+                visit(target)
+                low[module] = min(low[module], low[target])
+            elif target in stack:
+                low[module] = min(low[module], index[target])
+        if low[module] == index[module]:
+            group = []
+            while not group or group[-1] != module:
+                group.append(stack.pop())
+            if len(group) > 1:
+                circles.append(sorted(group))
+
+    for module in graph:
+        if module not in index:
+            visit(module)
+    return circles
+
+
+def test_no_import_circles_between_modules(modules: dict[str, Path] | None = None):
+    circles = module_circles(modules)
+    assert not circles, "modules that import each other, directly or round a circle:\n" + "\n".join(
+        " <-> ".join(group) for group in circles)
+
+
+def test_the_circle_check_catches_a_circle(tmp_path):
+    first, second = tmp_path / "first.py", tmp_path / "second.py"
+    first.write_text("from consumers.decode import second\n")
+    second.write_text("def f():\n    from consumers.decode.first import f\n")
+    modules = {**project_modules(), "consumers.decode.first": first, "consumers.decode.second": second}
+    with pytest.raises(AssertionError, match="consumers.decode.first <-> consumers.decode.second"):
+        test_no_import_circles_between_modules(modules)
+
+
 @pytest.mark.parametrize("bad_import, expected", [
     ("from vlmstream.cli.run import run", "up a floor"),
     ("from consumers.infer.runner import InferenceRunner", "import each other"),

@@ -1,4 +1,4 @@
-"""What a condense engine takes and gives, and which one the settings ask for. Engines never see Kafka.
+"""What a condense engine takes and gives (``factory`` picks one). Engines never see Kafka.
 
 Both engines are ``QueuedEngine``s (``vlmstream/queued_engine.py``): the runner submits documents as capacity frees
 and polls finished ones in any order, no batch barrier. vLLM batches continuously; the transformers engine decodes
@@ -7,17 +7,11 @@ what is queued (up to ``condense.batch_size``) together, never waiting for a ful
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, Sequence
 
-from consumers.condense.stage import AnswerSchema
-from vlmstream.config import CondenseSettings
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -70,29 +64,3 @@ def is_multimodal(model_path: str | Path) -> bool:
         return "vision_config" in json.loads(config.read_text())
     except (OSError, ValueError):
         return False
-
-
-def vllm_usable() -> bool:
-    if importlib.util.find_spec("vllm") is None:
-        return False
-    import torch
-
-    return torch.cuda.is_available()
-
-
-def make_engine(settings: CondenseSettings, model_path: str | Path, answer_schema: AnswerSchema) -> CondenseEngine:
-    """``engine="auto"``: vLLM when it is installed and CUDA is available, else transformers. The model path is
-    resolved by the caller (``condense.model``, else ``infer.model``, else the tiny model)."""
-    kind = settings.engine
-    if kind == "auto":
-        kind = "vllm" if vllm_usable() else "transformers"
-        log.info("condense engine=auto -> %s", kind)
-    if kind == "vllm":
-        from consumers.condense.vllm_engine import VllmCondenseEngine
-
-        folder = Path(model_path)
-        weightless = folder.is_dir() and not any(folder.glob("*.safetensors")) and not any(folder.glob("*.bin"))
-        return VllmCondenseEngine(model_path, settings, answer_schema, load_format="dummy" if weightless else "auto")
-    from consumers.condense.transformers_engine import TransformersCondenseEngine
-
-    return TransformersCondenseEngine(model_path, settings, answer_schema)

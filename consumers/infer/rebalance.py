@@ -1,19 +1,30 @@
-"""The inference runner's rebalance listener: it only tells the runner, through its public methods."""
+"""The inference runner's rebalance listener: it only tells the runner, through the narrow ``RebalanceTarget``."""
 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from kafka.consumer.subscription_state import AsyncConsumerRebalanceListener
 
 from consumers.infer.engine import EngineDeadError
 from vlmstream.kafka.errors import FatalPipelineError
 
-if TYPE_CHECKING:
-    from consumers.infer.runner import InferenceRunner
-
 log = logging.getLogger("consumers.infer.runner")
+
+
+class RebalanceTarget(Protocol):
+    """What the listener may tell the runner (``InferenceRunner`` is one)."""
+
+    def rebalance_started(self) -> None: ...
+
+    async def revoke(self, revoked: set) -> None: ...
+
+    def fail(self, exc: BaseException) -> None: ...
+
+    def partitions_assigned(self) -> None: ...
+
+    def drop_partitions(self, lost: set) -> None: ...
 
 
 class RunnerRebalance(AsyncConsumerRebalanceListener):
@@ -23,7 +34,7 @@ class RunnerRebalance(AsyncConsumerRebalanceListener):
     ``close``; a blocking ``consumer.commit`` is refused there (``Checkpoint.commit_from_listener``).
     """
 
-    def __init__(self, runner: InferenceRunner):
+    def __init__(self, runner: RebalanceTarget):
         self.runner = runner
 
     async def on_partitions_revoked(self, revoked):

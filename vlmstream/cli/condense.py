@@ -49,7 +49,7 @@ def condense(
     import signal
     import threading
 
-    from consumers.condense.engine import make_engine
+    from consumers.condense.factory import make_engine
     from consumers.condense.runner import CondenseRunner
     from consumers.condense.stage import AnswerSchema, Condenser, load_prompt_template
     from vlmstream.cli.support import bootstrap, settings_from
