@@ -24,8 +24,8 @@ DEFAULT_BOOTSTRAP = "127.0.0.1:9092"
 class KafkaPrincipal(BaseModel):
     """One stage's own SASL login (``kafka.principals.<stage>``)."""
 
-    username: str
-    password: SecretStr
+    username: str = Field(description="SASL username of this stage's principal.")
+    password: SecretStr = Field(description="Its password (masked).")
 
 
 class KafkaSettings(BaseModel):
@@ -37,20 +37,23 @@ class KafkaSettings(BaseModel):
         "address, no local broker is started.",
     )
     client_id: str = Field("vlmstream", description="Prefix of every client id.")
-    security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
+    security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = Field(
+        "PLAINTEXT", description="How clients talk to the brokers, as in kafka-python.")
     sasl_mechanism: str | None = Field(None, description="PLAIN, SCRAM-SHA-256, SCRAM-SHA-512, OAUTHBEARER")
-    sasl_plain_username: str | None = None
-    sasl_plain_password: SecretStr | None = None
-    ssl_cafile: str | None = None
-    ssl_certfile: str | None = None
-    ssl_keyfile: str | None = None
-    ssl_password: SecretStr | None = None
+    sasl_plain_username: str | None = Field(None, description="SASL username.")
+    sasl_plain_password: SecretStr | None = Field(None, description="SASL password (masked).")
+    ssl_cafile: str | None = Field(None, description="CA certificate file that signs the brokers' certificates.")
+    ssl_certfile: str | None = Field(None, description="Client certificate file, for brokers that ask for one.")
+    ssl_keyfile: str | None = Field(None, description="The client certificate's key file.")
+    ssl_password: SecretStr | None = Field(None, description="Password of the key file (masked).")
     principals: dict[str, KafkaPrincipal] = Field(
         default_factory=dict,
         description="Per-stage SASL logins (producer, decode, infer, condense, tap, ops) that `vlmstream run` hands to "
         "the stage it starts, each only its own; the login above stays run's own. `vlmstream security clients` writes "
         "them for the local secured broker.")
-    request_timeout_ms: int = 30_000
+    request_timeout_ms: int = Field(
+        30_000, description="Longest wait for one broker request; each flush, commit and close on a stop waits at most "
+        "this long.")
     max_message_bytes: int = Field(
         16 * 1024 * 1024,
         description="Largest record the pipeline produces; larger image payloads go through the claim-check store.",
@@ -87,12 +90,14 @@ class KafkaSettings(BaseModel):
 
 
 class TopicSettings(BaseModel):
-    documents: str = "vlmstream.documents"
-    images: str = "vlmstream.images"
-    descriptions: str = "vlmstream.descriptions"
-    embeddings: str = "vlmstream.embeddings"
-    results: str = "vlmstream.results"
-    deadletter: str = "vlmstream.deadletter"
+    """The pipeline's topic names and how `topics create` makes them."""
+
+    documents: str = Field("vlmstream.documents", description="One document (its image URIs) per record.")
+    images: str = Field("vlmstream.images", description="One decoded image at the model's input size per record.")
+    descriptions: str = Field("vlmstream.descriptions", description="One description per image.")
+    embeddings: str = Field("vlmstream.embeddings", description="One vision embedding per image.")
+    results: str = Field("vlmstream.results", description="One result per document (compacted, key = doc id).")
+    deadletter: str = Field("vlmstream.deadletter", description="Every failure, with its reason and original record.")
     summaries: str = Field("vlmstream.summaries", description="One summary per document (the condense stage; "
                            "compacted, key = doc id): `topics create` and `run` create it; export and view skip it "
                            "while the cluster does not have it.")
@@ -105,20 +110,21 @@ class TopicSettings(BaseModel):
         "None: 2 when the replication factor is 3 or more, else 1. Set on the topics only on a cluster of more "
         "than one broker or when given.")
     retention_ms: int = Field(7 * 24 * 3600 * 1000, description="Retention of the data topics.")
-    deadletter_retention_ms: int = Field(30 * 24 * 3600 * 1000)
+    deadletter_retention_ms: int = Field(30 * 24 * 3600 * 1000, description="Retention of the dead-letter topic.")
 
 
 class BrokerSettings(BaseModel):
     """The project's own KRaft broker (used only when bootstrap is local): one node by default, or a local cluster
     of ``nodes`` combined broker+controller nodes from the same jars."""
 
-    kafka_version: str = "4.1.1"
+    kafka_version: str = Field("4.1.1", description="Kafka release whose jars the local broker runs.")
     home: Path = Field(
         Path(os.environ.get("VLMSTREAM_HOME", str(Path.home() / ".cache" / "vlmstream"))),
         description="Cache folder outside git: Kafka jars, logs, data.",
+        json_schema_extra={"doc_default": "`$VLMSTREAM_HOME`, else `~/.cache/vlmstream`"},
     )
-    host: str = "127.0.0.1"
-    port: int = 9092
+    host: str = Field("127.0.0.1", description="Address the local broker listens on.")
+    port: int = Field(9092, description="The single node's client port; a cluster's first node's.")
     controller_port: int | None = Field(
         None, description="The single node's controller port; None: the port after `port` (9093 by default). A "
         "cluster's: see nodes.")
@@ -150,8 +156,10 @@ class BrokerSettings(BaseModel):
 
 
 class ProducerSettings(BaseModel):
+    """`vlmstream produce` and the producer inside `vlmstream run`."""
+
     max_in_flight_documents: int = Field(10_000, description="Bound on sends not yet acknowledged.")
-    linger_ms: int = 5
+    linger_ms: int = Field(5, description="How long a batch waits for more records before it is sent.")
     compression_type: Literal["gzip", "snappy", "lz4", "zstd"] | None = Field(
         None, description="Codec of every producer's batches (none by default: image payloads are compressed already).")
     state_dir: Path | None = Field(
@@ -160,7 +168,9 @@ class ProducerSettings(BaseModel):
 
 
 class DecodeSettings(BaseModel):
-    group_id: str = "vlmstream-decode"
+    """The decode fleet: fetch, decode and resize each image to the model's input size."""
+
+    group_id: str = Field("vlmstream-decode", description="Consumer group of the whole decode fleet.")
     workers: int = Field(0, description="Worker processes on this machine; 0 means one per core.")
     niceness: int = Field(
         0, ge=0, le=19, description="Added to each worker's nice value. On a machine shared with an inference "
@@ -174,19 +184,19 @@ class DecodeSettings(BaseModel):
         "whose image processor settings (processor_config.json or preprocessor_config.json) bound the pixels: "
         "min_pixels and max_pixels apply within its limits. "
         "`vlmstream run` sets it to infer.model.")
-    min_pixels: int = family_named(DEFAULT_FAMILY).min_pixels
+    min_pixels: int = Field(family_named(DEFAULT_FAMILY).min_pixels, description="Smallest model input in pixels.")
     max_pixels: int = Field(family_named(DEFAULT_FAMILY).max_pixels,
                             description="Largest model input in pixels (the checkpoints' 12,845,056 by default).")
     codec: Literal["jpeg", "png", "raw"] = Field("jpeg", description="Payload codec; png and raw are lossless.")
-    jpeg_quality: int = 95
+    jpeg_quality: int = Field(95, description="Quality of the jpeg payload codec.")
     allowed_roots: list[str] = Field(
         default_factory=list,
         description="Local folders that image paths may point into; empty means the current directory.",
     )
     allow_private_hosts: bool = Field(False, description="Allow http(s) to loopback/private address ranges.")
-    http_connect_timeout_s: float = 5.0
-    http_read_timeout_s: float = 30.0
-    http_retries: int = 3
+    http_connect_timeout_s: float = Field(5.0, description="http(s) fetch: longest wait for a connection.")
+    http_read_timeout_s: float = Field(30.0, description="http(s) fetch: longest wait between bytes.")
+    http_retries: int = Field(3, description="http(s) fetch: tries of a retriable failure (timeout, 5xx).")
     max_image_bytes: int = Field(64 * 1024 * 1024, description="Largest source file fetched.")
     max_source_pixels: int = Field(
         200_000_000, description="Decompression-bomb guard: largest source image (width x height) decoded."
@@ -199,8 +209,10 @@ class DecodeSettings(BaseModel):
     claim_check_url: str = Field(
         "", description="Folder or fsspec URL for payloads over the message limit (default: under broker home)."
     )
-    exactly_once: bool = False
-    max_poll_records: int = 16
+    exactly_once: bool = Field(
+        False, description="Images, dead letters and offsets in one transaction per batch; downstream must read "
+        "read_committed.")
+    max_poll_records: int = Field(16, description="Most documents one worker takes per poll.")
     commit_interval_s: float = Field(
         1.0, description="At-least-once: flush and commit at most this often (and on revoke and shutdown)."
     )
@@ -405,7 +417,7 @@ class ViewSettings(BaseModel):
     """`vlmstream view`: the local page that follows the output topics."""
 
     host: str = Field("127.0.0.1", description="Address the page listens on; 127.0.0.1 keeps it on this machine.")
-    port: int = Field(8765, ge=1, le=65535)
+    port: int = Field(8765, ge=1, le=65535, description="Port the page listens on.")
     max_images: int = Field(5000, ge=1, description="Images the page keeps (the latest), so memory stays bounded.")
     thumbnail_px: int = Field(256, ge=16, le=2048, description="Longest side of a thumbnail.")
 
