@@ -1,7 +1,7 @@
 """GPU smoke test and measurement of the vLLM engine, both modes, on the Qwen2.5-VL-7B or Qwen3-VL-8B config (dummy
 weights).
 
-Run on the device (vLLM unpacked per shared/gpu/README.md, PYTHONPATH set):
+Run on a GPU machine with vLLM (benchmarks/gpu/README.md):
     python benchmarks/gpu_engine_smoke.py [--model qwen2.5-vl-7b|qwen3-vl-8b] [--images DIR] [--n 64]
         [--max-pixels 1003520] [--tokens 64]
         [--modes embeds,pixels,pixels-engine-tower,embeds-engine-tower,embeds-engine-tower-ahead]

@@ -1,4 +1,4 @@
-"""Multi-process OpenAI-style client for `vllm serve` (adapted from ../shared/gpu/serve_client.py): P processes keep
+"""Multi-process OpenAI-style client for `vllm serve`: P processes keep
 C requests in flight in total for --seconds, each request one full-resolution JPEG as a file:// URL; then they wait
 for what is in flight. Prints `RESULT {json}`: completed requests over the time from the first request sent to the
 last answer received (t0 is wall-clock time.time(), for the GPU sampler).
