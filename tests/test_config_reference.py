@@ -87,3 +87,18 @@ def test_the_link_check_sees_a_missing_file(tmp_path):
     doc.write_text("See [gone](gone.md) and `vlmstream/no_such_module.py`; [web](https://example.org) is skipped.")
     names = [name for name, path in _targets(doc) if not path.exists()]
     assert names == ["gone.md", "vlmstream/no_such_module.py"]
+
+
+def test_topics_page_names_every_field_of_every_message_schema():
+    """docs/topics.md's message table lists each schema file's properties, so a schema change shows up there."""
+    import json
+
+    page = (ROOT / "docs" / "topics.md").read_text()
+    rows = {line.split("`")[3]: line for line in page.splitlines() if line.startswith("| `") and ".schema.json" in line}
+    for schema_file in sorted((ROOT / "schemas" / "json").glob("*.schema.json")):
+        assert schema_file.name in rows, f"docs/topics.md has no row for {schema_file.name}"
+        schema = json.loads(schema_file.read_text())
+        missing = [name for name in schema["properties"] if f"`{name}`" not in rows[schema_file.name]]
+        assert not missing, f"docs/topics.md's {schema_file.name} row lacks {missing}"
+        required = [name for name in schema.get("required", []) if f"**`{name}`**" not in rows[schema_file.name]]
+        assert not required, f"docs/topics.md's {schema_file.name} row does not mark {required} as required"
