@@ -1,5 +1,5 @@
 """Folders of images as documents: each subfolder one document (or each file, ``per_file``), its images in
-natural order, a multi-page TIFF as one image per page."""
+natural order, a multi-page TIFF or a PDF as one image per page."""
 
 from __future__ import annotations
 
@@ -9,10 +9,12 @@ from typing import Iterator
 
 from producers.items import Rejection, natural_key, replace_non_utf8, validated
 from schemas import DocumentRef, SchemaError
+from vlmstream.images.pdf import DEFAULT_MAX_PAGES as DEFAULT_MAX_PDF_PAGES
 
 # What a folder source picks up: every format the decode stage reads (it decides by content, not by name).
 IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".png", ".webp", ".gif", ".tif", ".tiff", ".bmp", ".jp2", ".j2k",
-                              ".jpf", ".jpx", ".heic", ".heif", ".avif", ".pbm", ".pgm", ".ppm", ".pnm", ".qoi"})
+                              ".jpf", ".jpx", ".heic", ".heif", ".avif", ".pbm", ".pgm", ".ppm", ".pnm", ".qoi",
+                              ".pdf"})
 
 
 def _is_image_name(name: str) -> bool:
@@ -84,11 +86,21 @@ def skipped_files_line(skipped: list[Path], root: str | Path, shown: int = 3) ->
             f"(by name): {names}{more}")
 
 
-def page_uris(path: Path) -> list[str]:
-    """A multi-page TIFF (scans, faxes) as one URI per page, ``path#page=N``, so that every page is described;
-    any other file as itself. A TIFF that cannot be read goes as it is: the decode stage says what is wrong. So
-    does one of ``MAX_PAGES`` pages or more: the decode stage describes its first and notes the rest."""
-    if path.suffix.lower() not in (".tif", ".tiff"):
+def page_uris(path: Path, max_pdf_pages: int = DEFAULT_MAX_PDF_PAGES) -> list[str]:
+    """A multi-page TIFF (scans, faxes) or a PDF as one URI per page, ``path#page=N``, so that every page is
+    described; any other file as itself. A file that cannot be read goes as it is: the decode stage says what is
+    wrong. So does a TIFF of ``MAX_PAGES`` pages or more (the decode stage describes its first and notes the rest)
+    and a PDF of more than ``max_pdf_pages`` (decode.max_pdf_pages: a dead letter naming the setting)."""
+    suffix = path.suffix.lower()
+    if suffix == ".pdf":
+        from vlmstream.images import pdf  # only folders with PDFs pay for PDFium
+
+        try:
+            pages = pdf.count_pages(path)  # the page tree's count: nothing parsed or rendered
+        except Exception:  # noqa: BLE001 - any failure is the decode stage's to name
+            return [str(path)]
+        return [str(path)] if not 1 <= pages <= max_pdf_pages else [f"{path}#page={n}" for n in range(1, pages + 1)]
+    if suffix not in (".tif", ".tiff"):
         return [str(path)]
     from PIL import Image  # only folders with TIFFs pay for the import
 
@@ -102,7 +114,8 @@ def page_uris(path: Path) -> list[str]:
     return [str(path)] if not 1 < pages < MAX_PAGES else [f"{path}#page={n}" for n in range(1, pages + 1)]
 
 
-def folder_document(root: Path, doc_id: str, files: list[Path] | OSError) -> DocumentRef | Rejection:
+def folder_document(root: Path, doc_id: str, files: list[Path] | OSError,
+                    max_pdf_pages: int = DEFAULT_MAX_PDF_PAGES) -> DocumentRef | Rejection:
     """One of ``folder_groups``' entries as a document, or as a rejection when its folder could not be listed or
     the schema refuses it."""
     if isinstance(files, OSError):
@@ -110,16 +123,16 @@ def folder_document(root: Path, doc_id: str, files: list[Path] | OSError) -> Doc
                          f"{files.filename}: {files.strerror or files}; its document is not published without "
                          "the images it may hold", doc_id.encode("utf-8", "surrogateescape"), doc_id)
     try:
-        return validated(DocumentRef(doc_id=doc_id, image_uris=tuple(uri for p in files for uri in page_uris(p)),
+        return validated(DocumentRef(doc_id=doc_id, image_uris=tuple(uri for p in files for uri in page_uris(p, max_pdf_pages)),
                                      source=f"folder:{root}"))
     except SchemaError as exc:
         return Rejection(f"folder:{root}", None, "schema_violation", f"{replace_non_utf8(doc_id)}: {exc}",
                          doc_id.encode("utf-8", "surrogateescape"), doc_id)
 
 
-def scan_folder(root: str | Path, *, per_file: bool = False,
-                skipped: list[Path] | None = None) -> Iterator[DocumentRef | Rejection]:
+def scan_folder(root: str | Path, *, per_file: bool = False, skipped: list[Path] | None = None,
+                max_pdf_pages: int = DEFAULT_MAX_PDF_PAGES) -> Iterator[DocumentRef | Rejection]:
     """``folder_groups``' documents (or rejections); files of other types are added to ``skipped`` when given."""
     root = Path(root).absolute()
     for doc_id, files in folder_groups(root, per_file=per_file, skipped=skipped).items():
-        yield folder_document(root, doc_id, files)
+        yield folder_document(root, doc_id, files, max_pdf_pages)

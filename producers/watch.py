@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import IO, Iterator
 
-from producers.folder import folder_document, folder_groups
+from producers.folder import DEFAULT_MAX_PDF_PAGES, folder_document, folder_groups
 from producers.items import IDLE, SourceItem, replace_non_utf8
 from producers.json_document import parse_json_line
 
@@ -31,7 +31,8 @@ def _stat_or_link(path: Path) -> os.stat_result:
 
 
 def watch_folder(root: str | Path, *, per_file: bool = False, settle_s: float = 2.0, poll_s: float = 0.5,
-                 stop: threading.Event | None = None, max_seconds: float | None = None) -> Iterator[SourceItem]:
+                 stop: threading.Event | None = None, max_seconds: float | None = None,
+                 max_pdf_pages: int = DEFAULT_MAX_PDF_PAGES) -> Iterator[SourceItem]:
     """Follow a folder by polling: a document is published once its files (names, sizes, mtimes) have
     stayed unchanged for ``settle_s``, so a subfolder still being copied is not sent half-full.
     Documents already there at start whose newest file is older than ``settle_s`` go out at once.
@@ -50,7 +51,7 @@ def watch_folder(root: str | Path, *, per_file: bool = False, settle_s: float = 
                 signature: tuple = ("unreadable", str(files))
                 if yielded.get(doc_id) != signature:
                     yielded[doc_id] = signature
-                    yield folder_document(root, doc_id, files)
+                    yield folder_document(root, doc_id, files, max_pdf_pages)
                 continue
             try:
                 stats = [_stat_or_link(p) for p in files]
@@ -69,7 +70,7 @@ def watch_folder(root: str | Path, *, per_file: bool = False, settle_s: float = 
                 continue
             changing.pop(doc_id, None)
             yielded[doc_id] = signature
-            yield folder_document(root, doc_id, files)
+            yield folder_document(root, doc_id, files, max_pdf_pages)
         first_scan = False
         yield IDLE
         if _stop_requested(stop, deadline, poll_s):

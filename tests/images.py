@@ -196,7 +196,7 @@ def bad_inputs() -> dict[str, tuple[bytes, str]]:
         "truncated_png": (png[: len(png) // 2], "decode_truncated"),
         "png_bomb_100k": (png_bomb(), "decode_too_many_pixels"),
         "jpeg_bomb_60k": (jpeg_bomb(), "decode_too_many_pixels"),
-        "pdf": (b"%PDF-1.7\n%\xe2\xe3\xcf\xd3\n1 0 obj\n", "decode_unsupported"),
+        "pdf_header_only": (b"%PDF-1.7\n%\xe2\xe3\xcf\xd3\n1 0 obj\n", "decode_corrupt"),
         "svg": (b'<svg xmlns="http://www.w3.org/2000/svg" width="10" height="10"/>', "decode_unsupported"),
         "extreme_aspect": (_save(Image.new("RGB", (4020, 20), "white"), "PNG"), "decode_bad_aspect"),
         "heic_brand_only": (b"\x00\x00\x00\x18ftypheic" + bytes(64),

@@ -157,7 +157,8 @@ def test_a_folder_scan_says_which_files_it_left_out_for_their_type(tmp_path: Pat
 def test_folder_sources_pick_every_format_the_decode_stage_reads(tmp_path: Path) -> None:
     for name in ("scan.jp2", "phone.HEIC", "page.pgm", "photo.avif", "notes.txt", "data.pdf"):
         (tmp_path / name).write_bytes(b"not checked here")
-    assert sorted(folder_groups(tmp_path, per_file=True)) == ["page.pgm", "phone.HEIC", "photo.avif", "scan.jp2"]
+    assert sorted(folder_groups(tmp_path, per_file=True)) == ["data.pdf", "page.pgm", "phone.HEIC", "photo.avif",
+                                                              "scan.jp2"]
 
 
 def test_a_multi_page_tiff_in_a_folder_is_one_image_per_page(tmp_path: Path) -> None:

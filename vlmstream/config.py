@@ -16,6 +16,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from vlmstream.images.pdf import DEFAULT_MAX_PAGES as DEFAULT_MAX_PDF_PAGES
 from vlmstream.models.registry import DEFAULT_FAMILY, family_named, family_of
 
 DEFAULT_BOOTSTRAP = "127.0.0.1:9092"
@@ -206,6 +207,19 @@ class DecodeSettings(BaseModel):
         "the process's main thread, where the decode workers run the stage; a decoder inside one C call is "
         "stopped when the call returns.",
     )
+    pdf_dpi: float = Field(
+        200.0, gt=0, description="A PDF page's size in pixels before the family's resize rule: its size in points "
+        "at this resolution (a scanner's usual 200 dpi). The page is rendered straight at the model's input size "
+        "for that size; max_pixels bounds it either way.")
+    max_pdf_pages: int = Field(
+        DEFAULT_MAX_PDF_PAGES, ge=1, description="Largest PDF (in pages) a folder source publishes page by page; a PDF named without "
+        "`#page=N` that has more is a dead letter naming this setting.")
+    pdf_render_time_limit_s: float = Field(
+        20.0, ge=0, description="Longest render of one PDF page (0: none), checked by PDFium between its drawing "
+        "steps; a page past it is a dead letter.")
+    pdf_page_text_chars: int = Field(
+        0, ge=0, description="Characters of a PDF page's text layer carried with its image as metadata "
+        "`page_text` (0: none).")
     claim_check_url: str = Field(
         "", description="Folder or fsspec URL for payloads over the message limit (default: under broker home)."
     )

@@ -2,7 +2,8 @@
 
 The format comes from the magic number (``sniff``), never from the file name. JPEGs go through libjpeg-turbo with
 DCT-domain scaling (the decoder itself produces a 1/2, 1/4 or 1/8 size image, which is both the fastest path and an
-antialiased reduction); PNG and WebP through OpenCV; everything else through Pillow (JPEG 2000 with its own
+antialiased reduction); PNG and WebP through OpenCV; a PDF page rendered by PDFium straight at the target size
+(``vlmstream.images.pdf``: no full-resolution raster first); everything else through Pillow (JPEG 2000 with its own
 reduction: whole wavelet resolution levels skipped, ``jpeg2000``). Sizes are checked from the header before any
 pixel is decoded, so a decompression bomb costs a few hundred bytes of parsing (``headers``). Pillow's modes become
 8-bit RGB in ``pixels``; the failures are the classes in ``errors``.
@@ -32,6 +33,7 @@ from consumers.decode.pixels import composite_on_white, eight_bit, to_rgb
 from consumers.decode.resize import swaps_axes
 from consumers.decode.sniff import sniff_format
 from vlmstream.images import pages as page_files
+from vlmstream.images import pdf
 from vlmstream.images.errors import ImageError
 from vlmstream.images.turbojpeg import turbojpeg_handle
 from vlmstream.models.family import ModelFamily
@@ -59,8 +61,10 @@ class Decoded:
     target_height: int
     source_format: str
     scale: float = 1.0
-    # Pages in a multi-page TIFF decoded without a page selector (only its first is decoded); 1 otherwise.
+    # Pages in a multi-page TIFF or PDF decoded without a page selector (only its first is decoded); 1 otherwise.
     pages: int = 1
+    # A PDF page's text layer, up to decode.pdf_page_text_chars; '' otherwise.
+    text: str = ""
 
     @property
     def stored_target(self) -> tuple[int, int]:
@@ -97,11 +101,19 @@ class Decoder:
         max_pixels: int | None = None,
         max_source_pixels: int = 200_000_000,
         use_turbojpeg: bool = True,
+        pdf_dpi: float = 200.0,
+        max_pdf_pages: int = 1000,
+        pdf_render_time_limit_s: float = 0.0,
+        pdf_page_text_chars: int = 0,
     ):
         self.family = family.with_pixel_limits(
             family.min_pixels if min_pixels is None else min_pixels,
             family.max_pixels if max_pixels is None else max_pixels)
         self.max_source_pixels = max_source_pixels
+        self.pdf_dpi = pdf_dpi
+        self.max_pdf_pages = max_pdf_pages
+        self.pdf_render_time_limit_s = pdf_render_time_limit_s
+        self.pdf_page_text_chars = pdf_page_text_chars
         configure_pillow(max_source_pixels)
         self._turbo = turbojpeg_handle() if use_turbojpeg else None
 
@@ -116,6 +128,8 @@ class Decoder:
             check_jpeg_is_decodable(data)
         if fmt == "jpeg" and self._turbo is not None and (page or 1) == 1:
             return self._decode_jpeg_turbo(data)
+        if fmt == "pdf":
+            return self._decode_pdf(data, page)
         return self._decode_pillow(data, fmt, page)
 
     # -- shared helpers ---------------------------------------------------------------------------------
@@ -167,6 +181,31 @@ class Decoder:
                 # libjpeg fills the missing rows with grey and calls it a warning; a half-grey page is a failure.
                 raise TruncatedImage(f"JPEG data ends early: {message}")
         return pixels
+
+    # -- PDF pages through PDFium ----------------------------------------------------------------------
+
+    def _decode_pdf(self, data: bytes, page: int | None) -> Decoded:
+        """The page rendered at exactly the family's target for its displayed size at ``pdf_dpi``: the pixels
+        need no resize. Without a page selector the first page, with ``pages`` saying how many there are."""
+        with pdf.open_document(data) as document:
+            pages = len(document)
+            if page is None and pages > self.max_pdf_pages:
+                raise pdf.PdfTooManyPages(pages, self.max_pdf_pages)
+            number = page or 1
+            if number > pages:
+                raise PageOutOfRange(f"page {number} asked for; the PDF has {pages}")
+            rendered = pdf.render_page_bounded(
+                document, number, lambda w, h: self._pdf_target(w, h)[2:], max_pixels=self.family.max_pixels,
+                time_limit_s=self.pdf_render_time_limit_s, text_chars=self.pdf_page_text_chars)
+        width, height, target_w, target_h = self._pdf_target(rendered.width_pt, rendered.height_pt)
+        return Decoded(rendered.pixels, 1, width, height, target_w, target_h, "pdf", target_w / width,
+                       pages if page is None else 1, rendered.text)
+
+    def _pdf_target(self, width_pt: float, height_pt: float) -> tuple[int, int, int, int]:
+        """(width, height, target width, target height) of a page of that many points at ``pdf_dpi``; raises past
+        ``max_source_pixels`` (a page of absurd size) or the family's aspect limit."""
+        to_pixels = self.pdf_dpi / pdf.POINTS_PER_INCH
+        return self._check_and_target(max(1, round(width_pt * to_pixels)), max(1, round(height_pt * to_pixels)), 1)
 
     # -- everything else through Pillow -----------------------------------------------------------------
 

@@ -300,6 +300,11 @@ class DecodeWorker:
                        source: dict[str, Any], metadata_bytes: int) -> None:
         value = image.data
         ref = None
+        metadata = doc.metadata
+        if image.page_text:
+            # The page's own text layer, for a prompt or the condense stage; bounded by decode.pdf_page_text_chars.
+            metadata = {**metadata, "page_text": image.page_text}
+            metadata_bytes += len(orjson.dumps(image.page_text))
         # The headers count: a record is its value and its headers (the metadata is in them).
         if len(value) + metadata_bytes + 4096 > self.settings.kafka.max_message_bytes:
             # Never dropped: the pixels go aside and the record carries the reference.
@@ -314,7 +319,7 @@ class DecodeWorker:
             payload_bytes=len(image.data), claim_check=ref, source_format=image.source_format,
             decode_ms=round(image.decode_ms, 3),
             prepare_cpu_ms=round(image.prepare_cpu_ms, 3) if image.prepare_cpu_ms is not None else None,
-            metadata=doc.metadata, source=source, created_at=now())
+            metadata=metadata, source=source, created_at=now())
         self._send(self.settings.topics.images, payload.key(), value, payload.headers())
 
     def _publish_dead_letter(self, letter: DeadLetter) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 from consumers.decode.errors import NotAnImage, UnsupportedFormat
+from vlmstream.images.pdf import is_pdf
 
 _MAGIC = (
     (b"\xff\xd8\xff", "jpeg"),
@@ -29,7 +30,6 @@ _AVIF_BRANDS = (b"avif", b"avis")
 _HEIF_BRANDS = (b"heic", b"heix", b"hevc", b"hevx", b"heim", b"heis", b"mif1", b"msf1")
 # Recognised so the failure says "unsupported" rather than "not an image".
 _KNOWN_UNSUPPORTED = (
-    (b"%PDF", "pdf"),
     (b"\xff\x0a", "jpegxl"),
     (b"\x00\x00\x00\x0cJXL ", "jpegxl"),
 )
@@ -57,6 +57,8 @@ def sniff_format(data: bytes) -> str:
     for magic, name in _KNOWN_UNSUPPORTED:
         if head.startswith(magic):
             raise UnsupportedFormat(f"{name} is not supported")
+    if is_pdf(data):
+        return "pdf"
     if head.lstrip().startswith((b"<svg", b"<?xml")):
         raise UnsupportedFormat("SVG (vector) is not supported")
     raise NotAnImage(f"no known image signature (first bytes {head[:8]!r}, {len(data)} bytes)")

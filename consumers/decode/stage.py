@@ -1,7 +1,7 @@
 """The decode stage: a URI in, a ``PreparedImage`` (pixels at exactly the model family's input size) or an
 ``ImageFailure`` out. No Kafka here; ``consumers/decode/runner.py`` owns the clients and the commits.
 
-One call = fetch -> sniff + decode (DCT-scaled for JPEG) -> exact resize -> EXIF orientation -> encode.
+One call = fetch -> sniff + decode (DCT-scaled for JPEG; a PDF page rendered at the target size) -> exact resize -> EXIF orientation -> encode.
 """
 
 from __future__ import annotations
@@ -68,6 +68,10 @@ class DecodeStage:
             family=self.family,
             max_source_pixels=settings.max_source_pixels,
             use_turbojpeg=use_turbojpeg,
+            pdf_dpi=getattr(settings, "pdf_dpi", 200.0),
+            max_pdf_pages=getattr(settings, "max_pdf_pages", 1000),
+            pdf_render_time_limit_s=getattr(settings, "pdf_render_time_limit_s", 0.0),
+            pdf_page_text_chars=getattr(settings, "pdf_page_text_chars", 0),
         )
         self.store = ClaimCheckStore(claim_check_url) if claim_check_url else None
 
@@ -121,6 +125,7 @@ class DecodeStage:
             fetch_bytes=len(data),
             timings=timings,
             pages=decoded.pages,
+            page_text=decoded.text,
             prepare_cpu_ms=(cpu3 - cpu0) * 1000,
         )
 

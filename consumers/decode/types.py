@@ -29,6 +29,8 @@ class PreparedImage:
     # CPU seconds (in ms) this worker's thread spent preparing it (decode, resize, encode): unlike the wall times it
     # does not grow when other processes share the cores, so an estimate can add it to theirs.
     prepare_cpu_ms: float | None = None
+    # A PDF page's text layer (decode.pdf_page_text_chars); '' otherwise.
+    page_text: str = ""
 
 
 @dataclass(frozen=True)

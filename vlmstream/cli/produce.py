@@ -84,8 +84,10 @@ def produce(
     if manifest is not None:
         items = follow_jsonl(manifest, stop=stop, max_seconds=max_seconds) if watch else read_manifest(manifest)
     elif folder is not None:
-        items = (watch_folder(folder, per_file=per_file, settle_s=settle_s, stop=stop, max_seconds=max_seconds)
-                 if watch else scan_folder(folder, per_file=per_file, skipped=skipped))
+        pdf_pages = settings.decode.max_pdf_pages
+        items = (watch_folder(folder, per_file=per_file, settle_s=settle_s, stop=stop, max_seconds=max_seconds,
+                              max_pdf_pages=pdf_pages)
+                 if watch else scan_folder(folder, per_file=per_file, skipped=skipped, max_pdf_pages=pdf_pages))
     else:
         items = read_lines(sys.stdin.buffer, stop=stop)
     items = with_id_prefix(items, id_prefix)

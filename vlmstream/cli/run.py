@@ -261,7 +261,8 @@ def run(
     else:
         # Read before anything starts: an empty or mistyped folder needs no broker, model or workers to say so.
         skipped: list[Path] = []
-        items = list(scan_folder(folder, per_file=per_file, skipped=skipped))
+        items = list(scan_folder(folder, per_file=per_file, skipped=skipped,
+                                 max_pdf_pages=settings_from(ctx, {}).decode.max_pdf_pages))
         image_roots = [str(folder)]
         if skipped:
             console.print(f"[yellow]{escape(skipped_files_line(skipped, folder))}[/]")

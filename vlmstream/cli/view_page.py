@@ -31,7 +31,8 @@ from starlette.routing import Route
 
 from schemas import DeadLetter, Description, DocumentRef, DocumentResult, SchemaError
 from vlmstream.config import Settings
-from vlmstream.images.errors import TooManyPixels
+from vlmstream.images import pdf
+from vlmstream.images.errors import ImageError, TooManyPixels
 from vlmstream.images.localfiles import ForbiddenPath, LocalFiles, NotFound, TooLarge
 from vlmstream.images.pages import split_page
 
@@ -235,11 +236,31 @@ def make_app(settings: Settings, state: ViewState) -> Starlette:
     size = settings.view.thumbnail_px
     max_pixels = settings.decode.max_source_pixels
 
+    def pdf_thumbnail(data: bytes, page: int):
+        """The page drawn by PDFium straight at thumbnail size, bounded like decode's renders."""
+        from PIL import Image
+
+        def fit(width_pt: float, height_pt: float) -> tuple[int, int]:
+            scale = size / max(width_pt, height_pt)
+            return max(1, round(width_pt * scale)), max(1, round(height_pt * scale))
+
+        with pdf.open_document(data) as document:
+            if not 1 <= page <= len(document):
+                raise ValueError(f"page {page} asked for; the PDF has {len(document)}")
+            rendered = pdf.render_page_bounded(document, page, fit, max_pixels=size * size,
+                                               time_limit_s=settings.decode.pdf_render_time_limit_s)
+        return Image.fromarray(rendered.pixels)
+
     @lru_cache(maxsize=1024)
     def thumbnail(path: str, page: int | None) -> bytes:
         from PIL import Image, ImageOps
 
         data = files.read(path)  # ForbiddenPath outside the roots, whatever `..`, symlink or encoding led there
+        if pdf.is_pdf(data):
+            small = pdf_thumbnail(data, page or 1)
+            out = io.BytesIO()
+            small.save(out, "JPEG", quality=85)
+            return out.getvalue()
         with Image.open(io.BytesIO(data)) as image:
             if image.width * image.height > max_pixels:
                 raise TooManyPixels(f"{image.width}x{image.height} pixels", max_pixels)
@@ -273,8 +294,8 @@ def make_app(settings: Settings, state: ViewState) -> Starlette:
             return Response(str(exc), status_code=404)
         except (TooLarge, TooManyPixels) as exc:
             return Response(str(exc), status_code=413)
-        except (OSError, ValueError, EOFError) as exc:  # not an image Pillow can open, or a page it lacks
-            return Response(f"cannot make a thumbnail: {exc}", status_code=415)
+        except (OSError, ValueError, EOFError, ImageError) as exc:  # not an image Pillow or PDFium can open, or a
+            return Response(f"cannot make a thumbnail: {exc}", status_code=415)  # page it lacks
         return Response(body, media_type="image/jpeg", headers={"Cache-Control": "max-age=3600"})
 
     # Host names the page answers to: a web page elsewhere that rebinds its own name to 127.0.0.1 (DNS rebinding)

@@ -1,0 +1,201 @@
+"""PDFs as documents of pages: the folder source publishes one URI per page, the decode stage renders each page
+straight at the family's input size for its displayed shape, and every hostile file is a failure value naming its
+setting, the worker unharmed."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from consumers.decode.stage import DecodeStage
+from consumers.decode.types import ImageFailure, PreparedImage
+from producers.folder import scan_folder
+from tests import pdfs
+from vlmstream.config import DecodeSettings
+from vlmstream.images import pdf
+from vlmstream.images.payload import decode as decode_payload
+from vlmstream.models.qwen2_vl import smart_resize
+
+BUDGET = 256 * 28 * 28
+
+
+def make_stage(tmp_path, **overrides) -> DecodeStage:
+    return DecodeStage(DecodeSettings(allowed_roots=[str(tmp_path)], codec="raw", max_pixels=BUDGET, **overrides), "")
+
+
+def pixels_of(result: PreparedImage) -> np.ndarray:
+    assert isinstance(result, PreparedImage), result
+    return decode_payload(result.data, "raw", result.height, result.width)
+
+
+def test_each_page_is_rendered_at_the_family_size_for_its_displayed_shape(tmp_path):
+    """Letter portrait, A4 landscape, and letter turned by /Rotate 90: the target is smart_resize of the page as
+    displayed at decode.pdf_dpi, and the page comes out upright (its blue box where the rotation puts it)."""
+    path = tmp_path / "mixed.pdf"
+    path.write_bytes(pdfs.text_pdf([(612, 792, 0, "portrait"), (842, 595, 0, "landscape"),
+                                    (612, 792, 90, "turned")]))
+    stage = make_stage(tmp_path, pdf_page_text_chars=40)
+    shown = {1: (612, 792), 2: (842, 595), 3: (792, 612)}
+    for page, (width_pt, height_pt) in shown.items():
+        result = stage(f"{path}#page={page}")
+        pixels = pixels_of(result)
+        width, height = round(width_pt * 200 / 72), round(height_pt * 200 / 72)
+        assert (result.orig_width, result.orig_height) == (width, height)
+        assert (result.height, result.width) == smart_resize(height, width, 28, 56 * 56, BUDGET)
+        assert result.source_format == "pdf" and result.pages == 1
+        assert result.page_text == ["portrait", "landscape", "turned"][page - 1]
+        blue = np.argwhere((pixels[..., 2] > 200) & (pixels[..., 0] < 60))
+        assert len(blue), page
+        row, column = blue.mean(axis=0) / pixels.shape[:2]
+        # Unrotated pages: the box at the bottom left. Turned 90 degrees clockwise: at the top left.
+        assert column < 0.3 and (row < 0.3 if page == 3 else row > 0.7), (page, row, column)
+
+
+def test_a_scanned_page_is_its_image_at_the_model_size(tmp_path):
+    path = tmp_path / "scan.pdf"
+    path.write_bytes(pdfs.scanned_pdf([(600, 800), (900, 500)]))
+    stage = make_stage(tmp_path)
+    first = pixels_of(stage(f"{path}#page=1"))
+    second = stage(f"{path}#page=2")
+    assert second.width > second.height  # the landscape scan stays landscape
+    # The red block drawn on the scan at (1/8..1/3, 1/8..1/4) of the page is where the page puts it.
+    red = np.argwhere((first[..., 0] > 170) & (first[..., 1] < 80))
+    row, column = red.mean(axis=0) / first.shape[:2]
+    assert 0.1 < column < 0.35 and 0.1 < row < 0.28, (row, column)
+
+
+def test_a_pdf_named_without_a_page_is_its_first_page_and_says_how_many(tmp_path):
+    path = tmp_path / "three.pdf"
+    path.write_bytes(pdfs.text_pdf([(612, 792, 0, "one"), (612, 792, 0, "two"), (612, 792, 0, "three")]))
+    stage = make_stage(tmp_path)
+    result = stage(str(path))
+    assert isinstance(result, PreparedImage) and result.pages == 3
+    beyond = stage(f"{path}#page=4")
+    assert isinstance(beyond, ImageFailure) and beyond.error_kind == "decode_page_out_of_range"
+
+
+def test_a_folder_publishes_each_pdf_page_and_mixes_pdfs_with_images(tmp_path):
+    book = tmp_path / "book"
+    book.mkdir()
+    (book / "a-cover.png").write_bytes(b"not checked here")
+    (book / "b-report.pdf").write_bytes(pdfs.text_pdf([(612, 792, 0, "1"), (612, 792, 0, "2")]))
+    (book / "c-broken.pdf").write_bytes(b"%PDF-1.7 nothing more")
+    (book / "d-long.pdf").write_bytes(pdfs.many_pages(4))
+    [doc] = list(scan_folder(tmp_path, max_pdf_pages=3))
+    report = book / "b-report.pdf"
+    # The broken one goes as it is (decode names what is wrong); so does one over the page limit (decode refuses it
+    # naming decode.max_pdf_pages).
+    assert doc.image_uris == (str(book / "a-cover.png"), f"{report}#page=1", f"{report}#page=2",
+                              str(book / "c-broken.pdf"), str(book / "d-long.pdf"))
+
+
+def test_counting_pages_renders_nothing(tmp_path):
+    """The producer's count reads the page tree: a PDF whose only page takes hours to draw counts at once."""
+    path = tmp_path / "slow.pdf"
+    path.write_bytes(pdfs.endless_render())
+    started = time.process_time()
+    assert pdf.count_pages(path) == 1
+    assert time.process_time() - started < 1.0
+
+
+def test_scripts_never_run(tmp_path):
+    """pypdfium2's PDFium has no JavaScript engine, and no form environment is set up: a PDF whose open action is
+    a script renders as its page and nothing else."""
+    assert pdf.runs_no_scripts()
+    path = tmp_path / "script.pdf"
+    path.write_bytes(pdfs.javascript_pdf())
+    plain = tmp_path / "plain.pdf"
+    plain.write_bytes(pdfs.text_pdf([(612, 792, 0, "scripted")]))
+    stage = make_stage(tmp_path)
+    assert np.array_equal(pixels_of(stage(str(path))), pixels_of(stage(str(plain))))
+
+
+@pytest.mark.parametrize("name", sorted(pdfs.hostile_set(3)))
+def test_hostile_pdfs_are_failure_values_naming_their_setting(tmp_path, name):
+    data, kind, words = pdfs.hostile_set(3)[name]
+    path = tmp_path / f"{name}.pdf"
+    path.write_bytes(data)
+    stage = make_stage(tmp_path, max_pdf_pages=3, pdf_render_time_limit_s=1.0)
+    started = time.monotonic()
+    result = stage(str(path))
+    assert isinstance(result, ImageFailure), result
+    assert (result.error_kind, result.retriable) == (kind, False), result.detail
+    assert words in result.detail
+    assert time.monotonic() - started < 20
+    # The worker goes on: the next page decodes.
+    good = tmp_path / "good.pdf"
+    good.write_bytes(pdfs.text_pdf([(612, 792, 0, "after")]))
+    assert isinstance(stage(str(good)), PreparedImage)
+
+
+def test_a_render_past_the_limit_leaves_no_process_behind(tmp_path):
+    path = tmp_path / "slow.pdf"
+    path.write_bytes(pdfs.endless_render())
+    result = make_stage(tmp_path, pdf_render_time_limit_s=0.5)(str(path))
+    assert isinstance(result, ImageFailure) and result.error_kind == "decode_pdf_render_timeout"
+    with pytest.raises(ChildProcessError):
+        os.waitpid(-1, os.WNOHANG)  # the killed child was reaped: no child of this process is left
+
+
+SAMPLE = pdfs.text_pdf([(612, 792, 0, "fuzzed"), (300, 300, 90, "second")])
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_damaged_pdfs_give_values_not_exceptions(tmp_path, data):
+    damaged = bytearray(SAMPLE)
+    how = data.draw(st.sampled_from(["flip", "cut", "splice"]))
+    if how == "cut":
+        damaged = damaged[: data.draw(st.integers(0, len(damaged) - 1))]
+    else:
+        for _ in range(data.draw(st.integers(1, 8))):
+            at = data.draw(st.integers(0, len(damaged) - 1))
+            if how == "flip":
+                damaged[at] ^= data.draw(st.integers(1, 255))
+            else:
+                damaged[at:at] = data.draw(st.binary(min_size=1, max_size=16))
+    path = tmp_path / "damaged.pdf"
+    path.write_bytes(bytes(damaged))
+    stage = make_stage(tmp_path, pdf_render_time_limit_s=5.0)
+    for uri in (str(path), f"{path}#page=2"):
+        result = stage(uri)
+        assert isinstance(result, (PreparedImage, ImageFailure))
+        if isinstance(result, ImageFailure):
+            assert result.error_kind in {"decode_corrupt", "decode_page_out_of_range", "decode_not_an_image",
+                                         "decode_bad_aspect", "decode_too_many_pixels", "decode_pdf_encrypted",
+                                         "decode_pdf_render_timeout"}, (result.error_kind, result.detail)
+        else:
+            assert len(result.data) == result.width * result.height * 3
+
+
+def test_the_view_page_shows_a_thumbnail_of_each_pdf_page(tmp_path):
+    import io
+
+    from PIL import Image
+    from starlette.testclient import TestClient
+
+    from vlmstream.cli.view_page import ViewState, make_app
+    from vlmstream.config import load_settings
+
+    path = tmp_path / "two.pdf"
+    path.write_bytes(pdfs.text_pdf([(612, 792, 0, "tall"), (842, 595, 0, "wide")]))
+    (tmp_path / "slow.pdf").write_bytes(pdfs.endless_render())
+    settings = load_settings()
+    settings = settings.model_copy(update={"decode": settings.decode.model_copy(
+        update={"allowed_roots": [str(tmp_path)], "pdf_render_time_limit_s": 1.0})})
+    client = TestClient(make_app(settings, ViewState(10)), base_url="http://127.0.0.1")
+    sizes = []
+    for page in (1, 2):
+        answer = client.get("/thumbnail", params={"uri": f"{path}#page={page}"})
+        assert answer.status_code == 200, answer.text
+        sizes.append(Image.open(io.BytesIO(answer.content)).size)
+    thumb = settings.view.thumbnail_px
+    assert sizes == [(round(612 * thumb / 792), thumb), (thumb, round(595 * thumb / 842))]
+    assert client.get("/thumbnail", params={"uri": f"{path}#page=3"}).status_code == 415
+    endless = client.get("/thumbnail", params={"uri": str(tmp_path / "slow.pdf")})
+    assert endless.status_code == 415 and "decode.pdf_render_time_limit_s" in endless.text
