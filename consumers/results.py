@@ -447,11 +447,15 @@ class ResultsAggregator:
         doc = self._doc(d.doc_id)
         doc.add_position(tp, offset)
         new_version = doc.is_new_version(d.image_count)  # another source URI at an index (below) is one too
-        if d.metadata:
-            doc.metadata = {**d.metadata, **doc.metadata}
+        # A PDF page's text layer belongs to its image; the rest of the metadata is the document's.
+        shared = {key: value for key, value in d.metadata.items() if key != "page_text"}
+        if shared:
+            doc.metadata = {**shared, **doc.metadata}
         before = doc.images.get(d.image_index)
         doc.images[d.image_index] = {"image_index": d.image_index, "status": "ok", "source_uri": d.source_uri,
                                      "text": d.text, "model": d.model}
+        if isinstance(d.metadata.get("page_text"), str) and d.metadata["page_text"]:
+            doc.images[d.image_index]["page_text"] = d.metadata["page_text"]
         # Another model's description of an image is a replay with that model: the result says so, image by image.
         self._maybe_emit(doc, changed=before is None or before.get("status") != "ok" or new_version
                          or before.get("source_uri") != d.source_uri or before.get("model") != d.model)

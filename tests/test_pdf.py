@@ -199,3 +199,18 @@ def test_the_view_page_shows_a_thumbnail_of_each_pdf_page(tmp_path):
     assert client.get("/thumbnail", params={"uri": f"{path}#page=3"}).status_code == 415
     endless = client.get("/thumbnail", params={"uri": str(tmp_path / "slow.pdf")})
     assert endless.status_code == 415 and "decode.pdf_render_time_limit_s" in endless.text
+
+
+def test_the_parquet_export_has_the_page_of_each_record():
+    from schemas import DeadLetter, Description
+    from vlmstream.cli.export_parquet import _row
+
+    described = Description(doc_id="d", image_index=1, image_count=2, text="a page", model="m", prompt_id="p",
+                            engine="e", source_uri="/scans/report.pdf#page=2")
+    assert _row("descriptions", described.encode())["page"] == 2
+    letter = DeadLetter(stage="decode", error_kind="decode_pdf_encrypted", detail="encrypted", doc_id="d",
+                        image_index=0, image_count=2, source_uri="/scans/report.pdf#page=1")
+    assert _row("deadletter", letter.encode())["page"] == 1
+    photo = Description(doc_id="d", image_index=0, image_count=2, text="a photo", model="m", prompt_id="p",
+                        engine="e", source_uri="/scans/cover.jpg")
+    assert _row("descriptions", photo.encode())["page"] is None

@@ -31,9 +31,15 @@ from kafka.structs import TopicPartition
 
 from schemas import DeadLetter, Description, DocumentResult, Embedding, SchemaError
 from vlmstream.config import ExportSettings
+from vlmstream.images.pages import split_page
 
 METADATA_KEY = b"vlmstream"
 _COORDS = [pa.field("kafka_partition", pa.int32()), pa.field("kafka_offset", pa.int64())]
+
+
+def _page(source_uri: str | None) -> int | None:
+    """The page of a multi-page file (a PDF, a TIFF) the URI names with ``#page=N``, as a column to filter on."""
+    return split_page(source_uri)[1] if source_uri else None
 
 
 def _json_text(value: Any) -> str | None:
@@ -44,7 +50,7 @@ SCHEMAS: dict[str, pa.Schema] = {
     "descriptions": pa.schema([
         ("doc_id", pa.string()), ("image_index", pa.int32()), ("image_count", pa.int32()), ("text", pa.string()),
         ("model", pa.string()), ("prompt_id", pa.string()), ("engine", pa.string()), ("source_uri", pa.string()),
-        ("mode", pa.string()), ("revision", pa.string()), ("prompt_tokens", pa.int32()),
+        ("page", pa.int32()), ("mode", pa.string()), ("revision", pa.string()), ("prompt_tokens", pa.int32()),
         ("output_tokens", pa.int32()), ("visual_tokens", pa.int32()), ("json", pa.string()),
         ("timings_ms", pa.string()), ("metadata", pa.string()), ("created_at", pa.float64()), *_COORDS]),
     "results": pa.schema([
@@ -53,7 +59,8 @@ SCHEMAS: dict[str, pa.Schema] = {
     "deadletter": pa.schema([
         ("stage", pa.string()), ("error_kind", pa.string()), ("detail", pa.string()), ("retriable", pa.bool_()),
         ("doc_id", pa.string()), ("image_index", pa.int32()), ("image_count", pa.int32()),
-        ("source_uri", pa.string()), ("source_topic", pa.string()), ("source_partition", pa.int32()),
+        ("source_uri", pa.string()), ("page", pa.int32()), ("source_topic", pa.string()),
+        ("source_partition", pa.int32()),
         ("source_offset", pa.int64()), ("attempts", pa.int32()), ("original_key", pa.binary()),
         ("original_value", pa.binary()), ("original_headers", pa.string()), ("created_at", pa.float64()),
         *_COORDS]),
@@ -82,7 +89,7 @@ def _row(kind: str, value: bytes) -> dict[str, Any] | tuple[dict[str, Any], tupl
         d = Description.from_dict(data)
         return {"doc_id": d.doc_id, "image_index": d.image_index, "image_count": d.image_count, "text": d.text,
                 "model": d.model, "prompt_id": d.prompt_id, "engine": d.engine, "source_uri": d.source_uri,
-                "mode": d.mode, "revision": d.revision, "prompt_tokens": d.prompt_tokens,
+                "page": _page(d.source_uri), "mode": d.mode, "revision": d.revision, "prompt_tokens": d.prompt_tokens,
                 "output_tokens": d.output_tokens, "visual_tokens": d.visual_tokens, "json": _json_text(d.json),
                 "timings_ms": _json_text(d.timings_ms), "metadata": _json_text(d.metadata or None),
                 "created_at": d.created_at}
@@ -97,7 +104,7 @@ def _row(kind: str, value: bytes) -> dict[str, Any] | tuple[dict[str, Any], tupl
         headers = x.original_headers if x.original_headers is not None else x.original_headers_b64
         return {"stage": x.stage, "error_kind": x.error_kind, "detail": x.detail, "retriable": x.retriable,
                 "doc_id": x.doc_id, "image_index": x.image_index, "image_count": x.image_count,
-                "source_uri": x.source_uri, "source_topic": source.get("topic"),
+                "source_uri": x.source_uri, "page": _page(x.source_uri), "source_topic": source.get("topic"),
                 "source_partition": source.get("partition"), "source_offset": source.get("offset"),
                 "attempts": x.attempts,
                 "original_key": base64.b64decode(x.original_key_b64) if x.original_key_b64 else None,
