@@ -215,8 +215,8 @@ class DecodeSettings(BaseModel):
         DEFAULT_MAX_PDF_PAGES, ge=1, description="Largest PDF (in pages) a folder source publishes page by page; a PDF named without "
         "`#page=N` that has more is a dead letter naming this setting.")
     pdf_render_time_limit_s: float = Field(
-        20.0, ge=0, description="Longest render of one PDF page (0: none), checked by PDFium between its drawing "
-        "steps; a page past it is a dead letter.")
+        20.0, ge=0, description="Longest render of one PDF page (0: none). The page is parsed and drawn in a "
+        "child process, which is killed past it: the page is a dead letter and the worker goes on.")
     pdf_page_text_chars: int = Field(
         0, ge=0, description="Characters of a PDF page's text layer carried with its image as metadata "
         "`page_text` (0: none).")
