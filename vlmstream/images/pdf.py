@@ -76,7 +76,11 @@ def runs_no_scripts() -> bool:
 def open_document(source: bytes | str | Path) -> Iterator["object"]:
     """The open ``pypdfium2.PdfDocument`` of bytes or a local path, holding PDFium's lock until the block ends.
     Raises ``PdfEncrypted`` (a password or an unsupported security handler) or ``CorruptPdf``."""
-    import pypdfium2
+    try:
+        import pypdfium2
+    except ImportError as exc:  # an environment installed before PDFs were read: every PDF says so, no worker stops
+        raise ImageError("PDF: pypdfium2, a dependency of vlmstream, is not installed here (install vlmstream "
+                         "again: scripts/setup.sh)", error_kind="decode_unsupported") from exc
 
     with _LOCK:
         try:
