@@ -133,13 +133,27 @@ def test_hostile_pdfs_are_failure_values_naming_their_setting(tmp_path, name):
     assert isinstance(stage(str(good)), PreparedImage)
 
 
-def test_a_render_past_the_limit_leaves_no_process_behind(tmp_path):
-    path = tmp_path / "slow.pdf"
-    path.write_bytes(pdfs.endless_render())
-    result = make_stage(tmp_path, pdf_render_time_limit_s=0.5)(str(path))
+def _children() -> set[int]:
+    return {int(pid) for task in os.listdir("/proc/self/task")
+            for pid in open(f"/proc/self/task/{task}/children").read().split()}
+
+
+def test_pages_render_in_one_child_that_a_timeout_or_close_ends(tmp_path):
+    slow, good = tmp_path / "slow.pdf", tmp_path / "good.pdf"
+    slow.write_bytes(pdfs.endless_render())
+    good.write_bytes(pdfs.text_pdf([(612, 792, 0, "one"), (612, 792, 0, "two")]))
+    before = _children()
+    stage = make_stage(tmp_path, pdf_render_time_limit_s=0.5)
+    assert isinstance(stage(f"{good}#page=1"), PreparedImage) and isinstance(stage(f"{good}#page=2"),
+                                                                             PreparedImage)
+    [renderer] = _children() - before  # both pages from one child
+    result = stage(str(slow))
     assert isinstance(result, ImageFailure) and result.error_kind == "decode_pdf_render_timeout"
-    with pytest.raises(ChildProcessError):
-        os.waitpid(-1, os.WNOHANG)  # the killed child was reaped: no child of this process is left
+    assert _children() == before  # killed and reaped
+    assert isinstance(stage(f"{good}#page=1"), PreparedImage)  # a new child for the next page
+    assert len(_children() - before) == 1
+    stage.close()
+    assert _children() == before
 
 
 SAMPLE = pdfs.text_pdf([(612, 792, 0, "fuzzed"), (300, 300, 90, "second")])

@@ -105,6 +105,7 @@ class Decoder:
         max_pdf_pages: int = 1000,
         pdf_render_time_limit_s: float = 0.0,
         pdf_page_text_chars: int = 0,
+        max_pdf_bytes: int = 64 * 1024 * 1024,
     ):
         self.family = family.with_pixel_limits(
             family.min_pixels if min_pixels is None else min_pixels,
@@ -114,8 +115,14 @@ class Decoder:
         self.max_pdf_pages = max_pdf_pages
         self.pdf_render_time_limit_s = pdf_render_time_limit_s
         self.pdf_page_text_chars = pdf_page_text_chars
+        self.max_pdf_bytes = max_pdf_bytes
+        self.pdf_renderer: pdf.PageRenderer | None = None  # its child process starts at the first PDF page
         configure_pillow(max_source_pixels)
         self._turbo = turbojpeg_handle() if use_turbojpeg else None
+
+    def close(self) -> None:
+        if self.pdf_renderer is not None:
+            self.pdf_renderer.close()
 
     @property
     def uses_turbojpeg(self) -> bool:
@@ -187,19 +194,14 @@ class Decoder:
     def _decode_pdf(self, data: bytes, page: int | None) -> Decoded:
         """The page rendered at exactly the family's target for its displayed size at ``pdf_dpi``: the pixels
         need no resize. Without a page selector the first page, with ``pages`` saying how many there are."""
-        with pdf.open_document(data) as document:
-            pages = len(document)
-            if page is None and pages > self.max_pdf_pages:
-                raise pdf.PdfTooManyPages(pages, self.max_pdf_pages)
-            number = page or 1
-            if number > pages:
-                raise PageOutOfRange(f"page {number} asked for; the PDF has {pages}")
-            rendered = pdf.render_page_bounded(
-                document, number, lambda w, h: self._pdf_target(w, h)[2:], max_pixels=self.family.max_pixels,
-                time_limit_s=self.pdf_render_time_limit_s, text_chars=self.pdf_page_text_chars)
+        if self.pdf_renderer is None:
+            self.pdf_renderer = pdf.PageRenderer(max_pixels=self.family.max_pixels, max_bytes=self.max_pdf_bytes)
+        rendered = self.pdf_renderer.render(
+            data, page, lambda w, h: self._pdf_target(w, h)[2:], time_limit_s=self.pdf_render_time_limit_s,
+            text_chars=self.pdf_page_text_chars, page_limit=self.max_pdf_pages)
         width, height, target_w, target_h = self._pdf_target(rendered.width_pt, rendered.height_pt)
         return Decoded(rendered.pixels, 1, width, height, target_w, target_h, "pdf", target_w / width,
-                       pages if page is None else 1, rendered.text)
+                       rendered.pages if page is None else 1, rendered.text)
 
     def _pdf_target(self, width_pt: float, height_pt: float) -> tuple[int, int, int, int]:
         """(width, height, target width, target height) of a page of that many points at ``pdf_dpi``; raises past

@@ -72,6 +72,7 @@ class DecodeStage:
             max_pdf_pages=getattr(settings, "max_pdf_pages", 1000),
             pdf_render_time_limit_s=getattr(settings, "pdf_render_time_limit_s", 0.0),
             pdf_page_text_chars=getattr(settings, "pdf_page_text_chars", 0),
+            max_pdf_bytes=getattr(settings, "max_image_bytes", 64 * 1024 * 1024),
         )
         self.store = ClaimCheckStore(claim_check_url) if claim_check_url else None
 
@@ -131,6 +132,7 @@ class DecodeStage:
 
     def close(self) -> None:
         self.fetcher.close()
+        self.decoder.close()
 
 
 @contextlib.contextmanager

@@ -236,6 +236,8 @@ def make_app(settings: Settings, state: ViewState) -> Starlette:
     size = settings.view.thumbnail_px
     max_pixels = settings.decode.max_source_pixels
 
+    renderer = pdf.PageRenderer(max_pixels=size * size, max_bytes=settings.decode.max_image_bytes)
+
     def pdf_thumbnail(data: bytes, page: int):
         """The page drawn by PDFium straight at thumbnail size, bounded like decode's renders."""
         from PIL import Image
@@ -244,11 +246,7 @@ def make_app(settings: Settings, state: ViewState) -> Starlette:
             scale = size / max(width_pt, height_pt)
             return max(1, round(width_pt * scale)), max(1, round(height_pt * scale))
 
-        with pdf.open_document(data) as document:
-            if not 1 <= page <= len(document):
-                raise ValueError(f"page {page} asked for; the PDF has {len(document)}")
-            rendered = pdf.render_page_bounded(document, page, fit, max_pixels=size * size,
-                                               time_limit_s=settings.decode.pdf_render_time_limit_s)
+        rendered = renderer.render(data, page, fit, time_limit_s=settings.decode.pdf_render_time_limit_s)
         return Image.fromarray(rendered.pixels)
 
     @lru_cache(maxsize=1024)

@@ -4,8 +4,9 @@ of a PDF as ``URI#page=N``; the decode stage renders the page a URI names; ``vlm
 
 PDFs are hostile input, so: PDFium is not thread-safe and every use holds one lock (``open_document``); no form
 environment is ever initialised and pypdfium2's PDFium is built without V8, so a document's JavaScript never runs
-(``runs_no_scripts`` says so at run time); a page is parsed and drawn in a forked child that is killed past its time
-limit (``render_page_bounded``), so a page that never finishes, or crashes PDFium, costs that page, not the worker.
+(``runs_no_scripts`` says so at run time); documents are opened, parsed and drawn in a child process that is killed
+past a page's time limit (``PageRenderer``), so a page that never finishes, or crashes PDFium, costs that page, not
+the worker.
 Checked against pypdfium2 5.15: its raw ``FPDF_RenderPageBitmap`` draws into a bitmap of any size.
 """
 
@@ -18,6 +19,7 @@ import select
 import signal
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
@@ -76,11 +78,7 @@ def runs_no_scripts() -> bool:
 def open_document(source: bytes | str | Path) -> Iterator["object"]:
     """The open ``pypdfium2.PdfDocument`` of bytes or a local path, holding PDFium's lock until the block ends.
     Raises ``PdfEncrypted`` (a password or an unsupported security handler) or ``CorruptPdf``."""
-    try:
-        import pypdfium2
-    except ImportError as exc:  # an environment installed before PDFs were read: every PDF says so, no worker stops
-        raise ImageError("PDF: pypdfium2, a dependency of vlmstream, is not installed here (install vlmstream "
-                         "again: scripts/setup.sh)", error_kind="decode_unsupported") from exc
+    pypdfium2 = _pdfium()
 
     with _LOCK:
         try:
@@ -91,6 +89,15 @@ def open_document(source: bytes | str | Path) -> Iterator["object"]:
             yield document
         finally:
             document.close()
+
+
+def _pdfium():
+    try:
+        import pypdfium2
+    except ImportError as exc:  # an environment installed before PDFs were read: every PDF says so, no worker stops
+        raise ImageError("PDF: pypdfium2, a dependency of vlmstream, is not installed here (install vlmstream "
+                         "again: scripts/setup.sh)", error_kind="decode_unsupported") from exc
+    return pypdfium2
 
 
 def count_pages(source: bytes | str | Path) -> int:
@@ -121,90 +128,192 @@ class RenderedPage:
     pixels: np.ndarray  # RGB, at the size ``size_for`` gave
     width_pt: float  # the page as displayed (its /Rotate applied)
     height_pt: float
+    pages: int  # in the document
     text: str
 
 
-def render_page_bounded(document, number: int, size_for: Callable[[float, float], tuple[int, int]], *,
-                        max_pixels: int, time_limit_s: float = 0.0, text_chars: int = 0) -> RenderedPage:
-    """Page ``number`` (from 1) of an open document, rendered in a forked child at ``size_for(width_pt,
-    height_pt)`` = (width, height) pixels, at most ``max_pixels``, with its first ``text_chars`` characters of
-    text. PDFium parses and draws in C, where neither a signal nor a pause callback reaches into a nested form
-    drawn a million times over; a child can be stopped: past ``time_limit_s`` (0: none) it is killed and the page
-    is a ``PdfRenderTimeout``. A child that dies (PDFium crashing on hostile bytes) leaves a ``CorruptPdf``; the
-    caller's process lives on either way. ``size_for`` may raise ``ImageError`` (a size over a cap): the child
-    reports it. Call with ``open_document``'s lock held (the child inherits the open document)."""
-    buffer = mmap.mmap(-1, max(1, max_pixels) * 3)
-    read_end, write_end = os.pipe()
-    deadline = time.monotonic() + time_limit_s if time_limit_s > 0 else None
-    pid = os.fork()
-    if pid == 0:  # the child: render, reply, leave without running the parent's exit handlers
-        try:
-            os.close(read_end)
+class PageRenderer:
+    """Renders PDF pages in a child process of this one, so that PDFium's parsing and drawing are bounded: C code that
+    neither a signal nor a pause callback reaches (a nested form drawn a million times over is one call), or a crash
+    on hostile bytes, costs the page, not the caller. The child is forked at the first page and serves page after
+    page: the document's bytes go once through shared memory and stay open there for its next page, the pixels come
+    back through shared memory, the requests through a pipe. Past ``time_limit_s`` (counted from the page's start)
+    the child is killed and the page is a ``PdfRenderTimeout``; a child that dies leaves a ``CorruptPdf``; either
+    way the next page forks a new one. One renderer per process; thread-safe (one page at a time)."""
+
+    def __init__(self, *, max_pixels: int, max_bytes: int):
+        self.max_pixels = max_pixels
+        self.max_bytes = max_bytes
+        self._lock = threading.Lock()
+        self._pid = 0
+        self._opened: bytes | None = None
+        self._pages = 0
+
+    def render(self, data: bytes, number: int | None, size_for: Callable[[float, float], tuple[int, int]], *,
+               time_limit_s: float = 0.0, text_chars: int = 0, page_limit: int | None = None) -> RenderedPage:
+        """Page ``number`` (from 1; None: the first, with ``page_limit`` refusing a longer document) at
+        ``size_for(width_pt, height_pt)`` = (width, height) pixels, at most ``max_pixels``. ``size_for`` runs here
+        and may raise ``ImageError`` (a size over a cap)."""
+        if len(data) > self.max_bytes:
+            raise CorruptPdf(f"a PDF of {len(data)} bytes is over the renderer's {self.max_bytes}")
+        deadline = time.monotonic() + time_limit_s if time_limit_s > 0 else None
+        with self._lock:
             try:
-                reply = _render_into(buffer, document, number, size_for, max_pixels, text_chars)
+                pages = self._open(data, deadline, time_limit_s)
+                if number is None and page_limit is not None and pages > page_limit:
+                    raise PdfTooManyPages(pages, page_limit)
+                number = number or 1
+                if number > pages:
+                    raise ImageError(f"page {number} asked for; the PDF has {pages}",
+                                     error_kind="decode_page_out_of_range")
+                size = self._ask({"op": "size", "page": number}, deadline, time_limit_s)
+                width, height = size_for(size["width"], size["height"])
+                if not 0 < width * height <= self.max_pixels:
+                    raise ImageError(f"render size {width}x{height} is outside 1..{self.max_pixels} pixels",
+                                     error_kind="decode_internal")
+                reply = self._ask({"op": "render", "page": number, "width": width, "height": height,
+                                   "text": text_chars}, deadline, time_limit_s)
+            except _ChildGone:
+                raise
+            except ImageError:
+                raise
+            except BaseException:  # the caller's own alarm, an interrupt: the child is mid-request, so it goes
+                self._stop()
+                raise
+            pixels = np.frombuffer(self._pixels, np.uint8, width * height * 3).reshape(height, width, 3).copy()
+        return RenderedPage(pixels, size["width"], size["height"], pages, reply["text"])
+
+    def close(self) -> None:
+        with self._lock:
+            self._stop()
+
+    def child_cpu_seconds(self) -> float:
+        """CPU time of the running child so far (0 without one): the part of the pages' cost that the parent's
+        own clocks miss until the child is reaped."""
+        if not self._pid:
+            return 0.0
+        try:  # Linux's CPU clock of another process: MAKE_PROCESS_CPUCLOCK(pid, CPUCLOCK_SCHED)
+            return time.clock_gettime((~self._pid << 3) | 2)
+        except OSError:
+            return 0.0
+
+    # -- the parent's side ------------------------------------------------------------------------------
+
+    def _open(self, data: bytes, deadline: float | None, time_limit_s: float) -> int:
+        if self._pid and self._opened is not None and len(self._opened) == len(data) and self._opened == data:
+            return self._pages  # the same document's next page: already open in the child
+        if not self._pid:
+            self._start()
+        self._opened = None
+        self._input[: len(data)] = data
+        self._pages = self._ask({"op": "open", "bytes": len(data)}, deadline, time_limit_s)["pages"]
+        self._opened = data
+        return self._pages
+
+    def _ask(self, request: dict, deadline: float | None, time_limit_s: float) -> dict:
+        os.write(self._requests, orjson.dumps(request) + b"\n")
+        line = b""
+        while not line.endswith(b"\n"):
+            wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready, _, _ = select.select([self._replies], [], [], wait)
+            if not ready:
+                self._stop()
+                raise PdfRenderTimeout(time_limit_s)
+            chunk = os.read(self._replies, 1 << 16)
+            if not chunk:
+                self._stop()
+                raise _ChildGone(f"PDFium's process died on this file while doing {request['op']!r} "
+                                 f"(a crash on hostile bytes)")
+            line += chunk
+        reply = orjson.loads(line)
+        if "error_kind" in reply:
+            raise ImageError(reply["detail"], error_kind=reply["error_kind"])
+        return reply
+
+    def _start(self) -> None:
+        _pdfium()  # imported here first: a missing one is said as such, not as a child that died
+        self._input = mmap.mmap(-1, max(1, self.max_bytes))
+        self._pixels = mmap.mmap(-1, max(1, self.max_pixels) * 3)
+        to_child, self._requests = os.pipe()
+        self._replies, from_child = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                os.close(self._requests)
+                os.close(self._replies)
+                _serve(to_child, from_child, self._input, self._pixels)
+            finally:
+                os._exit(0)
+        os.close(to_child)
+        os.close(from_child)
+        self._pid = pid
+        # A renderer dropped without close() takes its child with it.
+        self._finalizer = weakref.finalize(self, _end_child, pid, self._requests, self._replies)
+
+    def _stop(self) -> None:
+        if not self._pid:
+            return
+        self._finalizer()
+        self._pid = 0
+        self._opened = None
+        self._input.close()
+        self._pixels.close()
+
+
+def _end_child(pid: int, *fds: int) -> None:
+    for fd in fds:
+        os.close(fd)
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(pid, 0)
+
+
+class _ChildGone(CorruptPdf):
+    pass
+
+
+def _serve(requests: int, replies: int, source: mmap.mmap, pixels: mmap.mmap) -> None:
+    """The child's loop: one JSON request a line, one JSON reply a line, until the parent closes the pipe."""
+    import ctypes
+
+    import pypdfium2
+
+    document = None
+    with os.fdopen(requests, "rb") as inbox, os.fdopen(replies, "wb", buffering=0) as outbox:
+        for line in inbox:
+            request = orjson.loads(line)
+            try:
+                if request["op"] == "open":
+                    if document is not None:
+                        document.close()
+                        document = None
+                    try:
+                        document = pypdfium2.PdfDocument(bytes(source[: request["bytes"]]))
+                    except pypdfium2.PdfiumError as exc:
+                        raise _open_failure(exc) from exc
+                    reply = {"pages": len(document)}
+                elif request["op"] == "size":
+                    width, height = page_size(document, request["page"])
+                    reply = {"width": width, "height": height}
+                else:
+                    width, height = request["width"], request["height"]
+                    target = (ctypes.c_ubyte * (width * height * 3)).from_buffer(pixels)
+                    render_page(document, request["page"], width, height, out=target)
+                    del target
+                    reply = {"text": page_text(document, request["page"], request["text"])}
             except ImageError as exc:
                 reply = {"error_kind": exc.error_kind, "detail": str(exc)}
-            except BaseException as exc:  # noqa: BLE001 - anything PDFium or its binding throws is the page's
+            except Exception as exc:  # noqa: BLE001 - anything PDFium or its binding throws is this page's
                 reply = {"error_kind": CorruptPdf.error_kind, "detail": f"PDFium: {type(exc).__name__}: {exc}"}
-            with os.fdopen(write_end, "wb") as out:
-                out.write(orjson.dumps(reply))
-        finally:
-            os._exit(0)
-    os.close(write_end)
-    reaped = False
-    try:
-        reply = _read_reply(read_end, deadline, time_limit_s)
-        os.waitpid(pid, 0)
-        reaped = True
-    finally:
-        os.close(read_end)
-        if not reaped:  # past the time limit, or the caller's own alarm (decode.decode_time_limit_s)
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-    if reply is None:
-        raise CorruptPdf(f"PDFium's render of page {number} died without an answer (a crash on this file)")
-    if "error_kind" in reply:
-        raise ImageError(reply["detail"], error_kind=reply["error_kind"])
-    width, height = reply["width"], reply["height"]
-    pixels = np.frombuffer(buffer, np.uint8, width * height * 3).reshape(height, width, 3).copy()
-    buffer.close()
-    return RenderedPage(pixels, reply["width_pt"], reply["height_pt"], reply["text"])
+            outbox.write(orjson.dumps(reply) + b"\n")
 
 
-def _read_reply(read_end: int, deadline: float | None, time_limit_s: float) -> dict | None:
-    """The child's JSON reply, read until it closes the pipe; None when it died without one."""
-    parts = []
-    while True:
-        wait = None if deadline is None else max(0.0, deadline - time.monotonic())
-        ready, _, _ = select.select([read_end], [], [], wait)
-        if not ready:
-            raise PdfRenderTimeout(time_limit_s)
-        chunk = os.read(read_end, 1 << 16)
-        if not chunk:
-            break
-        parts.append(chunk)
-    try:
-        return orjson.loads(b"".join(parts)) if parts else None
-    except orjson.JSONDecodeError:
-        return None
-
-
-def _render_into(buffer: mmap.mmap, document, number: int, size_for, max_pixels: int, text_chars: int) -> dict:
-    width_pt, height_pt = page_size(document, number)
-    width, height = size_for(width_pt, height_pt)
-    if width * height > max_pixels:
-        raise ImageError(f"render size {width}x{height} is over {max_pixels} pixels", error_kind="decode_internal")
-    pixels = render_page(document, number, width, height)
-    buffer[: pixels.nbytes] = pixels.tobytes()
-    return {"width": width, "height": height, "width_pt": width_pt, "height_pt": height_pt,
-            "text": page_text(document, number, text_chars)}
-
-
-def render_page(document, number: int, width: int, height: int) -> np.ndarray:
+def render_page(document, number: int, width: int, height: int, out=None) -> np.ndarray | None:
     """Page ``number`` drawn straight into a ``height`` x ``width`` RGB bitmap in this process (the page's
     displayed box mapped onto it: a scale per axis, which for a target rounded from the page's aspect differs by
-    under a pixel), white beneath, annotations' appearances drawn, forms not. Unbounded: see
-    ``render_page_bounded``."""
+    under a pixel), white beneath, annotations' appearances drawn, forms not. Into ``out`` (a ctypes buffer of
+    width * height * 3 bytes) when given, else returned. Unbounded: ``PageRenderer`` bounds it."""
     import pypdfium2
     import pypdfium2.raw as pdfium_c
 
@@ -212,12 +321,12 @@ def render_page(document, number: int, width: int, height: int) -> np.ndarray:
         page = document[number - 1]
     except pypdfium2.PdfiumError as exc:
         raise CorruptPdf(f"PDF page {number} cannot be loaded: {exc}") from exc
-    bitmap = pypdfium2.PdfBitmap.new_native(width, height, pdfium_c.FPDFBitmap_BGR, rev_byteorder=True)
+    bitmap = pypdfium2.PdfBitmap.new_native(width, height, pdfium_c.FPDFBitmap_BGR, rev_byteorder=True, buffer=out)
     try:
         bitmap.fill_rect((255, 255, 255, 255), 0, 0, width, height)
         pdfium_c.FPDF_RenderPageBitmap(bitmap, page, 0, 0, width, height, 0,
                                        pdfium_c.FPDF_ANNOT | pdfium_c.FPDF_REVERSE_BYTE_ORDER)
-        return np.array(bitmap.to_numpy(), copy=True)
+        return None if out is not None else np.array(bitmap.to_numpy(), copy=True)
     finally:
         bitmap.close()
         page.close()
