@@ -156,13 +156,14 @@ def test_pages_render_in_one_child_that_a_timeout_or_close_ends(tmp_path):
     assert _children() == before
 
 
-SAMPLE = pdfs.text_pdf([(612, 792, 0, "fuzzed"), (300, 300, 90, "second")])
+SAMPLES = [pdfs.text_pdf([(612, 792, 0, "fuzzed"), (300, 300, 90, "second")]),
+           pdfs.scanned_pdf([(160, 200), (200, 120)])]  # the scan's JPEGs take the decoder's JPEG path
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_damaged_pdfs_give_values_not_exceptions(tmp_path, data):
-    damaged = bytearray(SAMPLE)
+    damaged = bytearray(data.draw(st.sampled_from(SAMPLES)))
     how = data.draw(st.sampled_from(["flip", "cut", "splice"]))
     if how == "cut":
         damaged = damaged[: data.draw(st.integers(0, len(damaged) - 1))]
@@ -180,9 +181,10 @@ def test_damaged_pdfs_give_values_not_exceptions(tmp_path, data):
         result = stage(uri)
         assert isinstance(result, (PreparedImage, ImageFailure))
         if isinstance(result, ImageFailure):
-            assert result.error_kind in {"decode_corrupt", "decode_page_out_of_range", "decode_not_an_image",
-                                         "decode_bad_aspect", "decode_too_many_pixels", "decode_pdf_encrypted",
-                                         "decode_pdf_render_timeout"}, (result.error_kind, result.detail)
+            assert result.error_kind in {"decode_corrupt", "decode_truncated", "decode_page_out_of_range",
+                                         "decode_not_an_image", "decode_bad_aspect", "decode_too_many_pixels",
+                                         "decode_pdf_encrypted", "decode_pdf_render_timeout"}, \
+                (result.error_kind, result.detail)
         else:
             assert len(result.data) == result.width * result.height * 3
 
@@ -228,3 +230,28 @@ def test_the_parquet_export_has_the_page_of_each_record():
     photo = Description(doc_id="d", image_index=0, image_count=2, text="a photo", model="m", prompt_id="p",
                         engine="e", source_uri="/scans/cover.jpg")
     assert _row("descriptions", photo.encode())["page"] is None
+
+
+def test_a_scanned_page_decodes_its_own_jpeg_like_pdfium_draws_it(tmp_path):
+    """A page that is one JPEG covering it (a scanner's page) is decoded from the JPEG at a DCT scale instead of
+    drawn: the same size and nearly the same pixels as PDFium's drawing of it."""
+    from consumers.decode.decoder import Decoder
+
+    data = pdfs.scanned_pdf([(1200, 1600), (1500, 900)])
+    fast = Decoder(max_pixels=BUDGET)
+    drawn = Decoder(max_pixels=BUDGET, use_turbojpeg=False)  # no JPEG decoder here: PDFium draws every page
+    for page in (1, 2):
+        scanned = fast.decode(data, page)
+        reference = drawn.decode(data, page)
+        assert scanned.target_width == reference.target_width and scanned.target_height == reference.target_height
+        # The JPEG at a DCT scale, larger than the target (the stage resizes it as any JPEG); drawn: the target.
+        assert scanned.pixels.shape[0] > scanned.target_height and scanned.pixels.shape[1] > scanned.target_width
+        assert reference.pixels.shape[:2] == (reference.target_height, reference.target_width)
+        from consumers.decode.resize import resize_exact
+
+        ours = resize_exact(scanned.pixels, scanned.target_height, scanned.target_width).astype(np.int16)
+        assert np.abs(ours - reference.pixels.astype(np.int16)).mean() < 4, page
+    text = fast.decode(pdfs.text_pdf([(612, 792, 0, "typed")]), 1)
+    assert text.pixels.shape[:2] == (text.target_height, text.target_width)  # drawn: not a scan
+    fast.close()
+    drawn.close()

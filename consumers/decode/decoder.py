@@ -198,10 +198,29 @@ class Decoder:
             self.pdf_renderer = pdf.PageRenderer(max_pixels=self.family.max_pixels, max_bytes=self.max_pdf_bytes)
         rendered = self.pdf_renderer.render(
             data, page, lambda w, h: self._pdf_target(w, h)[2:], time_limit_s=self.pdf_render_time_limit_s,
-            text_chars=self.pdf_page_text_chars, page_limit=self.max_pdf_pages)
+            text_chars=self.pdf_page_text_chars, page_limit=self.max_pdf_pages,
+            scan=self._scan_jpeg if self._turbo is not None else None)
         width, height, target_w, target_h = self._pdf_target(rendered.width_pt, rendered.height_pt)
-        return Decoded(rendered.pixels, 1, width, height, target_w, target_h, "pdf", target_w / width,
+        # scale: the pixels' width over the page's at pdf_dpi (a scan's JPEG comes at its DCT scale, resized later)
+        return Decoded(rendered.pixels, 1, width, height, target_w, target_h, "pdf", rendered.pixels.shape[1] / width,
                        rendered.pages if page is None else 1, rendered.text)
+
+    def _scan_jpeg(self, data: bytes, need_w: int, need_h: int) -> np.ndarray | None:
+        """A scanned page's own JPEG, DCT-scaled to at least the page's target (the stage then resizes it exactly,
+        as any JPEG); None for one libjpeg-turbo would hand back as CMYK (PDFium draws those)."""
+        from turbojpeg import TJCS_CMYK, TJCS_YCCK, TJPF_RGB
+
+        check_jpeg_is_decodable(data)
+        try:
+            stored_w, stored_h, _subsample, colorspace = self._turbo.decode_header(data)
+        except OSError as exc:
+            raise _jpeg_failure(data, exc) from exc
+        if colorspace in (TJCS_CMYK, TJCS_YCCK):
+            return None
+        if stored_w * stored_h > self.max_source_pixels:
+            raise TooManyPixels(f"a scanned page's JPEG of {stored_w}x{stored_h} pixels", self.max_source_pixels)
+        return self._turbo_decode(data, TJPF_RGB,
+                                  pick_dct_scale(stored_w, stored_h, need_w, need_h, self._turbo.scaling_factors))
 
     def _pdf_target(self, width_pt: float, height_pt: float) -> tuple[int, int, int, int]:
         """(width, height, target width, target height) of a page of that many points at ``pdf_dpi``; raises past

@@ -125,19 +125,20 @@ def page_size(document, number: int) -> tuple[float, float]:
 
 @dataclass(frozen=True)
 class RenderedPage:
-    pixels: np.ndarray  # RGB, at the size ``size_for`` gave
+    pixels: np.ndarray  # RGB: at the size ``size_for`` gave, or a full-page scan as ``scan`` decoded it
     width_pt: float  # the page as displayed (its /Rotate applied)
     height_pt: float
     pages: int  # in the document
     text: str
+    scan: bool = False  # the pixels are the page's one JPEG as ``scan`` decoded it, at least the size asked for
 
 
 class PageRenderer:
     """Renders PDF pages in a child process of this one, so that PDFium's parsing and drawing are bounded: C code that
     neither a signal nor a pause callback reaches (a nested form drawn a million times over is one call), or a crash
     on hostile bytes, costs the page, not the caller. The child is forked at the first page and serves page after
-    page: the document's bytes go once through shared memory and stay open there for its next page, the pixels come
-    back through shared memory, the requests through a pipe. Past ``time_limit_s`` (counted from the page's start)
+    page: the document's bytes go once through shared memory and stay open there for its next page, the pixels (or a
+    scanned page's JPEG) come back through shared memory, the requests through a pipe. Past ``time_limit_s`` (counted from the page's start)
     the child is killed and the page is a ``PdfRenderTimeout``; a child that dies leaves a ``CorruptPdf``; either
     way the next page forks a new one. One renderer per process; thread-safe (one page at a time)."""
 
@@ -150,10 +151,15 @@ class PageRenderer:
         self._pages = 0
 
     def render(self, data: bytes, number: int | None, size_for: Callable[[float, float], tuple[int, int]], *,
-               time_limit_s: float = 0.0, text_chars: int = 0, page_limit: int | None = None) -> RenderedPage:
+               time_limit_s: float = 0.0, text_chars: int = 0, page_limit: int | None = None,
+               scan: Callable[[bytes, int, int], np.ndarray | None] | None = None) -> RenderedPage:
         """Page ``number`` (from 1; None: the first, with ``page_limit`` refusing a longer document) at
         ``size_for(width_pt, height_pt)`` = (width, height) pixels, at most ``max_pixels``. ``size_for`` runs here
-        and may raise ``ImageError`` (a size over a cap)."""
+        and may raise ``ImageError`` (a size over a cap).
+
+        ``scan(jpeg, width, height)``: for a page that is one JPEG covering it exactly and nothing else (what a
+        scanner writes), the JPEG's own bytes, decoded here at least ``width`` x ``height`` (a JPEG decoder scales by
+        1/2..1/8 while decoding, which PDFium does not), or None to have the page drawn after all."""
         if len(data) > self.max_bytes:
             raise CorruptPdf(f"a PDF of {len(data)} bytes is over the renderer's {self.max_bytes}")
         deadline = time.monotonic() + time_limit_s if time_limit_s > 0 else None
@@ -166,11 +172,16 @@ class PageRenderer:
                 if number > pages:
                     raise ImageError(f"page {number} asked for; the PDF has {pages}",
                                      error_kind="decode_page_out_of_range")
-                size = self._ask({"op": "size", "page": number}, deadline, time_limit_s)
+                size = self._ask({"op": "size", "page": number, "scan": scan is not None, "text": text_chars},
+                                 deadline, time_limit_s)
                 width, height = size_for(size["width"], size["height"])
                 if not 0 < width * height <= self.max_pixels:
                     raise ImageError(f"render size {width}x{height} is outside 1..{self.max_pixels} pixels",
                                      error_kind="decode_internal")
+                if size["scan"]:
+                    pixels = scan(bytes(self._scans[: size["scan"]]), width, height)
+                    if pixels is not None:
+                        return RenderedPage(pixels, size["width"], size["height"], pages, size["text"], scan=True)
                 reply = self._ask({"op": "render", "page": number, "width": width, "height": height,
                                    "text": text_chars}, deadline, time_limit_s)
             except _ChildGone:
@@ -234,6 +245,7 @@ class PageRenderer:
         _pdfium()  # imported here first: a missing one is said as such, not as a child that died
         self._input = mmap.mmap(-1, max(1, self.max_bytes))
         self._pixels = mmap.mmap(-1, max(1, self.max_pixels) * 3)
+        self._scans = mmap.mmap(-1, max(1, self.max_bytes))  # a scanned page's JPEG (only what is written is memory)
         to_child, self._requests = os.pipe()
         self._replies, from_child = os.pipe()
         pid = os.fork()
@@ -241,7 +253,7 @@ class PageRenderer:
             try:
                 os.close(self._requests)
                 os.close(self._replies)
-                _serve(to_child, from_child, self._input, self._pixels)
+                _serve(to_child, from_child, self._input, self._pixels, self._scans)
             finally:
                 os._exit(0)
         os.close(to_child)
@@ -258,6 +270,7 @@ class PageRenderer:
         self._opened = None
         self._input.close()
         self._pixels.close()
+        self._scans.close()
 
 
 def _end_child(pid: int, *fds: int) -> None:
@@ -273,7 +286,7 @@ class _ChildGone(CorruptPdf):
     pass
 
 
-def _serve(requests: int, replies: int, source: mmap.mmap, pixels: mmap.mmap) -> None:
+def _serve(requests: int, replies: int, source: mmap.mmap, pixels: mmap.mmap, scans: mmap.mmap) -> None:
     """The child's loop: one JSON request a line, one JSON reply a line, until the parent closes the pipe."""
     import ctypes
 
@@ -295,7 +308,11 @@ def _serve(requests: int, replies: int, source: mmap.mmap, pixels: mmap.mmap) ->
                     reply = {"pages": len(document)}
                 elif request["op"] == "size":
                     width, height = page_size(document, request["page"])
-                    reply = {"width": width, "height": height}
+                    scanned = full_page_jpeg(document, request["page"]) if request["scan"] else None
+                    reply = {"width": width, "height": height, "scan": 0, "text": ""}
+                    if scanned is not None and len(scanned) <= len(scans):
+                        scans[: len(scanned)] = scanned
+                        reply.update(scan=len(scanned), text=page_text(document, request["page"], request["text"]))
                 else:
                     width, height = request["width"], request["height"]
                     target = (ctypes.c_ubyte * (width * height * 3)).from_buffer(pixels)
@@ -307,6 +324,37 @@ def _serve(requests: int, replies: int, source: mmap.mmap, pixels: mmap.mmap) ->
             except Exception as exc:  # noqa: BLE001 - anything PDFium or its binding throws is this page's
                 reply = {"error_kind": CorruptPdf.error_kind, "detail": f"PDFium: {type(exc).__name__}: {exc}"}
             outbox.write(orjson.dumps(reply) + b"\n")
+
+
+def full_page_jpeg(document, number: int) -> bytes | None:
+    """The JPEG of a page that is exactly one DCT-coded RGB or grey image covering its box upright (no rotation,
+    no flip, no mask, nothing else drawn): a scanner's page. None for any other page."""
+    import pypdfium2
+    import pypdfium2.raw as pdfium_c
+
+    page = document[number - 1]
+    try:
+        if page.get_rotation() != 0 or pdfium_c.FPDFPage_CountObjects(page) != 1:
+            return None
+        [image] = page.get_objects(max_depth=0)
+        if image.type != pdfium_c.FPDF_PAGEOBJ_IMAGE or image.get_filters() != ["DCTDecode"]:
+            return None
+        if pdfium_c.FPDFPageObj_HasTransparency(image):
+            return None
+        if image.get_metadata().colorspace not in (pdfium_c.FPDF_COLORSPACE_DEVICERGB,
+                                                   pdfium_c.FPDF_COLORSPACE_DEVICEGRAY):
+            return None
+        left, bottom, right, top = page.get_bbox()
+        m = image.get_matrix()
+        placed = (m.a, m.b, m.c, m.d, m.e, m.f)
+        wanted = (right - left, 0, 0, top - bottom, left, bottom)
+        if any(abs(got - want) > 0.5 for got, want in zip(placed, wanted)):
+            return None
+        return bytes(image.get_data(decode_simple=False))
+    except (pypdfium2.PdfiumError, ValueError):
+        return None
+    finally:
+        page.close()
 
 
 def render_page(document, number: int, width: int, height: int, out=None) -> np.ndarray | None:
