@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 from typing import Iterator
 
-from producers.items import Rejection, natural_key, replace_non_utf8, validated
+from producers.items import Rejection, natural_key, pdf_page_uris, replace_non_utf8, validated
 from schemas import DocumentRef, SchemaError
 from vlmstream.images.pdf import DEFAULT_MAX_PAGES as DEFAULT_MAX_PDF_PAGES
 
@@ -93,13 +93,7 @@ def page_uris(path: Path, max_pdf_pages: int = DEFAULT_MAX_PDF_PAGES) -> list[st
     and a PDF of more than ``max_pdf_pages`` (decode.max_pdf_pages: a dead letter naming the setting)."""
     suffix = path.suffix.lower()
     if suffix == ".pdf":
-        from vlmstream.images import pdf  # only folders with PDFs pay for PDFium
-
-        try:
-            pages = pdf.count_pages(path)  # the page tree's count: nothing parsed or rendered
-        except Exception:  # noqa: BLE001 - any failure is the decode stage's to name
-            return [str(path)]
-        return [str(path)] if not 1 <= pages <= max_pdf_pages else [f"{path}#page={n}" for n in range(1, pages + 1)]
+        return pdf_page_uris(str(path), max_pdf_pages)
     if suffix not in (".tif", ".tiff"):
         return [str(path)]
     from PIL import Image  # only folders with TIFFs pay for the import

@@ -14,6 +14,7 @@ import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Union
+from urllib.parse import unquote, urlsplit
 
 from schemas import DocumentRef, SchemaError
 
@@ -77,6 +78,41 @@ def validated(doc: DocumentRef) -> DocumentRef:
     """Raises SchemaError naming the field; the publisher then encodes without validating again."""
     doc.encode()
     return doc
+
+
+def pdf_page_uris(uri: str, max_pdf_pages: int) -> list[str]:
+    """A local PDF (a path or a ``file://`` URI) named without ``#page=N`` as one URI per page, its pages counted
+    from its page tree (nothing rendered); anything else as it is, and so a PDF that cannot be read (the decode stage
+    names what is wrong), one of more than ``max_pdf_pages`` pages (decode.max_pdf_pages: the decode stage's dead
+    letter names it) and a remote one (counting would fetch it here: the decode stage describes its first page and
+    notes the others)."""
+    if "#page=" in uri:
+        return [uri]
+    path = unquote(urlsplit(uri).path) if uri.startswith("file://") else uri
+    if not path.lower().endswith(".pdf") or (":" in path and _URI_SCHEME.match(path)):
+        return [uri]
+    from vlmstream.images import pdf  # only documents naming PDFs pay for PDFium
+
+    try:
+        pages = pdf.count_pages(path)
+    except Exception:  # noqa: BLE001 - any failure is the decode stage's to name
+        return [uri]
+    return [uri] if not 1 <= pages <= max_pdf_pages else [f"{uri}#page={n}" for n in range(1, pages + 1)]
+
+
+def with_pdf_pages(items: Iterable[Any], max_pdf_pages: int) -> Iterator[Any]:
+    """Each document of ``items`` with its local PDFs as one image per page (``pdf_page_uris``); anything else as it
+    is. A document the page URIs make too long for the schema becomes a rejection."""
+    for item in items:
+        if not isinstance(item, DocumentRef) or not any(".pdf" in uri.lower() for uri in item.image_uris):
+            yield item
+            continue
+        uris = tuple(page for uri in item.image_uris for page in pdf_page_uris(uri, max_pdf_pages))
+        try:
+            yield item if uris == item.image_uris else validated(replace(item, image_uris=uris))
+        except SchemaError as exc:
+            yield Rejection(item.source or "manifest", None, "schema_violation", f"with each PDF page: {exc}",
+                            item.doc_id.encode("utf-8", "surrogateescape"), item.doc_id)
 
 
 def with_id_prefix(items: Iterable[Any], prefix: str) -> Iterator[Any]:

@@ -255,3 +255,27 @@ def test_a_scanned_page_decodes_its_own_jpeg_like_pdfium_draws_it(tmp_path):
     assert text.pixels.shape[:2] == (text.target_height, text.target_width)  # drawn: not a scan
     fast.close()
     drawn.close()
+
+
+def test_a_manifest_or_stdin_document_naming_a_local_pdf_gets_each_page(tmp_path):
+    import orjson
+
+    from producers.items import with_pdf_pages
+    from producers.manifest import read_manifest
+    from producers.stdin import parse_stdin_line
+
+    (tmp_path / "two.pdf").write_bytes(pdfs.text_pdf([(612, 792, 0, "1"), (612, 792, 0, "2")]))
+    (tmp_path / "long.pdf").write_bytes(pdfs.many_pages(5))
+    manifest = tmp_path / "m.jsonl"
+    manifest.write_text("\n".join(orjson.dumps(line).decode() for line in [
+        {"doc_id": "a", "image_uris": ["two.pdf", "cover.jpg", f"file://{tmp_path}/two.pdf"]},
+        {"doc_id": "b", "image_uris": ["two.pdf#page=2", "long.pdf", "https://example.org/remote.pdf"]},
+    ]) + "\n")
+    a, b = with_pdf_pages(read_manifest(manifest), max_pdf_pages=3)
+    two = tmp_path / "two.pdf"
+    assert a.image_uris == (f"{two}#page=1", f"{two}#page=2", str(tmp_path / "cover.jpg"),
+                            f"file://{two}#page=1", f"file://{two}#page=2")
+    # A page already named, a PDF over the limit (decode refuses it by name) and a remote one stay as they are.
+    assert b.image_uris == (f"{two}#page=2", str(tmp_path / "long.pdf"), "https://example.org/remote.pdf")
+    [line] = with_pdf_pages([parse_stdin_line(b"two.pdf", line=1, base_dir=tmp_path)], max_pdf_pages=3)
+    assert line.image_uris == (f"{two}#page=1", f"{two}#page=2")

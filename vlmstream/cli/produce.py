@@ -48,7 +48,7 @@ def produce(
     Exit 2: bad usage.
     """
     from producers.folder import scan_folder, skipped_files_line
-    from producers.items import with_id_prefix
+    from producers.items import with_id_prefix, with_pdf_pages
     from producers.manifest import read_manifest
     from producers.publisher import publish_documents
     from producers.stdin import read_lines
@@ -82,14 +82,15 @@ def produce(
     items: Iterator[Any]
     skipped: list[Path] = []  # a one-shot folder scan's files of other types, said at the end
     if manifest is not None:
-        items = follow_jsonl(manifest, stop=stop, max_seconds=max_seconds) if watch else read_manifest(manifest)
+        items = with_pdf_pages(follow_jsonl(manifest, stop=stop, max_seconds=max_seconds) if watch
+                               else read_manifest(manifest), settings.decode.max_pdf_pages)
     elif folder is not None:
         pdf_pages = settings.decode.max_pdf_pages
         items = (watch_folder(folder, per_file=per_file, settle_s=settle_s, stop=stop, max_seconds=max_seconds,
                               max_pdf_pages=pdf_pages)
                  if watch else scan_folder(folder, per_file=per_file, skipped=skipped, max_pdf_pages=pdf_pages))
     else:
-        items = read_lines(sys.stdin.buffer, stop=stop)
+        items = with_pdf_pages(read_lines(sys.stdin.buffer, stop=stop), settings.decode.max_pdf_pages)
     items = with_id_prefix(items, id_prefix)
 
     try:

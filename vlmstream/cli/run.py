@@ -232,7 +232,7 @@ def run(
     from rich.markup import escape
 
     from producers.folder import IMAGE_EXTENSIONS, scan_folder, skipped_files_line
-    from producers.items import with_id_prefix
+    from producers.items import with_id_prefix, with_pdf_pages
     from producers.publisher import publish_documents
     from schemas import DeadLetter, Description, DocumentRef, DocumentResult, DocumentSummary, SchemaError
     from vlmstream.cli.backlog import LiveView, RateMemory, RememberedRate, StageProbe, measure_backlog
@@ -251,7 +251,7 @@ def run(
     if folder.is_file():  # a manifest: its documents as they are
         from producers.manifest import read_manifest
 
-        items = list(read_manifest(folder))
+        items = list(with_pdf_pages(read_manifest(folder), settings_from(ctx, {}).decode.max_pdf_pages))
         image_roots = _manifest_roots(items)
         if not any(isinstance(item, DocumentRef) for item in items):
             raise typer.BadParameter(f"{folder} holds no valid document (see the rejections: vlmstream produce "
