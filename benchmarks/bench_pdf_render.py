@@ -102,8 +102,8 @@ def make_documents(folder: Path) -> dict[str, tuple[bytes, int]]:
         draw = ImageDraw.Draw(image)
         for row in range(60):
             y = height // 12 + row * (height // 70)
-            draw.rectangle((width // 10, y, width // 10 + int(rng.integers(width // 3, width * 3 // 4)), y + height // 200),
-                           fill=(40, 40, 40))
+            length = int(rng.integers(width // 3, width * 3 // 4))
+            draw.rectangle((width // 10, y, width // 10 + length, y + height // 200), fill=(40, 40, 40))
         draw.rectangle((width // 2, height * 2 // 3, width * 9 // 10, height * 9 // 10), fill=(180, 60, 40))
         scans.append(image)
     out = io.BytesIO()

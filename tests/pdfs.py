@@ -49,7 +49,8 @@ def text_pdf(pages: list[tuple[float, float, int, str]], *, catalog_extra: bytes
         body = f"BT /F1 24 Tf 36 {_number(height - 60).decode()} Td ({text}) Tj ET 0 0 1 rg 36 36 100 50 re f".encode()
         objects[page] = (b"<< /Type /Page /Parent 2 0 R /MediaBox [0 0 %s %s] /Rotate %d " % (
                              _number(width), _number(height), rotate)
-                         + b"/Resources << /Font << /F1 3 0 R >> " + resources_extra + b">> /Contents %d 0 R >>" % content)
+                         + b"/Resources << /Font << /F1 3 0 R >> " + resources_extra
+                         + b">> /Contents %d 0 R >>" % content)
         objects[content] = _stream(body)
     objects[1] = b"<< /Type /Catalog /Pages 2 0 R " + catalog_extra + b">>"
     objects[2] = b"<< /Type /Pages /Kids [" + b" ".join(kids) + b"] /Count %d >>" % len(kids)

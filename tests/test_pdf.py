@@ -279,3 +279,13 @@ def test_a_manifest_or_stdin_document_naming_a_local_pdf_gets_each_page(tmp_path
     assert b.image_uris == (f"{two}#page=2", str(tmp_path / "long.pdf"), "https://example.org/remote.pdf")
     [line] = with_pdf_pages([parse_stdin_line(b"two.pdf", line=1, base_dir=tmp_path)], max_pdf_pages=3)
     assert line.image_uris == (f"{two}#page=1", f"{two}#page=2")
+
+
+def test_page_text_fills_the_prompts_placeholder_and_nothing_else():
+    from consumers.infer.prompts import instruction_for
+
+    template = 'Describe the page. Text: {page_text}. Answer as {"kind": ...}'
+    assert instruction_for(template, {"page_text": "Total 12"}) == (
+        'Describe the page. Text: Total 12. Answer as {"kind": ...}')
+    assert instruction_for(template, {}) == 'Describe the page. Text: . Answer as {"kind": ...}'
+    assert instruction_for("Describe this image.", {"page_text": "unused"}) == "Describe this image."

@@ -54,7 +54,8 @@ def test_a_folder_of_pdfs_runs_end_to_end(topic_names: Settings, tmp_path: Path,
                VLMSTREAM_DECODE__PDF_PAGE_TEXT_CHARS="40",
                VLMSTREAM_INFER__BATCH_SIZE="4", OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, "-m", "vlmstream.cli", "run", str(folder), "--decode-workers", "1",
-                           "--max-pixels", str(128 * 28 * 28), "--max-new-tokens", "4", "--timeout-s", "400"],
+                           "--max-pixels", str(128 * 28 * 28), "--max-new-tokens", "4", "--timeout-s", "400",
+                           "--prompt", "Describe this page. Its text layer: {page_text}"],
                           env=env, capture_output=True, text=True, timeout=480)
     assert proc.returncode == 0, proc.stderr[-4000:]
 
@@ -76,11 +77,17 @@ def test_a_folder_of_pdfs_runs_end_to_end(topic_names: Settings, tmp_path: Path,
     assert "page_text" not in results["report"].metadata
 
     descriptions = Counter()
+    instruction_tokens = {}  # the prompt's tokens other than the image's, by page
     for record in read_topic(topic_names, t.descriptions, timeout_s=30):
         description = Description.decode(record.value)
         descriptions[(description.doc_id, description.image_index, description.source_uri)] += 1
+        instruction_tokens[description.source_uri] = description.prompt_tokens - description.visual_tokens
     assert len(descriptions) == sum(described.values())  # one description per page, no hostile file described
     assert all(count == 1 for count in descriptions.values()), descriptions
+    # {page_text} in the prompt: a typed page's instruction holds its text, a scan's has none to add.
+    scanned = str(folder / "report" / "03-scanned.pdf")
+    assert instruction_tokens[f"{typed}#page=2"] > instruction_tokens[f"{scanned}#page=1"], instruction_tokens
+    assert instruction_tokens[f"{scanned}#page=1"] == instruction_tokens[f"{scanned}#page=2"]
 
     letters = {}
     for record in read_topic(topic_names, t.deadletter, timeout_s=30):

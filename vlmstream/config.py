@@ -254,7 +254,9 @@ class InferSettings(BaseModel):
     mode: Literal["embeds", "pixels"] = "embeds"
     model: str = Field("", description="HF id or local folder; empty means the built-in tiny model.")
     revision: str | None = None
-    prompt: str = "Describe this image in one or two sentences."
+    prompt: str = Field("Describe this image in one or two sentences.", description="The instruction beside each "
+                        "image; `{page_text}` in it becomes the image's page text (a PDF page's text layer, "
+                        "decode.pdf_page_text_chars), empty where it has none.")
     prompt_id: str = "describe-v1"
     output_schema: str | None = Field(None, description="Path to a JSON Schema the output must satisfy.")
     max_new_tokens: int = 64

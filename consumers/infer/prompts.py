@@ -53,6 +53,19 @@ class PromptBuilder:
         return self._family.prompt(instruction)
 
 
+PAGE_TEXT = "{page_text}"
+
+
+def instruction_for(template: str, metadata: dict[str, Any] | None) -> str:
+    """infer.prompt for one image: ``{page_text}`` becomes the image's page text (a PDF page's text layer, which
+    decode carries as metadata ``page_text`` up to decode.pdf_page_text_chars), '' where it has none. Only that
+    placeholder: a prompt's other braces (a JSON example) are the user's text."""
+    if PAGE_TEXT not in template:
+        return template
+    text = (metadata or {}).get("page_text")
+    return template.replace(PAGE_TEXT, text if isinstance(text, str) else "")
+
+
 class OutputSchemaViolation(ValueError):
     """The generated text is not JSON or does not satisfy the configured schema. Not retriable: the same
     input with greedy decoding produces the same text."""

@@ -28,6 +28,7 @@ from kafka import TopicPartition
 
 from consumers.infer import outputs
 from consumers.infer.engine import Engine, EngineDeadError, InferenceFailure, InferenceOutput, InferenceRequest
+from consumers.infer.prompts import instruction_for
 from consumers.infer.rebalance import RunnerRebalance
 from consumers.infer.stats import RunnerStats, Saturation
 from consumers.infer.work import NO_META, InFlightWindow, Work
@@ -270,7 +271,8 @@ class InferenceRunner:
         work.submitted_at = time.monotonic()
         self.window.start(work)
         return [InferenceRequest(request_id=work.request_id, image=image, grid_thw=tuple(work.meta.grid_thw),
-                                 prompt=self.cfg.prompt, max_new_tokens=self.cfg.max_new_tokens,
+                                 prompt=instruction_for(self.cfg.prompt, work.meta.metadata),
+                                 max_new_tokens=self.cfg.max_new_tokens,
                                  want_embedding=self.cfg.publish_embeddings)]
 
     def _decode_payload(self, meta: ImagePayload, value: bytes) -> np.ndarray:

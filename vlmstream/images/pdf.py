@@ -134,13 +134,14 @@ class RenderedPage:
 
 
 class PageRenderer:
-    """Renders PDF pages in a child process of this one, so that PDFium's parsing and drawing are bounded: C code that
-    neither a signal nor a pause callback reaches (a nested form drawn a million times over is one call), or a crash
-    on hostile bytes, costs the page, not the caller. The child is forked at the first page and serves page after
-    page: the document's bytes go once through shared memory and stay open there for its next page, the pixels (or a
-    scanned page's JPEG) come back through shared memory, the requests through a pipe. Past ``time_limit_s`` (counted from the page's start)
-    the child is killed and the page is a ``PdfRenderTimeout``; a child that dies leaves a ``CorruptPdf``; either
-    way the next page forks a new one. One renderer per process; thread-safe (one page at a time)."""
+    """Renders PDF pages in a child process of this one, so that PDFium's parsing and drawing are bounded: C code
+    that neither a signal nor a pause callback reaches (a nested form drawn a million times over is one call), or a
+    crash on hostile bytes, costs the page, not the caller. The child is forked at the first page and serves page
+    after page: the document's bytes go once through shared memory and stay open there for its next page, the
+    pixels (or a scanned page's JPEG) come back through shared memory, the requests through a pipe. Past
+    ``time_limit_s`` (counted from the page's start) the child is killed and the page is a ``PdfRenderTimeout``; a
+    child that dies leaves a ``CorruptPdf``; either way the next page forks a new one. One renderer per process;
+    thread-safe (one page at a time)."""
 
     def __init__(self, *, max_pixels: int, max_bytes: int):
         self.max_pixels = max_pixels
