@@ -2,7 +2,7 @@
 rendered straight into a bitmap of the caller's size, and its text layer. Producers count pages to publish each page
 of a PDF as ``URI#page=N``; the decode stage renders the page a URI names; ``vlmstream view`` its thumbnails.
 
-PDFs are hostile input, so: PDFium is not thread-safe and every use holds one lock (``open_document``); no form
+PDFs are hostile input, so: PDFium is not thread-safe and every use in a process holds one lock; no form
 environment is ever initialised and pypdfium2's PDFium is built without V8, so a document's JavaScript never runs
 (``runs_no_scripts`` says so at run time); documents are opened, parsed and drawn in a child process that is killed
 past a page's time limit (``PageRenderer``), so a page that never finishes, or crashes PDFium, costs that page, not
