@@ -110,7 +110,7 @@ def reference_embeddings(model_dir, tower_state, images):
             inputs = processor(images=[im], do_resize=False, return_tensors="pt")
             feats = model.model.get_image_features(inputs["pixel_values"].cuda(), inputs["image_grid_thw"].cuda())
             merged = feats.pooler_output[0]
-            levels = list(getattr(feats, "deepstack_features", None) or [])
+            levels = [torch.cat(level) for level in getattr(feats, "deepstack_features", None) or []]
             out.append((merged.float().mean(0).cpu().numpy(),
                         torch.cat([merged, *levels], -1).float().cpu().numpy()))
     del model

@@ -90,7 +90,8 @@ def test_our_tower_equals_the_full_models_image_features(tiny_dirs, name):
     with torch.inference_mode():
         features = model.model.get_image_features(reference["pixel_values"], reference["image_grid_thw"])
     expected = torch.cat(features.pooler_output)
-    levels = list(getattr(features, "deepstack_features", None) or [])
+    # transformers gives each DeepStack level split per image, as it gives the main tokens.
+    levels = [torch.cat(level) for level in getattr(features, "deepstack_features", None) or []]
     assert len(levels) == len(config["vision_config"].get("deepstack_visual_indexes") or [])
     expected = torch.cat([expected, *levels], -1)
     assert expected.shape[1] == family.image_embeds_width(config["vision_config"])
@@ -135,7 +136,8 @@ def test_the_engine_tower_turns_each_familys_pixel_rows_into_the_full_models_ima
         features = model.model.get_image_features(reference["pixel_values"], reference["image_grid_thw"])
     sizes = (reference["image_grid_thw"].prod(-1) // family.merge_size ** 2).tolist()
     expected = torch.cat([torch.cat(features.pooler_output),
-                          *(getattr(features, "deepstack_features", None) or [])], -1).split(sizes)
+                          *(torch.cat(level) for level in getattr(features, "deepstack_features", None) or [])],
+                         -1).split(sizes)
 
     class VllmModel:  # what the patched method reads of vLLM's model: nothing but this flag, with build given
         use_data_parallel = False

@@ -71,7 +71,7 @@ def main() -> int:
             inputs = processor(images=[image], do_resize=False, return_tensors="pt")
             features = model.model.get_image_features(inputs["pixel_values"].cuda(), inputs["image_grid_thw"].cuda())
             merged = features.pooler_output[0]
-            levels = list(getattr(features, "deepstack_features", None) or [])
+            levels = [torch.cat(level) for level in getattr(features, "deepstack_features", None) or []]
             reference = torch.cat([merged, *levels], -1).float()
             got = encoded.tokens.float()
             shapes.append([list(got.shape), list(reference.shape)])

@@ -3,7 +3,7 @@ deployments) or CUDA.
 
 One background thread owns the model. It takes whatever is queued (up to ``batch_size``, never waiting
 for a full batch), encodes the batch's images in one vision-tower forward, and runs one batched greedy
-``generate`` in which the model takes that tower output as its image features (``_precomputed_image_features``):
+``generate`` in which the model takes that tower output as its pre-encoded image features (``mm_encoder_outputs``):
 the model's own forward places the tokens and, for Qwen3-VL, adds the DeepStack levels to its first layers. The
 vision output is kept, so the embedding published on the embeddings topic is the mean of exactly the
 tokens the language model saw: no second vision run.
@@ -11,13 +11,11 @@ tokens the language model saw: no second vision run.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import gc
 import logging
 import time
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Sequence
 
 from consumers.infer.engine import (EngineCannotLoadModel, InferenceFailure, InferenceOutput, InferenceRequest,
@@ -89,6 +87,9 @@ class TransformersEngine(QueuedEngine):
                 f"infer.model {self.model_id!r} cannot be loaded by transformers: {type(exc).__name__}: {exc}") from exc
         self.encoder = VisionEncoder(self.model.model.visual, self.device, self.dtype, attention=vision_attention,
                                      family=self.family)
+        from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+        self._features_class = BaseModelOutputWithPooling
         self.image_token_id = int(self.model.config.image_token_id)
         self.pad_token_id = (self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None
                              else self.tokenizer.convert_tokens_to_ids("<|endoftext|>"))
@@ -172,14 +173,14 @@ class TransformersEngine(QueuedEngine):
             image_mask = input_ids == self.image_token_id
             config = copy.copy(self.generation_config)
             config.max_new_tokens = max(r.max_new_tokens for r in requests)
-            # pixel_values ride along only so the model's prefill asks for image features; it gets the tower
-            # output above, so the vision tower does not run again inside generate.
-            with self._precomputed_image_features(image_tokens):
-                sequences = self.model.generate(
-                    input_ids=input_ids, attention_mask=attention_mask, pixel_values=pixel_values,
-                    image_grid_thw=grid_thw.to(self.device), mm_token_type_ids=image_mask.int(),
-                    generation_config=config,
-                )
+            # The tower's output goes in as transformers' pre-encoded image features (`mm_encoder_outputs`), so
+            # generate never runs the model's own tower; the grid still goes in for the model's rotary positions.
+            sequences = self.model.generate(
+                input_ids=input_ids, attention_mask=attention_mask,
+                mm_encoder_outputs={"image": self._image_features(image_tokens)},
+                image_grid_thw=grid_thw.to(self.device), mm_token_type_ids=image_mask.int(),
+                generation_config=config,
+            )
             self._sync()
         generated, cpu_generated = time.perf_counter(), time.process_time()
 
@@ -217,24 +218,16 @@ class TransformersEngine(QueuedEngine):
 
     # ----------------------------------------------------------------------------- helpers
 
-    @contextlib.contextmanager
-    def _precomputed_image_features(self, image_embeds: Sequence):
-        """Inside the block the model's ``get_image_features`` returns the encoder's output for this batch instead of
-        running the tower: per image the main merger's tokens (``pooler_output``), and over the batch each DeepStack
-        level's tokens (``deepstack_features``, Qwen3-VL), split back out of the encoder's concatenated
-        ``image_embeds``. Only this engine's thread calls the model."""
+    def _image_features(self, image_embeds: Sequence):
+        """The encoder's output for this batch as the model's ``get_image_features`` returns it: per image the main
+        merger's tokens (``pooler_output``) and, per DeepStack level (Qwen3-VL), each image's tokens of that level
+        (``deepstack_features``), split back out of the encoder's concatenated ``image_embeds``."""
         width, levels = self.encoder.embedding_width, self.encoder.deepstack_levels
-        features = SimpleNamespace(
-            pooler_output=tuple(t[:, :width] for t in image_embeds),
-            deepstack_features=[self._torch.cat([t[:, width * (i + 1):width * (i + 2)] for t in image_embeds])
-                                for i in range(levels)],
-        )
-        inner = self.model.model
-        inner.get_image_features = lambda *args, **kwargs: features
-        try:
-            yield
-        finally:
-            del inner.get_image_features
+        features = self._features_class(pooler_output=tuple(t[:, :width] for t in image_embeds))
+        if levels:
+            features["deepstack_features"] = [tuple(t[:, width * (i + 1):width * (i + 2)] for t in image_embeds)
+                                              for i in range(levels)]
+        return features
 
     @property
     def _ignore_eos(self) -> bool:
