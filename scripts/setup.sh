@@ -33,6 +33,6 @@ stamp=.venv/.vlmstream-installed
 want=$(cat pyproject.toml constraints.txt | sha256sum | cut -d' ' -f1)
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   .venv/bin/python -m pip install -q --upgrade pip
-  .venv/bin/python -m pip install -q -c constraints.txt -e '.[test]'
+  .venv/bin/python -m pip install -q -c constraints.txt -e '.[cpu,test]'
   echo "$want" > "$stamp"
 fi

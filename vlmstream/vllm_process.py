@@ -13,6 +13,8 @@ import threading
 from pathlib import Path
 from types import SimpleNamespace
 
+from vlmstream.extras import install_command
+
 log = logging.getLogger(__name__)
 
 
@@ -111,7 +113,7 @@ def model_module_failure(model_path: str | Path, models: dict | None = None,
     return None
 
 
-INSTALL_HINT = "pip install 'vlmstream[gpu]'"
+INSTALL_HINT = install_command("gpu")
 
 
 class EngineUnavailable(RuntimeError):

@@ -1,20 +1,23 @@
 """The `vlmstream` command. Each subcommand lives with the code it drives; this file wires them up.
 
 Command modules import heavy libraries (torch, transformers, vllm) inside their functions, so
-`vlmstream --help` and the Kafka-only commands start fast.
+`vlmstream --help` and the Kafka-only commands start fast, and run on the base install, which has none of them.
+The commands that run a model check for its engine first (``needs_model_engine``).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
-from typing import Optional
+from typing import Callable, Optional
 
 import orjson
 import typer
 from rich.console import Console
 
 from vlmstream.cli.support import CliState, bootstrap, settings_from
+from vlmstream.extras import MissingExtra, require_model_engine
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Kafka-native pipeline: document images -> VLM descriptions and vision embeddings.")
@@ -180,6 +183,23 @@ def security_provision(ctx: typer.Context) -> None:
     console.print(f"{len(security.acl_bindings(settings))} ACLs in place for {', '.join(security.STAGE_PRINCIPALS)}")
 
 
+def needs_model_engine(name: str, command: Callable) -> Callable:
+    """``command`` (the subcommand ``name``), stopping with exit status 2 and the extra to install before it starts
+    anything (broker, topics, workers) when this install has no model engine. Its options and help are the
+    command's own (typer reads them through ``functools.wraps``)."""
+
+    @functools.wraps(command)
+    def checked(*args, **kwargs):
+        try:
+            require_model_engine(f"vlmstream {name}")
+        except MissingExtra as exc:
+            typer.echo(f"error: {exc}", err=True)
+            raise typer.Exit(2)
+        return command(*args, **kwargs)
+
+    return checked
+
+
 def _register_optional_commands() -> None:
     """Subcommands owned by other modules."""
     from vlmstream.cli import condense as condense_cli
@@ -188,17 +208,17 @@ def _register_optional_commands() -> None:
 
     app.command("produce")(producer_cli.produce)
     app.command("decode")(decode_cli.decode)
-    app.command("infer")(infer_cli.infer)
-    app.command("condense")(condense_cli.condense)
-    app.command("tiny-model")(infer_cli.tiny_model)
+    app.command("infer")(needs_model_engine("infer", infer_cli.infer))
+    app.command("condense")(needs_model_engine("condense", condense_cli.condense))
+    app.command("tiny-model")(needs_model_engine("tiny-model", infer_cli.tiny_model))
     app.command("replay")(ops_cli.replay)
     app.command("redrive")(ops_cli.redrive)
     app.command("status")(ops_cli.status)
     app.command("export")(ops_cli.export)
     app.command("view")(view_cli.view)
-    app.command("run")(pipeline_cli.run)
+    app.command("run")(needs_model_engine("run", pipeline_cli.run))
     app.command("bench")(pipeline_cli.bench)
-    app.command("estimate")(estimate_cli.estimate)
+    app.command("estimate")(needs_model_engine("estimate", estimate_cli.estimate))
 
 
 _register_optional_commands()
