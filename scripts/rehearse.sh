@@ -1,0 +1,175 @@
+#!/usr/bin/env bash
+# A rehearsal of the several-machines layout on one host, with podman: every stage in a container of its own
+# (its own file system), talking only through Kafka, images served over HTTP by a container of their own and the
+# claim-check store a volume shared by decode and inference (as docs/deployment.md says). Then deploy/k8s's
+# Deployments, ConfigMap and Secret run for real with `podman kube play`, describing a folder end to end.
+#
+#   bash scripts/rehearse.sh          (root, podman, debootstrap, runc; a broker on REHEARSE_BOOTSTRAP)
+#
+# Builds the images from a Debian base made here (debootstrap), kills a decode and an inference container mid-run,
+# and checks both runs with the chaos run's independent checker (benchmarks/chaos/checker.py). Exit 1 on any loss;
+# the last line is the verdict. Topics and groups are this run's own (prefix rehearsal-<id>), so a shared broker is
+# left as it was apart from them. Containers use the host's network; no address but the broker's and
+# 127.0.0.1 is ever a target.
+set -euo pipefail
+repo=$(cd "$(dirname "$0")/.." && pwd)
+bootstrap=${REHEARSE_BOOTSTRAP:-127.0.0.1:9092}
+docs=${REHEARSE_DOCS:-24}
+work=$(mktemp -d /tmp/vlmstream-rehearsal-XXXXXX)
+id=$(basename "$work" | tr 'A-Z' 'a-z' | tr -cd 'a-z0-9' | tail -c 7)
+http_port=${REHEARSE_HTTP_PORT:-18080}
+started=$(date +%s)
+say() { echo "rehearse [$(( $(date +%s) - started ))s] $*" >&2; }
+
+# podman as this machine runs it: runc, cgroupfs, no default ulimits (a containers.conf of our own).
+cat > "$work/containers.conf" <<'CONF'
+[containers]
+default_ulimits = []
+[engine]
+cgroup_manager = "cgroupfs"
+runtime = "runc"
+events_logger = "file"
+CONF
+export CONTAINERS_CONF=$work/containers.conf
+containers=()
+cleanup() {
+  for c in "${containers[@]}"; do podman rm -f -t 0 "$c" >/dev/null 2>&1 || true; done
+  [ -f "$work/kube.yaml" ] && podman kube down "$work/kube.yaml" >/dev/null 2>&1 || true
+  podman volume rm -f "rehearsal-$id-claim-check" >/dev/null 2>&1 || true
+  rm -rf "$work"
+}
+trap cleanup EXIT
+
+# --- images ------------------------------------------------------------------------------------------------------
+say "debootstrap bookworm (minbase) -> localhost/vlmstream-base:bookworm"
+debootstrap --variant=minbase bookworm "$work/rootfs" http://deb.debian.org/debian >"$work/debootstrap.log" 2>&1
+tar -C "$work/rootfs" -c . | podman import - localhost/vlmstream-base:bookworm >/dev/null
+rm -rf "$work/rootfs"
+# A network whose TLS is intercepted by a CA of its own (PIP_CERT): pip inside the build trusts it too.
+build=(podman build --network host --build-arg BASE_IMAGE=localhost/vlmstream-base:bookworm)
+if [ -n "${PIP_CERT:-}" ] && [ -f "$PIP_CERT" ]; then
+  printf '[global]\ncert = /run/vlmstream-build-ca.crt\n' > "$work/pip.conf"
+  build+=(-v "$PIP_CERT:/run/vlmstream-build-ca.crt:ro" -v "$work/pip.conf:/etc/pip.conf:ro")
+fi
+for image in decode infer-cpu; do
+  t0=$(date +%s)
+  "${build[@]}" -f "$repo/docker/Dockerfile.$image" -t "localhost/vlmstream-$image:latest" "$repo" >"$work/build-$image.log" 2>&1 \
+    || { tail -30 "$work/build-$image.log" >&2; exit 1; }
+  say "built vlmstream-$image in $(( $(date +%s) - t0 ))s: $(podman image inspect --format '{{.Size}}' "localhost/vlmstream-$image:latest" | awk '{printf "%.0f MB", $1/1e6}')"
+done
+if podman run --rm localhost/vlmstream-decode:latest python -c "import torch" 2>/dev/null; then
+  echo "rehearse: the decode image has torch; it should have the light install only" >&2; exit 1
+fi
+
+# --- the corpus and its plan ---------------------------------------------------------------------------------------
+mkdir -p "$work/scans"
+podman run --rm --user 0 -v "$work/scans:/out" localhost/vlmstream-decode:latest python - "$docs" "$id" <<'PY'
+import json, random, sys
+from PIL import Image
+docs, run = int(sys.argv[1]), sys.argv[2]
+rng = random.Random(7)
+plan = {"documents": [], "images": 0}
+lines = {"http": [], "files": []}
+for d in range(docs):
+    count = rng.randint(1, 4)
+    names = []
+    for i in range(count):
+        name = f"doc{d:03d}-{i}.jpg"
+        w, h = rng.randint(200, 900), rng.randint(200, 900)
+        Image.new("RGB", (w, h), (rng.randrange(256), rng.randrange(256), rng.randrange(256))).save(f"/out/{name}")
+        names.append(name)
+    doc_id = f"rehearsal-{run}-{d:03d}"
+    plan["documents"].append({"doc_id": doc_id, "image_count": count, "planted": {}})
+    plan["images"] += count
+    lines["http"].append({"doc_id": doc_id, "image_uris": [f"http://127.0.0.1:PORT/{n}" for n in names]})
+    lines["files"].append({"doc_id": doc_id + "-k8s", "image_uris": [f"/data/{n}" for n in names]})
+json.dump(plan, open("/out/plan.json", "w"))
+kube_plan = {"documents": [dict(d, doc_id=d["doc_id"] + "-k8s") for d in plan["documents"]], "images": plan["images"]}
+json.dump(kube_plan, open("/out/plan-k8s.json", "w"))
+for kind, rows in lines.items():
+    with open(f"/out/manifest-{kind}.jsonl", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+PY
+sed -i "s/PORT/$http_port/" "$work/scans/manifest-http.jsonl"
+chmod -R a+rX "$work/scans"
+images=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['images'])" "$work/scans/plan.json")
+
+# --- part 1: one container per machine ----------------------------------------------------------------------------
+prefix=rehearsal-$id
+cat > "$work/env" <<ENV
+VLMSTREAM_KAFKA__BOOTSTRAP_SERVERS=$bootstrap
+VLMSTREAM_TOPICS__PARTITIONS=4
+VLMSTREAM_TOPICS__DOCUMENTS=$prefix.documents
+VLMSTREAM_TOPICS__IMAGES=$prefix.images
+VLMSTREAM_TOPICS__DESCRIPTIONS=$prefix.descriptions
+VLMSTREAM_TOPICS__EMBEDDINGS=$prefix.embeddings
+VLMSTREAM_TOPICS__RESULTS=$prefix.results
+VLMSTREAM_TOPICS__SUMMARIES=$prefix.summaries
+VLMSTREAM_TOPICS__DEADLETTER=$prefix.deadletter
+VLMSTREAM_DECODE__GROUP_ID=$prefix-decode
+VLMSTREAM_INFER__GROUP_ID=$prefix-infer
+VLMSTREAM_DECODE__CLAIM_CHECK_URL=/claim-check
+VLMSTREAM_DECODE__ALLOW_PRIVATE_HOSTS=true
+VLMSTREAM_DECODE__WORKERS=1
+VLMSTREAM_DECODE__SESSION_TIMEOUT_MS=6000
+VLMSTREAM_INFER__MAX_NEW_TOKENS=8
+ENV
+podman volume create "rehearsal-$id-claim-check" >/dev/null
+run() {  # run NAME IMAGE ARGS...: a detached container on the host's network with the settings
+  local name=$1 image=$2; shift 2
+  containers+=("$name")
+  podman run -d --name "$name" --network host --env-file "$work/env" "$@" "localhost/vlmstream-$image:latest" >/dev/null
+}
+check() {  # check PREFIX PLAN: the independent checker, from the decode image (kafka-python, schemas)
+  podman run --rm --network host -v "$repo:/src:ro" -v "$work/scans:/scans:ro" -w /src localhost/vlmstream-decode:latest \
+    python -m benchmarks.chaos.checker --bootstrap "$bootstrap" --prefix "$1" --plan "$2"
+}
+podman run --rm --network host --env-file "$work/env" localhost/vlmstream-decode:latest vlmstream topics create >/dev/null
+run "$prefix-http" decode -v "$work/scans:/srv:ro" python -m http.server "$http_port" --bind 127.0.0.1 --directory /srv
+run "$prefix-decode-1" decode -v "rehearsal-$id-claim-check:/claim-check" vlmstream decode
+run "$prefix-decode-2" decode -v "rehearsal-$id-claim-check:/claim-check" vlmstream decode
+run "$prefix-infer-1" infer-cpu -v "rehearsal-$id-claim-check:/claim-check" vlmstream infer
+run "$prefix-producer" decode -v "$work/scans:/scans:ro" vlmstream produce --manifest /scans/manifest-http.jsonl
+say "part 1: $docs documents, $images images; producer, http, 2 decode, 1 inference container"
+# Kill a decode container and the inference container once each has done some work; start a new inference one.
+for _ in $(seq 1 120); do
+  podman logs "$prefix-decode-1" 2>&1 | grep -q -i "image" && break; sleep 1
+done
+podman kill -s KILL "$prefix-decode-1" >/dev/null; say "killed $prefix-decode-1"
+sleep 20
+podman kill -s KILL "$prefix-infer-1" >/dev/null; say "killed $prefix-infer-1"
+run "$prefix-infer-2" infer-cpu -v "rehearsal-$id-claim-check:/claim-check" vlmstream infer
+part1=1
+for _ in $(seq 1 90); do
+  if check "$prefix" /scans/plan.json >"$work/check1.txt" 2>&1; then part1=0; break; fi
+  sleep 10
+done
+cat "$work/check1.txt" >&2
+
+# --- part 2: the Kubernetes manifests with podman kube play -------------------------------------------------------
+kprefix=rehearsal-$id-k8s
+python3 "$repo/scripts/rehearse_kube.py" "$repo/deploy/k8s" "$work/kube.yaml" --bootstrap "$bootstrap" \
+  --prefix "$kprefix" --scans "$work/scans" --claim-check "rehearsal-$id-claim-check"
+podman run --rm --network host --env-file "$work/env" -e VLMSTREAM_TOPICS__DOCUMENTS="$kprefix.documents" \
+  -e VLMSTREAM_TOPICS__IMAGES="$kprefix.images" -e VLMSTREAM_TOPICS__DESCRIPTIONS="$kprefix.descriptions" \
+  -e VLMSTREAM_TOPICS__EMBEDDINGS="$kprefix.embeddings" -e VLMSTREAM_TOPICS__RESULTS="$kprefix.results" \
+  -e VLMSTREAM_TOPICS__SUMMARIES="$kprefix.summaries" -e VLMSTREAM_TOPICS__DEADLETTER="$kprefix.deadletter" \
+  localhost/vlmstream-decode:latest vlmstream topics create >/dev/null
+podman kube play --network host "$work/kube.yaml" >"$work/kube-play.log" 2>&1 || { cat "$work/kube-play.log" >&2; exit 1; }
+say "part 2: podman kube play of deploy/k8s (decode, inference, ConfigMap, Secret)"
+containers+=("$kprefix-producer")
+podman run -d --name "$kprefix-producer" --network host --env-file "$work/env" -v "$work/scans:/scans:ro" \
+  -e VLMSTREAM_TOPICS__DOCUMENTS="$kprefix.documents" -e VLMSTREAM_TOPICS__DEADLETTER="$kprefix.deadletter" \
+  localhost/vlmstream-decode:latest vlmstream produce --manifest /scans/manifest-files.jsonl >/dev/null
+part2=1
+for _ in $(seq 1 90); do
+  if check "$kprefix" /scans/plan-k8s.json >"$work/check2.txt" 2>&1; then part2=0; break; fi
+  sleep 10
+done
+cat "$work/check2.txt" >&2
+
+verdict() { grep -i -E "^(images described|documents with)" "$1" | tr '\n' ' '; }
+say "took $(( $(date +%s) - started ))s"
+status=$(( part1 | part2 ))
+echo "rehearsal $([ $status = 0 ] && echo PASSED || echo FAILED): containers: $(verdict "$work/check1.txt")| kube play: $(verdict "$work/check2.txt")"
+exit $status
