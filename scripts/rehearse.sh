@@ -14,7 +14,7 @@
 set -euo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
 bootstrap=${REHEARSE_BOOTSTRAP:-127.0.0.1:9092}
-docs=${REHEARSE_DOCS:-24}
+docs=${REHEARSE_DOCS:-60}
 work=$(mktemp -d /tmp/vlmstream-rehearsal-XXXXXX)
 id=$(basename "$work" | tr 'A-Z' 'a-z' | tr -cd 'a-z0-9' | tail -c 7)
 http_port=${REHEARSE_HTTP_PORT:-18080}
@@ -35,6 +35,7 @@ containers=()
 cleanup() {
   for c in "${containers[@]}"; do podman rm -f -t 0 "$c" >/dev/null 2>&1 || true; done
   [ -f "$work/kube.yaml" ] && podman kube down "$work/kube.yaml" >/dev/null 2>&1 || true
+  podman secret rm vlmstream-secrets >/dev/null 2>&1 || true
   podman volume rm -f "rehearsal-$id-claim-check" >/dev/null 2>&1 || true
   rm -rf "$work"
 }
@@ -131,10 +132,9 @@ run "$prefix-decode-2" decode -v "rehearsal-$id-claim-check:/claim-check" vlmstr
 run "$prefix-infer-1" infer-cpu -v "rehearsal-$id-claim-check:/claim-check" vlmstream infer
 run "$prefix-producer" decode -v "$work/scans:/scans:ro" vlmstream produce --manifest /scans/manifest-http.jsonl
 say "part 1: $docs documents, $images images; producer, http, 2 decode, 1 inference container"
-# Kill a decode container and the inference container once each has done some work; start a new inference one.
-for _ in $(seq 1 120); do
-  podman logs "$prefix-decode-1" 2>&1 | grep -q -i "image" && break; sleep 1
-done
+# Kill a decode container and the inference container while work is in hand; start a new inference one.
+podman wait "$prefix-producer" >/dev/null
+sleep 3
 podman kill -s KILL "$prefix-decode-1" >/dev/null; say "killed $prefix-decode-1"
 sleep 20
 podman kill -s KILL "$prefix-infer-1" >/dev/null; say "killed $prefix-infer-1"
@@ -155,6 +155,8 @@ podman run --rm --network host --env-file "$work/env" -e VLMSTREAM_TOPICS__DOCUM
   -e VLMSTREAM_TOPICS__EMBEDDINGS="$kprefix.embeddings" -e VLMSTREAM_TOPICS__RESULTS="$kprefix.results" \
   -e VLMSTREAM_TOPICS__SUMMARIES="$kprefix.summaries" -e VLMSTREAM_TOPICS__DEADLETTER="$kprefix.deadletter" \
   localhost/vlmstream-decode:latest vlmstream topics create >/dev/null
+podman secret rm vlmstream-secrets >/dev/null 2>&1 || true
+podman secret create vlmstream-secrets "$work/kube.secret.json" >/dev/null
 podman kube play --network host "$work/kube.yaml" >"$work/kube-play.log" 2>&1 || { cat "$work/kube-play.log" >&2; exit 1; }
 say "part 2: podman kube play of deploy/k8s (decode, inference, ConfigMap, Secret)"
 containers+=("$kprefix-producer")
@@ -168,8 +170,18 @@ for _ in $(seq 1 90); do
 done
 cat "$work/check2.txt" >&2
 
-verdict() { grep -i -E "^(images described|documents with)" "$1" | tr '\n' ' '; }
+verdict() {  # "images described X of Y, documents with a result N of M" from the checker's report
+  python3 - "$1" <<'PY'
+import re, sys
+text = open(sys.argv[1]).read()
+images = re.search(r"images described at least once\s+(\d+) of (\d+)", text)
+docs = re.search(r"documents with a complete result\s+(\d+)", text)
+planned = re.search(r"documents in \(planned / on the topic\)\s+(\d+)", text)
+print(f"images described {images.group(1)} of {images.group(2)}, documents with a result {docs.group(1)} of "
+      f"{planned.group(1)}" if images and docs and planned else "no report")
+PY
+}
 say "took $(( $(date +%s) - started ))s"
 status=$(( part1 | part2 ))
-echo "rehearsal $([ $status = 0 ] && echo PASSED || echo FAILED): containers: $(verdict "$work/check1.txt")| kube play: $(verdict "$work/check2.txt")"
+echo "rehearsal $([ $status = 0 ] && echo PASSED || echo FAILED): containers: $(verdict "$work/check1.txt"); kube play: $(verdict "$work/check2.txt")"
 exit $status
