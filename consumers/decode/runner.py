@@ -26,9 +26,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
-import signal
 import socket
-import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -52,6 +50,7 @@ from vlmstream.kafka.errors import FatalPipelineError
 from vlmstream.kafka.group import subscribe_when_known
 from vlmstream.kafka.lag import FetchLag
 from vlmstream.kafka.records import Record, UnreadableRecord, dead_letter_from_record, poll_past_unreadable
+from vlmstream.stopping import Stop, exit_status
 
 log = logging.getLogger(__name__)
 
@@ -395,7 +394,7 @@ class _Rebalance(AsyncConsumerRebalanceListener):
 
 
 def _worker_main(settings: Settings, index: int, stop_event: Any, until_idle_s: float | None,
-                 deadline_epoch: float | None) -> None:
+                 deadline_epoch: float | None, supervisor: int) -> None:
     logging.basicConfig(level=settings.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(processName)s %(name)s: %(message)s")
     logging.getLogger("kafka").setLevel(logging.WARNING)
@@ -408,22 +407,14 @@ def _worker_main(settings: Settings, index: int, stop_event: Any, until_idle_s: 
     cv2.setNumThreads(1)
     if settings.decode.niceness:
         os.nice(settings.decode.niceness)
-    stopping = threading.Event()
-
-    def request_stop(signum, _frame):
-        log.info("decode worker %d: signal %d, finishing the document in hand", index, signum)
-        stopping.set()
-
-    signal.signal(signal.SIGTERM, request_stop)
-    signal.signal(signal.SIGINT, request_stop)
+    # A supervisor killed with SIGKILL cannot tell us: the kernel (or the watchdog) says it is gone.
+    stopping = Stop(f"decode worker {index}").install(parent=supervisor)
     deadline = None
     if deadline_epoch is not None:
         deadline = time.monotonic() + max(0.0, deadline_epoch - time.time())
-    supervisor = os.getppid()
 
     def should_stop() -> bool:
-        # A supervisor killed with SIGKILL cannot tell us: being re-parented means it is gone.
-        return stopping.is_set() or stop_event.is_set() or os.getppid() != supervisor
+        return stopping.is_set() or stop_event.is_set()
 
     worker = DecodeWorker(settings, index, stop=should_stop, until_idle_s=until_idle_s, deadline=deadline)
     raise SystemExit(worker.run())
@@ -471,6 +462,14 @@ class DecodeFleet:
         # importing (its handler not yet installed), which then looks like a crash.
         self._stop_event.set()
 
+    def _stop_now(self, signum: int) -> None:
+        """A second signal: the workers are killed (their documents repeat from the last commit), and so is this."""
+        for slot in self._slots:
+            if slot.process is not None and slot.process.is_alive():
+                slot.process.kill()
+        logging.shutdown()
+        os._exit(exit_status(signum))
+
     def worker_pids(self) -> dict[int, int]:
         return {s.index: s.process.pid for s in self._slots if s.process is not None and s.process.is_alive()}
 
@@ -479,7 +478,7 @@ class DecodeFleet:
         if self.settings.metrics_port > 0:
             metrics_dir = metrics.prepare_multiprocess_dir()
             metrics.serve_multiprocess(self.settings.metrics_port)
-        previous = {sig: signal.signal(sig, self.stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+        stop = Stop("vlmstream decode", on_first=self.stop, now=self._stop_now).install()
         deadline = time.time() + self.max_seconds if self.max_seconds else None
         try:
             for slot in self._slots:
@@ -494,15 +493,14 @@ class DecodeFleet:
                     self._kill_stragglers()
                 time.sleep(0.2)
         finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
+            stop.restore()
             metrics.remove_multiprocess_dir(metrics_dir)
         return 1 if self._failed else 0
 
     def _start(self, slot: _Slot, deadline: float | None) -> None:
         slot.process = self._ctx.Process(
             target=_worker_main, name=f"decode-worker-{slot.index}",
-            args=(self.settings, slot.index, self._stop_event, self.until_idle_s, deadline))
+            args=(self.settings, slot.index, self._stop_event, self.until_idle_s, deadline, os.getpid()))
         slot.process.start()
         log.info("decode fleet: worker %d started (pid %d)", slot.index, slot.process.pid)
 

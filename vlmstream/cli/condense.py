@@ -46,13 +46,12 @@ def condense(
     """
     import logging
     import os
-    import signal
-    import threading
 
     from consumers.condense.factory import make_engine
     from consumers.condense.runner import CondenseRunner
     from consumers.condense.stage import AnswerSchema, Condenser, load_prompt_template
     from vlmstream.cli.support import bootstrap, settings_from
+    from vlmstream.stopping import Stop
 
     overrides = {
         "model": model, "engine": engine, "answer_schema": answer_schema, "prompt_file": prompt_file,
@@ -68,19 +67,7 @@ def condense(
     except ValueError as exc:
         log.error("%s", exc)
         raise typer.Exit(2)
-    stop = threading.Event()
-    signals: list[int] = []
-
-    def on_signal(signum, _frame):
-        signals.append(signum)
-        if len(signals) > 1:
-            log.warning("signal %d again: stopping at once, committing nothing more", signum)
-            logging.shutdown()
-            os._exit(128 + signum)
-        stop.set()
-
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, on_signal)
+    stop = Stop("vlmstream condense").install()
     try:
         engine_impl = make_engine(settings.condense, resolve_condense_model(settings), schema)
     except ValueError as exc:  # an answer schema the engine cannot enforce, a context budget over the model's

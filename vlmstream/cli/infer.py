@@ -35,7 +35,6 @@ def infer(
     """
     import logging
     import os
-    import signal
     import threading
 
     from consumers.infer.factory import make_engine
@@ -43,6 +42,7 @@ def infer(
     from consumers.results import ResultsAggregator
     from vlmstream import profiling
     from vlmstream.cli.support import bootstrap, settings_from
+    from vlmstream.stopping import Stop
 
     profiler = profiling.start_from_env()  # VLMSTREAM_PROFILE_OUT: where this process's CPU goes, per thread
     infer_overrides = {
@@ -58,21 +58,7 @@ def infer(
         from consumers.infer.tiny_model import default_tiny_model_dir
 
         model_path = str(default_tiny_model_dir())
-    stop = threading.Event()
-    signals: list[int] = []
-
-    def on_signal(signum, _frame):
-        # The first: stop fetching, drain what is in flight, flush, commit, leave the group, exit 0. The second:
-        # at once, without waiting for anything (nothing more is committed; the next owner redoes it).
-        signals.append(signum)
-        if len(signals) > 1:
-            logging.getLogger(__name__).warning("signal %d again: stopping at once, committing nothing more", signum)
-            logging.shutdown()
-            os._exit(128 + signum)
-        stop.set()
-
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, on_signal)
+    stop = Stop("vlmstream infer").install()
     aggregator, aggregator_thread, aggregator_stop = None, None, threading.Event()
     if not no_results:
         aggregator = ResultsAggregator(settings)

@@ -152,14 +152,16 @@ def _images(s) -> str:
 
 
 def _follow(settings, every_s: float, window_s: float) -> None:
-    """Live progress lines until Ctrl-C: plain lines (a log or a pipe), redrawn in place on a terminal."""
+    """Live progress lines until Ctrl-C or SIGTERM: plain lines (a log or a pipe), redrawn in place on a terminal."""
     import time
 
     from rich.live import Live
     from rich.text import Text
 
     from vlmstream.cli.backlog import LiveView, StageProbe
+    from vlmstream.stopping import Stop
 
+    stop = Stop("vlmstream status --follow").install()
     probe = StageProbe(settings)
     view = LiveView(probe, window_s=window_s)
     started = time.monotonic()
@@ -167,16 +169,14 @@ def _follow(settings, every_s: float, window_s: float) -> None:
     try:
         if live is not None:
             live.start()
-        while True:
+        while not stop.is_set():
             view.update()
             lines = [f"[{time.monotonic() - started:5.0f}s]", *view.lines()]
             if live is not None:
                 live.update(Text("\n".join(lines)), refresh=True)
             else:
                 print("\n".join(lines), flush=True)
-            time.sleep(every_s)
-    except KeyboardInterrupt:
-        pass
+            stop.wait(every_s)
     finally:
         if live is not None:
             live.stop()
@@ -208,16 +208,12 @@ def export(
 ) -> None:
     """Add the output topics' records since the last export to files: JSON lines (vectors in one binary file) or
     Parquet (a file is complete on disk before its offsets are committed; no record twice, even after a kill)."""
-    import signal
-    import threading
-
     from vlmstream.cli.export import export as run_export
     from vlmstream.cli.support import bootstrap, settings_from
+    from vlmstream.stopping import Stop
 
     settings = bootstrap(settings_from(ctx))
-    stop = threading.Event()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, lambda *_: stop.set())
+    stop = Stop("vlmstream export").install()
     try:
         report = run_export(settings, out, tuple(k.strip() for k in what.split(",") if k.strip()), format=format,
                             follow=follow, group_id=group_id, should_stop=stop.is_set)

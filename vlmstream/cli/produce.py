@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import signal
 import sys
-import threading
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
@@ -56,6 +54,7 @@ def produce(
     from vlmstream.cli.support import bootstrap, settings_from
     from vlmstream.kafka.errors import FatalPipelineError
     from vlmstream.kafka.topics import create_topics
+    from vlmstream.stopping import Stop
 
     console = Console(stderr=True)
     chosen = [name for name, given in (("--manifest", manifest), ("--folder", folder), ("--stdin", stdin)) if given]
@@ -77,8 +76,9 @@ def produce(
     settings = bootstrap(settings_from(ctx, {"topics": {"documents": documents_topic}}))
     create_topics(settings)
 
-    stop = threading.Event()
-    _stop_on_signals(stop, console)
+    # First Ctrl-C/SIGTERM: stop reading, finish the sends in flight, write the ledger. Second: at once.
+    stop = Stop("vlmstream produce", on_first=lambda _reason: console.print(
+        "stopping: finishing the sends in flight (again to abort)")).install()
     items: Iterator[Any]
     skipped: list[Path] = []  # a one-shot folder scan's files of other types, said at the end
     if manifest is not None:
@@ -118,21 +118,6 @@ def produce(
     sys.stdout.write(orjson.dumps(summary.as_dict()).decode() + "\n")
     if not summary.ok:
         raise typer.Exit(1)
-
-
-def _stop_on_signals(stop: threading.Event, console: Console) -> None:
-    """First Ctrl-C/SIGTERM: stop reading, finish the sends in flight, write the ledger. Second: abort."""
-
-    def handler(signum: int, frame: Any) -> None:
-        if stop.is_set():
-            signal.signal(signum, signal.SIG_DFL)
-            signal.raise_signal(signum)
-        console.print("stopping: finishing the sends in flight (again to abort)")
-        stop.set()
-
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGINT, handler)
-        signal.signal(signal.SIGTERM, handler)
 
 
 class _progress:
