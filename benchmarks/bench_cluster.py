@@ -175,7 +175,7 @@ def main() -> int:
                       f"(1-min average, every process on it)", flush=True)
     finally:
         for arm, s in settings.items():
-            broker.stop(s)
+            broker.stop(s, reason=f"bench_cluster: arm {arm} done")
         shutil.rmtree(workdir, ignore_errors=True)
     single = statistics.median(r["img_s"] for r in results["single"])
     cluster = statistics.median(r["img_s"] for r in results["cluster"])

@@ -207,10 +207,10 @@ def decode_costs(settings, names: dict[str, str], started_wall: float, decode_ti
 def full_calibration(report: dict, full: dict, predicted: dict) -> dict:
     """The estimate's own arithmetic applied to the full run (its images' costs by class and its steady window's
     busy-to-wall scale), to split the error into the costs per image and the scale."""
-    from vlmstream.cli.estimate import _sample_images
+    from vlmstream.cli.estimate_sample import sample_images
     from vlmstream.projection import calibrate, sample_windows
 
-    images = _sample_images(full["rows"], report["uri_classes"], full["decoded_by_key"])
+    images = sample_images(full["rows"], report["uri_classes"], full["decoded_by_key"])
     windows = sample_windows(images)
     costs = calibrate(images, windows, decode_parallel=2, shared_cores=True, cores=os.cpu_count() or 1,
                       infer_threads=int(os.environ.get("OMP_NUM_THREADS", "1")))

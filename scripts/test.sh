@@ -17,7 +17,7 @@ set +e
 rc=$?
 set -e
 if [ "$started_here" = 1 ]; then
-  .venv/bin/vlmstream broker stop || true
+  .venv/bin/vlmstream broker stop --reason "scripts/test.sh: the suite is done and started this broker" || true
 fi
 if [ "$rc" = 5 ]; then
   echo "test.sh: pytest collected no tests; that is a failure" >&2

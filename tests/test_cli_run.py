@@ -129,7 +129,7 @@ def test_earlier_results_of_another_model_are_redone_once_all_earlier_results_ar
     the run sent waits for a result (and an answer) published after the run began."""
     from types import SimpleNamespace
 
-    from vlmstream.cli.run import FoldedResults, same_model
+    from vlmstream.cli.run_follow import FoldedResults, same_model
 
     def result(doc, *models):
         return SimpleNamespace(doc_id=doc, images=[{"status": "ok", "model": m} if m else {"status": "failed"}

@@ -39,7 +39,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Settings:
         yield settings
     finally:
         for node in range(1, b.nodes + 1):  # its data goes with it: no controlled shutdown needed (9 s saved)
-            broker.kill_node(settings, node)
+            broker.kill_node(settings, node, reason="test_cluster: the module's cluster, at its end")
         shutil.rmtree(home, ignore_errors=True)
 
 
@@ -136,7 +136,8 @@ def test_a_killed_leader_loses_nothing_and_a_node_restored_from_an_older_snapsho
     def kill_midway(acked: int) -> None:
         if acked >= 500 and not killed.is_set():
             killed.set()
-            threading.Thread(target=broker.kill_node, args=(cluster, victim)).start()
+            threading.Thread(target=broker.kill_node, args=(cluster, victim),
+                             kwargs={"reason": "test_cluster: a leader killed mid-produce"}).start()
 
     errors = _produce(cluster, topic, range(2000), on_acked=kill_midway)
     assert killed.is_set() and errors == []
@@ -148,7 +149,7 @@ def test_a_killed_leader_loses_nothing_and_a_node_restored_from_an_older_snapsho
 
     # (2) In sync, it has the 1,500 records written while it was down; the snapshot has not, nor the 500 more.
     assert _produce(cluster, topic, range(2000, 2500)) == []
-    broker.kill_node(cluster, victim)
+    broker.kill_node(cluster, victim, reason="test_cluster: down again, for its older snapshot")
     broker.restore_node_data(cluster, victim, snapshot)
     broker.restart_node(cluster, victim)
     # Back in every partition's ISR: its log reached each leader's end again.

@@ -57,7 +57,7 @@ def _descriptions(outputs: list[InferenceOutput], wall_times: float = 1.0) -> li
 
 
 def test_inference_costs_the_cpu_time_of_its_batch_on_the_cpu_and_wall_time_elsewhere(batch_outputs):
-    from vlmstream.cli.estimate import _sample_images
+    from vlmstream.cli.estimate_sample import sample_images
     from vlmstream.projection import calibrate, sample_windows
 
     t = batch_outputs[0].timings_ms
@@ -65,8 +65,8 @@ def test_inference_costs_the_cpu_time_of_its_batch_on_the_cpu_and_wall_time_else
     assert 0 < t["vision_cpu_ms"] <= t["batch_cpu_ms"]
 
     classes = {f"file:///img{i}": f"e1/s{i}" for i in range(2)}
-    calm = _sample_images(_descriptions(batch_outputs), classes, {})
-    crowded = _sample_images(_descriptions(batch_outputs, wall_times=3.0), classes, {})
+    calm = sample_images(_descriptions(batch_outputs), classes, {})
+    crowded = sample_images(_descriptions(batch_outputs, wall_times=3.0), classes, {})
     for images in (calm, crowded):
         # The batch's CPU time shared out over its images (by visual tokens for the tower's part): nothing more.
         assert all(im.infer_cpu and im.decode_cpu for im in images)
@@ -82,7 +82,7 @@ def test_inference_costs_the_cpu_time_of_its_batch_on_the_cpu_and_wall_time_else
     on_gpu = [(at, dataclasses.replace(d, timings_ms={k: v for k, v in d.timings_ms.items()
                                                        if not k.endswith("_cpu_ms")}))
               for at, d in _descriptions(batch_outputs)]
-    images = _sample_images(on_gpu, classes, {})
+    images = sample_images(on_gpu, classes, {})
     assert not any(im.infer_cpu for im in images)
     assert sum(im.infer_s for im in images) == pytest.approx(t["batch_ms"] / 1000, rel=1e-9)
     assert calibrate(images, sample_windows(images), decode_parallel=2, shared_cores=False).infer_cost == "wall"

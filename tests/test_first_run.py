@@ -90,7 +90,7 @@ def test_run_counts_what_earlier_runs_left_queued_ahead(topic_names, unique, tmp
 
 
 def test_the_tiny_model_gets_a_small_budget_unless_one_is_given(monkeypatch):
-    from vlmstream.cli.run import TINY_MODEL_MAX_PIXELS, with_pixel_budget
+    from vlmstream.cli.run_setup import TINY_MODEL_MAX_PIXELS, with_pixel_budget
     from vlmstream.models.qwen2_vl import MAX_PIXELS as QWEN_MAX_PIXELS
 
     settings, said = with_pixel_budget(load_settings())

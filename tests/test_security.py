@@ -87,7 +87,7 @@ def secured(tmp_path_factory) -> Secured:
         create_topics(admin.model_copy(update={"topics": admin.topics.model_copy(update={"partitions": 3})}))
         yield Secured(settings, home, passwords, clients)
     finally:
-        broker.stop(settings)
+        broker.stop(settings, reason="test_security: the secured broker, at the fixture's end")
 
 
 def _bootstrap_refused(caplog, level: int = logging.WARNING, **kwargs) -> tuple[type[BaseException], str]:
@@ -386,7 +386,7 @@ def test_client_settings_files_are_private_and_hold_one_login(secured: Secured):
 def test_run_hands_each_stage_its_own_login_only():
     from pydantic import SecretStr
 
-    from vlmstream.cli.run import _as_stage
+    from vlmstream.cli.run_workers import as_stage
     from vlmstream.config import KafkaPrincipal
 
     principals = {name: KafkaPrincipal(username=name, password=SecretStr(f"pw-{name}")) for name in
@@ -394,7 +394,7 @@ def test_run_hands_each_stage_its_own_login_only():
     settings = Settings(kafka=KafkaSettings(sasl_plain_username="admin", sasl_plain_password=SecretStr("pw-admin"),
                                             principals=principals))
     for stage in ("producer", "decode", "infer", "tap"):
-        kafka = _as_stage(settings, stage).kafka
+        kafka = as_stage(settings, stage).kafka
         assert kafka.sasl_plain_username == stage and kafka.sasl_plain_password.get_secret_value() == f"pw-{stage}"
         assert kafka.principals == {}
     assert "pw-decode" not in repr(settings) and "pw-decode" not in settings.masked_json()

@@ -6,15 +6,15 @@ import os
 import subprocess
 import sys
 
-from vlmstream.cli.run import LOCAL_DECODE_NICENESS, _as_stage
+from vlmstream.cli.run_workers import LOCAL_DECODE_NICENESS, as_stage
 from vlmstream.config import Settings
 
 
 def test_run_starts_decode_at_the_local_niceness_unless_set():
-    assert _as_stage(Settings(), "decode").decode.niceness == LOCAL_DECODE_NICENESS
-    assert _as_stage(Settings(), "infer").decode.niceness == 0
-    assert _as_stage(Settings(decode={"niceness": 0}), "decode").decode.niceness == 0
-    assert _as_stage(Settings(decode={"niceness": 3}), "decode").decode.niceness == 3
+    assert as_stage(Settings(), "decode").decode.niceness == LOCAL_DECODE_NICENESS
+    assert as_stage(Settings(), "infer").decode.niceness == 0
+    assert as_stage(Settings(decode={"niceness": 0}), "decode").decode.niceness == 0
+    assert as_stage(Settings(decode={"niceness": 3}), "decode").decode.niceness == 3
 
 
 def _in_a_fresh_process(code: str) -> subprocess.CompletedProcess:
@@ -44,14 +44,14 @@ def test_a_decode_worker_applies_its_niceness():
 
 
 def test_run_gives_a_cpu_engine_one_thread_unless_told(monkeypatch):
-    from vlmstream.cli.run import LOCAL_INFER_CPU_THREADS
+    from vlmstream.cli.run_workers import LOCAL_INFER_CPU_THREADS
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    assert _as_stage(Settings(), "infer").infer.cpu_threads == LOCAL_INFER_CPU_THREADS
-    assert _as_stage(Settings(infer={"cpu_threads": 2}), "infer").infer.cpu_threads == 2
-    assert _as_stage(Settings(), "decode").infer.cpu_threads == 0
+    assert as_stage(Settings(), "infer").infer.cpu_threads == LOCAL_INFER_CPU_THREADS
+    assert as_stage(Settings(infer={"cpu_threads": 2}), "infer").infer.cpu_threads == 2
+    assert as_stage(Settings(), "decode").infer.cpu_threads == 0
     monkeypatch.setenv("OMP_NUM_THREADS", "2")  # the user's own choice reaches torch unchanged
-    assert _as_stage(Settings(), "infer").infer.cpu_threads == 0
+    assert as_stage(Settings(), "infer").infer.cpu_threads == 0
 
 
 def test_a_cpu_engine_runs_on_the_threads_it_is_given():

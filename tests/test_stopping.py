@@ -5,6 +5,7 @@ could not flush, and must have committed nothing past what reached the broker (c
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -67,7 +68,7 @@ class OwnBroker:
 
     def stop(self) -> None:
         try:
-            broker.stop(self.settings)
+            broker.stop(self.settings, reason="test_stopping: the test's own broker, at its end")
         except Exception:  # noqa: BLE001 - already killed
             pass
 
@@ -216,7 +217,7 @@ def _children_of(pid: int) -> set[int]:
 def test_vlmstream_run_stops_its_workers_on_sigterm_when_the_cluster_is_gone(own_broker, tmp_path, corpus_dir):
     """`vlmstream run` used to die at SIGTERM at once (no handler) and leave its decode and inference workers
     running in their own sessions, the decode workers crash-looping against the gone cluster."""
-    from vlmstream.cli.run import STOP_GRACE_S
+    from vlmstream.cli.run_workers import STOP_GRACE_S
 
     settings = own_broker.settings
     folder = tmp_path / "docs"
@@ -278,34 +279,123 @@ _DRAINS_IN_2_S = ("import signal, sys, time\n"
                   "time.sleep(60)\n")
 
 
-def _stop_a_draining_worker_while_signalled(stopped_by: str | None) -> tuple[dict, str | None]:
-    """`vlmstream run` stopping a worker that takes 2 s to drain, a SIGTERM reaching `vlmstream run` 0.5 s in."""
-    from vlmstream.cli.run import _raise_stopped, _stop_children
+def _stop_a_draining_worker_while_signalled(log_dir: Path, earlier: int | None) -> tuple[dict, list[int]]:
+    """`vlmstream run` stopping a worker that takes 2 s to drain (its stop policy installed, ``earlier`` a signal it
+    had before), a SIGTERM reaching `vlmstream run` 0.5 s in. Returns the exit codes and the run's signals."""
+    from vlmstream.cli.run_workers import Workers
+    from vlmstream.stopping import Stop
 
     worker = subprocess.Popen([sys.executable, "-c", _DRAINS_IN_2_S], stdout=subprocess.PIPE, text=True,
                               start_new_session=True)
     assert worker.stdout.readline().strip() == "ready"
-    previous = signal.signal(signal.SIGTERM, _raise_stopped)
+    workers = Workers(Settings(), (), log_dir)
+    workers.procs["worker"] = worker
+    stop = Stop("vlmstream run", now=workers.kill).install()
     timer = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM))
-    timer.start()
     try:
-        return _stop_children({"worker": worker}, grace_s=30, stopped_by=stopped_by)
+        if earlier is not None:
+            os.kill(os.getpid(), earlier)
+            wait_for(lambda: stop.signals, 5, "the earlier signal handled", interval_s=0.01)
+        timer.start()
+        return workers.stop(stop, grace_s=30), list(stop.signals)
     finally:
         timer.join()
-        signal.signal(signal.SIGTERM, previous)
+        stop.restore()
         if worker.poll() is None:
             worker.kill()
         worker.wait()
         worker.stdout.close()
 
 
-def test_a_first_sigterm_while_a_finished_run_stops_its_workers_lets_them_drain():
+def test_a_first_sigterm_while_a_finished_run_stops_its_workers_lets_them_drain(tmp_path):
     """A run whose documents were all described stops its workers; a SIGTERM then is the run's first signal: the
     workers drain (exit 0) and the run reports the signal, instead of killing them as a second signal does."""
-    codes, stopped_by = _stop_a_draining_worker_while_signalled(None)
-    assert codes == {"worker": 0} and stopped_by == "SIGTERM"
+    codes, signals = _stop_a_draining_worker_while_signalled(tmp_path, None)
+    assert codes == {"worker": 0} and signals == [signal.SIGTERM]
 
 
-def test_a_second_signal_while_the_workers_drain_stops_them_at_once():
-    codes, stopped_by = _stop_a_draining_worker_while_signalled("Ctrl-C")
-    assert codes == {"worker": -signal.SIGKILL} and stopped_by == "Ctrl-C"
+def test_a_second_signal_while_the_workers_drain_stops_them_at_once(tmp_path):
+    codes, signals = _stop_a_draining_worker_while_signalled(tmp_path, signal.SIGINT)
+    assert codes == {"worker": -signal.SIGKILL} and signals == [signal.SIGINT, signal.SIGTERM]
+
+
+def _descendants(root: int) -> dict[int, str]:
+    """{pid: command line} of every process below ``root`` (children, their children, ...), from /proc."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+    found, frontier = {}, {root}
+    while frontier:
+        frontier = {pid for pid, parent in parents.items() if parent in frontier and pid not in found}
+        for pid in frontier:
+            try:
+                found[pid] = (Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"))
+            except OSError:
+                pass
+    return found
+
+
+def _still_running(processes: dict[int, str]) -> dict[int, str]:
+    """Those of ``processes`` still running (not gone, not a zombie, not another process under a reused pid)."""
+    left = {}
+    for pid, cmdline in processes.items():
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+            now_cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if "zombie" not in status and now_cmdline == cmdline:
+            left[pid] = cmdline
+    return left
+
+
+@pytest.mark.kafka
+@pytest.mark.model
+def test_the_workers_of_a_sigkilled_run_stop_with_it(kafka_settings, corpus_dir, tmp_path):
+    """`kill -9` of `vlmstream run` mid-run: its decode and inference workers, and the decode fleet's worker
+    processes, see their parent gone (the kernel's PR_SET_PDEATHSIG, or their watchdog), drain (bounded) and exit;
+    none is left running."""
+    folder = tmp_path / "docs"
+    folder.mkdir()
+    for i, path in enumerate(_uris(corpus_dir, 40)):  # enough that the run is still at work when it is killed
+        (folder / f"{i:02d}-{Path(path).name}").write_bytes(Path(path).read_bytes())
+    env = dict(os.environ, VLMSTREAM_PRODUCER__STATE_DIR=str(tmp_path / "ledger"),
+               VLMSTREAM_INFER__MODEL=tiny_model_dir(), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    log_file = tmp_path / "run.log"
+    with open(log_file, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "vlmstream.cli", "run", str(folder), "--per-file", "--fresh",
+                                 "--decode-workers", "1", "--max-pixels", str(128 * 28 * 28), "--show", "0"],
+                                cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    workers: dict[int, str] = {}
+    try:
+        # Running: inference has described a first image (the model is loaded, decode is at work).
+        wait_for(lambda: re.search(r"images described [1-9]", log_file.read_text(errors="replace"))
+                 or proc.poll() is not None, 300, "a first description")
+        assert proc.poll() is None, log_file.read_text()[-4000:]
+        workers = _descendants(proc.pid)
+        # the decode fleet, its worker process, and the inference process at least
+        assert len(workers) >= 3 and any(" infer" in c for c in workers.values()), workers
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        killed_at = time.monotonic()
+        bound = 120  # the inference process drains what it holds (tiny model), the aggregator at most 30 s
+        try:
+            wait_for(lambda: not _still_running(workers), bound, "the workers gone", interval_s=0.5)
+        except AssertionError:
+            pass
+        left = _still_running(workers)
+        print(f"workers of a SIGKILLed run: {len(workers)}, still running {time.monotonic() - killed_at:.0f} s "
+              f"later: {len(left)}")
+    finally:
+        for pid in [proc.pid, *workers]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        proc.wait()
+    assert not left, f"workers {left} outlived `vlmstream run`\n{log_file.read_text()[-3000:]}"

@@ -10,6 +10,10 @@ With ``broker.security = "sasl_ssl"`` (``start --secure``) ``security.py`` secur
 of a cluster at four hooks: the written properties, the format arguments, the probes' login and, once every node
 answers, the stage principals' provisioning.
 
+Whoever stops or kills a node says why (``reason``): the reason, the asking process (pid, command line) and its
+parent are written to the node's ``stops.log`` (one JSON object a line) and ``broker.log``, and logged, so that a
+broker that stopped can be explained from its folder.
+
 The cluster half is also the API of chaos runs: ``kill_node``, ``restart_node``, ``node_pids``,
 ``node_bootstrap``, ``active_controller``, ``partition_leaders``, ``snapshot_node_data``, ``restore_node_data``.
 """
@@ -275,33 +279,65 @@ def start(settings: Settings, nodes: int | None = None, wait_s: float = 90.0) ->
                 security.provision(settings, bootstrap)  # stage principals and their ACLs
             return bootstrap
         time.sleep(0.5)
-    _stop_paths([paths])
+    _stop_paths([paths], reason=f"it did not answer within {wait_s:.0f} s of its start")
     raise BrokerError(f"Kafka did not answer within {wait_s:.0f}s; see {paths.log_file}")
 
 
-def _stop_paths(all_paths: list[BrokerPaths], wait_s: float = 30.0) -> list[BrokerPaths]:
-    """SIGTERM every running node at once, SIGKILL those still up after wait_s; the ones that were running."""
+def _command_line(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return "?"
+
+
+def _record_stop(paths: BrokerPaths, pid: int, how: str, reason: str) -> None:
+    """Why node ``paths`` (its JVM ``pid``) is stopped (``how``: the signal), and who asked: this process and its
+    parent. Into the node's stops.log and broker.log, and the log."""
+    asker, parent = os.getpid(), os.getppid()
+    record = {"at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "node": str(paths.root), "pid": pid, "signal": how,
+              "reason": reason, "asked_by": {"pid": asker, "command": _command_line(asker)},
+              "parent": {"pid": parent, "command": _command_line(parent)}}
+    line = (f"vlmstream: {how} to Kafka (pid {pid}, {paths.root}): {reason}; asked by pid {asker} "
+            f"({record['asked_by']['command']}), whose parent is pid {parent} ({record['parent']['command']})")
+    log.warning("%s", line)
+    try:
+        with open(paths.root / "stops.log", "a") as out:
+            out.write(json.dumps(record) + "\n")
+        with open(paths.log_file, "a") as out:
+            out.write(line + "\n")
+    except OSError as exc:  # the folder is gone: the log line above still says it
+        log.warning("could not record the stop in %s: %s", paths.root, exc)
+
+
+def _stop_paths(all_paths: list[BrokerPaths], wait_s: float = 30.0, *, reason: str) -> list[BrokerPaths]:
+    """SIGTERM every running node at once, SIGKILL those still up after wait_s; the ones that were running. Each
+    stop is recorded with ``reason``."""
     running = [(paths, pid) for paths in all_paths if (pid := _read_pid(paths)) is not None]
-    for _, pid in running:
+    for paths, pid in running:
+        _record_stop(paths, pid, "SIGTERM", reason)
         os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline and any(_pid_alive(pid) for _, pid in running):
         time.sleep(0.2)
     for paths, pid in running:
         if _pid_alive(pid):
-            log.warning("Kafka (pid %s, %s) did not stop within %.0fs; killing it", pid, paths.root, wait_s)
+            _record_stop(paths, pid, "SIGKILL", f"it did not stop within {wait_s:.0f} s of SIGTERM ({reason})")
             os.kill(pid, signal.SIGKILL)
         paths.pid_file.unlink(missing_ok=True)
     return [paths for paths, _ in running]
 
 
-def stop(settings: Settings, node: int | None = None, wait_s: float = 30.0) -> bool:
+def stop(settings: Settings, node: int | None = None, wait_s: float = 30.0, *, reason: str) -> bool:
     """Stop the local broker cleanly (SIGTERM, then SIGKILL after wait_s): every node of a cluster, or only
     ``node``. The cluster is the configured one (``broker.nodes``) or the one last started on this port and home.
-    True if something was running."""
+    ``reason`` says why (who asks, for what), recorded with each node's stop. True if something was running."""
+    configured = settings.broker.nodes
     settings = _running_layout(settings)
+    if settings.broker.nodes != configured:
+        reason += (f" (configured: {configured} node(s); the {settings.broker.nodes}-node cluster last started on "
+                   f"port {settings.broker.port} runs, so it is the one stopped)")
     targets = [node] if node else list(range(1, settings.broker.nodes + 1))
-    return bool(_stop_paths([node_paths(settings.broker, n) for n in targets], wait_s))
+    return bool(_stop_paths([node_paths(settings.broker, n) for n in targets], wait_s, reason=reason))
 
 
 def status(settings: Settings, node: int | None = None) -> dict[str, object]:
@@ -499,8 +535,8 @@ def _start_cluster(settings: Settings, wait_s: float) -> str:
     procs = _start_nodes(settings, nodes)
     try:
         _wait_answering(settings, procs, nodes, wait_s)
-    except BrokerError:
-        _stop_paths([node_paths(b, n) for n in procs])
+    except BrokerError as exc:
+        _stop_paths([node_paths(b, n) for n in procs], reason=f"the cluster did not come up: {str(exc)[:300]}")
         raise
     log.info("local Kafka %s cluster of %d nodes (%s) answering on %s", b.kafka_version, b.nodes,
              "started" if procs else "already running", b.bootstrap())
@@ -509,12 +545,14 @@ def _start_cluster(settings: Settings, wait_s: float) -> str:
     return b.bootstrap()
 
 
-def kill_node(settings: Settings, node: int) -> int | None:
-    """SIGKILL one node (no controlled shutdown: a crash); returns the pid it had, None if it was not running."""
+def kill_node(settings: Settings, node: int, *, reason: str) -> int | None:
+    """SIGKILL one node (no controlled shutdown: a crash), recorded with ``reason``; returns the pid it had, None if
+    it was not running."""
     paths = node_paths(_running_layout(settings).broker, node)
     pid = _read_pid(paths)
     if pid is None:
         return None
+    _record_stop(paths, pid, "SIGKILL", reason)
     os.kill(pid, signal.SIGKILL)
     deadline = time.monotonic() + 10
     while _pid_alive(pid) and time.monotonic() < deadline:

@@ -246,7 +246,7 @@ class Cluster:
     def start(self) -> str:
         if self.api:
             # A fresh cluster: a running one of ours is stopped and its folder removed (topics of earlier runs).
-            self.api.stop(self.settings)
+            self.api.stop(self.settings, reason="chaos run: a fresh cluster (a running one of its own removed)")
             shutil.rmtree(self.api.cluster_root(self.settings.broker), ignore_errors=True)
             out = self.api.start(self.settings, nodes=3)
             return out if isinstance(out, str) else self.settings.kafka.bootstrap_servers
@@ -259,11 +259,14 @@ class Cluster:
         return dict(self.api.node_pids(self.settings) if self.api else self.local.node_pids())
 
     def kill_node(self, node_id: int) -> None:
-        self.api.kill_node(self.settings, node_id) if self.api else self.local.kill_node(node_id)
+        if self.api:
+            self.api.kill_node(self.settings, node_id, reason="chaos run: a node crash of its fault schedule")
+        else:
+            self.local.kill_node(node_id)
 
     def stop_node(self, node_id: int) -> None:
         if self.api:
-            self.api.stop(self.settings, node=node_id)
+            self.api.stop(self.settings, node=node_id, reason="chaos run: a node stop of its fault schedule")
         else:
             self.local.stop_node(node_id)
 
@@ -283,7 +286,7 @@ class Cluster:
             node_id, src)
 
     def stop(self) -> None:
-        self.api.stop(self.settings) if self.api else self.local.stop()
+        self.api.stop(self.settings, reason="chaos run: its end") if self.api else self.local.stop()
 
 
 def partition_leaders(bootstrap: str, topics: list[str]) -> dict[tuple[str, int], dict[str, Any]]:

@@ -200,7 +200,8 @@ def stop_broker() -> None:
     from vlmstream.config import load_settings
 
     pid = _read_pid(broker_paths(load_settings().broker))
-    subprocess.run(vlmstream_cmd("broker", "stop"), capture_output=True, text=True, timeout=60, cwd=str(REPO))
+    subprocess.run(vlmstream_cmd("broker", "stop", "--reason", "gpu_bench: a pipeline arm done"), capture_output=True,
+                   text=True, timeout=60, cwd=str(REPO))
     if pid:  # belt and braces: the process the pid file named, if it is still there
         try:
             os.kill(pid, signal.SIGKILL)

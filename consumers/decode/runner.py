@@ -394,7 +394,7 @@ class _Rebalance(AsyncConsumerRebalanceListener):
 
 
 def _worker_main(settings: Settings, index: int, stop_event: Any, until_idle_s: float | None,
-                 deadline_epoch: float | None, supervisor: int) -> None:
+                 deadline_epoch: float | None, supervisor: int | None = None) -> None:
     logging.basicConfig(level=settings.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(processName)s %(name)s: %(message)s")
     logging.getLogger("kafka").setLevel(logging.WARNING)

@@ -39,7 +39,7 @@ def main() -> int:
               f"topics_created={len(report.created)} roundtrip_s={time.monotonic() - t0 - started_s:.1f}", flush=True)
     finally:
         if not keep:
-            broker.stop(settings)
+            broker.stop(settings, reason="broker_smoke: the smoke test done")
     return 0 if ok else 1
 
 

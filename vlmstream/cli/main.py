@@ -76,11 +76,14 @@ def broker_start(
 
 
 @broker_app.command("stop")
-def broker_stop(ctx: typer.Context, node: Optional[int] = typer.Option(None, "--node", min=1, help=NODE_HELP)) -> None:
+def broker_stop(ctx: typer.Context, node: Optional[int] = typer.Option(None, "--node", min=1, help=NODE_HELP),
+                reason: str = typer.Option("", "--reason", help="Why (recorded with the stop in each node's folder, "
+                                           "stops.log, with this command and its parent's).")) -> None:
     """Stop the local broker cleanly: every node of a cluster, or one."""
     from vlmstream import broker
 
-    stopped = broker.stop(settings_from(ctx), node=node)
+    said = f"vlmstream broker stop{': ' + reason if reason else ''}"
+    stopped = broker.stop(settings_from(ctx), node=node, reason=said)
     console.print("stopped" if stopped else "no local broker was running")
 
 
@@ -99,7 +102,7 @@ def broker_kill(ctx: typer.Context, node: int = typer.Option(..., "--node", min=
     """SIGKILL one node of the local cluster (a crash: no controlled shutdown)."""
     from vlmstream import broker
 
-    pid = broker.kill_node(settings_from(ctx), node)
+    pid = broker.kill_node(settings_from(ctx), node, reason="vlmstream broker kill")
     console.print(f"node {node} (pid {pid}) killed" if pid else f"node {node} was not running")
 
 
