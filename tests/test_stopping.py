@@ -362,8 +362,8 @@ def test_the_workers_of_a_sigkilled_run_stop_with_it(kafka_settings, corpus_dir,
     none is left running."""
     folder = tmp_path / "docs"
     folder.mkdir()
-    for i, path in enumerate(_uris(corpus_dir, 40)):  # enough that the run is still at work when it is killed
-        (folder / f"{i:02d}-{Path(path).name}").write_bytes(Path(path).read_bytes())
+    for i, path in enumerate(_uris(corpus_dir, 200)):  # enough that the run is still at work when it is killed
+        (folder / f"{i:03d}-{Path(path).name}").write_bytes(Path(path).read_bytes())
     env = dict(os.environ, VLMSTREAM_PRODUCER__STATE_DIR=str(tmp_path / "ledger"),
                VLMSTREAM_INFER__MODEL=tiny_model_dir(), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     log_file = tmp_path / "run.log"
@@ -373,9 +373,9 @@ def test_the_workers_of_a_sigkilled_run_stop_with_it(kafka_settings, corpus_dir,
                                 cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     workers: dict[int, str] = {}
     try:
-        # Running: inference has described a first image (the model is loaded, decode is at work).
-        wait_for(lambda: re.search(r"images described [1-9]", log_file.read_text(errors="replace"))
-                 or proc.poll() is not None, 300, "a first description")
+        # Running: the inference process has loaded its model and joined its group, decode is at work.
+        wait_for(lambda: re.search(r"inference: \d+ images waiting", log_file.read_text(errors="replace"))
+                 or proc.poll() is not None, 300, "inference at work")
         assert proc.poll() is None, log_file.read_text()[-4000:]
         workers = _descendants(proc.pid)
         # the decode fleet, its worker process, and the inference process at least
