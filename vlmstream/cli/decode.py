@@ -30,7 +30,8 @@ def decode(
 ) -> None:
     """Consume DocumentRefs, publish one exact-size image record (or a dead letter) per image.
 
-    SIGTERM/SIGINT: each worker finishes the document in hand, flushes, commits and leaves the group.
+    SIGTERM/SIGINT: each worker finishes the document in hand, flushes, commits and leaves the group; a second
+    signal stops the workers at once (nothing more committed).
     The fleet stops within 120 s whether or not the cluster answers, killing a worker still running then.
     Each flush, commit and close waits at most kafka.request_timeout_ms (30 s).
     Outputs the cluster did not acknowledge: no commit, one log line naming the bootstrap servers, exit status 1.

@@ -145,6 +145,9 @@ class Workers:
                 time.sleep(0.1)
             for proc in self.procs.values():
                 proc.wait()
+        except BaseException:  # any error while waiting: the workers must not outlive the command
+            self.kill()
+            raise
         finally:
             self.remove_settings_files()
         return {name: proc.returncode for name, proc in self.procs.items()}
