@@ -4,6 +4,9 @@ whole job from a sample (size classes, warm-up taken off, scaling to more GPUs a
 
 from __future__ import annotations
 
+import dataclasses
+import statistics
+
 import pytest
 
 from vlmstream.projection import (
@@ -197,3 +200,117 @@ def test_an_engine_running_requests_at_once_costs_each_image_its_share_of_the_wi
     # Batched engines are left as they are.
     batched = _sample([[("e1/s1", 0.1, 0.2)] * 4] * 3)
     assert engine_shares(batched, sample_windows(batched)) == (batched, False)
+
+
+def _trickled_sample(sizes: list[int], *, per_batch_s: float, per_image_s: float, stretch: float,
+                     start: float = 100.0) -> list[SampleImage]:
+    """A CPU engine's sample: batches of the given sizes, each costing per_batch_s + per_image_s an image of CPU
+    time (shared out over its images as the estimate shares it) and stretch times that in wall time, back to back."""
+    out, at = [], start
+    for b, k in enumerate(sizes):
+        cpu = per_batch_s + k * per_image_s
+        at += cpu * stretch
+        for _ in range(k):
+            out.append(SampleImage("e1/s3", 0.01, cpu / k, at, decoded_at=at - cpu * stretch - 0.01, batch=f"b{b}",
+                                   batch_s=cpu * stretch, infer_cpu=True, decode_cpu=True))
+    return out
+
+
+def test_a_sample_of_emptier_batches_still_projects_a_job_of_full_ones_inside_its_range():
+    from vlmstream.projection import fit_batches
+
+    # The engine pays 60 ms of CPU per batch whatever it holds, plus 30 ms per image; the machine stretches its
+    # batches 1.5x. The sample's images trickled in: batches of 1-3. The job has a queue: batches of 8.
+    a, m, stretch, size = 0.06, 0.03, 1.5, 8
+    images = _trickled_sample([1, 2, 1, 3, 1, 1, 2, 1, 3, 1, 2, 1], per_batch_s=a, per_image_s=m, stretch=stretch)
+    fit = fit_batches(images)
+    assert fit.fitted and fit.per_batch_s == pytest.approx(a, rel=0.01) and fit.stretch == pytest.approx(stretch)
+    assert fit.mean_images < 2
+    windows = sample_windows(images)
+    costs = calibrate(images, windows, decode_parallel=2, shared_cores=True, cores=2, infer_threads=1,
+                      batch_size=size)
+    assert costs.infer_s["e1/s3"] == pytest.approx(m, rel=0.01)
+    n, fixed = 2000, 20.0
+    job = project({"e1/s3": n}, n, costs, windows, fixed_s=fixed, spread=0.1)
+    # The simulated run: full batches all along (decode at 10 ms an image keeps far ahead).
+    actual = fixed + n / size * (a + size * m) * stretch
+    assert job.batch_images == size
+    assert job.predicted_s == pytest.approx(actual, rel=0.03)
+    assert job.low_s <= actual <= job.high_s
+    # Costs per image as the sample's emptier batches ran them would have missed the run, far outside that range.
+    per_image_as_sampled = statistics.fmean(im.infer_s for im in images)
+    assert fixed + n * per_image_as_sampled * stretch > job.high_s * 1.5
+
+
+def test_batches_run_as_full_as_decode_fills_them_when_decode_is_behind():
+    from vlmstream.projection import batch_occupancy
+
+    images = _trickled_sample([1, 2, 1, 3, 1, 1, 2, 1, 3, 1, 2, 1], per_batch_s=0.06, per_image_s=0.03, stretch=1.0)
+    windows = sample_windows(images)
+    costs = calibrate(images, windows, decode_parallel=1, shared_cores=False, batch_size=8)
+    costs.scale = 1.0
+    # Decode delivers an image every 50 ms: a batch of k runs 60 + 30k ms, in which decode delivers (60 + 30k) / 50;
+    # k = 3 solves it.
+    assert batch_occupancy(costs, decode_s=0.05, infer_s=0.03) == pytest.approx(3.0, rel=0.01)
+    # Decode far ahead: full batches.
+    assert batch_occupancy(costs, decode_s=0.001, infer_s=0.03) == 8.0
+
+
+def test_the_range_holds_the_machine_s_other_work_moving_and_says_so():
+    from vlmstream.projection import Load
+
+    images = _trickled_sample([2] * 12, per_batch_s=0.0, per_image_s=0.05, stretch=1.0)
+    windows = sample_windows(images)
+    costs = calibrate(images, windows, decode_parallel=2, shared_cores=True, cores=2, infer_threads=1)
+    calm = project({"e1/s3": 1000}, 1000, costs, windows, fixed_s=10.0, spread=0.05)
+    loaded = project({"e1/s3": 1000}, 1000, costs, windows, fixed_s=10.0, spread=0.05,
+                     load=Load(before=3.0, after=4.0, cores=2))
+    assert loaded.predicted_s == pytest.approx(calm.predicted_s)
+    # Other work moved by a whole process during the sample: the range allows as much either way.
+    own = 1 + min(2, 1000 * 0.01 / loaded.steady_s)
+    assert loaded.range_parts["load_up"] == pytest.approx((4.0 + own) / (3.0 + own) - 1, rel=0.01)
+    assert loaded.high_s > calm.high_s and loaded.low_s < calm.low_s
+    assert any("load average of 3.0" in note and "longer" in note for note in loaded.assumptions)
+    # On a quiet machine the job's own processes fit the cores: less other work cannot make it faster.
+    quiet = project({"e1/s3": 1000}, 1000, costs, windows, fixed_s=10.0, spread=0.05,
+                    load=Load(before=0.2, after=0.3, cores=2))
+    assert quiet.range_parts["load_down"] == pytest.approx(0.0, abs=1e-9)
+
+
+def test_a_sample_whose_costs_vary_gets_a_wider_range():
+    steady = _trickled_sample([2] * 12, per_batch_s=0.0, per_image_s=0.05, stretch=1.0)
+    varied = [dataclasses.replace(im, infer_s=im.infer_s * (0.3 if n % 2 else 1.7)) for n, im in enumerate(steady)]
+    for images in (steady, varied):
+        windows = sample_windows(images)
+        costs = calibrate(images, windows, decode_parallel=2, shared_cores=True, cores=2, infer_threads=1)
+        job = project({"e1/s3": 100}, 100, costs, windows, fixed_s=10.0, spread=0.05)
+        if images is steady:
+            assert job.range_parts["sampled_costs"] == pytest.approx(0.0, abs=1e-6)
+        else:
+            # Twice the standard error of the class's mean: costs 0.3x and 1.7x the mean, 24 images.
+            assert job.range_parts["sampled_costs"] == pytest.approx(2 * 0.7 * (24 / 23) ** 0.5 / 24 ** 0.5, rel=0.01)
+            width = (0.05 ** 2 + job.range_parts["sampled_costs"] ** 2) ** 0.5
+            assert job.high_s == pytest.approx(10.0 + job.steady_s * (1 + width))
+
+
+def test_decode_that_ran_out_before_the_rest_of_the_sample_was_published_is_exhausted():
+    # 4 images decoded 1 s apart from t=80, the model ready (and the rest published) at 95: decode had stopped.
+    images = [SampleImage("e1/s1", 0.1, 0.1, 96.0 + i, decoded_at=80.0 + i if i < 4 else 95.5 + i, batch=f"b{i}",
+                          batch_s=0.5) for i in range(10)]
+    assert sample_windows(images, steady_start=95.0).decode_exhausted
+    # Decoding right up to the moment: it was still busy.
+    busy = [dataclasses.replace(im, decoded_at=91.5 + i if i < 4 else 95.5 + i) for i, im in enumerate(images)]
+    assert not sample_windows(busy, steady_start=95.0).decode_exhausted
+
+
+def test_the_live_eta_says_how_sure_it_is_and_is_less_sure_early():
+    early = StageMeter("inference", window_s=60)
+    for t, done in ((0, 0), (5, 0), (10, 10), (15, 20)):
+        early.observe(t, done)
+    late = StageMeter("inference", window_s=60)
+    for t in range(0, 120, 5):
+        late.observe(t, 2 * max(0, t - 5))
+    e, l_ = early.eta(100), late.eta(100)
+    assert e.seconds == pytest.approx(50, rel=0.01) and l_.seconds == pytest.approx(50, rel=0.01)
+    assert e.sure > l_.sure and e.sure <= 0.6 + 1e-9
+    assert "±" in e.render() and "ETA" in progress_line(late, late.done + 100) and "±" in progress_line(late, 300)

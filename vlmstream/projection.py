@@ -5,13 +5,18 @@ Everything counts images, the unit of work: a document of 40 images is 40 times 
 
 Live (``StageMeter``, ``bottleneck``): each stage's images done over time; its sustained rate over a sliding
 window, the first steady window's rate (after the stage first moved: loading a model is not a rate), drift between
-the two, and an ETA whose range comes from the spread of the rate over the window's quarters.
+the two, and an ETA whose range (and how sure it is, ±%) comes from the spread of the rate over the window's
+quarters, wider while the rate covers less than a window.
 
 Projection (``SampleImage``, ``project``): a sample run gives, per image, each stage's busy time (decode's own
 CPU milliseconds; inference's batch cost shared out by tokens: the process's CPU time on the CPU, the batch's wall
-time on an accelerator) and its size class; the sample's steady wall time calibrates those busy times into wall
-seconds on this machine. The job's images, counted by size class, times their
-class's calibrated cost, plus the sample's fixed cost (start-up, warm-up, stopping), is the prediction.
+time on an accelerator) and its size class. A batched engine's batch costs a part paid once plus each image's own,
+fitted over the sample's batches (``fit_batches``), so a job whose batches run fuller than the sample's
+(``batch_occupancy``) pays the fixed part fewer times; the batches' wall time over their cost (the stretch) turns
+inference's busy time into wall seconds on this machine, the steady window's wall time decode's. The job's images,
+counted by size class, times their class's cost, plus the sample's fixed cost (start-up, warm-up, stopping), is
+the prediction; its range comes from what the sample varied in: the steady rate, the class costs' sampling error,
+and the machine's other load (``Load``).
 """
 
 from __future__ import annotations
@@ -31,8 +36,16 @@ class Eta:
     low_s: float
     high_s: float
 
+    @property
+    def sure(self) -> float:
+        """How sure: the range's half-width against the ETA (0.1: within about 10%)."""
+        return (self.high_s - self.low_s) / 2 / self.seconds if self.seconds > 0 else 0.0
+
     def render(self) -> str:
-        return f"{duration_text(self.seconds)} ({duration_text(self.low_s)}-{duration_text(self.high_s)})"
+        if self.seconds <= 0:
+            return "0 s"
+        sure = "?" if math.isinf(self.sure) else f"±{self.sure:.0%}"
+        return f"{duration_text(self.seconds)} ({duration_text(self.low_s)}-{duration_text(self.high_s)}, {sure})"
 
 
 class StageMeter:
@@ -103,7 +116,11 @@ class StageMeter:
                 rates.append((point[1] - start[1]) / (point[0] - start[0]))
                 start = point
         if len(rates) < 2:
-            return rate * 0.8, rate * 1.2  # too few readings to see the spread: a fixed ±20%
+            # Too few readings to see the spread: ±20% of a whole window's rate, wider the less of a window the
+            # rate covers (a rate over a quarter of it is twice as unsure), at most ±60%.
+            covered = max(self.rate_seconds() or 0.0, quarter)
+            wide = min(0.6, 0.2 * math.sqrt(self.window_s / covered))
+            return rate * (1 - wide), rate * (1 + wide)
         return min(rates + [rate]), max(rates + [rate])
 
     def drift(self) -> float | None:
@@ -220,6 +237,7 @@ class SampleImage:
     doc_id: str = ""
     infer_cpu: bool = False  # infer_s is the inference process's CPU time (an engine on the CPU reports it)
     decode_cpu: bool = False  # decode_s is the decode thread's CPU time (else its wall time)
+    tokens: int = 0  # its visual tokens (0: not known; the batch fit then counts it as one image)
 
 
 @dataclass
@@ -237,6 +255,17 @@ class ClassCosts:
     # infer_s is CPU seconds over all those threads (an engine on the CPU), not wall seconds on them (an
     # accelerator's time, where the process's CPU time says nothing).
     infer_cpu: bool = False
+    # infer_s is each image's own part of its batch; a batch also costs per_batch_s whatever it holds, shared by
+    # its images: a job whose batches run fuller than the sample's pays it fewer times (``fit_batches``).
+    per_batch_s: float = 0.0
+    batch_size: int = 0  # the most images a batch may hold (0: the largest the sample ran)
+    batches: BatchFit | None = None
+    # Inference's batches' wall seconds per second of their cost in the sample: how much the machine stretched the
+    # stage the job waits for, measured on every batch (None: no batch times; the window's scale stands in).
+    stretch: float | None = None
+    # The variance of each class's mean cost (None: one image of the class, nothing to tell it by).
+    decode_var: dict[str, float | None] = field(default_factory=dict)
+    infer_var: dict[str, float | None] = field(default_factory=dict)
 
     @property
     def infer_cost(self) -> str:
@@ -275,9 +304,24 @@ class ClassCosts:
         counted, once; the scale holds the rest (other load, what no stage measures)."""
         d = decode_s / (decode_parallel or self.decode_parallel)
         i = self.infer_wall(infer_s) / gpus
-        if not self.shared_cores:
-            return self.scale * max(d, i)
-        return self.scale * max(d, i, (decode_s + self.infer_cpu_s(infer_s)) / self.cores)
+        if self.stretch is None:
+            if not self.shared_cores:
+                return self.scale * max(d, i)
+            return self.scale * max(d, i, (decode_s + self.infer_cpu_s(infer_s)) / self.cores)
+        # Inference's batches say how much the machine stretched inference (and the cores' sum, which inference's
+        # batches ran under); decode's limit keeps the window's scale (a window decode kept busy measures it).
+        limits = [self.scale * d, self.stretch * i]
+        if self.shared_cores:
+            limits.append(self.stretch * (decode_s + self.infer_cpu_s(infer_s)) / self.cores)
+        return max(limits)
+
+    def limit(self, decode_s: float, infer_s: float, gpus: int = 1, decode_parallel: float | None = None) -> str:
+        """Which of ``wall``'s limits sets the pace: "decode", "inference" or "cores"."""
+        d = decode_s / (decode_parallel or self.decode_parallel)
+        i = self.infer_wall(infer_s) / gpus
+        both = (decode_s + self.infer_cpu_s(infer_s)) / self.cores if self.shared_cores else 0.0
+        decode_k, infer_k = self.scale, self.stretch if self.stretch is not None else self.scale
+        return max((decode_k * d, "decode"), (infer_k * i, "inference"), (infer_k * both, "cores"))[1]
 
 
 def _mean_by_class(images: list[SampleImage], attr: str) -> dict[str, float]:
@@ -318,10 +362,13 @@ def sample_windows(images: list[SampleImage], steady_start: float | None = None)
         start, warm = first.done_at, 1
     decoded = sorted(im.decoded_at for im in images if im.decoded_at is not None)
     before = [t for t in decoded if t <= start]
-    exhausted = bool(decoded) and len(before) == len(decoded)
     rate = None
     if len(before) >= 2 and before[-1] > before[0]:
         rate = (len(before) - 1) / (before[-1] - before[0])
+    # Decode ran out of work before the model was ready: it decoded the whole sample by then, or (the rest of the
+    # sample published at ``steady_start``) it stopped well before, three of its intervals or more.
+    exhausted = bool(decoded) and (len(before) == len(decoded) or (
+        steady_start is not None and bool(before) and rate is not None and start - before[-1] > 3 / rate))
     return SampleWindows(start, ordered[-1].done_at, warm, len(before), exhausted, rate,
                          decoded[0] if decoded else None)
 
@@ -343,17 +390,106 @@ def engine_shares(images: list[SampleImage], windows: SampleWindows) -> tuple[li
 
 
 def calibrate(images: list[SampleImage], windows: SampleWindows, *, decode_parallel: float,
-              shared_cores: bool, cores: int = 1, infer_threads: int = 1) -> ClassCosts:
+              shared_cores: bool, cores: int = 1, infer_threads: int = 1, batch_size: int = 0) -> ClassCosts:
     """Per-class stage costs from every sample image, and the scale from the steady window: the busy time of what
     was done inside it (images decoded and images described there) against its wall time. Inference's costs are
-    CPU time when every image's is (one engine runs the whole sample)."""
-    costs = ClassCosts(_mean_by_class(images, "decode_s"), _mean_by_class(images, "infer_s"), 1.0, shared_cores,
-                       decode_parallel, cores, infer_threads, infer_cpu=all(im.infer_cpu for im in images))
+    CPU time when every image's is (one engine runs the whole sample). A batched engine's costs are split into the
+    part each batch pays once and each image's own (``fit_batches``), and its batches' wall over their cost is the
+    stretch inference's limit is calibrated by (``ClassCosts.wall``)."""
+    fit = fit_batches(images)
+    own = _own_parts(images, fit.per_batch_s)
+    costs = ClassCosts(_mean_by_class(images, "decode_s"), _mean_by_class(own, "infer_s"), 1.0, shared_cores,
+                       decode_parallel, cores, infer_threads, infer_cpu=all(im.infer_cpu for im in images),
+                       per_batch_s=fit.per_batch_s, batch_size=batch_size, batches=fit,
+                       decode_var=_var_of_mean_by_class(images, "decode_s"),
+                       infer_var=_var_of_mean_by_class(own, "infer_s"))
     inside = [im for im in images if im.done_at > windows.steady_start]
     decoded = [im for im in images if im.decoded_at is not None and im.decoded_at > windows.steady_start]
     busy = costs.wall(sum(im.decode_s for im in decoded), sum(im.infer_s for im in inside))
     costs.scale = windows.steady_s / busy if busy > 0 and windows.steady_s > 0 else 1.0
+    costs.stretch = fit.stretch
     return costs
+
+
+@dataclass
+class BatchFit:
+    """A batched engine's batches as the sample ran them. A batch costs a part it pays once whatever it holds (the
+    generation loop's steps, the engine's own overhead) plus each image's own part; a sample whose images trickle in
+    runs emptier batches than a job with a queue, so the per-image cost it saw depends on how full they were."""
+
+    per_batch_s: float  # the part paid once per batch, in the costs' unit (CPU s or wall s)
+    batches: int
+    mean_images: float  # the sample's batches' mean images
+    largest: int
+    stretch: float | None  # the batches' wall s over their cost s (None: costs are wall time, or no batch times)
+    fitted: bool  # False: the batches were too alike (or too few) to tell the two parts apart; per_batch_s is 0
+
+    def said(self) -> str:
+        if not self.batches:
+            return "no batches of its own (an engine that runs requests at once): each image its share of the window"
+        fill = (f"the sample's {self.batches} batches held {self.mean_images:.1f} images on average (at most "
+                f"{self.largest})")
+        if not self.fitted:
+            return f"{fill}; too alike to tell a batch's fixed part from its images': costs taken per image as they were"
+        return f"{fill}; a batch's cost fitted as {self.per_batch_s * 1000:.0f} ms per batch plus each image's own"
+
+
+def fit_batches(images: list[SampleImage]) -> BatchFit:
+    """The part of a batch's cost paid once per batch, by least squares of each batch's cost on its images (weighted
+    by visual tokens where known) over the sample's batches; 0 where they do not differ enough to tell (fewer than
+    3 batches, or fewer than 2 sizes). Never below 0 nor above 90% of the cheapest batch's cost."""
+    groups: dict[str, list[SampleImage]] = defaultdict(list)
+    for im in images:
+        if im.batch:
+            groups[im.batch].append(im)
+    if not groups:
+        return BatchFit(0.0, 0, 1.0, 1, None, False)
+    tokens_known = all(im.tokens > 0 for im in images)
+    mean_tokens = statistics.fmean(im.tokens for im in images) if tokens_known else 1.0
+    rows = []  # (weight, cost, wall, images) per batch
+    for members in groups.values():
+        weight = sum(im.tokens / mean_tokens if tokens_known else 1.0 for im in members)
+        rows.append((weight, sum(im.infer_s for im in members), members[0].batch_s, len(members)))
+    total_cost = sum(r[1] for r in rows)
+    stretch = None
+    if all(im.infer_cpu for im in images) and total_cost > 0 and all(r[2] > 0 for r in rows):
+        stretch = sum(r[2] for r in rows) / total_cost
+    mean_images = statistics.fmean(r[3] for r in rows)
+    largest = max(r[3] for r in rows)
+    if len(rows) < 3 or len({r[3] for r in rows}) < 2:
+        return BatchFit(0.0, len(rows), mean_images, largest, stretch, False)
+    xs, ys = [r[0] for r in rows], [r[1] for r in rows]
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx > 0 else 0.0
+    per_batch = min(max(0.0, my - slope * mx), 0.9 * min(ys))
+    return BatchFit(per_batch, len(rows), mean_images, largest, stretch, True)
+
+
+def _own_parts(images: list[SampleImage], per_batch_s: float) -> list[SampleImage]:
+    """Each image's cost less its share of its batch's fixed part (in proportion to its cost in the batch)."""
+    if per_batch_s <= 0:
+        return images
+    totals: dict[str, float] = defaultdict(float)
+    counts: dict[str, int] = defaultdict(int)
+    for im in images:
+        totals[im.batch] += im.infer_s
+        counts[im.batch] += 1
+    out = []
+    for im in images:
+        if not im.batch:
+            out.append(im)
+            continue
+        share = im.infer_s / totals[im.batch] if totals[im.batch] > 0 else 1 / counts[im.batch]
+        out.append(dataclasses.replace(im, infer_s=max(0.0, im.infer_s - per_batch_s * share)))
+    return out
+
+
+def _var_of_mean_by_class(images: list[SampleImage], attr: str) -> dict[str, float | None]:
+    by: dict[str, list[float]] = defaultdict(list)
+    for im in images:
+        by[im.size_class].append(getattr(im, attr))
+    return {c: statistics.variance(v) / len(v) if len(v) > 1 else None for c, v in by.items()}
 
 
 @dataclass
@@ -370,10 +506,14 @@ class Projection:
     decode_cores_per_gpu: float | None  # decode processes that keep one inference process busy
     scaled: list[str] = field(default_factory=list)  # what was scaled for --gpus / --decode-cores, and how
     assumptions: list[str] = field(default_factory=list)
+    batch_images: float | None = None  # the images a batch of the job holds, as projected (None: no batches)
+    range_parts: dict[str, float] = field(default_factory=dict)  # each source of the range, as a relative width
 
     def as_dict(self) -> dict:
         return {"predicted_s": round(self.predicted_s, 1), "low_s": round(self.low_s, 1),
                 "high_s": round(self.high_s, 1), "images": self.images, "documents": self.documents,
+                "batch_images": round(self.batch_images, 2) if self.batch_images is not None else None,
+                "range_parts": {k: round(v, 3) for k, v in self.range_parts.items()},
                 "bottleneck": self.bottleneck, "bottleneck_share": round(self.bottleneck_share, 3),
                 "fixed_s": round(self.fixed_s, 1), "steady_s": round(self.steady_s, 1),
                 "decode_cores_per_gpu": (round(self.decode_cores_per_gpu, 2)
@@ -391,16 +531,60 @@ def contended_warmup(warmup_s: float, decode_busy_s: float, *, cores: int, decod
     return work / contended
 
 
+@dataclass
+class Load:
+    """The machine's other work: the load average (1 min) read before and after the sample, on ``cores``."""
+
+    before: float
+    after: float
+    cores: int
+
+    def contention(self, other: float, own: float) -> float:
+        """How much longer CPU work takes with ``other`` runnable processes beside the job's ``own``: not at all
+        while they fit the cores, then in proportion to them."""
+        return max(1.0, (max(other, 0.0) + own) / self.cores)
+
+    def moves(self) -> float:
+        """How far the other load may move during the job: what it moved during the sample, at least half a core."""
+        return max(0.5, abs(self.after - self.before))
+
+
+def batch_occupancy(costs: ClassCosts, decode_s: float, infer_s: float, *, gpus: int = 1,
+                    decode_parallel: float | None = None) -> float:
+    """The images a batch of the job holds, for an image's decode ``decode_s`` and inference ``infer_s`` (its own
+    part). An engine takes what is queued, up to its batch size: with decode ahead of it, every batch is full; with
+    decode behind, a batch holds what decode delivered while the last one ran, and a fuller batch runs longer:
+    k = r * (a + k * m) * stretch (r decode's rate, a the batch's fixed part, m an image's own), solved for k."""
+    largest = costs.batch_size or (costs.batches.largest if costs.batches else 1)
+    a = costs.per_batch_s
+    if a <= 0 or largest <= 1:
+        return float(largest)
+    k_stretch = ((costs.stretch if costs.stretch is not None else costs.scale)
+                 / (costs.infer_threads if costs.infer_cpu else 1) / gpus)
+    decode_rate = ((decode_parallel or costs.decode_parallel) / (costs.scale * decode_s) if decode_s > 0
+                   else math.inf)
+    if decode_rate >= largest / ((a + largest * infer_s) * k_stretch):
+        return float(largest)
+    room = 1 - decode_rate * infer_s * k_stretch
+    k = decode_rate * a * k_stretch / room if room > 0 else largest
+    return float(min(largest, max(1.0, k)))
+
+
 def project(job_classes: dict[str, int], documents: int, costs: ClassCosts, windows: SampleWindows,
             fixed_s: float, *, spread: float, gpus: int = 1, decode_cores: int | None = None,
-            warmup_extra_s: float = 0.0) -> Projection:
+            warmup_extra_s: float = 0.0, load: Load | None = None) -> Projection:
     """The whole job's wall time: the fixed part measured on the sample (start-up, model loading, results and
     stopping) plus the job's remaining busy time in wall seconds.
 
     What the fixed part already holds is taken off the job: the first batch's inference, and the decoding done
     while the model loaded (the sample's count; when the sample ran out of documents to decode before the model was
-    ready, what decode's rate would have done in that time). The range: the steady part at a rate the steady rate's
-    spread (5% to 50%) faster or slower.
+    ready, what decode's rate would have done in that time). A batched engine's images cost their own part plus
+    their batch's fixed part over the images the job's batches hold (``batch_occupancy``), not the sample's.
+
+    The range, from what the sample varied in: the steady rate's spread (``spread``, 5% to 50%: the window's halves
+    and its number of batches), the sampling error of the job's costs (twice the standard error of the class means
+    that the limiting stage's total is made of) and, with ``load`` on shared cores, the machine's other work moving
+    by as much as it moved during the sample (at least half a core) while the job runs.
 
     ``warmup_extra_s``: how much longer the job's warm-up is than the sample's (``contended_warmup``).
 
@@ -408,24 +592,17 @@ def project(job_classes: dict[str, int], documents: int, costs: ClassCosts, wind
     process each, nothing shared), decode time by the decode processes; stages on their own cores overlap."""
     images = sum(job_classes.values())
     notes = []
-    decode_total = infer_total = 0.0
+    decode_total = infer_total = decode_var = infer_var = 0.0
     for name, count in sorted(job_classes.items()):
         d, i, note = costs.cost(name)
         decode_total += count * d
         infer_total += count * i
+        decode_var += count ** 2 * _class_var(costs.decode_var, name, d, costs.decode_s)
+        infer_var += count ** 2 * _class_var(costs.infer_var, name, i, costs.infer_s)
         if note:
             notes.append(f"{count} images: {note}")
     mean_d = decode_total / images if images else 0.0
     mean_i = infer_total / images if images else 0.0
-    free_decoded = windows.decoded_in_warmup
-    if windows.decode_exhausted and windows.decode_rate_warmup and windows.first_decoded_at is not None:
-        # Decode ran out of sample before the model was ready: the job keeps it busy all that time (and the longer
-        # warm-up that its decoding causes, warmup_extra_s).
-        span = windows.steady_start - windows.first_decoded_at + warmup_extra_s
-        free_decoded = max(free_decoded, int(1 + windows.decode_rate_warmup * span))
-    free_decoded = min(images, free_decoded)
-    decode_left = max(0.0, decode_total - free_decoded * mean_d)
-    infer_left = max(0.0, infer_total - min(images, windows.warmup_images) * mean_i)
     scaled = []
     parallel = costs.decode_parallel
     if gpus != 1 or (decode_cores is not None and decode_cores != costs.decode_parallel):
@@ -438,16 +615,65 @@ def project(job_classes: dict[str, int], documents: int, costs: ClassCosts, wind
             scaled.append("stages on separate machines overlap: the slower stage's total sets the time, where here "
                           "(one machine's cores) they add up")
         costs = dataclasses.replace(costs, shared_cores=False, decode_parallel=parallel)
+    occupancy = None
+    if costs.batches is not None and costs.batches.batches:
+        occupancy = batch_occupancy(costs, mean_d, mean_i, gpus=gpus, decode_parallel=parallel)
+        infer_total += images * costs.per_batch_s / occupancy
+        mean_i = infer_total / images if images else 0.0
+        full = occupancy >= (costs.batch_size or costs.batches.largest)
+        notes.append(f"{costs.batches.said()}; the job's batches hold {occupancy:.1f}"
+                     + (" (full: decode keeps ahead of inference)" if full
+                        else " (what decode delivers while a batch runs)"))
+    free_decoded = windows.decoded_in_warmup
+    if windows.decode_exhausted and windows.decode_rate_warmup and windows.first_decoded_at is not None:
+        # Decode ran out of sample before the model was ready: the job keeps it busy all that time (and the longer
+        # warm-up that its decoding causes, warmup_extra_s).
+        span = windows.steady_start - windows.first_decoded_at + warmup_extra_s
+        free_decoded = max(free_decoded, int(1 + windows.decode_rate_warmup * span))
+    free_decoded = min(images, free_decoded)
+    decode_left = max(0.0, decode_total - free_decoded * mean_d)
+    infer_left = max(0.0, infer_total - min(images, windows.warmup_images) * mean_i)
     steady = costs.wall(decode_left, infer_left, gpus=gpus, decode_parallel=parallel)
     fixed = fixed_s + warmup_extra_s
     d_part, i_part = decode_left / parallel, costs.infer_wall(infer_left) / gpus
     neck = "decode" if d_part > i_part else "inference"
     share = max(d_part, i_part) / (d_part + i_part) if d_part + i_part else 0.0
+    # The range's parts, each a relative width.
     spread = min(max(spread, 0.05), 0.5)
+    limit = costs.limit(decode_left, infer_left, gpus=gpus, decode_parallel=parallel)
+    total, var = {"decode": (decode_total, decode_var), "inference": (infer_total, infer_var)}.get(
+        limit, (decode_total + infer_total, decode_var + infer_var))
+    sampling = min(0.5, 2 * math.sqrt(var) / total) if total > 0 else 0.0
+    width = math.hypot(spread, sampling)
+    parts = {"steady_rate": spread, "sampled_costs": sampling}
+    up = down = 1.0
+    if load is not None and costs.shared_cores:
+        # The job's own busy processes: inference's threads and decode's share of its processes over the steady part.
+        own = costs.infer_threads + min(parallel, decode_left / steady if steady > 0 else 0.0)
+        here = load.contention(load.before, own)
+        up = load.contention(load.before + load.moves(), own) / here
+        down = load.contention(load.before - load.moves(), own) / here
+        parts["load_up"], parts["load_down"] = up - 1, 1 - down
+        notes.append(f"the machine's other work stays near a load average of {load.before:.1f} (before the sample; "
+                     f"{load.after:.1f} after it, on {load.cores} cores, the job keeping about {own:.1f} busy): "
+                     f"{load.moves():.1f} more busy processes make the run {up - 1:.0%} longer, "
+                     f"{load.moves():.1f} fewer {1 - down:.0%} shorter; the range covers both")
     return Projection(
-        predicted_s=fixed + steady, low_s=fixed + steady / (1 + spread), high_s=fixed + steady * (1 + spread),
+        predicted_s=fixed + steady, low_s=(fixed + steady / (1 + width)) * down,
+        high_s=(fixed + steady * (1 + width)) * up,
         images=images, documents=documents, fixed_s=fixed, steady_s=steady, bottleneck=neck, bottleneck_share=share,
-        decode_cores_per_gpu=mean_d / costs.infer_wall(mean_i) if mean_i else None, scaled=scaled, assumptions=notes)
+        decode_cores_per_gpu=mean_d / costs.infer_wall(mean_i) if mean_i else None, scaled=scaled, assumptions=notes,
+        batch_images=occupancy, range_parts=parts)
+
+
+def _class_var(variances: dict[str, float | None], name: str, cost: float, means: dict[str, float]) -> float:
+    """The variance of a class's mean cost; for a class seen once (or not at all), the sample's typical relative
+    variance of a class mean applied to its cost (one image says nothing of its class's spread)."""
+    known = variances.get(name)
+    if known is not None:
+        return known
+    relative = [v / means[c] ** 2 for c, v in variances.items() if v is not None and means.get(c)]
+    return cost ** 2 * (statistics.fmean(relative) if relative else 0.25)
 
 
 def rate_spread(images: list[SampleImage], after: float) -> float:
