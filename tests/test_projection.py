@@ -314,3 +314,13 @@ def test_the_live_eta_says_how_sure_it_is_and_is_less_sure_early():
     assert e.seconds == pytest.approx(50, rel=0.01) and l_.seconds == pytest.approx(50, rel=0.01)
     assert e.sure > l_.sure and e.sure <= 0.6 + 1e-9
     assert "±" in e.render() and "ETA" in progress_line(late, late.done + 100) and "±" in progress_line(late, 300)
+
+
+def test_the_load_s_move_leaves_out_what_the_sample_itself_added():
+    from vlmstream.projection import Load
+
+    # A 30-s sample keeping 2 processes busy adds 2 * (1 - e^-0.5) to the 1-min average it ends on.
+    own = Load.sample_share(busy_s=60.0, span_s=30.0)
+    assert own == pytest.approx(2 * (1 - 2.718281828 ** -0.5), rel=1e-6)
+    assert Load(before=0.3, after=0.3 + own, cores=2, own=own).moves() == pytest.approx(0.5)  # nothing else moved
+    assert Load(before=0.3, after=1.8 + own, cores=2, own=own).moves() == pytest.approx(1.5)

@@ -538,6 +538,7 @@ class Load:
     before: float
     after: float
     cores: int
+    own: float = 0.0  # what the sample's own processes added to ``after`` (the 1-min average counts them too)
 
     def contention(self, other: float, own: float) -> float:
         """How much longer CPU work takes with ``other`` runnable processes beside the job's ``own``: not at all
@@ -546,7 +547,16 @@ class Load:
 
     def moves(self) -> float:
         """How far the other load may move during the job: what it moved during the sample, at least half a core."""
-        return max(0.5, abs(self.after - self.before))
+        return max(0.5, abs(self.after - self.own - self.before))
+
+    @staticmethod
+    def sample_share(busy_s: float, span_s: float) -> float:
+        """What a sample whose processes were busy ``busy_s`` CPU seconds over ``span_s`` adds to the 1-min load
+        average at its end: its mean busy processes, weighted as the kernel's exponential average weights the last
+        ``span_s`` of the minute."""
+        if span_s <= 0:
+            return 0.0
+        return busy_s / span_s * (1 - math.exp(-span_s / 60))
 
 
 def batch_occupancy(costs: ClassCosts, decode_s: float, infer_s: float, *, gpus: int = 1,
