@@ -8,9 +8,17 @@ Jobs (real images from the corpus, the built-in tiny model on this machine's CPU
   b  a manifest of 1-40 images per document (heavy-tailed), the heavy documents at the end
   c  a mix of small (0.1 MP) images and large photos taken at up to 12.8 MP (--max-pixels 12845056)
   d  job a with --condense (each document's descriptions condensed into one answer)
+  p  photos nobody tuned it on: a folder of documents of 1-4 generated photos of mixed sizes (0.3-12 MP, six aspect
+     ratios, JPEG qualities 78-95, some progressive), in no order, 0.2 MP
+  q  a manifest of 1-40 images per document (Pareto) with the heavy documents clustered in the middle of the job,
+     generated photos up to 3 MP and small scans mixed, 0.2 MP
+  s  a folder of small grayscale scans (0.06-0.4 MP, PNG and JPEG), one per document, 0.2 MP: a job of under a minute
   g  for a GPU: job b's shape (1-40 images per document, the heavy ones last) over any folder of images
      (--images), 2,000 x --scale documents at 0.2 MP; with --run-options naming the model (and --sample-fraction
      0.05) it is the "sample of at most 5% of a run of 20 minutes or more" check on one H200
+
+p, q and s draw on images this script generates once (``generated``: 1/f-noise photos and text-like scans, seeded) into
+the broker's home, so they are images no earlier version of the estimate was tuned on.
 
     python benchmarks/estimate_honesty.py [--cases abc] [--scale 1.0] [--diagnose]
     python benchmarks/estimate_honesty.py --cases g --images /root/imgs --scale 13 --sample-fraction 0.05 \
@@ -51,6 +59,8 @@ DEADLINE_MARGIN_S = 60
 # The jobs link to the corpus's files: decode may read there.
 ENV = {"OMP_NUM_THREADS": "1", "VLMSTREAM_INFER__BATCH_SIZE": "4",
        "VLMSTREAM_DECODE__ALLOWED_ROOTS": json.dumps([str(CORPUS.resolve())])}
+# Jobs run as a new user runs them: the product's own batch size and threads (`run` gives a CPU engine one thread).
+AS_SHIPPED = {"p", "q", "s"}
 
 
 def corpus(kind: str) -> list[Path]:
@@ -66,6 +76,137 @@ def corpus(kind: str) -> list[Path]:
     if kind == "large":  # photos the tiny model takes in seconds at their own size (9 MP ones take ~40 s here)
         return [p for p, px in sized if 900_000 <= px <= 2_500_000]
     return [p for p, _ in sized]
+
+
+GENERATED = Path(os.environ.get("VLMSTREAM_HOME", Path.home() / ".cache" / "vlmstream")) / "honesty-images"
+ENV["VLMSTREAM_DECODE__ALLOWED_ROOTS"] = json.dumps([str(CORPUS.resolve()), str(GENERATED)])
+
+
+def env_for(case: str) -> dict[str, str]:
+    """Both commands' environment for a job: ENV, less the benchmark's own batch size and threads for AS_SHIPPED."""
+    return {k: v for k, v in ENV.items()
+            if case not in AS_SHIPPED or k not in ("OMP_NUM_THREADS", "VLMSTREAM_INFER__BATCH_SIZE")}
+_ASPECTS = (4 / 3, 3 / 2, 16 / 9, 1.0, 3 / 4, 2 / 3)
+
+
+def _photo(width: int, height: int, rng):
+    """A photo-like picture: 1/f noise (the power spectrum of natural images) in three correlated channels, a
+    lit-from-above gradient, a few soft-edged blobs and sensor grain."""
+    import numpy as np
+    from PIL import Image, ImageFilter
+
+    w, h = max(16, width // 4), max(16, height // 4)
+    fy, fx = np.meshgrid(np.fft.fftfreq(h), np.fft.rfftfreq(w), indexing="ij")
+    falloff = 1 / np.maximum(np.hypot(fx, fy), 1 / max(w, h)) ** rng.uniform(0.9, 1.3)
+    base = np.fft.irfft2(falloff * np.exp(2j * np.pi * rng.random(falloff.shape)), s=(h, w))
+    base = (base - base.mean()) / (base.std() + 1e-9)
+    tint = rng.uniform(0.4, 1.0, size=3)
+    small = np.stack([base * 40 * t + rng.normal(0, 12, size=(h, w)) for t in tint], axis=-1)
+    small += np.linspace(rng.uniform(60, 140), rng.uniform(110, 200), h)[:, None, None] * tint
+    img = Image.fromarray(np.clip(small, 0, 255).astype(np.uint8), "RGB").resize((width, height), Image.BICUBIC)
+    blobs = Image.new("L", (width, height), 0)
+    from PIL import ImageDraw
+
+    draw = ImageDraw.Draw(blobs)
+    for _ in range(int(rng.integers(2, 7))):
+        x0, y0 = rng.uniform(0, width), rng.uniform(0, height)
+        r = rng.uniform(0.05, 0.3) * min(width, height)
+        draw.ellipse([x0 - r, y0 - r, x0 + r, y0 + r], fill=int(rng.integers(60, 200)))
+    blobs = blobs.filter(ImageFilter.GaussianBlur(max(2, min(width, height) // 80)))
+    colour = Image.new("RGB", (width, height), tuple(int(c) for c in rng.integers(0, 255, size=3)))
+    img = Image.composite(colour, img, blobs)
+    grain = rng.normal(0, rng.uniform(2, 6), size=(height, width, 1)).astype(np.float32)
+    return Image.fromarray(np.clip(np.asarray(img, dtype=np.float32) + grain, 0, 255).astype(np.uint8), "RGB")
+
+
+def _scan(width: int, height: int, rng):
+    """A small grayscale scan of a typed page: paper tone, lines of word-sized dark strokes, a slight blur."""
+    import numpy as np
+    from PIL import Image, ImageDraw, ImageFilter
+
+    img = Image.new("L", (width, height), int(rng.integers(225, 250)))
+    draw = ImageDraw.Draw(img)
+    margin, line = int(width * 0.08), max(6, int(height / rng.uniform(35, 60)))
+    y = margin
+    while y < height - margin:
+        x = margin
+        while x < width - margin:
+            word = int(rng.integers(line, line * 5))
+            draw.rectangle([x, y, min(x + word, width - margin), y + int(line * 0.6)], fill=int(rng.integers(10, 80)))
+            x += word + int(line * 0.6)
+        y += int(line * rng.uniform(1.4, 2.2))
+    arr = np.asarray(img.filter(ImageFilter.GaussianBlur(0.8)), dtype=np.float32)
+    arr += rng.normal(0, 6, size=arr.shape)
+    return Image.fromarray(np.clip(arr, 0, 255).astype(np.uint8), "L")
+
+
+def generated(kind: str) -> list[Path]:
+    """The generated pool of ``kind`` ("photo": 40 photos of 0.3-12 MP; "scan": 60 scans of 0.06-0.4 MP), written
+    once into GENERATED (seeded: the same files on every machine)."""
+    import numpy as np
+
+    folder = GENERATED / kind
+    marker = folder / ".complete"
+    if not marker.exists():
+        folder.mkdir(parents=True, exist_ok=True)
+        rng = np.random.default_rng({"photo": 11, "scan": 12}[kind])
+        for n in range(40 if kind == "photo" else 60):
+            aspect = _ASPECTS[int(rng.integers(len(_ASPECTS)))]
+            px = float(np.exp(rng.uniform(np.log(0.3e6), np.log(12e6)) if kind == "photo"
+                              else rng.uniform(np.log(0.06e6), np.log(0.4e6))))
+            width, height = int((px * aspect) ** 0.5), int((px / aspect) ** 0.5)
+            if kind == "photo":
+                _photo(width, height, rng).save(folder / f"photo{n:03d}.jpg", quality=int(rng.integers(78, 96)),
+                                                progressive=bool(rng.random() < 0.3))
+            elif n % 2:
+                _scan(width, height, rng).save(folder / f"scan{n:03d}.png")
+            else:
+                _scan(width, height, rng).save(folder / f"scan{n:03d}.jpg", quality=85)
+        marker.write_text("ok\n")
+    return sorted(p for p in folder.iterdir() if p.suffix in (".jpg", ".png"))
+
+
+def job_p(root: Path, scale: float) -> tuple[Path, list[str]]:
+    """A folder of documents of 1-4 generated photos of mixed sizes (0.3-12 MP), in no order of size."""
+    photos = generated("photo")
+    rng = random.Random(21)
+    folder = root / "p"
+    for d in range(int(90 * scale)):
+        (folder / f"doc{d:04d}").mkdir(parents=True)
+        for i in range(rng.randint(1, 4)):
+            src = rng.choice(photos)
+            (folder / f"doc{d:04d}" / f"{i:02d}{src.suffix}").symlink_to(src)
+    return folder, ["--max-pixels", str(256 * 28 * 28)]
+
+
+def job_q(root: Path, scale: float) -> tuple[Path, list[str]]:
+    """1-40 images per document (Pareto), the heavy documents (8 images or more) clustered in the middle of the job;
+    generated photos up to 3 MP and scans."""
+    from PIL import Image
+
+    pool = [p for p in generated("photo") if (lambda s: s[0] * s[1])(Image.open(p).size) <= 3e6] + generated("scan")
+    rng = random.Random(22)
+    sizes = [min(40, max(1, int(rng.paretovariate(1.2)))) for _ in range(int(110 * scale))]
+    light, heavy = [s for s in sizes if s < 8], sorted(s for s in sizes if s >= 8)
+    middle = len(light) // 2
+    order = light[:middle] + heavy + light[middle:]
+    manifest = root / "q.jsonl"
+    with manifest.open("w") as handle:
+        for d, size in enumerate(order):
+            uris = [str(rng.choice(pool)) for _ in range(size)]
+            handle.write(json.dumps({"doc_id": f"q{d:04d}", "image_uris": uris}) + "\n")
+    return manifest, ["--max-pixels", str(256 * 28 * 28)]
+
+
+def job_s(root: Path, scale: float) -> tuple[Path, list[str]]:
+    """A folder of small scans, one per document (each file its own document): a job of under a minute here."""
+    scans = generated("scan")
+    folder = root / "s"
+    folder.mkdir(parents=True)
+    for d in range(int(240 * scale)):
+        src = scans[d % len(scans)]
+        (folder / f"scan{d:04d}{src.suffix}").symlink_to(src)
+    return folder, ["--max-pixels", str(256 * 28 * 28)]
 
 
 def job_a(root: Path, scale: float) -> tuple[Path, list[str]]:
@@ -128,7 +269,7 @@ def job_d(root: Path, scale: float) -> tuple[Path, list[str]]:
     return folder, [*options, "--condense"]
 
 
-JOBS = {"a": job_a, "b": job_b, "c": job_c, "d": job_d, "g": job_g}
+JOBS = {"a": job_a, "b": job_b, "c": job_c, "d": job_d, "g": job_g, "p": job_p, "q": job_q, "s": job_s}
 
 
 def documents_in(job: Path) -> list[tuple[str, int]]:
@@ -141,7 +282,7 @@ def documents_in(job: Path) -> list[tuple[str, int]]:
 
 
 def run_full(job: Path, options: list[str], profile: Path | None = None, log: Path | None = None,
-             decode_times: bool = True) -> tuple[float, dict[str, float], dict]:
+             decode_times: bool = True, case_env: dict[str, str] | None = None) -> tuple[float, dict[str, float], dict]:
     """`vlmstream run JOB` on topics and groups of its own: (wall s from start to exit, each document's result time in
     seconds from the start, what decode did: ``decode_costs``). With ``profile`` the inference consumer samples its
     own memory and CPU there each minute; with ``log`` the run's whole progress view is kept there (this script's
@@ -155,7 +296,7 @@ def run_full(job: Path, options: list[str], profile: Path | None = None, log: Pa
     suffix = f"honesty-{uuid.uuid4().hex[:8]}"
     names = {k: f"{getattr(settings.topics, k)}.{suffix}"
              for k in ("documents", "images", "descriptions", "embeddings", "results", "summaries", "deadletter")}
-    env = dict(os.environ, **ENV, **{f"VLMSTREAM_TOPICS__{k.upper()}": v for k, v in names.items()},
+    env = dict(os.environ, **(ENV if case_env is None else case_env), **{f"VLMSTREAM_TOPICS__{k.upper()}": v for k, v in names.items()},
                VLMSTREAM_DECODE__GROUP_ID=f"decode-{suffix}", VLMSTREAM_INFER__GROUP_ID=f"infer-{suffix}",
                VLMSTREAM_CONDENSE__GROUP_ID=f"condense-{suffix}",
                VLMSTREAM_PRODUCER__STATE_DIR=tempfile.mkdtemp(prefix="honesty-ledger-"))
@@ -356,8 +497,8 @@ def _result_times(settings, topic: str, started_wall: float) -> tuple[dict[str, 
     return out, failed
 
 
-def estimate(job: Path, options: list[str]) -> dict:
-    env = dict(os.environ, **ENV)
+def estimate(job: Path, options: list[str], case_env: dict[str, str] | None = None) -> dict:
+    env = dict(os.environ, **(ENV if case_env is None else case_env))
     proc = subprocess.run([sys.executable, "-m", "vlmstream.cli", "estimate", str(job), *options, *COMMON, "--json"],
                           env=env, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -374,7 +515,7 @@ def configure(args: argparse.Namespace) -> None:
     global CORPUS, COMMON, RUN_TIMEOUT_S
     if args.images:
         CORPUS = Path(args.images).resolve()
-        ENV["VLMSTREAM_DECODE__ALLOWED_ROOTS"] = json.dumps([str(CORPUS)])
+        ENV["VLMSTREAM_DECODE__ALLOWED_ROOTS"] = json.dumps([str(CORPUS), str(GENERATED)])
     if args.run_options is not None:
         COMMON = args.run_options.split()
     RUN_TIMEOUT_S = args.timeout_s
@@ -416,7 +557,7 @@ def main() -> None:
             report_file = (Path(args.reports) if args.reports else root) / f"{case}-sample.json"
             load_before = os.getloadavg()
             predicted = estimate(job, [*options, "--sample-images", str(max(16, int(images * args.sample_fraction))),
-                                       "--sample-report", str(report_file)])
+                                       "--sample-report", str(report_file)], env_for(case))
             estimate_s = time.monotonic() - t0
             load_between = os.getloadavg()
             if args.deadline:
@@ -424,7 +565,8 @@ def main() -> None:
             out_dir = Path(args.reports) if args.reports else root
             shared_cores = (predicted.get("cost_kinds") or {}).get("inference") == "cpu"
             wall, results, full_decode = run_full(job, options, out_dir / f"{case}-run-profile.json",
-                                                  out_dir / f"{case}-run.log", decode_times=args.diagnose or shared_cores)
+                                                  out_dir / f"{case}-run.log", decode_times=args.diagnose or shared_cores,
+                                                  case_env=env_for(case))
             load_after = os.getloadavg()
             # The full run as a sustained run: descriptions per minute, the first steady 5 minutes against the last 5
             # (while decode still had documents, on shared cores), and the inference consumer's memory by minute.
@@ -450,7 +592,11 @@ def main() -> None:
                    "sample_documents": predicted["sample_documents"], "sample_images": predicted["sample_images"],
                    "estimate_s": round(estimate_s, 1), "predicted_s": predicted["predicted_s"],
                    "low_s": predicted["low_s"], "high_s": predicted["high_s"], "actual_s": round(wall, 1),
-                   "error": round(predicted["predicted_s"] / wall - 1, 3), "naive_s": round(naive, 1) if naive else None,
+                   "error": round(predicted["predicted_s"] / wall - 1, 3),
+                   "inside_range": predicted["low_s"] <= wall <= predicted["high_s"],
+                   "range_parts": predicted.get("range_parts"), "batch_images": predicted.get("batch_images"),
+                   "batch_wall_over_cost": predicted.get("batch_wall_over_cost"),
+                   "naive_s": round(naive, 1) if naive else None,
                    "naive_error": round(naive / wall - 1, 3) if naive else None,
                    "bottleneck": predicted["bottleneck"], "fixed_s": predicted["fixed_s"],
                    "predicted_steady_s": predicted["steady_s"], "busy_to_wall": predicted.get("busy_to_wall"),
@@ -468,20 +614,22 @@ def main() -> None:
         shutil.rmtree(root, ignore_errors=True)
     print()
     print("| job | documents | images | sample (docs / images) | estimate took | predicted (range) | actual "
-          "| error | naive (first N docs' rate) | naive error | bottleneck |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "| error | in range | naive (first N docs' rate) | naive error | bottleneck | load average |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if r["actual_s"] is None:
             print(f"| {r['case']} | {r['documents']} | {r['images']} | - | - | {r['predicted_s']:.0f} s "
                   f"({r['low_s']:.0f}-{r['high_s']:.0f}) | stopped after {r['stopped_after_s']:.0f} s with "
                   f"{r['images_described']} images described (at its last minute's rate it would have ended at "
-                  f"{r['finish_at_last_rate_s'] or '?'} s) | - | - | - | - |")
+                  f"{r['finish_at_last_rate_s'] or '?'} s) | - | - | - | - | - | - |")
             continue
         naive = f"{r['naive_s']:.0f} s" if r["naive_s"] else "-"
+        load = " / ".join(f"{r['load_average'][k][0]:.1f}" for k in ("before_estimate", "before_run", "after_run"))
         naive_error = f"{r['naive_error']:+.0%}" if r["naive_error"] is not None else "-"
         print(f"| {r['case']} | {r['documents']} | {r['images']} | {r['sample_documents']} / {r['sample_images']} "
               f"| {r['estimate_s']:.0f} s | {r['predicted_s']:.0f} s ({r['low_s']:.0f}-{r['high_s']:.0f}) "
-              f"| {r['actual_s']:.0f} s | **{r['error']:+.0%}** | {naive} | {naive_error} | {r['bottleneck']} |")
+              f"| {r['actual_s']:.0f} s | **{r['error']:+.0%}** | {'yes' if r['inside_range'] else '**no**'} "
+              f"| {naive} | {naive_error} | {r['bottleneck']} | {load} |")
 
 
 if __name__ == "__main__":
