@@ -171,7 +171,7 @@ def job_p(root: Path, scale: float) -> tuple[Path, list[str]]:
     photos = generated("photo")
     rng = random.Random(21)
     folder = root / "p"
-    for d in range(int(90 * scale)):
+    for d in range(int(160 * scale)):
         (folder / f"doc{d:04d}").mkdir(parents=True)
         for i in range(rng.randint(1, 4)):
             src = rng.choice(photos)
@@ -186,7 +186,7 @@ def job_q(root: Path, scale: float) -> tuple[Path, list[str]]:
 
     pool = [p for p in generated("photo") if (lambda s: s[0] * s[1])(Image.open(p).size) <= 3e6] + generated("scan")
     rng = random.Random(22)
-    sizes = [min(40, max(1, int(rng.paretovariate(1.2)))) for _ in range(int(110 * scale))]
+    sizes = [min(40, max(1, int(rng.paretovariate(1.2)))) for _ in range(int(200 * scale))]
     light, heavy = [s for s in sizes if s < 8], sorted(s for s in sizes if s >= 8)
     middle = len(light) // 2
     order = light[:middle] + heavy + light[middle:]
@@ -590,6 +590,7 @@ def main() -> None:
             naive = (first_n[-1] - first_n[0]) / (len(first_n) - 1) * len(docs) if len(first_n) > 1 else None
             row = {"case": case, "documents": len(docs), "images": images,
                    "sample_documents": predicted["sample_documents"], "sample_images": predicted["sample_images"],
+                   "job_over_sample": round(images / predicted["sample_images"], 1),
                    "estimate_s": round(estimate_s, 1), "predicted_s": predicted["predicted_s"],
                    "low_s": predicted["low_s"], "high_s": predicted["high_s"], "actual_s": round(wall, 1),
                    "error": round(predicted["predicted_s"] / wall - 1, 3),
@@ -627,6 +628,7 @@ def main() -> None:
         load = " / ".join(f"{r['load_average'][k][0]:.1f}" for k in ("before_estimate", "before_run", "after_run"))
         naive_error = f"{r['naive_error']:+.0%}" if r["naive_error"] is not None else "-"
         print(f"| {r['case']} | {r['documents']} | {r['images']} | {r['sample_documents']} / {r['sample_images']} "
+              f"({r['job_over_sample']:.0f}x) "
               f"| {r['estimate_s']:.0f} s | {r['predicted_s']:.0f} s ({r['low_s']:.0f}-{r['high_s']:.0f}) "
               f"| {r['actual_s']:.0f} s | **{r['error']:+.0%}** | {'yes' if r['inside_range'] else '**no**'} "
               f"| {naive} | {naive_error} | {r['bottleneck']} | {load} |")
