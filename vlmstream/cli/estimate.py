@@ -8,8 +8,10 @@
 3. The sample through the real pipeline: `vlmstream run SAMPLE [same options]` on this machine's broker and workers,
    on topics and groups of its own, timed from start to exit.
 4. Its descriptions give each image's decode time and inference batch; until the first batch starts is warm-up
-   (start-up, model loading), from there to the last description the steady window. ``vlmstream.projection`` calibrates the per-image costs by size
-   class against the steady window's wall time and projects the whole job.
+   (start-up, model loading), from there to the last description the steady window. ``vlmstream.projection`` fits
+   the costs per size class (a batch's fixed part apart from each image's own), calibrates them into wall time
+   (inference's batches' wall over cost, decode's steady window) and projects the whole job with its batches as full
+   as they will run, and a range from what the sample varied in and the machine's other load.
 
 The job's shape and the sample: ``estimate_job``; the sample run and its costs per image: ``estimate_sample``; the
 projection: ``vlmstream.projection``; this module: the command, its steps and its report.
@@ -195,7 +197,7 @@ def project_job(settings: Any, shape: JobShape, sampled: MeasuredSample, *, gpus
                 ) -> Estimate:
     """The per-image costs by size class, calibrated on the sample's steady window, and the job projected from them
     with its range."""
-    from vlmstream.projection import (calibrate, contended_warmup, engine_shares, project, rate_spread,
+    from vlmstream.projection import (Load, calibrate, contended_warmup, engine_shares, project, rate_spread,
                                       sample_windows)
 
     result = sampled.result
@@ -209,8 +211,10 @@ def project_job(settings: Any, shape: JobShape, sampled: MeasuredSample, *, gpus
     # (the workers inherit this environment), else one per core.
     infer_threads = (as_stage(settings, "infer").infer.cpu_threads
                      or int(os.environ.get("OMP_NUM_THREADS", "0") or 0) or cores)
+    # The most a batch holds in the job: the engine's batch size (a synchronous engine takes what is queued, up to
+    # it); the sample's batches may have run emptier.
     costs = calibrate(result.images, windows, decode_parallel=decode_parallel, shared_cores=on_cpu, cores=cores,
-                      infer_threads=infer_threads)
+                      infer_threads=infer_threads, batch_size=as_stage(settings, "infer").infer.batch_size)
     # The range: the steady rate's wander between the window's halves, but no narrower than a window of n batches
     # can tell (1/sqrt(n)): a short window on a busy machine says little about the next ten minutes.
     # An engine that runs requests at once (no batches of its own): each request is one.
@@ -225,8 +229,13 @@ def project_job(settings: Any, shape: JobShape, sampled: MeasuredSample, *, gpus
                           if im.decoded_at is not None and im.decoded_at <= windows.steady_start) - result.workers_at
         extra = contended_warmup(warm_workers, decode_busy, cores=os.cpu_count() or 1,
                                  decode_parallel=decode_parallel) - warm_workers
+    # The other load on shared cores: the load average around the sample, less what the sample's own processes
+    # (their CPU seconds and the model's loading) added to it.
+    own = Load.sample_share(sum(im.decode_s + im.infer_s for im in result.images) + warm_workers,
+                            result.done_at - result.workers_at) if on_cpu else 0.0
     projection = project(dict(shape.classes()), len(shape.documents), costs, windows, result.fixed_s, spread=spread,
-                         gpus=gpus, decode_cores=decode_cores, warmup_extra_s=extra)
+                         gpus=gpus, decode_cores=decode_cores, warmup_extra_s=extra,
+                         load=Load(sampled.load_before, sampled.load_after, cores, own=own))
     return Estimate(result, sampled.load_before, sampled.load_after, windows, costs, projection, on_cpu, shared_out,
                     decode_parallel, cores, infer_threads, spread, batches, extra)
 
@@ -235,7 +244,7 @@ def assumptions(est: Estimate, shape: JobShape, sample: list[JobDocument], *, ti
                 ) -> list[str]:
     """What the projection assumes, and what the estimate could not see."""
     result, costs, windows, projection = est.result, est.costs, est.windows, est.projection
-    on_cpu, infer_threads, cores, extra, spread = est.on_cpu, est.infer_threads, est.cores, est.extra, est.spread
+    on_cpu, infer_threads, cores, extra = est.on_cpu, est.infer_threads, est.cores, est.extra
     cost_kinds, shared_out = est.cost_kinds, est.shared_out
     out = [
         f"the sample ran as `vlmstream run` does here: {est.decode_parallel} decode process(es), inference on "
@@ -264,14 +273,17 @@ def assumptions(est: Estimate, shape: JobShape, sample: list[JobDocument], *, ti
         + (f", plus {extra:.1f} s: the sample's decoding ran out while the model loaded, a job's shares the "
            f"{os.cpu_count()} cores with it all along" if extra else "")
         + f"), stopping the workers ({result.stop_s:.1f} s); the same for the whole job",
-        f"the range: the steady part at a rate faster or slower by {min(max(spread, 0.05), 0.5):.0%} (the larger of "
-        f"the spread between the sample's two halves and 1/sqrt({est.batches} batches in its steady window))",
+        "the range, from what the sample varied in: the steady part at a rate faster or slower by "
+        f"{projection.range_parts['steady_rate']:.0%} (the larger of the spread between the sample's two halves and "
+        f"1/sqrt({est.batches} batches in its steady window)), with twice the sampling error of the job's costs "
+        f"({projection.range_parts['sampled_costs']:.0%}: the standard error of each size class's mean cost)"
+        + (", then the other load's move (below)" if "load_up" in projection.range_parts else ""),
         f"decoding done while the model loads is free: the sample decoded {windows.decoded_in_warmup} images then"
         + (" and ran out of work; the job's count is decode's rate then times that time"
            if windows.decode_exhausted else ""),
-        f"the machine's other load stays as it was during the sample (load average {est.load_before:.1f} before it, "
-        f"{est.load_after:.1f} after, on {os.cpu_count()} cores): on a shared machine it will not, and the run moves "
-        "with it",
+        *([] if on_cpu else [  # on shared cores the projection states the load it assumes, and its effect
+            f"the machine's other load stays as it was during the sample (load average {est.load_before:.1f} before "
+            f"it, {est.load_after:.1f} after, on {os.cpu_count()} cores)"]),
         *projection.assumptions, *shape.unseen,
     ]
     if result.missing:
@@ -308,7 +320,9 @@ def print_estimate(est: Estimate, shape_s: float) -> None:
                   f"inference {infer_per_image * 1000:.0f} ms ({cost_kinds['inference']}"
                   + (" of the steady window's wall time, by each request's time in the engine)" if shared_out
                      else " time) of its batch") + "; busy "
-                  f"seconds to wall seconds here: x{costs.scale:.2f}")
+                  f"seconds to wall seconds here: x{costs.scale:.2f} over the steady window"
+                  + (f", x{costs.stretch:.2f} over inference's batches (their wall time over their CPU time)"
+                     if costs.stretch is not None else ""))
     console.print(f"  per size class (decode {cost_kinds['decode']} ms / inference {cost_kinds['inference']} ms): "
                   + ", ".join(
         f"{c} {costs.decode_s[c] * 1000:.0f}/{costs.infer_s[c] * 1000:.0f}" for c in sorted(costs.decode_s)))
@@ -348,6 +362,7 @@ def json_report(est: Estimate, shape: JobShape, sample: list[JobDocument], *, co
                  "steady_window_s": round(est.windows.steady_s, 1),
                  "load_average": [round(est.load_before, 2), round(est.load_after, 2)],
                  "busy_to_wall": round(costs.scale, 3), "cost_kinds": est.cost_kinds,
+                 "batch_wall_over_cost": round(costs.stretch, 3) if costs.stretch is not None else None,
                  "costs_by_class": {c: {"sample_images": sampled[c], "job_images": n,
                                         "decode_ms": round(costs.decode_s[c] * 1000, 1),
                                         "infer_ms": round(costs.infer_s[c] * 1000, 1)}

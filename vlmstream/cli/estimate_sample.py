@@ -280,7 +280,8 @@ def sample_images(rows: list[tuple[float, Any]], classes: dict[str, str], decode
             decode_ms = t.get("prepare_cpu_ms", t.get("decode_ms", 0.0))
             out.append(SampleImage(classes.get(d.source_uri or "", "e?/s?"), decode_ms / 1000,
                                    infer_s, at, decoded.get(image_key(d.doc_id, d.image_index)), batch, batch_s,
-                                   d.source_uri or "", d.doc_id, infer_cpu, decode_cpu="prepare_cpu_ms" in t))
+                                   d.source_uri or "", d.doc_id, infer_cpu, decode_cpu="prepare_cpu_ms" in t,
+                                   tokens=d.visual_tokens or 0))
     return out
 
 
