@@ -180,19 +180,32 @@ def job_p(root: Path, scale: float) -> tuple[Path, list[str]]:
 
 
 def job_q(root: Path, scale: float) -> tuple[Path, list[str]]:
-    """1-40 images per document (Pareto), the heavy documents (8 images or more) clustered in the middle of the job;
-    generated photos up to 3 MP and scans."""
+    """1-40 images per document (Pareto), the heavy documents (8 images or more) clustered in the middle of the job:
+    multi-page scans, every page of a document the size of its first (as a scanner makes them); the light ones photos
+    up to 3 MP or scans."""
     from PIL import Image
 
-    pool = [p for p in generated("photo") if (lambda s: s[0] * s[1])(Image.open(p).size) <= 3e6] + generated("scan")
+    def px(path: Path) -> int:
+        with Image.open(path) as im:
+            return im.size[0] * im.size[1]
+
+    photos = [p for p in generated("photo") if px(p) <= 3e6]
+    scans: dict[int, list[Path]] = {}
+    for p in generated("scan"):
+        scans.setdefault(min(2, px(p) // 125_000), []).append(p)
     rng = random.Random(22)
-    sizes = [min(40, max(1, int(rng.paretovariate(1.2)))) for _ in range(int(200 * scale))]
+    sizes = [min(40, max(1, int(rng.paretovariate(1.2)))) for _ in range(int(460 * scale))]
     light, heavy = [s for s in sizes if s < 8], sorted(s for s in sizes if s >= 8)
     middle = len(light) // 2
     order = light[:middle] + heavy + light[middle:]
+    largest_group = max(scans.values(), key=len)
     manifest = root / "q.jsonl"
     with manifest.open("w") as handle:
         for d, size in enumerate(order):
+            if size >= 8:
+                pool = largest_group
+            else:
+                pool = photos if rng.random() < 0.5 else scans[rng.choice(sorted(scans))]
             uris = [str(rng.choice(pool)) for _ in range(size)]
             handle.write(json.dumps({"doc_id": f"q{d:04d}", "image_uris": uris}) + "\n")
     return manifest, ["--max-pixels", str(256 * 28 * 28)]
