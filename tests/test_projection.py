@@ -297,7 +297,13 @@ def test_decode_that_ran_out_before_the_rest_of_the_sample_was_published_is_exha
     # 4 images decoded 1 s apart from t=80, the model ready (and the rest published) at 95: decode had stopped.
     images = [SampleImage("e1/s1", 0.1, 0.1, 96.0 + i, decoded_at=80.0 + i if i < 4 else 95.5 + i, batch=f"b{i}",
                           batch_s=0.5) for i in range(10)]
-    assert sample_windows(images, steady_start=95.0).decode_exhausted
+    windows = sample_windows(images, steady_start=95.0)
+    assert windows.decode_exhausted and windows.decode_ran_out_at == 83.0
+    # Two of the rest decoded just before the caller noted the time it published them: still run out, at 83.
+    early = [dataclasses.replace(im, decoded_at=94.9) if i in (4, 5) else im for i, im in enumerate(images)]
+    windows = sample_windows(early, steady_start=95.0)
+    assert windows.decode_exhausted and windows.decode_ran_out_at == 83.0
+    assert windows.decode_rate_warmup == pytest.approx(1.0)
     # Decoding right up to the moment: it was still busy.
     busy = [dataclasses.replace(im, decoded_at=91.5 + i if i < 4 else 95.5 + i) for i, im in enumerate(images)]
     assert not sample_windows(busy, steady_start=95.0).decode_exhausted
@@ -324,3 +330,18 @@ def test_the_load_s_move_leaves_out_what_the_sample_itself_added():
     assert own == pytest.approx(2 * (1 - 2.718281828 ** -0.5), rel=1e-6)
     assert Load(before=0.3, after=0.3 + own, cores=2, own=own).moves() == pytest.approx(0.5)  # nothing else moved
     assert Load(before=0.3, after=1.8 + own, cores=2, own=own).moves() == pytest.approx(1.5)
+
+
+def test_a_machine_that_stretched_the_sample_s_batches_unevenly_widens_the_range_fixed_part_included():
+    even = _trickled_sample([2] * 12, per_batch_s=0.0, per_image_s=0.05, stretch=2.0)
+    uneven = [dataclasses.replace(im, batch_s=im.batch_s * (0.5 if int(im.batch[1:]) % 2 else 1.5)) for im in even]
+    jobs = []
+    for images in (even, uneven):
+        windows = sample_windows(images)
+        costs = calibrate(images, windows, decode_parallel=2, shared_cores=True, cores=2, infer_threads=1)
+        jobs.append(project({"e1/s3": 100}, 100, costs, windows, fixed_s=20.0, spread=0.05))
+    assert jobs[0].range_parts["machine_wander"] == pytest.approx(0.0, abs=1e-9)
+    assert jobs[1].range_parts["machine_wander"] == pytest.approx(0.5)  # stretches 1 and 3 about their mean 2
+    assert jobs[1].predicted_s == pytest.approx(jobs[0].predicted_s)
+    # Even with no steady part to speak of, the fixed part's range follows the wander.
+    assert jobs[1].high_s - jobs[1].low_s > 20.0 * (1.5 - 1 / 1.5)

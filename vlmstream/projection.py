@@ -343,6 +343,7 @@ class SampleWindows:
     decode_exhausted: bool  # decode had finished the whole sample before steady_start (it could have done more)
     decode_rate_warmup: float | None  # images decoded per second before steady_start
     first_decoded_at: float | None = None
+    decode_ran_out_at: float | None = None  # when decode ran out of work in the warm-up (None: it did not)
 
     @property
     def steady_s(self) -> float:
@@ -362,15 +363,25 @@ def sample_windows(images: list[SampleImage], steady_start: float | None = None)
         start, warm = first.done_at, 1
     decoded = sorted(im.decoded_at for im in images if im.decoded_at is not None)
     before = [t for t in decoded if t <= start]
-    rate = None
-    if len(before) >= 2 and before[-1] > before[0]:
-        rate = (len(before) - 1) / (before[-1] - before[0])
     # Decode ran out of work before the model was ready: it decoded the whole sample by then, or (the rest of the
-    # sample published at ``steady_start``) it stopped well before, three of its intervals or more.
-    exhausted = bool(decoded) and (len(before) == len(decoded) or (
-        steady_start is not None and bool(before) and rate is not None and start - before[-1] > 3 / rate))
-    return SampleWindows(start, ordered[-1].done_at, warm, len(before), exhausted, rate,
-                         decoded[0] if decoded else None)
+    # sample published at ``steady_start``, a few of its images decoded just before the caller noted the time) it
+    # stood idle before start for three of its intervals and at least a second.
+    ran_out = None
+    if before and len(before) == len(decoded):
+        ran_out = before[-1]
+    elif steady_start is not None and len(before) >= 2:
+        gaps = [(b - a, a) for a, b in zip(before, [*before[1:], start])]
+        longest, at = max(gaps)
+        busy = [t for t in before if t <= at]
+        pace = (busy[-1] - busy[0]) / (len(busy) - 1) if len(busy) >= 2 else None
+        if pace is not None and longest > max(1.0, 3 * pace):
+            ran_out = at
+    done_by = [t for t in before if ran_out is None or t <= ran_out]
+    rate = None
+    if len(done_by) >= 2 and done_by[-1] > done_by[0]:
+        rate = (len(done_by) - 1) / (done_by[-1] - done_by[0])
+    return SampleWindows(start, ordered[-1].done_at, warm, len(before), ran_out is not None, rate,
+                         decoded[0] if decoded else None, ran_out)
 
 
 def engine_shares(images: list[SampleImage], windows: SampleWindows) -> tuple[list[SampleImage], bool]:
@@ -423,6 +434,9 @@ class BatchFit:
     largest: int
     stretch: float | None  # the batches' wall s over their cost s (None: costs are wall time, or no batch times)
     fitted: bool  # False: the batches were too alike (or too few) to tell the two parts apart; per_batch_s is 0
+    # How much that stretch wandered from batch to batch (its relative standard deviation): the machine's other
+    # work coming and going while the sample ran, which a run meets too.
+    wander: float = 0.0
 
     def said(self) -> str:
         if not self.batches:
@@ -451,19 +465,21 @@ def fit_batches(images: list[SampleImage]) -> BatchFit:
         weight = sum(im.tokens / mean_tokens if tokens_known else 1.0 for im in members)
         rows.append((weight, sum(im.infer_s for im in members), members[0].batch_s, len(members)))
     total_cost = sum(r[1] for r in rows)
-    stretch = None
+    stretch, wander = None, 0.0
     if all(im.infer_cpu for im in images) and total_cost > 0 and all(r[2] > 0 for r in rows):
         stretch = sum(r[2] for r in rows) / total_cost
+        each = [r[2] / r[1] for r in rows if r[1] > 0]
+        wander = statistics.pstdev(each) / statistics.fmean(each) if len(each) >= 2 else 0.0
     mean_images = statistics.fmean(r[3] for r in rows)
     largest = max(r[3] for r in rows)
     if len(rows) < 3 or len({r[3] for r in rows}) < 2:
-        return BatchFit(0.0, len(rows), mean_images, largest, stretch, False)
+        return BatchFit(0.0, len(rows), mean_images, largest, stretch, False, wander)
     xs, ys = [r[0] for r in rows], [r[1] for r in rows]
     mx, my = statistics.fmean(xs), statistics.fmean(ys)
     sxx = sum((x - mx) ** 2 for x in xs)
     slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx > 0 else 0.0
     per_batch = min(max(0.0, my - slope * mx), 0.9 * min(ys))
-    return BatchFit(per_batch, len(rows), mean_images, largest, stretch, True)
+    return BatchFit(per_batch, len(rows), mean_images, largest, stretch, True, wander)
 
 
 def _own_parts(images: list[SampleImage], per_batch_s: float) -> list[SampleImage]:
@@ -593,8 +609,10 @@ def project(job_classes: dict[str, int], documents: int, costs: ClassCosts, wind
 
     The range, from what the sample varied in: the steady rate's spread (``spread``, 5% to 50%: the window's halves
     and its number of batches), the sampling error of the job's costs (twice the standard error of the class means
-    that the limiting stage's total is made of) and, with ``load`` on shared cores, the machine's other work moving
-    by as much as it moved during the sample (at least half a core) while the job runs.
+    that the limiting stage's total is made of), how much the machine stretched inference's batches differently from
+    one batch to the next (the other work coming and going: on the fixed part too, model loading is CPU work) and,
+    with ``load`` on shared cores, the machine's other work moving by as much as it moved during the sample (at
+    least half a core) while the job runs.
 
     ``warmup_extra_s``: how much longer the job's warm-up is than the sample's (``contended_warmup``).
 
@@ -654,8 +672,9 @@ def project(job_classes: dict[str, int], documents: int, costs: ClassCosts, wind
     total, var = {"decode": (decode_total, decode_var), "inference": (infer_total, infer_var)}.get(
         limit, (decode_total + infer_total, decode_var + infer_var))
     sampling = min(0.5, 2 * math.sqrt(var) / total) if total > 0 else 0.0
-    width = math.hypot(spread, sampling)
-    parts = {"steady_rate": spread, "sampled_costs": sampling}
+    wander = min(0.5, costs.batches.wander) if costs.batches is not None else 0.0
+    width = math.hypot(spread, sampling, wander)
+    parts = {"steady_rate": spread, "sampled_costs": sampling, "machine_wander": wander}
     up = down = 1.0
     if load is not None and costs.shared_cores:
         # The job's own busy processes: inference's threads and decode's share of its processes over the steady part.
@@ -669,8 +688,8 @@ def project(job_classes: dict[str, int], documents: int, costs: ClassCosts, wind
                      f"{load.moves():.1f} more busy processes make the run {up - 1:.0%} longer, "
                      f"{load.moves():.1f} fewer {1 - down:.0%} shorter; the range covers both")
     return Projection(
-        predicted_s=fixed + steady, low_s=(fixed + steady / (1 + width)) * down,
-        high_s=(fixed + steady * (1 + width)) * up,
+        predicted_s=fixed + steady, low_s=(fixed / (1 + wander) + steady / (1 + width)) * down,
+        high_s=(fixed * (1 + wander) + steady * (1 + width)) * up,
         images=images, documents=documents, fixed_s=fixed, steady_s=steady, bottleneck=neck, bottleneck_share=share,
         decode_cores_per_gpu=mean_d / costs.infer_wall(mean_i) if mean_i else None, scaled=scaled, assumptions=notes,
         batch_images=occupancy, range_parts=parts)

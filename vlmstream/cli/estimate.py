@@ -225,8 +225,7 @@ def project_job(settings: Any, shape: JobShape, sampled: MeasuredSample, *, gpus
     warm_workers = result.ready_at - result.workers_at
     if on_cpu and windows.decode_exhausted:
         # The sample's decoding ran out before the model was ready; a job's keeps the cores busy all that time.
-        decode_busy = max(im.decoded_at for im in result.images
-                          if im.decoded_at is not None and im.decoded_at <= windows.steady_start) - result.workers_at
+        decode_busy = windows.decode_ran_out_at - result.workers_at
         extra = contended_warmup(warm_workers, decode_busy, cores=os.cpu_count() or 1,
                                  decode_parallel=decode_parallel) - warm_workers
     # The other load on shared cores: the load average around the sample, less what the sample's own processes
@@ -276,7 +275,9 @@ def assumptions(est: Estimate, shape: JobShape, sample: list[JobDocument], *, ti
         "the range, from what the sample varied in: the steady part at a rate faster or slower by "
         f"{projection.range_parts['steady_rate']:.0%} (the larger of the spread between the sample's two halves and "
         f"1/sqrt({est.batches} batches in its steady window)), with twice the sampling error of the job's costs "
-        f"({projection.range_parts['sampled_costs']:.0%}: the standard error of each size class's mean cost)"
+        f"({projection.range_parts['sampled_costs']:.0%}: the standard error of each size class's mean cost) and "
+        f"the machine's wander ({projection.range_parts['machine_wander']:.0%}: how differently it stretched "
+        "inference's batches one to the next, on the fixed part too)"
         + (", then the other load's move (below)" if "load_up" in projection.range_parts else ""),
         f"decoding done while the model loads is free: the sample decoded {windows.decoded_in_warmup} images then"
         + (" and ran out of work; the job's count is decode's rate then times that time"
