@@ -64,7 +64,7 @@ fi
 
 # --- the corpus and its plan ---------------------------------------------------------------------------------------
 mkdir -p "$work/scans"
-podman run --rm --user 0 -v "$work/scans:/out" localhost/vlmstream-decode:latest python - "$docs" "$id" <<'PY'
+podman run --rm -i --user 0 -v "$work/scans:/out" localhost/vlmstream-decode:latest python - "$docs" "$id" <<'PY'
 import json, random, sys
 from PIL import Image
 docs, run = int(sys.argv[1]), sys.argv[2]
