@@ -149,6 +149,9 @@ def test_a_warm_up_shared_with_decode_all_along_is_longer():
     assert contended_warmup(20.0, 6.0, cores=2, decode_parallel=2) == pytest.approx((6 * 2 / 3 + 14) / (2 / 3))
     assert contended_warmup(20.0, 20.0, cores=2, decode_parallel=2) == pytest.approx(20.0)  # it already was
     assert contended_warmup(20.0, 6.0, cores=8, decode_parallel=2) == pytest.approx(20.0)  # cores to spare
+    # Decode at nice 10 (as `run` starts it beside inference) weighs about a tenth: loading keeps its core.
+    assert contended_warmup(20.0, 6.0, cores=2, decode_parallel=2, decode_niceness=10) == pytest.approx(20.0)
+    assert contended_warmup(20.0, 6.0, cores=1, decode_parallel=2, decode_niceness=10) > 20.0
 
 
 def test_on_shared_cores_the_cpu_is_the_third_limit():
@@ -345,3 +348,13 @@ def test_a_machine_that_stretched_the_sample_s_batches_unevenly_widens_the_range
     assert jobs[1].predicted_s == pytest.approx(jobs[0].predicted_s)
     # Even with no steady part to speak of, the fixed part's range follows the wander.
     assert jobs[1].high_s - jobs[1].low_s > 20.0 * (1.5 - 1 / 1.5)
+
+
+def test_inference_costs_come_from_the_steady_window_not_the_warm_up_s_first_batch():
+    # The first batch, done while the model was still warming up, cost three times what the same images cost later.
+    first = _trickled_sample([4], per_batch_s=0.0, per_image_s=0.09, stretch=1.0, start=90.0)
+    later = _trickled_sample([2, 3, 2, 4], per_batch_s=0.0, per_image_s=0.03, stretch=1.0, start=100.0)
+    later = [dataclasses.replace(im, batch=f"s{im.batch}") for im in later]
+    windows = sample_windows(first + later, steady_start=100.0)
+    costs = calibrate(first + later, windows, decode_parallel=2, shared_cores=True, cores=2, infer_threads=1)
+    assert costs.infer_s["e1/s3"] == pytest.approx(0.03)

@@ -406,14 +406,24 @@ def calibrate(images: list[SampleImage], windows: SampleWindows, *, decode_paral
     was done inside it (images decoded and images described there) against its wall time. Inference's costs are
     CPU time when every image's is (one engine runs the whole sample). A batched engine's costs are split into the
     part each batch pays once and each image's own (``fit_batches``), and its batches' wall over their cost is the
-    stretch inference's limit is calibrated by (``ClassCosts.wall``)."""
-    fit = fit_batches(images)
-    own = _own_parts(images, fit.per_batch_s)
-    costs = ClassCosts(_mean_by_class(images, "decode_s"), _mean_by_class(own, "infer_s"), 1.0, shared_cores,
+    stretch inference's limit is calibrated by (``ClassCosts.wall``). Inference's costs come from the steady
+    window's batches where it ran three or more: the batches of the warm-up pay first-call costs a run pays once
+    (a class seen only there keeps its cost from them)."""
+    steady = [im for im in images if im.done_at > windows.steady_start]
+    if len({im.batch for im in steady if im.batch}) < 3:
+        steady = images
+    fit = fit_batches(steady)
+    own = _own_parts(steady, fit.per_batch_s)
+    infer_s = _mean_by_class(own, "infer_s")
+    rest = [im for im in _own_parts(images, fit.per_batch_s) if im.size_class not in infer_s]
+    infer_s.update(_mean_by_class(rest, "infer_s"))
+    infer_var = _var_of_mean_by_class(own, "infer_s")
+    infer_var.update(_var_of_mean_by_class(rest, "infer_s"))
+    costs = ClassCosts(_mean_by_class(images, "decode_s"), infer_s, 1.0, shared_cores,
                        decode_parallel, cores, infer_threads, infer_cpu=all(im.infer_cpu for im in images),
                        per_batch_s=fit.per_batch_s, batch_size=batch_size, batches=fit,
                        decode_var=_var_of_mean_by_class(images, "decode_s"),
-                       infer_var=_var_of_mean_by_class(own, "infer_s"))
+                       infer_var=infer_var)
     inside = [im for im in images if im.done_at > windows.steady_start]
     decoded = [im for im in images if im.decoded_at is not None and im.decoded_at > windows.steady_start]
     busy = costs.wall(sum(im.decode_s for im in decoded), sum(im.infer_s for im in inside))
@@ -537,11 +547,14 @@ class Projection:
                 "scaled": self.scaled, "assumptions": self.assumptions}
 
 
-def contended_warmup(warmup_s: float, decode_busy_s: float, *, cores: int, decode_parallel: float) -> float:
+def contended_warmup(warmup_s: float, decode_busy_s: float, *, cores: int, decode_parallel: float,
+                     decode_niceness: int = 0) -> float:
     """The warm-up (loading the model) of a job whose decoding lasts through all of it, from a sample's whose decoding
-    lasted ``decode_busy_s`` of its ``warmup_s``: on shared cores, loading gets a core while decode is idle and
-    cores / (decode processes + 1) of one while decode works (the same loading work, spread thinner)."""
-    contended = min(1.0, cores / (decode_parallel + 1))
+    lasted ``decode_busy_s`` of its ``warmup_s``: on shared cores, loading gets a core while decode is idle and its
+    share of the cores while decode works (the same loading work, spread thinner): the scheduler weighs a process
+    at nice n about 1.25^-n of one at nice 0, so decode at nice 10 takes little from it."""
+    decode_weight = 1.25 ** -decode_niceness
+    contended = min(1.0, cores / (1 + decode_parallel * decode_weight))
     busy = min(max(decode_busy_s, 0.0), warmup_s)
     work = busy * contended + (warmup_s - busy)
     return work / contended

@@ -227,7 +227,8 @@ def project_job(settings: Any, shape: JobShape, sampled: MeasuredSample, *, gpus
         # The sample's decoding ran out before the model was ready; a job's keeps the cores busy all that time.
         decode_busy = windows.decode_ran_out_at - result.workers_at
         extra = contended_warmup(warm_workers, decode_busy, cores=os.cpu_count() or 1,
-                                 decode_parallel=decode_parallel) - warm_workers
+                                 decode_parallel=decode_parallel,
+                                 decode_niceness=as_stage(settings, "decode").decode.niceness) - warm_workers
     # The other load on shared cores: the load average around the sample, less what the sample's own processes
     # (their CPU seconds and the model's loading) added to it.
     own = Load.sample_share(sum(im.decode_s + im.infer_s for im in result.images) + warm_workers,
