@@ -188,6 +188,11 @@ class Estimate:
     def warmup_s(self) -> float:
         return self.result.ready_at - self.result.started_at
 
+    def infer_per_image(self, size_class: str) -> float:
+        """Inference's cost for one image of a class in the job: its own part and its share of its batch's fixed
+        part, at the images the job's batches hold."""
+        return self.costs.infer_s[size_class] + self.costs.per_batch_s / (self.projection.batch_images or 1)
+
     @property
     def steady(self) -> list[Any]:
         return [im for im in self.result.images if im.done_at > self.windows.steady_start]
@@ -325,9 +330,10 @@ def print_estimate(est: Estimate, shape_s: float) -> None:
                   f"seconds to wall seconds here: x{costs.scale:.2f} over the steady window"
                   + (f", x{costs.stretch:.2f} over inference's batches (their wall time over their CPU time)"
                      if costs.stretch is not None else ""))
-    console.print(f"  per size class (decode {cost_kinds['decode']} ms / inference {cost_kinds['inference']} ms): "
+    console.print(f"  per size class (decode {cost_kinds['decode']} ms / inference {cost_kinds['inference']} ms, "
+                  "its batch's fixed part shared as the job's batches will hold them): "
                   + ", ".join(
-        f"{c} {costs.decode_s[c] * 1000:.0f}/{costs.infer_s[c] * 1000:.0f}" for c in sorted(costs.decode_s)))
+        f"{c} {costs.decode_s[c] * 1000:.0f}/{est.infer_per_image(c) * 1000:.0f}" for c in sorted(costs.decode_s)))
     if projection.decode_cores_per_gpu is not None:
         console.print(f"  decode cores per inference process to keep it busy: {projection.decode_cores_per_gpu:.2f} "
                       "(decode s per image / inference s per image)")
@@ -367,7 +373,7 @@ def json_report(est: Estimate, shape: JobShape, sample: list[JobDocument], *, co
                  "batch_wall_over_cost": round(costs.stretch, 3) if costs.stretch is not None else None,
                  "costs_by_class": {c: {"sample_images": sampled[c], "job_images": n,
                                         "decode_ms": round(costs.decode_s[c] * 1000, 1),
-                                        "infer_ms": round(costs.infer_s[c] * 1000, 1)}
+                                        "infer_ms": round(est.infer_per_image(c) * 1000, 1)}
                                     for c, n in sorted(shape.classes().items()) if c in costs.decode_s}})
     return data
 
