@@ -10,8 +10,8 @@ Jobs (real images from the corpus, the built-in tiny model on this machine's CPU
   d  job a with --condense (each document's descriptions condensed into one answer)
   p  photos nobody tuned it on: a folder of documents of 1-4 generated photos of mixed sizes (0.3-12 MP, six aspect
      ratios, JPEG qualities 78-95, some progressive), in no order, 0.2 MP
-  q  a manifest of 1-40 images per document (Pareto) with the heavy documents clustered in the middle of the job,
-     generated photos up to 3 MP and small scans mixed, 0.2 MP
+  q  a manifest of 1-40 images per document (Pareto) with the heavy documents clustered in the middle of the job
+     (multi-page scans of one size), the light ones generated photos up to 3 MP or small scans, 0.2 MP
   s  a folder of small grayscale scans (0.06-0.4 MP, PNG and JPEG), one per document, 0.2 MP: a job of under a minute
   g  for a GPU: job b's shape (1-40 images per document, the heavy ones last) over any folder of images
      (--images), 2,000 x --scale documents at 0.2 MP; with --run-options naming the model (and --sample-fraction
@@ -20,6 +20,7 @@ Jobs (real images from the corpus, the built-in tiny model on this machine's CPU
 p, q and s draw on images this script generates once (``generated``: 1/f-noise photos and text-like scans, seeded) into
 the broker's home, so they are images no earlier version of the estimate was tuned on.
 
+    python benchmarks/estimate_honesty.py --cases pqs --sample-fraction 0.02   (each job 10x its sample or more)
     python benchmarks/estimate_honesty.py [--cases abc] [--scale 1.0] [--diagnose]
     python benchmarks/estimate_honesty.py --cases g --images /root/imgs --scale 13 --sample-fraction 0.05 \
         --run-options "--model /root/model --max-new-tokens 64" --timeout-s 2400
