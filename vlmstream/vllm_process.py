@@ -18,6 +18,24 @@ from vlmstream.extras import install_command
 log = logging.getLogger(__name__)
 
 
+def vllm_usable() -> bool:
+    """vLLM is importable and a CUDA device is visible (vLLM's CPU backend is not what we deploy): what an engine
+    setting of ``auto`` picks vLLM on, for inference and condense alike."""
+    if importlib.util.find_spec("vllm") is None:
+        return False
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def load_format(model_path: str | Path) -> str:
+    """vLLM's ``load_format`` for a model: a local folder with a config but no weights (benchmarks/gpu/mk_model.py)
+    gets vLLM's random ones (``dummy``); anything else loads its checkpoint."""
+    folder = Path(model_path)
+    weightless = folder.is_dir() and not any(folder.glob("*.safetensors")) and not any(folder.glob("*.bin"))
+    return "dummy" if weightless else "auto"
+
+
 @contextlib.contextmanager
 def engine_process_threads(threads: int):
     """Start vLLM's engine process (inside this block) with `threads` torch/OpenMP threads; this process keeps its

@@ -2,23 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 from pathlib import Path
 
 from consumers.condense.engine import CondenseEngine
 from consumers.condense.stage import AnswerSchema
 from vlmstream.config import CondenseSettings
+from vlmstream.vllm_process import load_format, vllm_usable
 
 log = logging.getLogger(__name__)
-
-
-def vllm_usable() -> bool:
-    if importlib.util.find_spec("vllm") is None:
-        return False
-    import torch
-
-    return torch.cuda.is_available()
 
 
 def make_engine(settings: CondenseSettings, model_path: str | Path, answer_schema: AnswerSchema) -> CondenseEngine:
@@ -31,9 +23,7 @@ def make_engine(settings: CondenseSettings, model_path: str | Path, answer_schem
     if kind == "vllm":
         from consumers.condense.vllm_engine import VllmCondenseEngine
 
-        folder = Path(model_path)
-        weightless = folder.is_dir() and not any(folder.glob("*.safetensors")) and not any(folder.glob("*.bin"))
-        return VllmCondenseEngine(model_path, settings, answer_schema, load_format="dummy" if weightless else "auto")
+        return VllmCondenseEngine(model_path, settings, answer_schema, load_format=load_format(model_path))
     from consumers.condense.transformers_engine import TransformersCondenseEngine
 
     return TransformersCondenseEngine(model_path, settings, answer_schema)

@@ -2,23 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 from pathlib import Path
 
 from consumers.infer.engine import Engine
 from vlmstream.config import InferSettings
+from vlmstream.vllm_process import load_format, vllm_usable
 
 log = logging.getLogger(__name__)
-
-
-def vllm_usable() -> bool:
-    """vLLM is importable and a CUDA device is visible (vLLM's CPU backend is not what we deploy)."""
-    if importlib.util.find_spec("vllm") is None:
-        return False
-    import torch
-
-    return torch.cuda.is_available()
 
 
 def make_engine(settings: InferSettings, model_path: str | Path | None = None) -> Engine:
@@ -37,10 +28,7 @@ def make_engine(settings: InferSettings, model_path: str | Path | None = None) -
     if kind == "vllm":
         from consumers.infer.vllm_engine import VllmEngine
 
-        # A local folder with a config but no weights (benchmarks/gpu/mk_model.py) gets vLLM's random ones.
-        folder = Path(model_path)
-        weightless = folder.is_dir() and not any(folder.glob("*.safetensors")) and not any(folder.glob("*.bin"))
-        return VllmEngine(model_path, settings, mode=settings.mode, load_format="dummy" if weightless else "auto")
+        return VllmEngine(model_path, settings, mode=settings.mode, load_format=load_format(model_path))
     from vlmstream.models.registry import family_of
 
     family = family_of(model_path)
