@@ -205,3 +205,21 @@ def bad_inputs() -> dict[str, tuple[bytes, str]]:
         "truncated_jpeg2000": (jp2[: len(jp2) // 2], "decode_truncated"),
         "jpeg2000_bomb": (jpeg2000_bomb(), "decode_too_many_pixels"),
     }
+
+
+def damaged(data, original: bytes) -> bytes:
+    """A hypothesis-drawn damage of ``original``: cut short, or up to 8 bytes flipped, or up to 8 runs spliced in
+    (``data`` is a ``st.data()`` draw)."""
+    from hypothesis import strategies as st
+
+    damaged = bytearray(original)
+    how = data.draw(st.sampled_from(["flip", "cut", "splice"]))
+    if how == "cut":
+        return bytes(damaged[: data.draw(st.integers(0, len(damaged) - 1))])
+    for _ in range(data.draw(st.integers(1, 8))):
+        at = data.draw(st.integers(0, len(damaged) - 1))
+        if how == "flip":
+            damaged[at] ^= data.draw(st.integers(1, 255))
+        else:
+            damaged[at:at] = data.draw(st.binary(min_size=1, max_size=16))
+    return bytes(damaged)

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from consumers.decode.stage import DecodeStage
 from consumers.decode.types import ImageFailure, PreparedImage
 from producers.folder import scan_folder
-from tests import pdfs
+from tests import images, pdfs
 from vlmstream.config import DecodeSettings
 from vlmstream.images import pdf
 from vlmstream.images.payload import decode as decode_payload
@@ -163,19 +163,8 @@ SAMPLES = [pdfs.text_pdf([(612, 792, 0, "fuzzed"), (300, 300, 90, "second")]),
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_damaged_pdfs_give_values_not_exceptions(tmp_path, data):
-    damaged = bytearray(data.draw(st.sampled_from(SAMPLES)))
-    how = data.draw(st.sampled_from(["flip", "cut", "splice"]))
-    if how == "cut":
-        damaged = damaged[: data.draw(st.integers(0, len(damaged) - 1))]
-    else:
-        for _ in range(data.draw(st.integers(1, 8))):
-            at = data.draw(st.integers(0, len(damaged) - 1))
-            if how == "flip":
-                damaged[at] ^= data.draw(st.integers(1, 255))
-            else:
-                damaged[at:at] = data.draw(st.binary(min_size=1, max_size=16))
     path = tmp_path / "damaged.pdf"
-    path.write_bytes(bytes(damaged))
+    path.write_bytes(images.damaged(data, data.draw(st.sampled_from(SAMPLES))))
     stage = make_stage(tmp_path, pdf_render_time_limit_s=5.0)
     for uri in (str(path), f"{path}#page=2"):
         result = stage(uri)
