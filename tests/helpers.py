@@ -257,6 +257,21 @@ def run_until_idle(settings: Settings, engine, **kwargs):
     return runner
 
 
+def run_env(settings: Settings, tmp_path: Path, group_prefix: str, partitions: int, **extra: str) -> dict[str, str]:
+    """The environment of a `vlmstream run` subprocess on one test's uuid topics: its own consumer groups
+    (``group_prefix``-decode/-infer), its own producer ledger under ``tmp_path``, small batches on one OpenMP thread;
+    ``extra`` adds settings."""
+    t = settings.topics
+    return dict(os.environ,
+                VLMSTREAM_TOPICS__DOCUMENTS=t.documents, VLMSTREAM_TOPICS__IMAGES=t.images,
+                VLMSTREAM_TOPICS__DESCRIPTIONS=t.descriptions, VLMSTREAM_TOPICS__EMBEDDINGS=t.embeddings,
+                VLMSTREAM_TOPICS__RESULTS=t.results, VLMSTREAM_TOPICS__DEADLETTER=t.deadletter,
+                VLMSTREAM_TOPICS__PARTITIONS=str(partitions),
+                VLMSTREAM_DECODE__GROUP_ID=f"{group_prefix}-decode", VLMSTREAM_INFER__GROUP_ID=f"{group_prefix}-infer",
+                VLMSTREAM_PRODUCER__STATE_DIR=str(tmp_path / "ledger"),
+                VLMSTREAM_INFER__BATCH_SIZE="4", OMP_NUM_THREADS="1", **extra)
+
+
 def subprocess_env(settings: Settings) -> dict[str, str]:
     t, i = settings.topics, settings.infer
     env = dict(os.environ)

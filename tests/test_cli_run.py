@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from schemas import Description, DocumentResult
-from tests.helpers import REPO
+from tests.helpers import REPO, run_env
 from tests.kafka_helpers import read_topic
 from vlmstream import broker
 from vlmstream.config import Settings
@@ -50,14 +50,7 @@ def test_run_describes_every_image_of_a_folder_and_reports_each_document(topic_n
     folder = tmp_path / "docs"
     expected = _folder_of_documents(folder, corpus_dir)
     t = topic_names.topics
-    env = dict(os.environ,
-               VLMSTREAM_TOPICS__DOCUMENTS=t.documents, VLMSTREAM_TOPICS__IMAGES=t.images,
-               VLMSTREAM_TOPICS__DESCRIPTIONS=t.descriptions, VLMSTREAM_TOPICS__EMBEDDINGS=t.embeddings,
-               VLMSTREAM_TOPICS__RESULTS=t.results, VLMSTREAM_TOPICS__DEADLETTER=t.deadletter,
-               VLMSTREAM_TOPICS__PARTITIONS="3",
-               VLMSTREAM_DECODE__GROUP_ID=f"run-decode-{unique}", VLMSTREAM_INFER__GROUP_ID=f"run-infer-{unique}",
-               VLMSTREAM_PRODUCER__STATE_DIR=str(tmp_path / "ledger"),
-               VLMSTREAM_INFER__BATCH_SIZE="4", OMP_NUM_THREADS="1")
+    env = run_env(topic_names, tmp_path, f"run-{unique}", 3)
     run_cmd = [sys.executable, "-m", "vlmstream.cli", "run", str(folder), "--decode-workers", "1",
                "--max-pixels", str(128 * 28 * 28), "--max-new-tokens", "4", "--timeout-s", "400"]
     proc = subprocess.run(run_cmd, env=env, capture_output=True, text=True, timeout=480)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import base64
 import json
-import os
 import subprocess
 import sys
 import time
@@ -21,7 +20,7 @@ import torch
 
 from consumers.infer.tiny_model import (GENERIC_TILING_TINY, GENERIC_TINY, LLAVA_OV_PINPOINTS, TINY_FAMILIES,
                                         write_tiny_family_model)
-from tests.helpers import counting, lively
+from tests.helpers import counting, lively, run_env
 from vlmstream.models.registry import family_of
 
 pytestmark = pytest.mark.model
@@ -586,14 +585,7 @@ def test_run_with_each_tiny_model_end_to_end(tiny_dirs, name, topic_names, corpu
         for index, path in enumerate(files):
             (folder / doc / f"{index:02d}{path.suffix.lower()}").write_bytes(path.read_bytes())
     t = topic_names.topics
-    env = dict(os.environ,
-               VLMSTREAM_TOPICS__DOCUMENTS=t.documents, VLMSTREAM_TOPICS__IMAGES=t.images,
-               VLMSTREAM_TOPICS__DESCRIPTIONS=t.descriptions, VLMSTREAM_TOPICS__EMBEDDINGS=t.embeddings,
-               VLMSTREAM_TOPICS__RESULTS=t.results, VLMSTREAM_TOPICS__DEADLETTER=t.deadletter,
-               VLMSTREAM_TOPICS__PARTITIONS="2",
-               VLMSTREAM_DECODE__GROUP_ID=f"fam-decode-{unique}", VLMSTREAM_INFER__GROUP_ID=f"fam-infer-{unique}",
-               VLMSTREAM_PRODUCER__STATE_DIR=str(tmp_path / "ledger"),
-               VLMSTREAM_INFER__BATCH_SIZE="4", OMP_NUM_THREADS="1")
+    env = run_env(topic_names, tmp_path, f"fam-{unique}", 2)
     path = tiny_dirs[name]
     run = subprocess.run([sys.executable, "-m", "vlmstream.cli", "run", str(folder), "--model", str(path),
                           "--decode-workers", "1", "--max-pixels", str(128 * 32 * 32), "--max-new-tokens", "4",

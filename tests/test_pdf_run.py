@@ -4,7 +4,6 @@ page, one result per document, each hostile file a dead letter naming its settin
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from collections import Counter
@@ -15,6 +14,7 @@ from PIL import Image
 
 from schemas import DeadLetter, Description, DocumentResult
 from tests import pdfs
+from tests.helpers import run_env
 from tests.kafka_helpers import read_topic
 from vlmstream.config import Settings
 
@@ -43,16 +43,9 @@ def test_a_folder_of_pdfs_runs_end_to_end(topic_names: Settings, tmp_path: Path,
     folder = tmp_path / "pdfs"
     described, hostile = _folder(folder)
     t = topic_names.topics
-    env = dict(os.environ,
-               VLMSTREAM_TOPICS__DOCUMENTS=t.documents, VLMSTREAM_TOPICS__IMAGES=t.images,
-               VLMSTREAM_TOPICS__DESCRIPTIONS=t.descriptions, VLMSTREAM_TOPICS__EMBEDDINGS=t.embeddings,
-               VLMSTREAM_TOPICS__RESULTS=t.results, VLMSTREAM_TOPICS__DEADLETTER=t.deadletter,
-               VLMSTREAM_TOPICS__PARTITIONS="3",
-               VLMSTREAM_DECODE__GROUP_ID=f"pdf-decode-{unique}", VLMSTREAM_INFER__GROUP_ID=f"pdf-infer-{unique}",
-               VLMSTREAM_PRODUCER__STATE_DIR=str(tmp_path / "ledger"),
-               VLMSTREAM_DECODE__MAX_PDF_PAGES=str(PAGE_LIMIT), VLMSTREAM_DECODE__PDF_RENDER_TIME_LIMIT_S="2",
-               VLMSTREAM_DECODE__PDF_PAGE_TEXT_CHARS="40",
-               VLMSTREAM_INFER__BATCH_SIZE="4", OMP_NUM_THREADS="1")
+    env = run_env(topic_names, tmp_path, f"pdf-{unique}", 3,
+                  VLMSTREAM_DECODE__MAX_PDF_PAGES=str(PAGE_LIMIT), VLMSTREAM_DECODE__PDF_RENDER_TIME_LIMIT_S="2",
+                  VLMSTREAM_DECODE__PDF_PAGE_TEXT_CHARS="40")
     proc = subprocess.run([sys.executable, "-m", "vlmstream.cli", "run", str(folder), "--decode-workers", "1",
                            "--max-pixels", str(128 * 28 * 28), "--max-new-tokens", "4", "--timeout-s", "400",
                            "--prompt", "Describe this page. Its text layer: {page_text}"],
