@@ -7,6 +7,8 @@
 #   lowest  at the ranges' lower bounds (constraints-lowest.txt, from
 #           `uv pip compile --resolution lowest-direct --python-version 3.11 --extra cpu --extra test pyproject.toml`).
 # Usage: bash scripts/test_ranges.sh latest|lowest [pytest arguments]
+# The environment (.venv-latest or .venv-lowest, some 7 GB with torch) is removed afterwards, so that CI's disk holds
+# one of them at a time; KEEP_VENV=1 keeps it for a rerun.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mode=${1:?usage: test_ranges.sh latest|lowest [pytest arguments]}
@@ -41,5 +43,6 @@ set -e
 if [ "$started_here" = 1 ]; then
   "$venv/bin/vlmstream" broker stop || true
 fi
+[ "${KEEP_VENV:-0}" = 1 ] || rm -rf "$venv"
 [ "$rc" = 5 ] && { echo "test_ranges.sh: pytest collected no tests; that is a failure" >&2; exit 1; }
 exit "$rc"
