@@ -41,7 +41,7 @@ set +e
 rc=$?
 set -e
 if [ "$started_here" = 1 ]; then
-  "$venv/bin/vlmstream" broker stop || true
+  "$venv/bin/vlmstream" broker stop --reason "scripts/test_ranges.sh ($mode): its tests are done and it started this broker" || true
 fi
 [ "${KEEP_VENV:-0}" = 1 ] || rm -rf "$venv"
 [ "$rc" = 5 ] && { echo "test_ranges.sh: pytest collected no tests; that is a failure" >&2; exit 1; }
