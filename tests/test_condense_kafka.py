@@ -217,7 +217,7 @@ def test_run_with_condense_answers_every_document_of_a_folder(topic_names, corpu
 def test_the_results_aggregator_never_reopens_a_document_for_a_condense_dead_letter(topic_names, unique):
     """A condense dead letter names its document but no image: read as a document-level failure it would send the
     document's result again with an error, which condense would fail on again, and so on."""
-    from consumers.results import ResultsAggregator
+    from consumers.results.aggregator import ResultsAggregator
     from schemas import Description, now
 
     doc_id = f"loop-{unique}"

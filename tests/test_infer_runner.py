@@ -268,7 +268,7 @@ def test_work_dropped_at_a_rebalance_is_redone_when_the_partition_comes_back(top
 @pytest.mark.model
 @pytest.mark.slow
 def test_end_to_end_descriptions_embeddings_and_document_results(topic_names, corpus_dir, unique, engine):
-    from consumers.results import ResultsAggregator
+    from consumers.results.aggregator import ResultsAggregator
 
     settings = infer_settings(topic_names, unique, max_attempts=2)
     good = documents(corpus_dir, f"e2e-{unique}", [3, 2])

@@ -209,7 +209,7 @@ def test_lag_triggers_follow_the_settings():
     infer = scaled["vlmstream-infer"]["spec"]
     assert infer["triggers"][0]["metadata"]["topicFromEnv"] == "VLMSTREAM_TOPICS__IMAGES"
     assert infer["maxReplicaCount"] <= settings.topics.partitions
-    # The results aggregator's group (consumers.results.results_group_id) keeps inference up while it reads.
+    # The results aggregator's group (consumers.results.ownership.results_group_id) keeps inference up while it reads.
     assert infer["triggers"][1]["metadata"]["consumerGroup"] == f"{settings.infer.group_id}-results"
     gpu = _by_kind("Deployment")["vlmstream-infer"]["spec"]["template"]["spec"]["containers"][0]["resources"]
     assert gpu["limits"]["nvidia.com/gpu"] == "1"

@@ -54,7 +54,8 @@ def test_every_dashboard_query_names_a_metric_the_pipeline_exports(topic_names, 
     from consumers.condense.transformers_engine import TransformersCondenseEngine
     from consumers.infer.metrics import serve
     from consumers.infer.runner import InferenceRunner
-    from consumers.results import AggregatorCollector, ResultsAggregator
+    from consumers.results.aggregator import ResultsAggregator
+    from consumers.results.metrics import AggregatorCollector
     from producers import metrics as producer_metrics
     from vlmstream.metrics import gpu_memory_names
 

@@ -10,7 +10,7 @@ import time
 import pytest
 from kafka import KafkaProducer
 
-from consumers.results import ResultsAggregator
+from consumers.results.aggregator import ResultsAggregator
 from schemas import DeadLetter, Description, DocumentResult, now
 from tests.helpers import wait_for
 from tests.kafka_helpers import read_topic
@@ -183,7 +183,7 @@ def test_a_document_republished_with_other_images_replaces_what_its_result_said(
 def test_single_owner_assignment_without_known_partitions_asks_for_a_rejoin():
     from types import SimpleNamespace
 
-    from consumers.results import SingleOwnerAssignor
+    from consumers.results.ownership import SingleOwnerAssignor
 
     class Cluster:
         def __init__(self, known):
@@ -362,7 +362,7 @@ def _partition(doc_id: str, partitions: int) -> int:
 @pytest.mark.kafka
 def test_exactly_once_a_read_committed_reader_sees_each_result_once_across_a_kill_mid_transaction(
         topic_names, unique, monkeypatch):
-    import consumers.results as results_module
+    import consumers.results.aggregator as results_module
 
     settings = topic_names.model_copy(update={"infer": topic_names.infer.model_copy(update={"exactly_once": True})})
     group = f"test-results-eo-{unique}"

@@ -1,9 +1,9 @@
 """What every long-running process's Prometheus endpoint shares: serving a set of collectors on a port, and the
 GPU memory of this process where it has CUDA (absent otherwise: never a zero that looks like a reading).
 
-Each stage keeps its own collector beside its stats (``consumers/infer/metrics.py``, ``consumers/results.py``,
-``consumers/condense/runner.py``, ``producers/metrics.py``), read at scrape time; decode's workers write
-prometheus_client's multiprocess files instead (``consumers/decode/metrics.py``)."""
+Each stage keeps its own collector over its stats (``consumers/infer/metrics.py``,
+``consumers/results/metrics.py``, ``consumers/condense/runner.py``, ``producers/metrics.py``), read at scrape time;
+decode's workers write prometheus_client's multiprocess files instead (``consumers/decode/metrics.py``)."""
 
 from __future__ import annotations
 

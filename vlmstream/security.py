@@ -358,7 +358,7 @@ def _topic_and_runs(principal: str, name: str, operations: tuple[str, ...], kind
 
 
 def _results_group(settings: Settings) -> str:
-    # consumers.results.results_group_id, spelled here: the ground floor may not import a stage.
+    # consumers.results.ownership.results_group_id, spelled here: the ground floor may not import a stage.
     return f"{settings.infer.group_id}-results"
 
 

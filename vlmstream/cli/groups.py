@@ -19,7 +19,7 @@ T = TypeVar("T")
 
 def stage_group(settings: Settings, stage: str) -> tuple[str, list[str]]:
     """The consumer group of a stage and the topics it reads."""
-    from consumers.results import results_group_id
+    from consumers.results.ownership import results_group_id
 
     t = settings.topics
     if stage == "decode":

@@ -39,7 +39,7 @@ def infer(
 
     from consumers.infer.factory import make_engine
     from consumers.infer.runner import InferenceRunner
-    from consumers.results import ResultsAggregator
+    from consumers.results.aggregator import ResultsAggregator
     from vlmstream import profiling
     from vlmstream.cli.support import bootstrap, settings_from
     from vlmstream.stopping import Stop
@@ -70,7 +70,7 @@ def infer(
         if settings.metrics_port > 0:
             from consumers.infer.metrics import serve
 
-            from consumers.results import AggregatorCollector
+            from consumers.results.metrics import AggregatorCollector
 
             serve(runner, settings.metrics_port, *([AggregatorCollector(aggregator)] if aggregator else []))
         code = runner.run(stop, max_seconds=max_seconds, until_idle_s=until_idle_s)

@@ -1,80 +1,24 @@
-"""The document-result aggregator: descriptions + dead letters in, one DocumentResult per document out.
-
-A document is complete when every image index in ``range(image_count)`` has a description or a dead
-letter (a description wins over a dead letter of the same image: a redriven image may succeed later). A record
-with another image count, or another source URI at an index, is a newer version of the document (the producer
-republished it changed) and replaces what the result said.
-A dead letter with a doc_id but no image_index is a document-level failure (the decode stage could not
-read the document): it completes the document at once, every image without an outcome is marked failed
-with that error, and the error is kept in ``metadata["document_error"]``. When such a failure does not say
-how many images the document has, ``image_count`` is the number of images seen so far (often 0): the
-result still exists, and ``metadata["document_error"]`` says why it is empty.
-
-State survives restarts without an external store. Per (topic, partition) the committed offset never
-passes the first record of a document that is still open, so a restart re-reads and rebuilds it. A
-document already emitted also holds the commit back while any of its records would be re-read, so a
-restart never rebuilds half of a finished document (it would stay open forever); the price is that a
-crash can emit a document's result twice (topic ``results`` is compacted by doc_id: the copies agree).
-
-Exactly-once (``infer.exactly_once``): a finished document's result is held back until the commit point has passed
-every record of it, and then goes out in the Kafka transaction that commits that point (``Checkpoint
-.commit_transaction``: results, their dead letters and the consumed offsets, all or nothing). A restart rebuilds
-only documents whose results no committed transaction carries, so a read_committed reader sees each result once.
-The price is latency: a finished document waits for the open documents below it on the partitions they share (at
-most ``open_timeout_s``). Only the owner of the partitions holds a transactional producer, with one
-transactional id per group (``results_transactional_id``): a new owner's ``init_transactions`` fences the last one
-(a process killed or stopped mid-transaction: its open transaction is aborted, its later commits refused) and only
-then reads the committed offsets to rebuild from. A transaction that fails mid-run (fenced, the group moved on, the
-cluster slow) ends the ownership term: its results were never visible, the state is dropped and rebuilt from the
-committed offsets by the next term, which may be this process's again.
-
-Late records (a duplicate from at-least-once redelivery, a redriven image, a late dead letter) can arrive after a
-document left memory (``_docs``, then the ``recent_docs`` LRU). Such a record would open the document again with
-that one image, and ``open_timeout_s`` later a partial result would replace the complete one in the compacted topic.
-So every emitted result leaves a compact record (``_Emitted``: image count, a 4-byte hash of each image's source
-URI, the set of indexes that succeeded) in a second LRU of ``emitted_docs`` entries (200,000 by default, about
-50 MB), and:
-
-* a record of the same version (same image count, no other source URI at a known index) that cannot add a success
-  (a description of an image that already succeeded, by the model that described the result; any dead letter) is
-  dropped before it opens the document;
-* a result of the same version that lacks a success already emitted is never sent (``stats.stale``); a redriven
-  success of a document forgotten this way is kept out too (the old result stays);
-* another image count or another source URI at an index is a newer version: it is emitted, and replaces the record.
-
-A description by another model than the one that described an image before is a replay with that model (topics
-replayed into an inference group running a new checkpoint): it replaces that image's entry and the result is sent
-again. A document still in memory is re-sent as each image's new description arrives (the compacted topic keeps the
-last); a forgotten one opens again and is sent once every image has an outcome again (a partial one times out as
-stale, above, and the old result stays).
-
-The record does not survive a restart (nor, exactly-once, the end of an ownership term): after one, a late record
-of a document emitted before it can still produce a partial result ``open_timeout_s`` later (reading the compacted
-results topic back would close that window).
-
-Descriptions and dead letters are keyed by doc_id, but the dead-letter topic usually has fewer
-partitions, so one document's records are spread over two partitions that no assignor can co-locate.
-The group therefore gives every partition to one member (``SingleOwnerAssignor``); other members are
-hot standbys. Aggregation is JSON parsing of small records, far from being a bottleneck.
-"""
+"""The results aggregator's runner: reads descriptions and dead letters, keeps each document's state
+(``documents.DocumentState``) until its result has gone out and the commit point has passed its records, commits
+below the first record of every open document, and exactly-once holds results for the transaction that commits past
+them. The package docstring (``consumers/results/__init__.py``) says why each rule is there."""
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
 import logging
 import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 from kafka import TopicPartition
-from kafka.coordinator.assignors.abstract import (AbstractPartitionAssignor, ConsumerProtocolAssignment,
-                                                  ConsumerProtocolSubscription)
 from kafka.consumer.subscription_state import AsyncConsumerRebalanceListener
 
-from schemas import DeadLetter, Description, DocumentResult, SchemaError, now
+from consumers.results.documents import (DOWNSTREAM_STAGES, DocumentState, EmittedResult, rebuild_points,
+                                         within_record_limit)
+from consumers.results.ownership import SingleOwnerAssignor, results_group_id, results_transactional_id
+from schemas import DeadLetter, Description, SchemaError
 from vlmstream.config import Settings
 from vlmstream.kafka.checkpoint import (CheckedProducer, Checkpoint, Commit, Output, bounded_client_kwargs,
                                         bounded_producer_kwargs)
@@ -85,127 +29,6 @@ from vlmstream.kafka.lag import FetchLag
 from vlmstream.kafka.records import Record, UnreadableRecord, poll_past_unreadable
 
 log = logging.getLogger(__name__)
-
-
-# Dead letters that note something about an image that was still decoded and described: not a failure of it.
-NOTES = ("pages_not_described",)
-# Dead letters of this aggregator and of the stages that read its results: not about an image of the document.
-DOWNSTREAM_STAGES = ("results", "condense")
-
-
-def results_group_id(settings: Settings) -> str:
-    return f"{settings.infer.group_id}-results"
-
-
-def results_transactional_id(group_id: str) -> str:
-    """One per aggregator group, whose single owner holds every partition: each new owner fences the one before."""
-    return f"{group_id}-txn"
-
-
-class SingleOwnerAssignor(AbstractPartitionAssignor):
-    """Every subscribed partition to one member (the lowest member id); the rest stand by."""
-
-    name = "vlmstream-single-owner"
-    version = 0
-    # Set when this process, as group leader, assigned a topic it knew no partitions of. kafka-python should then
-    # rejoin once metadata arrives, but kafka-python 3.0 can leave the aggregator holding an empty assignment for
-    # good; the aggregator checks this and rejoins itself.
-    assigned_without_partitions = threading.Event()
-
-    @classmethod
-    def assign(cls, cluster, members):
-        owner = min(members, key=lambda m: (m.group_instance_id is None, m.group_instance_id or "", m.member_id))
-        topics = sorted({t for m in members for t in m.metadata.topics})
-        owned = [(t, sorted(cluster.partitions_for_topic(t) or ())) for t in topics]
-        if any(not partitions for _, partitions in owned):
-            cls.assigned_without_partitions.set()
-        return {m.member_id: ConsumerProtocolAssignment(cls.version, owned if m is owner else [], b"")
-                for m in members}
-
-    @classmethod
-    def metadata(cls, topics):
-        return ConsumerProtocolSubscription(cls.version, list(topics), b"")
-
-    @classmethod
-    def on_assignment(cls, assignment, generation):
-        pass
-
-
-@dataclass
-class _Doc:
-    doc_id: str
-    image_count: int | None = None
-    images: dict[int, dict[str, Any]] = field(default_factory=dict)
-    metadata: dict[str, Any] = field(default_factory=dict)
-    document_error: dict[str, Any] | None = None
-    # error_kind -> image index -> detail: what an earlier stage noted about an image that did not fail
-    notes: dict[str, dict[int, str]] = field(default_factory=dict)
-    first: dict[TopicPartition, int] = field(default_factory=dict)  # lowest offset of its records per partition
-    last: dict[TopicPartition, int] = field(default_factory=dict)
-    opened_at: float = field(default_factory=time.monotonic)
-    emitted: bool = False
-    held: list[Output] = field(default_factory=list)  # exactly-once: its outputs, until a transaction carries them
-
-    def add_position(self, tp: TopicPartition, offset: int) -> None:
-        self.first[tp] = min(self.first.get(tp, offset), offset)
-        self.last[tp] = max(self.last.get(tp, offset), offset)
-
-    def is_new_version(self, count: int | None) -> bool:
-        """Whether a record's image count differs from the one known: a newer version of the document (the producer
-        republished it with other images), which replaces what the result said. Records the count as known."""
-        new_version = None not in (self.image_count, count) and self.image_count != count
-        if count is not None:
-            self.image_count = count
-        return new_version
-
-    def complete(self) -> bool:
-        if self.document_error is not None:
-            return True
-        return self.image_count is not None and all(i in self.images for i in range(self.image_count))
-
-
-def _short_hash(text: str | None) -> bytes:
-    """4 bytes for a source URI or a model name; zeros for none."""
-    return hashlib.blake2b(text.encode(), digest_size=4).digest() if text else b"\0\0\0\0"
-
-
-MIXED_MODELS = b"mixed"  # five bytes: never a 4-byte hash
-
-
-@dataclass(frozen=True, slots=True)
-class _Emitted:
-    """What the last result emitted for a document said, compactly: enough to tell a late record of the same
-    version (which must not make the result worse) from a newer version (which replaces it)."""
-
-    image_count: int
-    uri_hashes: bytes  # 4 bytes per index, zeros where the source URI is unknown
-    succeeded: frozenset[int]
-    model_hash: bytes  # the model that described every image that succeeded; MIXED_MODELS where they differ
-
-    @classmethod
-    def of(cls, images: list[dict[str, Any]]) -> "_Emitted":
-        models = {i.get("model") for i in images if i["status"] == "ok"}
-        model_hash = _short_hash(models.pop()) if len(models) == 1 else MIXED_MODELS
-        return cls(len(images), b"".join(_short_hash(i.get("source_uri")) for i in images),
-                   frozenset(i["image_index"] for i in images if i["status"] == "ok"), model_hash)
-
-    def described_by(self, model: str | None) -> bool:
-        """Whether every image that succeeded was described by ``model``: a description by another one is a
-        replay with that model, which may replace the result, not a duplicate."""
-        return self.model_hash == _short_hash(model)
-
-    def same_version(self, image_count: int | None, uris: dict[int, str | None]) -> bool:
-        """No other image count, and no other source URI at an index both know."""
-        if image_count is not None and image_count != self.image_count:
-            return False
-        zero = b"\0\0\0\0"
-        for index, uri in uris.items():
-            if not 0 <= index < self.image_count:
-                return False
-            known = self.uri_hashes[4 * index:4 * index + 4]
-            if uri and known != zero and known != _short_hash(uri):
-                return False
-        return True
 
 
 @dataclass
@@ -230,7 +53,7 @@ class ResultsAggregator:
 
     Once stopped it takes at most 3 x ``kafka.request_timeout_ms`` whether or not the cluster answers (flush and
     commit, leaving the group, closing the producer); a result the cluster did not acknowledge means no commit and
-    exit status 4. With ``infer.exactly_once`` results and offsets commit in one transaction (module docstring)."""
+    exit status 4. With ``infer.exactly_once`` results and offsets commit in one transaction (package docstring)."""
 
     def __init__(self, settings: Settings, *, group_id: str | None = None, commit_interval_s: float = 1.0,
                  open_timeout_s: float = 3600.0, recent_docs: int = 10_000, emitted_docs: int = 200_000):
@@ -244,11 +67,11 @@ class ResultsAggregator:
         self.transactional_id = results_transactional_id(self.group_id)
         self.stats = AggregatorStats()
         self.lag = FetchLag()
-        self._docs: dict[str, _Doc] = {}  # open, or emitted but still pinning a commit point
-        self._recent: OrderedDict[str, _Doc] = OrderedDict()  # emitted and released: for late records
-        self._emitted: OrderedDict[str, _Emitted] = OrderedDict()  # what went out, kept longer than _recent
+        self._docs: dict[str, DocumentState] = {}  # open, or emitted but still pinning a commit point
+        self._recent: OrderedDict[str, DocumentState] = OrderedDict()  # emitted and released: for late records
+        self._emitted: OrderedDict[str, EmittedResult] = OrderedDict()  # what went out, kept longer than _recent
         # Exactly-once: what _emitted said before results no transaction has committed yet, restored if none will.
-        self._emitted_before: dict[str, _Emitted | None] = {}
+        self._emitted_before: dict[str, EmittedResult | None] = {}
         self._positions: dict[TopicPartition, int] = {}  # next offset to read, per partition consumed
         self._committed: dict[TopicPartition, int] = {}
         self._dirty = False
@@ -414,10 +237,10 @@ class ResultsAggregator:
             self.stats.skipped += 1
             log.warning("skipping %s/%d@%d: %s", tp.topic, tp.partition, record.offset, exc)
 
-    def _doc(self, doc_id: str) -> _Doc:
+    def _doc(self, doc_id: str) -> DocumentState:
         doc = self._docs.get(doc_id)
         if doc is None:
-            doc = self._recent.pop(doc_id, None) or _Doc(doc_id)
+            doc = self._recent.pop(doc_id, None) or DocumentState(doc_id)
             doc.first, doc.last = {}, {}
             self._docs[doc_id] = doc
         return doc
@@ -429,13 +252,9 @@ class ResultsAggregator:
         if doc_id in self._docs or doc_id in self._recent:
             return False
         emitted = self._emitted.get(doc_id)
-        if emitted is None:
-            return False
-        uris = {} if image_index is None else {image_index: source_uri}
-        if not emitted.same_version(image_count, uris):
-            return False
-        if success and (image_index not in emitted.succeeded or not emitted.described_by(model)):
-            return False  # a redriven image that succeeded, or a replay with another model: it opens the document
+        if emitted is None or not emitted.adds_nothing(image_count, image_index, source_uri, success=success,
+                                                       model=model):
+            return False  # a newer version, a redriven image that succeeded, a replay: it opens the document
         self.stats.late += 1
         log.info("document %s: a late %s for image %s of a result already sent; dropped", doc_id,
                  "description" if success else "dead letter", image_index)
@@ -446,19 +265,7 @@ class ResultsAggregator:
             return
         doc = self._doc(d.doc_id)
         doc.add_position(tp, offset)
-        new_version = doc.is_new_version(d.image_count)  # another source URI at an index (below) is one too
-        # A PDF page's text layer belongs to its image; the rest of the metadata is the document's.
-        shared = {key: value for key, value in d.metadata.items() if key != "page_text"}
-        if shared:
-            doc.metadata = {**shared, **doc.metadata}
-        before = doc.images.get(d.image_index)
-        doc.images[d.image_index] = {"image_index": d.image_index, "status": "ok", "source_uri": d.source_uri,
-                                     "text": d.text, "model": d.model}
-        if isinstance(d.metadata.get("page_text"), str) and d.metadata["page_text"]:
-            doc.images[d.image_index]["page_text"] = d.metadata["page_text"]
-        # Another model's description of an image is a replay with that model: the result says so, image by image.
-        self._maybe_emit(doc, changed=before is None or before.get("status") != "ok" or new_version
-                         or before.get("source_uri") != d.source_uri or before.get("model") != d.model)
+        self._maybe_emit(doc, changed=doc.add_description(d))
 
     def _on_dead_letter(self, tp: TopicPartition, offset: int, letter: DeadLetter) -> None:
         if letter.doc_id is None or letter.stage in DOWNSTREAM_STAGES:
@@ -470,55 +277,26 @@ class ResultsAggregator:
             return
         doc = self._doc(letter.doc_id)
         doc.add_position(tp, offset)
-        new_version = doc.is_new_version(letter.image_count)
-        failure = {"status": "failed", "source_uri": letter.source_uri, "stage": letter.stage,
-                   "error_kind": letter.error_kind, "detail": letter.detail[:1000]}
-        if letter.error_kind in NOTES and letter.image_index is not None:
-            # The image itself was decoded and is on its way; only the note goes into the result's metadata. The
-            # two topics are read in no fixed order: a note after the result has gone out sends it again.
-            notes = doc.notes.setdefault(letter.error_kind, {})
-            changed = notes.get(letter.image_index) != letter.detail[:1000]
-            notes[letter.image_index] = letter.detail[:1000]
-            if doc.emitted:
-                self._maybe_emit(doc, changed=changed)
-            return
-        if letter.image_index is None:
-            changed = doc.document_error is None
-            doc.document_error = {k: failure[k] for k in ("stage", "error_kind", "detail")}
+        changed = doc.add_dead_letter(letter)
+        if changed is not None:
             self._maybe_emit(doc, changed=changed)
-            return
-        before = doc.images.get(letter.image_index)
-        if before is not None and before["status"] == "ok" and letter.source_uri in (None, before.get("source_uri")):
-            return  # the image succeeded on another try: its dead letter is history
-        doc.images[letter.image_index] = {"image_index": letter.image_index, **failure}
-        self._maybe_emit(doc, changed=before is None or new_version or before.get("source_uri") != letter.source_uri)
 
-    def _maybe_emit(self, doc: _Doc, *, changed: bool) -> None:
+    def _maybe_emit(self, doc: DocumentState, *, changed: bool) -> None:
         if not doc.complete() or (doc.emitted and not changed):
             return
         if doc.emitted:
             self.stats.reemitted += 1
         self._emit(doc)
 
-    def _emit(self, doc: _Doc, missing_kind: str | None = None) -> None:
-        count = doc.image_count
-        if count is None:
-            count = max(doc.images, default=-1) + 1
-        images = []
-        for index in range(count):
-            entry = doc.images.get(index)
-            if entry is None:
-                error = doc.document_error or {"stage": "results", "error_kind": missing_kind or "missing",
-                                               "detail": "no description or dead letter arrived for this image"}
-                entry = {"image_index": index, "status": "failed", "source_uri": None, **error}
-            images.append(entry)
-        emitted = _Emitted.of(images)
+    def _emit(self, doc: DocumentState, missing_kind: str | None = None) -> None:
+        images = doc.outcomes(missing_kind)
+        emitted = EmittedResult.of(images)
         before = self._emitted.get(doc.doc_id)
         if (before is not None and not before.succeeded <= emitted.succeeded
-                and before.same_version(count, {i["image_index"]: i.get("source_uri") for i in images})):
+                and before.same_version(len(images), {i["image_index"]: i.get("source_uri") for i in images})):
             # A late record reopened a document already sent: this result would undo successes of the same version.
             log.warning("document %s: not sending a result with %d of %d images succeeded over one with %d",
-                        doc.doc_id, len(emitted.succeeded), count, len(before.succeeded))
+                        doc.doc_id, len(emitted.succeeded), len(images), len(before.succeeded))
             self.stats.stale += 1
             doc.emitted = True
             return
@@ -529,17 +307,9 @@ class ResultsAggregator:
         self._emitted.move_to_end(doc.doc_id)
         while len(self._emitted) > self.emitted_docs:
             self._emitted.popitem(last=False)
-        succeeded = sum(1 for i in images if i["status"] == "ok")
-        metadata = dict(doc.metadata)
-        if doc.document_error is not None:
-            metadata["document_error"] = doc.document_error
-        for kind, by_image in doc.notes.items():
-            metadata[kind] = {str(index): detail for index, detail in sorted(by_image.items())}
-        result = DocumentResult(doc_id=doc.doc_id, image_count=count, succeeded=succeeded,
-                                failed=len(images) - succeeded, images=tuple(images), metadata=metadata,
-                                completed_at=now())
+        result = doc.result(images)
         try:
-            value = self._within_record_limit(result)
+            value, cut = within_record_limit(result, self.settings.kafka.max_message_bytes)
         except SchemaError as exc:
             # Raised here it would stop the aggregator on the same document after every restart. The dead letter
             # (stage "results", which this aggregator does not read back) keeps the failure visible.
@@ -547,47 +317,18 @@ class ResultsAggregator:
             log.error("document %s: its result cannot be written: %s", doc.doc_id, exc)
             self._send_dead_letter(doc, "result_unwritable", str(exc))
         else:
+            self.stats.texts_cut += cut
             self._output(doc, Output(self.settings.topics.results, result.key(), value, result.headers()))
         doc.emitted = True
         self._dirty = True
         self.stats.results += 1
 
-    def _within_record_limit(self, result: DocumentResult) -> bytes:
-        """The result's bytes; over the record limit (forty long descriptions can be), the texts are cut to share
-        what fits, each marked so. The descriptions topic keeps every text whole."""
-        value = result.encode()
-        limit = self.settings.kafka.max_message_bytes - 64 * 1024  # headers and the record's own framing
-        if len(value) <= limit:
-            return value
-        marker = " [cut: the whole text is on the descriptions topic]"
-        texts = [(i.get("text") or "").encode() for i in result.images]
-        share = max(0, (limit - (len(value) - sum(map(len, texts)))) // max(1, len(texts)) - len(marker))
-        for _ in range(4):  # bytes of text, not characters; JSON escapes can still add some: shrink and retry
-            images = tuple({**i, "text": t[:share].decode(errors="ignore") + marker} if len(t) > share else i
-                           for i, t in zip(result.images, texts))
-            value = dataclasses.replace(result, images=images).encode()
-            if len(value) <= limit or share <= 0:
-                break
-            share = max(0, int(share * limit / len(value)) - 1)
-        if len(value) > limit:
-            raise SchemaError("document_result", "(message)", f"{len(value)} bytes even with its texts cut, "
-                              f"over kafka.max_message_bytes")
-        self.stats.texts_cut += 1
-        return value
-
-    def _send_dead_letter(self, doc: _Doc, error_kind: str, detail: str) -> None:
+    def _send_dead_letter(self, doc: DocumentState, error_kind: str, detail: str) -> None:
         self.stats.dead_letters_by_kind[error_kind] = self.stats.dead_letters_by_kind.get(error_kind, 0) + 1
-        letter = DeadLetter(stage="results", error_kind=error_kind, detail=detail[:4000], doc_id=doc.doc_id,
-                            image_count=doc.image_count, created_at=now())
-        try:
-            value = letter.encode()
-        except SchemaError:  # the document's own id or count is what cannot be written: name it in the detail
-            letter = DeadLetter(stage="results", error_kind=error_kind, created_at=now(),
-                                detail=f"document {doc.doc_id[:200]!r} (count {doc.image_count}): {detail}"[:4000])
-            value = letter.encode()
+        letter, value = doc.dead_letter(error_kind, detail)
         self._output(doc, Output(self.settings.topics.deadletter, letter.key(), value, letter.headers()))
 
-    def _output(self, doc: _Doc, output: Output) -> None:
+    def _output(self, doc: DocumentState, output: Output) -> None:
         """At-least-once: send now (the next commit flushes it). Exactly-once: hold it for the transaction that
         commits past every record of the document (``commit``); a newer result of it replaces it meanwhile."""
         if self.exactly_once:
@@ -610,28 +351,14 @@ class ResultsAggregator:
 
     def commit_points(self) -> dict[TopicPartition, int]:
         """Per partition, the offset from which a restart rebuilds every document it would see in full."""
-        points = dict(self._positions)
-        for doc in self._docs.values():
-            if not doc.emitted:
-                for tp, first in doc.first.items():
-                    points[tp] = min(points.get(tp, first), first)
-        moved = True
-        while moved:  # emitted documents that a restart would partly re-read pin all their records
-            moved = False
-            for doc in self._docs.values():
-                if doc.emitted and any(last >= points.get(tp, last + 1) for tp, last in doc.last.items()):
-                    for tp, first in doc.first.items():
-                        if first < points.get(tp, first + 1):
-                            points[tp] = first
-                            moved = True
-        return points
+        return rebuild_points(self._positions, self._docs.values())
 
-    def _uncommitted(self, points: dict[TopicPartition, int]) -> tuple[dict[TopicPartition, int], list[_Doc]]:
+    def _uncommitted(self, points: dict[TopicPartition, int]) -> tuple[dict[TopicPartition, int],
+                                                                       list[DocumentState]]:
         """The commit points that moved since the last commit, and the documents no commit point holds back any
         more: they move to the recent ones (kept for late records only); exactly-once, their held outputs go out
         with these points."""
-        released = [d for d in self._docs.values()
-                    if d.emitted and all(last < points.get(tp, last + 1) for tp, last in d.last.items())]
+        released = [d for d in self._docs.values() if d.emitted and d.behind(points)]
         for doc in released:
             self._recent[doc.doc_id] = self._docs.pop(doc.doc_id)
             while len(self._recent) > self.recent_docs:
@@ -714,39 +441,6 @@ class ResultsAggregator:
     def open_documents(self) -> int:
         # A copy first (one step under the GIL): the metrics endpoint calls this from its own thread.
         return sum(1 for d in list(self._docs.values()) if not d.emitted)
-
-
-class AggregatorCollector:
-    """Prometheus collector over one ``ResultsAggregator``'s stats, read at scrape time (served by the process it runs
-    in: `vlmstream infer`'s endpoint)."""
-
-    def __init__(self, aggregator: ResultsAggregator):
-        self.aggregator = aggregator
-
-    def collect(self) -> Iterator[Any]:
-        from vlmstream import metrics
-
-        stats = self.aggregator.stats
-        yield from metrics.counters((
-            ("vlmstream_results_records", "Description and dead-letter records read.", stats.records),
-            ("vlmstream_results_documents", "Document results published (a document completed, or timed out).",
-             stats.results),
-            ("vlmstream_results_reemitted", "Results published again for a document already emitted (a redriven or "
-             "late image improved it).", stats.reemitted),
-            ("vlmstream_results_timed_out", "Documents published with their missing images failed, after waiting "
-             "open too long.", stats.timed_out),
-            ("vlmstream_results_late", "Records of a document already emitted and forgotten: dropped.", stats.late),
-            ("vlmstream_results_skipped", "Records that could not be read.", stats.skipped),
-            ("vlmstream_results_commits", "Offset commits (or transactions) completed.", stats.commits),
-        ))
-        yield metrics.dead_letters("vlmstream_results_dead_letters", "Results dead-lettered, by error kind.",
-                                   stats.dead_letters_by_kind)
-        yield from metrics.gauges((
-            ("vlmstream_results_open_documents", "Documents not yet published (images still to come).",
-             self.aggregator.open_documents()),
-            ("vlmstream_results_lag_records", "Description and dead-letter records on this aggregator's "
-             "partitions not yet fetched.", self.aggregator.lag.total),
-        ))
 
 
 class _Rebalance(AsyncConsumerRebalanceListener):
