@@ -363,7 +363,8 @@ def full_calibration(report: dict, full: dict, predicted: dict) -> dict:
     """The estimate's own arithmetic applied to the full run (its images' costs by class and its steady window's
     busy-to-wall scale), to split the error into the costs per image and the scale."""
     from vlmstream.cli.estimate_sample import sample_images
-    from vlmstream.projection import calibrate, sample_windows
+    from vlmstream.projection.costs import calibrate
+    from vlmstream.projection.sample import sample_windows
 
     images = sample_images(full["rows"], report["uri_classes"], full["decoded_by_key"])
     windows = sample_windows(images)

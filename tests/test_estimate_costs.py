@@ -58,7 +58,8 @@ def _descriptions(outputs: list[InferenceOutput], wall_times: float = 1.0) -> li
 
 def test_inference_costs_the_cpu_time_of_its_batch_on_the_cpu_and_wall_time_elsewhere(batch_outputs):
     from vlmstream.cli.estimate_sample import sample_images
-    from vlmstream.projection import calibrate, sample_windows
+    from vlmstream.projection.costs import calibrate
+    from vlmstream.projection.sample import sample_windows
 
     t = batch_outputs[0].timings_ms
     assert all(o.timings_ms["batch_cpu_ms"] == t["batch_cpu_ms"] for o in batch_outputs)  # one batch, one figure

@@ -1,4 +1,4 @@
-"""The projection maths (vlmstream/projection.py), on numbers made up to have known answers: the live meters
+"""The projection maths (vlmstream/projection/), on numbers made up to have known answers: the live meters
 (sliding-window rate, warm-up left out, drift, ETA range), the bottleneck rule, and the estimate's projection of a
 whole job from a sample (size classes, warm-up taken off, scaling to more GPUs and decode cores)."""
 
@@ -9,16 +9,13 @@ import statistics
 
 import pytest
 
-from vlmstream.projection import (
+from vlmstream.projection.costs import calibrate
+from vlmstream.projection.job import project
+from vlmstream.projection.live import StageMeter, StageView, bottleneck, progress_line
+from vlmstream.projection.sample import (
     SampleImage,
-    StageMeter,
-    StageView,
-    bottleneck,
-    calibrate,
-    engine_shares,
     class_pixels,
-    progress_line,
-    project,
+    engine_shares,
     rate_spread,
     sample_windows,
     size_class,
@@ -143,7 +140,7 @@ def test_the_range_follows_the_steady_rate_spread():
 
 
 def test_a_warm_up_shared_with_decode_all_along_is_longer():
-    from vlmstream.projection import contended_warmup
+    from vlmstream.projection.job import contended_warmup
 
     # 2 cores, 2 decode processes: loading gets 2/3 of a core while decode works. Decode worked 6 s of a 20 s warm-up.
     assert contended_warmup(20.0, 6.0, cores=2, decode_parallel=2) == pytest.approx((6 * 2 / 3 + 14) / (2 / 3))
@@ -155,7 +152,7 @@ def test_a_warm_up_shared_with_decode_all_along_is_longer():
 
 
 def test_on_shared_cores_the_cpu_is_the_third_limit():
-    from vlmstream.projection import ClassCosts
+    from vlmstream.projection.costs import ClassCosts
 
     costs = ClassCosts({"e1/s1": 0.0}, {"e1/s1": 0.0}, 1.0, True, decode_parallel=2, cores=2, infer_threads=1)
     # Light decode beside one-thread inference: inference's own time sets the pace (decode uses the other core).
@@ -168,7 +165,7 @@ def test_on_shared_cores_the_cpu_is_the_third_limit():
 
 
 def test_inference_measured_in_cpu_time_is_wall_time_on_its_threads_and_cpu_time_on_the_shared_cores():
-    from vlmstream.projection import ClassCosts
+    from vlmstream.projection.costs import ClassCosts
 
     costs = ClassCosts({"e1/s1": 0.0}, {"e1/s1": 0.0}, 1.0, True, decode_parallel=2, cores=2, infer_threads=2,
                        infer_cpu=True)
@@ -220,7 +217,7 @@ def _trickled_sample(sizes: list[int], *, per_batch_s: float, per_image_s: float
 
 
 def test_a_sample_of_emptier_batches_still_projects_a_job_of_full_ones_inside_its_range():
-    from vlmstream.projection import fit_batches
+    from vlmstream.projection.costs import fit_batches
 
     # The engine pays 60 ms of CPU per batch whatever it holds, plus 30 ms per image; the machine stretches its
     # batches 1.5x. The sample's images trickled in: batches of 1-3. The job has a queue: batches of 8.
@@ -246,7 +243,7 @@ def test_a_sample_of_emptier_batches_still_projects_a_job_of_full_ones_inside_it
 
 
 def test_batches_run_as_full_as_decode_fills_them_when_decode_is_behind():
-    from vlmstream.projection import batch_occupancy
+    from vlmstream.projection.job import batch_occupancy
 
     images = _trickled_sample([1, 2, 1, 3, 1, 1, 2, 1, 3, 1, 2, 1], per_batch_s=0.06, per_image_s=0.03, stretch=1.0)
     windows = sample_windows(images)
@@ -260,7 +257,7 @@ def test_batches_run_as_full_as_decode_fills_them_when_decode_is_behind():
 
 
 def test_the_range_holds_the_machine_s_other_work_moving_and_says_so():
-    from vlmstream.projection import Load
+    from vlmstream.projection.job import Load
 
     images = _trickled_sample([2] * 12, per_batch_s=0.0, per_image_s=0.05, stretch=1.0)
     windows = sample_windows(images)
@@ -326,7 +323,7 @@ def test_the_live_eta_says_how_sure_it_is_and_is_less_sure_early():
 
 
 def test_the_load_s_move_leaves_out_what_the_sample_itself_added():
-    from vlmstream.projection import Load
+    from vlmstream.projection.job import Load
 
     # A 30-s sample keeping 2 processes busy adds 2 * (1 - e^-0.5) to the 1-min average it ends on.
     own = Load.sample_share(busy_s=60.0, span_s=30.0)

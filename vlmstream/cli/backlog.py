@@ -361,7 +361,7 @@ class LiveView:
     what each stage's images done and waiting are."""
 
     def __init__(self, probe: StageProbe, window_s: float = 60.0):
-        from vlmstream.projection import StageMeter
+        from vlmstream.projection.live import StageMeter
 
         self.probe = probe
         self.decode = StageMeter("decode", window_s)
@@ -389,7 +389,7 @@ class LiveView:
         return decode, self.infer.done + snap.images_waiting + snap.document_images_waiting
 
     def bottleneck(self):
-        from vlmstream.projection import StageView, bottleneck
+        from vlmstream.projection.live import StageView, bottleneck
 
         snap = self.last
         if snap is None:
@@ -403,7 +403,7 @@ class LiveView:
         ])
 
     def lines(self) -> list[str]:
-        from vlmstream.projection import progress_line
+        from vlmstream.projection.live import progress_line
 
         decode_total, infer_total = self.totals()
         lines = [progress_line(self.decode, decode_total), progress_line(self.infer, infer_total)]

@@ -167,9 +167,9 @@ class Estimate:
     result: SampleRun  # the sample run, each image's inference cost its engine share where the engine shares out
     load_before: float
     load_after: float
-    windows: Any  # projection.Windows
-    costs: Any  # projection.Costs
-    projection: Any  # projection.Projection
+    windows: Any  # projection.sample.SampleWindows
+    costs: Any  # projection.costs.ClassCosts
+    projection: Any  # projection.job.Projection
     on_cpu: bool
     shared_out: bool
     decode_parallel: int
@@ -202,8 +202,9 @@ def project_job(settings: Any, shape: JobShape, sampled: MeasuredSample, *, gpus
                 ) -> Estimate:
     """The per-image costs by size class, calibrated on the sample's steady window, and the job projected from them
     with its range."""
-    from vlmstream.projection import (Load, calibrate, contended_warmup, engine_shares, project, rate_spread,
-                                      sample_windows)
+    from vlmstream.projection.costs import calibrate
+    from vlmstream.projection.job import Load, contended_warmup, project
+    from vlmstream.projection.sample import engine_shares, rate_spread, sample_windows
 
     result = sampled.result
     decode_parallel = settings.decode.workers or os.cpu_count() or 1

@@ -70,7 +70,7 @@ def read_shape(documents: list[Any], family: Any, min_pixels: int, max_pixels: i
     unreadable images) the size is unknown ('?')."""
     from PIL import Image
 
-    from vlmstream.projection import size_class
+    from vlmstream.projection.sample import size_class
 
     deadline = time.monotonic() + within_s
     out, unknown_remote, unknown_late, unknown_bad = [], 0, 0, 0

@@ -29,7 +29,7 @@ PROCESS_STARTED = time.time()
 
 @dataclass
 class SampleRun:
-    images: list[Any]  # projection.SampleImage
+    images: list[Any]  # projection.sample.SampleImage
     started_at: float  # epoch seconds: the command's start
     workers_at: float  # the workers started
     ready_at: float  # the warm-up document described: the model is loaded and answering
@@ -254,7 +254,7 @@ def sample_images(rows: list[tuple[float, Any]], classes: dict[str, str], decode
     wall time is its cost (the accelerator's time; the process's CPU time there says nothing). An engine without
     batch times (vLLM): each image's own engine_ms."""
     from schemas import image_key
-    from vlmstream.projection import SampleImage
+    from vlmstream.projection.sample import SampleImage
 
     batches: dict[tuple, list[tuple[float, Any]]] = defaultdict(list)
     for at, d in rows:

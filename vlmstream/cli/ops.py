@@ -6,7 +6,7 @@ from typing import Optional
 
 import typer
 
-from vlmstream.projection import duration_text
+from vlmstream.projection.live import duration_text
 
 
 def replay(

@@ -118,7 +118,7 @@ def pipeline_status(settings: Settings, sample_s: float = 0.0,
 def stage_bottleneck(settings: Settings, stages: list[StageStatus]):
     """The stage that limits the pipeline now, from each stage's backlog in images: the last stage with a queue
     beyond what its members hold in work (an inference member holds up to infer.images_in_flight images)."""
-    from vlmstream.projection import StageView, bottleneck
+    from vlmstream.projection.live import StageView, bottleneck
 
     by_name = {s.stage: s for s in stages}
     decode, infer = by_name.get("decode"), by_name.get("infer")
