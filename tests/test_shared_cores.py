@@ -24,17 +24,17 @@ def _in_a_fresh_process(code: str) -> subprocess.CompletedProcess:
 
 
 def test_a_decode_worker_applies_its_niceness():
-    # The worker's own start-up (consumers.decode.runner._worker_main) raises its nice value before it decodes;
+    # The worker's own start-up (consumers.decode.fleet._worker_main) raises its nice value before it decodes;
     # run here with a broker nobody answers on and a stop already asked for, so it returns at once.
     code = (
         "import os, multiprocessing as mp\n"
-        "from consumers.decode import runner\n"
+        "from consumers.decode import fleet\n"
         "from vlmstream.config import Settings\n"
         "s = Settings(decode={'niceness': 7}, kafka={'bootstrap_servers': '127.0.0.1:1'})\n"
         "stop = mp.Event(); stop.set()\n"
         "before = os.nice(0)\n"
         "try:\n"
-        "    runner._worker_main(s, 0, stop, None, None)\n"
+        "    fleet._worker_main(s, 0, stop, None, None)\n"
         "except BaseException:\n"
         "    pass\n"
         "print(os.nice(0) - before)\n"

@@ -47,6 +47,6 @@ def decode(
     settings = bootstrap(settings_from(ctx, overrides))
     create_topics(settings)
 
-    from consumers.decode.runner import run_fleet
+    from consumers.decode.fleet import run_fleet
 
     raise typer.Exit(run_fleet(settings, until_idle_s=until_idle_s, max_seconds=max_seconds))
