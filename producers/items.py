@@ -13,7 +13,7 @@ import os
 import re
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Union
+from typing import Any, Callable, Iterable, Iterator, Union
 from urllib.parse import unquote, urlsplit
 
 from schemas import DocumentRef, SchemaError
@@ -80,34 +80,37 @@ def validated(doc: DocumentRef) -> DocumentRef:
     return doc
 
 
-def pdf_page_uris(uri: str, max_pdf_pages: int) -> list[str]:
-    """A local PDF (a path or a ``file://`` URI) named without ``#page=N`` as one URI per page, its pages counted
-    from its page tree (nothing rendered); anything else as it is, and so a PDF that cannot be read (the decode stage
-    names what is wrong), one of more than ``max_pdf_pages`` pages (decode.max_pdf_pages: the decode stage's dead
-    letter names it) and a remote one (counting would fetch it here: the decode stage describes its first page and
-    notes the others)."""
+def pdf_page_uris(uri: str, max_pdf_pages: int, read: Callable[[str], bytes] | None = None) -> list[str]:
+    """A PDF named without ``#page=N`` as one URI per page, its pages counted from its page tree (nothing
+    rendered): a local one (a path or a ``file://`` URI) read here, a remote one (``http(s)://``, an fsspec URL)
+    fetched through ``read`` (the decode stage's fetcher, with its host rules and size cap); without ``read`` a
+    remote PDF stays as it is (the decode stage describes its first page and notes the others). Anything else stays
+    as it is, and so does a PDF that cannot be read or fetched (the decode stage names what is wrong) and one of more
+    than ``max_pdf_pages`` pages (decode.max_pdf_pages: the decode stage's dead letter names it)."""
     if "#page=" in uri:
         return [uri]
-    path = unquote(urlsplit(uri).path) if uri.startswith("file://") else uri
-    if not path.lower().endswith(".pdf") or (":" in path and _URI_SCHEME.match(path)):
+    local = uri.startswith("file://") or not (":" in uri and _URI_SCHEME.match(uri))
+    path = uri if local and not uri.startswith("file://") else unquote(urlsplit(uri).path)
+    if not path.lower().endswith(".pdf") or (not local and read is None):
         return [uri]
     from vlmstream.images import pdf  # only documents naming PDFs pay for PDFium
 
     try:
-        pages = pdf.count_pages(path)
+        pages = pdf.count_pages(path if local else read(uri))
     except Exception:  # noqa: BLE001 - any failure is the decode stage's to name
         return [uri]
     return [uri] if not 1 <= pages <= max_pdf_pages else [f"{uri}#page={n}" for n in range(1, pages + 1)]
 
 
-def with_pdf_pages(items: Iterable[Any], max_pdf_pages: int) -> Iterator[Any]:
-    """Each document of ``items`` with its local PDFs as one image per page (``pdf_page_uris``); anything else as it
-    is. A document the page URIs make too long for the schema becomes a rejection."""
+def with_pdf_pages(items: Iterable[Any], max_pdf_pages: int,
+                   read: Callable[[str], bytes] | None = None) -> Iterator[Any]:
+    """Each document of ``items`` with its PDFs as one image per page (``pdf_page_uris``; ``read`` fetches remote
+    ones); anything else as it is. A document the page URIs make too long for the schema becomes a rejection."""
     for item in items:
         if not isinstance(item, DocumentRef) or not any(".pdf" in uri.lower() for uri in item.image_uris):
             yield item
             continue
-        uris = tuple(page for uri in item.image_uris for page in pdf_page_uris(uri, max_pdf_pages))
+        uris = tuple(page for uri in item.image_uris for page in pdf_page_uris(uri, max_pdf_pages, read))
         try:
             yield item if uris == item.image_uris else validated(replace(item, image_uris=uris))
         except SchemaError as exc:

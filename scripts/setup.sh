@@ -25,6 +25,17 @@ if [ ! -x /usr/bin/chromium ] || [ ! -x /usr/bin/chromedriver ]; then
   fi
 fi
 
+# poppler's pdftoppm for tests/test_pdf.py (the decode stage's PDF pages against pdftoppm and the processor) and
+# benchmarks/bench_pdf_render.py; without it that test skips and says why.
+if ! command -v pdftoppm >/dev/null; then
+  if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+    apt-get install -y -q poppler-utils >/dev/null 2>&1 || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q poppler-utils >/dev/null 2>&1; } \
+      || echo "setup: could not install poppler-utils; the PDF test against pdftoppm will skip" >&2
+  else
+    echo "setup: pdftoppm not found; the PDF test against pdftoppm will skip (Debian: poppler-utils)" >&2
+  fi
+fi
+
 PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv

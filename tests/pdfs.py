@@ -58,6 +58,38 @@ def text_pdf(pages: list[tuple[float, float, int, str]], *, catalog_extra: bytes
     return assemble(objects)
 
 
+def report_page_content(width: float, height: float, seed: int, *, text: bool = True) -> bytes:
+    """A typed report page's drawing: a title and 55 lines of 10 pt Helvetica (``text``), a table's 0.5 pt rules and
+    a filled bar chart."""
+    rng = np.random.default_rng(seed)
+    words = ["invoice", "total", "delivery", "the", "of", "account", "report", "quarter", "2024", "amount", "due",
+             "customer", "reference", "page", "section", "summary", "and", "to", "in", "for"]
+    lines = [f"BT /F1 20 Tf 50 {height - 60:g} Td (Quarterly report {seed}) Tj ET"] if text else []
+    for row in range(55 if text else 0):
+        lines.append(f"BT /F1 10 Tf 50 {height - 90 - row * 12:g} Td ({' '.join(rng.choice(words, 12))}) Tj ET")
+    for column in range(6):
+        lines.append(f"0.5 w {50 + column * 80} 120 m {50 + column * 80} 300 l S")
+    for bar in range(10):
+        lines.append(f"0.{bar} 0.3 0.7 rg {width - 250 + bar * 20} 100 15 {rng.integers(20, 200)} re f")
+    return "\n".join(lines).encode()
+
+
+def report_pdf(pages: list[tuple[float, float, int]], *, text: bool = True) -> bytes:
+    """One ``report_page_content`` page per (width_pt, height_pt, rotate)."""
+    objects = {3: b"<< /Type /Font /Subtype /Type1 /BaseFont /Helvetica >>"}
+    kids = []
+    for index, (width, height, rotate) in enumerate(pages):
+        page, content = 10 + 2 * index, 11 + 2 * index
+        kids.append(b"%d 0 R" % page)
+        objects[page] = (b"<< /Type /Page /Parent 2 0 R /MediaBox [0 0 %s %s] /Rotate %d " % (
+                             _number(width), _number(height), rotate)
+                         + b"/Resources << /Font << /F1 3 0 R >> >> /Contents %d 0 R >>" % content)
+        objects[content] = _stream(report_page_content(width, height, index, text=text))
+    objects[1] = b"<< /Type /Catalog /Pages 2 0 R >>"
+    objects[2] = b"<< /Type /Pages /Kids [" + b" ".join(kids) + b"] /Count %d >>" % len(kids)
+    return assemble(objects)
+
+
 def scanned_pdf(sizes: list[tuple[int, int]], resolution: float = 150.0) -> bytes:
     """A scan: each page one photo-like image (``sizes`` in pixels) at ``resolution`` dpi, nothing else on it."""
     rng = np.random.default_rng(len(sizes))

@@ -5,6 +5,7 @@ setting, the worker unharmed."""
 from __future__ import annotations
 
 import os
+import shutil
 import time
 
 import numpy as np
@@ -246,6 +247,86 @@ def test_a_scanned_page_decodes_its_own_jpeg_like_pdfium_draws_it(tmp_path):
     drawn.close()
 
 
+# The image path's tolerance (tests/test_decode_equivalence.py) at three budgets: 0.2 MP, 1 MP, the default.
+PIXEL_BUDGETS = (256 * 28 * 28, 1280 * 28 * 28, 16384 * 28 * 28)
+REPORT_PAGES = [(612, 792, 0), (842, 595, 0), (612, 792, 90)]  # letter, A4 landscape, letter turned by /Rotate
+
+
+def processor_route(raster: np.ndarray, height: int, width: int) -> np.ndarray:
+    """A 200 dpi raster of a page taken to the model's size by transformers' Qwen2VLImageProcessor (its resize)."""
+    from transformers import Qwen2VLImageProcessor
+    from transformers.image_transforms import resize
+
+    return resize(raster, (height, width), resample=Qwen2VLImageProcessor().resample,
+                  input_data_format="channels_last")
+
+
+def normalised_diff(ours: np.ndarray, reference: np.ndarray) -> tuple[float, float]:
+    """(mean, 99th percentile) of |diff| of the two as the model gets them (CLIP mean/std normalisation)."""
+    mean = np.asarray((0.48145466, 0.4578275, 0.40821073), np.float32)
+    std = np.asarray((0.26862954, 0.26130258, 0.27577711), np.float32)
+    diff = np.abs((ours.astype(np.float32) - reference.astype(np.float32)) / 255.0 / std)
+    return float(diff.mean()), float(np.percentile(diff, 99))
+
+
+def decoded_pages(tmp_path, data: bytes, budget: int):
+    """(page, the decode stage's pixels, the page's 200 dpi width and height) of each page of ``data``."""
+    path = tmp_path / f"pages-{budget}.pdf"
+    path.write_bytes(data)
+    stage = DecodeStage(DecodeSettings(allowed_roots=[str(tmp_path)], codec="raw", max_pixels=budget), "")
+    try:
+        for page in range(1, pdf.count_pages(data) + 1):
+            result = stage(f"{path}#page={page}")
+            yield page, pixels_of(result), result.orig_width, result.orig_height
+    finally:
+        stage.close()
+
+
+def test_typed_pages_are_within_the_image_tolerance_of_the_processor_on_a_200_dpi_raster(tmp_path):
+    """Typed pages (10 pt text, thin rules, fills; three sizes and rotations) against PDFium drawing each page at
+    200 dpi and the processor resizing that raster: the tolerance the image path holds, on the mean at every budget
+    and on the 99th percentile at 1 MP and the default. At 0.2 MP the 99th percentile is the edges of 10 pt glyphs
+    shrunk 4x (0.36-0.51 measured; bound at 0.6, so that drawing straight at the model's size, 1.1-1.2, fails)."""
+    import pypdfium2
+
+    from tests.test_decode_equivalence import MEAN_LIMIT, P99_LIMIT
+
+    data = pdfs.report_pdf(REPORT_PAGES)
+    document = pypdfium2.PdfDocument(data)
+    for budget in PIXEL_BUDGETS:
+        for page, pixels, width, height in decoded_pages(tmp_path, data, budget):
+            reference = processor_route(pdf.render_page(document, page, width, height), *pixels.shape[:2])
+            mean, p99 = normalised_diff(pixels, reference)
+            assert mean < MEAN_LIMIT and p99 < (0.6 if budget == PIXEL_BUDGETS[0] else P99_LIMIT), (budget, page,
+                                                                                                    mean, p99)
+    document.close()
+
+
+@pytest.mark.skipif(shutil.which("pdftoppm") is None, reason="pdftoppm (poppler-utils) is not installed")
+def test_drawn_pages_are_within_the_image_tolerance_of_pdftoppm_and_the_processor(tmp_path):
+    """Rules and filled shapes of three page sizes and rotations against `pdftoppm -r 200` and the processor's
+    resize: within the image tolerance at every budget, so the page box, rotation, placement and colours are
+    poppler's. (Text is not compared with poppler: two rasterisers draw glyphs apart by more than the tolerance at
+    one and the same size; benchmarks/bench_pdf_render.py measures that.)"""
+    import io
+    import subprocess
+
+    from PIL import Image
+
+    from tests.test_decode_equivalence import MEAN_LIMIT, P99_LIMIT
+
+    data = pdfs.report_pdf(REPORT_PAGES, text=False)
+    (tmp_path / "drawn.pdf").write_bytes(data)
+    for budget in PIXEL_BUDGETS:
+        for page, pixels, width, height in decoded_pages(tmp_path, data, budget):
+            raster = subprocess.run(["pdftoppm", "-r", "200", "-f", str(page), "-l", str(page),
+                                     str(tmp_path / "drawn.pdf")], capture_output=True, check=True).stdout
+            raster = np.asarray(Image.open(io.BytesIO(raster)).convert("RGB"))
+            assert raster.shape[:2] == (height, width), page
+            mean, p99 = normalised_diff(pixels, processor_route(raster, *pixels.shape[:2]))
+            assert mean < MEAN_LIMIT and p99 < P99_LIMIT, (budget, page, mean, p99)
+
+
 def test_a_manifest_or_stdin_document_naming_a_local_pdf_gets_each_page(tmp_path):
     import orjson
 
@@ -278,3 +359,92 @@ def test_page_text_fills_the_prompts_placeholder_and_nothing_else():
         'Describe the page. Text: Total 12. Answer as {"kind": ...}')
     assert instruction_for(template, {}) == 'Describe the page. Text: . Answer as {"kind": ...}'
     assert instruction_for("Describe this image.", {"page_text": "unused"}) == "Describe this image."
+
+
+@pytest.fixture
+def pdf_server(tmp_path):
+    """http.server on 127.0.0.1 serving ``tmp_path/served``."""
+    import functools
+    import http.server
+    import threading
+
+    served = tmp_path / "served"
+    served.mkdir()
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(served))
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    httpd.daemon_threads = True
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    yield served, f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd.shutdown()
+    httpd.server_close()
+
+
+MIXED = [(612, 792, 0, "portrait"), (842, 595, 0, "landscape"), (612, 792, 90, "turned")]
+SHOWN = [(612, 792), (842, 595), (792, 612)]  # each page as displayed: the third turned by /Rotate
+
+
+def assert_pages_render_at_their_shapes(stage, uris):
+    for uri, (width_pt, height_pt) in zip(uris, SHOWN, strict=True):
+        result = stage(uri)
+        assert isinstance(result, PreparedImage), (uri, result)
+        width, height = round(width_pt * 200 / 72), round(height_pt * 200 / 72)
+        assert (result.orig_width, result.orig_height, result.source_format) == (width, height, "pdf"), uri
+        assert (result.height, result.width) == smart_resize(height, width, 28, 56 * 56, BUDGET)
+
+
+def test_a_remote_pdf_over_http_or_fsspec_is_a_document_of_its_pages(tmp_path, pdf_server):
+    """A document naming an http(s) or fsspec (memory://) PDF: the producer fetches it with the decode stage's rules
+    to count its pages, one URI per page; the decode stage renders each. One it cannot fetch stays as it is."""
+    import fsspec
+
+    from consumers.decode.fetch import Fetcher
+    from producers.items import with_pdf_pages
+    from schemas import DocumentRef
+
+    served, base = pdf_server
+    (served / "mixed.pdf").write_bytes(pdfs.text_pdf(MIXED))
+    memory = f"memory://vlmstream-pdf-{os.getpid()}-{time.monotonic_ns()}/mixed.pdf"
+    with fsspec.open(memory, "wb") as out:
+        out.write(pdfs.text_pdf(MIXED))
+    fetcher = Fetcher(allow_private_hosts=True, retries=0, connect_timeout_s=2.0, read_timeout_s=5.0)
+    doc = DocumentRef(doc_id="remote", image_uris=(f"{base}/mixed.pdf", memory, f"{base}/missing.pdf"))
+    [counted] = with_pdf_pages([doc], max_pdf_pages=10, read=fetcher.fetch)
+    fetcher.close()
+    assert counted.image_uris == (*(f"{base}/mixed.pdf#page={n}" for n in (1, 2, 3)),
+                                  *(f"{memory}#page={n}" for n in (1, 2, 3)), f"{base}/missing.pdf")
+    stage = make_stage(tmp_path, allow_private_hosts=True)
+    assert_pages_render_at_their_shapes(stage, counted.image_uris[:3])
+    assert_pages_render_at_their_shapes(stage, counted.image_uris[3:6])
+    assert stage(counted.image_uris[6]).error_kind == "fetch_not_found"
+    stage.decoder.close()
+
+
+@pytest.mark.kafka
+def test_vlmstream_produce_publishes_each_page_of_a_pdf_named_by_url(topic_names, tmp_path, pdf_server):
+    """`vlmstream produce --manifest` on the real broker: a document naming a PDF served over http is published as
+    its pages, and each page URI decodes."""
+    import subprocess
+    import sys
+
+    import orjson
+
+    from schemas import DocumentRef
+    from tests.kafka_helpers import read_topic
+
+    served, base = pdf_server
+    (served / "mixed.pdf").write_bytes(pdfs.text_pdf(MIXED))
+    manifest = tmp_path / "m.jsonl"
+    manifest.write_text(orjson.dumps({"doc_id": "web", "image_uris": [f"{base}/mixed.pdf"]}).decode() + "\n")
+    t = topic_names.topics
+    env = {**os.environ, "VLMSTREAM_BOOTSTRAP_SERVERS": topic_names.kafka.bootstrap_servers,
+           "VLMSTREAM_PRODUCER__STATE_DIR": str(tmp_path / "ledger"), "VLMSTREAM_DECODE__ALLOW_PRIVATE_HOSTS": "true",
+           **{f"VLMSTREAM_TOPICS__{name.upper()}": getattr(t, name) for name in ("documents", "deadletter")}}
+    run = subprocess.run([sys.executable, "-m", "vlmstream.cli", "produce", "--manifest", str(manifest), "--quiet"],
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    [record] = read_topic(topic_names, t.documents, expected=1, idle_s=1.0)
+    doc = DocumentRef.decode(record.value)
+    assert doc.image_uris == tuple(f"{base}/mixed.pdf#page={n}" for n in (1, 2, 3))
+    stage = make_stage(tmp_path, allow_private_hosts=True)
+    assert_pages_render_at_their_shapes(stage, doc.image_uris)
+    stage.decoder.close()

@@ -2,7 +2,7 @@
 
 The format comes from the magic number (``sniff``), never from the file name. JPEGs go through libjpeg-turbo with
 DCT-domain scaling (the decoder itself produces a 1/2, 1/4 or 1/8 size image, which is both the fastest path and an
-antialiased reduction); PNG and WebP through OpenCV; a PDF page rendered by PDFium straight at the target size
+antialiased reduction); PNG and WebP through OpenCV; a PDF page rendered by PDFium at up to 3x the target size
 (``vlmstream.images.pdf``: no full-resolution raster first); everything else through Pillow (JPEG 2000 with its own
 reduction: whole wavelet resolution levels skipped, ``jpeg2000``). Sizes are checked from the header before any
 pixel is decoded, so a decompression bomb costs a few hundred bytes of parsing (``headers``). Pillow's modes become
@@ -44,6 +44,15 @@ TIFF_TILE_WIDTH_TAG, TIFF_TILE_LENGTH_TAG = 322, 323
 # padding to the tile grid. Tiles up to this area are allowed for any image (encoders use 256x256 for tiny ones).
 _TILE_PIXELS_ANY_IMAGE = 1 << 20
 _TILE_OVER_IMAGE_AREA = 4
+# A PDF page is drawn at decode.pdf_dpi (the raster the processor's route starts from) but at most this many times
+# the model's size, then resized. Drawn straight at the model's size, glyphs and thin rules come
+# out hinted to a coarse pixel grid: mean |diff| 0.10 of normalised values from PDFium's own 200 dpi raster through
+# Qwen2VLImageProcessor at 0.2 MP; drawn at 3x and shrunk as below, 0.03 (benchmarks/bench_pdf_render.py).
+PDF_OVERSAMPLE = 3.0
+# Shrinking a drawn page by more than this: Pillow's antialiased bicubic, the kernel transformers' resize calls
+# (on text the area filter stays 0.06 from it at 3x); by less, the stage's resize_exact as for any image (0.016
+# from it at 2x, at half the cost).
+PDF_PILLOW_SHRINK = 2.0
 
 
 @dataclass(frozen=True)
@@ -192,23 +201,37 @@ class Decoder:
     # -- PDF pages through PDFium ----------------------------------------------------------------------
 
     def _decode_pdf(self, data: bytes, page: int | None) -> Decoded:
-        """The page rendered at exactly the family's target for its displayed size at ``pdf_dpi``: the pixels
-        need no resize. Without a page selector the first page, with ``pages`` saying how many there are."""
+        """The page drawn at ``_pdf_draw_size`` and, past ``PDF_PILLOW_SHRINK``, shrunk to the family's target for
+        its displayed size at ``pdf_dpi`` (the stage's resize_exact does any other resize, and a scan's JPEG's).
+        Without a page selector the first page, with ``pages`` saying how many there are."""
         if self.pdf_renderer is None:
-            self.pdf_renderer = pdf.PageRenderer(max_pixels=self.family.max_pixels, max_bytes=self.max_pdf_bytes)
+            self.pdf_renderer = pdf.PageRenderer(max_pixels=int(PDF_OVERSAMPLE ** 2 * self.family.max_pixels),
+                                                 max_bytes=self.max_pdf_bytes)
         rendered = self.pdf_renderer.render(
-            data, page, lambda w, h: self._pdf_target(w, h)[2:], time_limit_s=self.pdf_render_time_limit_s,
+            data, page, self._pdf_draw_size, time_limit_s=self.pdf_render_time_limit_s,
             text_chars=self.pdf_page_text_chars, page_limit=self.max_pdf_pages,
             scan=self._scan_jpeg if self._turbo is not None else None)
         width, height, target_w, target_h = self._pdf_target(rendered.width_pt, rendered.height_pt)
-        # scale: the pixels' width over the page's at pdf_dpi (a scan's JPEG comes at its DCT scale, resized later)
-        return Decoded(rendered.pixels, 1, width, height, target_w, target_h, "pdf", rendered.pixels.shape[1] / width,
+        pixels = rendered.pixels
+        if not rendered.scan and pixels.shape[1] > PDF_PILLOW_SHRINK * target_w:
+            pixels = np.asarray(Image.fromarray(pixels).resize((target_w, target_h), Image.BICUBIC))
+        # scale: the pixels' width over the page's at pdf_dpi
+        return Decoded(pixels, 1, width, height, target_w, target_h, "pdf", pixels.shape[1] / width,
                        rendered.pages if page is None else 1, rendered.text)
 
-    def _scan_jpeg(self, data: bytes, need_w: int, need_h: int) -> np.ndarray | None:
+    def _pdf_draw_size(self, width_pt: float, height_pt: float) -> tuple[int, int]:
+        """(width, height) to draw a page of that many points at: the page at ``pdf_dpi``, the processor's input,
+        but at most ``PDF_OVERSAMPLE`` times the target on each axis (a target larger than the page is then reached
+        as the processor reaches it, by enlarging that raster)."""
+        width, height, target_w, target_h = self._pdf_target(width_pt, height_pt)
+        return min(width, round(PDF_OVERSAMPLE * target_w)), min(height, round(PDF_OVERSAMPLE * target_h))
+
+    def _scan_jpeg(self, data: bytes, width_pt: float, height_pt: float) -> np.ndarray | None:
         """A scanned page's own JPEG, DCT-scaled to at least the page's target (the stage then resizes it exactly,
         as any JPEG); None for one libjpeg-turbo would hand back as CMYK (PDFium draws those)."""
         from turbojpeg import TJCS_CMYK, TJCS_YCCK, TJPF_RGB
+
+        need_w, need_h = self._pdf_target(width_pt, height_pt)[2:]
 
         check_jpeg_is_decodable(data)
         try:

@@ -45,6 +45,7 @@ def produce(
     Exit 1: the broker did not acknowledge a send; that document goes out on the next run.
     Exit 2: bad usage.
     """
+    from consumers.decode.fetch import Fetcher
     from producers.folder import scan_folder, skipped_files_line
     from producers.items import with_id_prefix, with_pdf_pages
     from producers.manifest import read_manifest
@@ -81,16 +82,18 @@ def produce(
         "stopping: finishing the sends in flight (again to abort)")).install()
     items: Iterator[Any]
     skipped: list[Path] = []  # a one-shot folder scan's files of other types, said at the end
+    # A remote PDF is fetched here once, with the decode stage's rules, to publish each of its pages.
+    fetcher = Fetcher.from_settings(settings.decode)
     if manifest is not None:
         items = with_pdf_pages(follow_jsonl(manifest, stop=stop, max_seconds=max_seconds) if watch
-                               else read_manifest(manifest), settings.decode.max_pdf_pages)
+                               else read_manifest(manifest), settings.decode.max_pdf_pages, fetcher.fetch)
     elif folder is not None:
         pdf_pages = settings.decode.max_pdf_pages
         items = (watch_folder(folder, per_file=per_file, settle_s=settle_s, stop=stop, max_seconds=max_seconds,
                               max_pdf_pages=pdf_pages)
                  if watch else scan_folder(folder, per_file=per_file, skipped=skipped, max_pdf_pages=pdf_pages))
     else:
-        items = with_pdf_pages(read_lines(sys.stdin.buffer, stop=stop), settings.decode.max_pdf_pages)
+        items = with_pdf_pages(read_lines(sys.stdin.buffer, stop=stop), settings.decode.max_pdf_pages, fetcher.fetch)
     items = with_id_prefix(items, id_prefix)
 
     try:
@@ -112,6 +115,8 @@ def produce(
         # The broker is unreachable: acknowledged documents are in the ledger, the rest go out next run.
         console.print(f"[red]fatal:[/] {exc}")
         raise typer.Exit(1) from None
+    finally:
+        fetcher.close()
     console.print(summary.render(), highlight=False, markup=False, soft_wrap=True)
     if skipped:
         console.print(skipped_files_line(skipped, folder), highlight=False, markup=False, soft_wrap=True)

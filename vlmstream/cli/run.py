@@ -79,8 +79,7 @@ def run(
     """
     from vlmstream.cli.support import settings_from
 
-    source = read_source(folder, per_file=per_file, id_prefix=id_prefix,
-                         max_pdf_pages=settings_from(ctx, {}).decode.max_pdf_pages)
+    source = read_source(folder, per_file=per_file, id_prefix=id_prefix, decode=settings_from(ctx, {}).decode)
     overrides: dict[str, Any] = {
         "decode": {"max_pixels": max_pixels, "workers": decode_workers},
         "infer": {"model": model, "engine": engine, "mode": mode, "prompt": prompt,

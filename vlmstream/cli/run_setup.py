@@ -32,10 +32,11 @@ class RunSource:
     image_roots: list[str]
 
 
-def read_source(folder: Path | None, *, per_file: bool, id_prefix: str, max_pdf_pages: int) -> RunSource:
+def read_source(folder: Path | None, *, per_file: bool, id_prefix: str, decode: Any) -> RunSource:
     """The documents of a folder (a subfolder per document, or one per file) or a manifest, read before anything
-    starts: an empty or mistyped folder needs no broker, model or workers to say so. A local PDF is a document of
-    its pages (at most ``max_pdf_pages``)."""
+    starts: an empty or mistyped folder needs no broker, model or workers to say so. A PDF is a document of its
+    pages (at most decode.max_pdf_pages); a manifest's remote PDF is fetched with the decode stage's rules
+    (``decode``: its settings) to count them."""
     from producers.folder import IMAGE_EXTENSIONS, scan_folder, skipped_files_line
     from producers.items import with_id_prefix, with_pdf_pages
     from schemas import DocumentRef
@@ -49,7 +50,13 @@ def read_source(folder: Path | None, *, per_file: bool, id_prefix: str, max_pdf_
     if folder.is_file():  # a manifest: its documents as they are
         from producers.manifest import read_manifest
 
-        items = list(with_pdf_pages(read_manifest(folder), max_pdf_pages))
+        from consumers.decode.fetch import Fetcher
+
+        fetcher = Fetcher.from_settings(decode)
+        try:
+            items = list(with_pdf_pages(read_manifest(folder), decode.max_pdf_pages, fetcher.fetch))
+        finally:
+            fetcher.close()
         image_roots = manifest_roots(items)
         if not any(isinstance(item, DocumentRef) for item in items):
             raise typer.BadParameter(f"{folder} holds no valid document (see the rejections: vlmstream produce "
@@ -58,7 +65,8 @@ def read_source(folder: Path | None, *, per_file: bool, id_prefix: str, max_pdf_
         raise typer.BadParameter(f"{folder} is not a folder or a manifest file")
     else:
         skipped: list[Path] = []
-        items = list(scan_folder(folder, per_file=per_file, skipped=skipped, max_pdf_pages=max_pdf_pages))
+        items = list(scan_folder(folder, per_file=per_file, skipped=skipped,
+                                 max_pdf_pages=decode.max_pdf_pages))
         image_roots = [str(folder)]
         if skipped:
             console.print(f"[yellow]{escape(skipped_files_line(skipped, folder))}[/]")

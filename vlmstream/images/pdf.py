@@ -158,9 +158,9 @@ class PageRenderer:
         ``size_for(width_pt, height_pt)`` = (width, height) pixels, at most ``max_pixels``. ``size_for`` runs here
         and may raise ``ImageError`` (a size over a cap).
 
-        ``scan(jpeg, width, height)``: for a page that is one JPEG covering it exactly and nothing else (what a
-        scanner writes), the JPEG's own bytes, decoded here at least ``width`` x ``height`` (a JPEG decoder scales by
-        1/2..1/8 while decoding, which PDFium does not), or None to have the page drawn after all."""
+        ``scan(jpeg, width_pt, height_pt)``: for a page that is one JPEG covering it exactly and nothing else (what
+        a scanner writes), the JPEG's own bytes, decoded here for a page of that displayed size (a JPEG decoder
+        scales by 1/2..1/8 while decoding, which PDFium does not), or None to have the page drawn after all."""
         if len(data) > self.max_bytes:
             raise CorruptPdf(f"a PDF of {len(data)} bytes is over the renderer's {self.max_bytes}")
         deadline = time.monotonic() + time_limit_s if time_limit_s > 0 else None
@@ -180,7 +180,7 @@ class PageRenderer:
                     raise ImageError(f"render size {width}x{height} is outside 1..{self.max_pixels} pixels",
                                      error_kind="decode_internal")
                 if size["scan"]:
-                    pixels = scan(bytes(self._scans[: size["scan"]]), width, height)
+                    pixels = scan(bytes(self._scans[: size["scan"]]), size["width"], size["height"])
                     if pixels is not None:
                         return RenderedPage(pixels, size["width"], size["height"], pages, size["text"], scan=True)
                 reply = self._ask({"op": "render", "page": number, "width": width, "height": height,
