@@ -448,3 +448,27 @@ def test_vlmstream_produce_publishes_each_page_of_a_pdf_named_by_url(topic_names
     stage = make_stage(tmp_path, allow_private_hosts=True)
     assert_pages_render_at_their_shapes(stage, doc.image_uris)
     stage.decoder.close()
+
+
+def test_vlmstream_estimate_counts_and_sizes_each_pdf_page_of_a_folder_or_manifest(tmp_path):
+    """The estimate's job shape has a PDF's pages, as the producer publishes them, each sized from the page tree at
+    decode.pdf_dpi (nothing drawn), from a folder and from a manifest alike."""
+    import orjson
+
+    from vlmstream.cli.estimate_job import job_documents, read_shape
+    from vlmstream.config import Settings
+    from vlmstream.models.qwen2_vl import QWEN2_VL
+
+    folder = tmp_path / "job"
+    folder.mkdir()
+    (folder / "mixed.pdf").write_bytes(pdfs.text_pdf(MIXED))
+    manifest = tmp_path / "m.jsonl"
+    manifest.write_text(orjson.dumps({"doc_id": "m", "image_uris": [str(folder / "mixed.pdf")]}).decode() + "\n")
+    settings = Settings()
+    for source in (folder, manifest):
+        documents, _ = job_documents(settings, source, topic=False, per_file=True)
+        shape = read_shape(documents, QWEN2_VL, 56 * 56, BUDGET, pdf_dpi=settings.decode.pdf_dpi)
+        assert shape.images == 3 and not shape.unseen, (source, shape.unseen)
+        [document] = shape.documents
+        assert [image.source_px for image in document.images] == [
+            round(w * 200 / 72) * round(h * 200 / 72) for w, h in SHOWN], source

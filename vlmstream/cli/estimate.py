@@ -125,7 +125,8 @@ def shape_and_sample(settings: Any, documents: list[Any], what: str, sample_imag
 
     family = decode_family(settings.decode)
     shaping = time.monotonic()
-    shape = read_shape(documents, family, family.min_pixels, family.max_pixels)
+    shape = read_shape(documents, family, family.min_pixels, family.max_pixels,
+                       pdf_dpi=settings.decode.pdf_dpi)
     target = sample_images or max(16, min(300, shape.images // 20))
     sample = draw_sample(shape, target, seed)
     shape_s = time.monotonic() - shaping

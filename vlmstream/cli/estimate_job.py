@@ -64,11 +64,23 @@ def _local_path(uri: str) -> tuple[Path | None, int]:
     return Path(path), page
 
 
+def _pdf_page_pixels(path: Path, page: int, pdf_dpi: float) -> tuple[int, int]:
+    """A PDF page's (width, height) in pixels at ``pdf_dpi`` as displayed, from its page tree (nothing drawn)."""
+    from vlmstream.images import pdf
+
+    with pdf.open_document(path) as document:
+        width, height = pdf.page_size(document, page)
+    to_pixels = pdf_dpi / pdf.POINTS_PER_INCH
+    return max(1, round(width * to_pixels)), max(1, round(height * to_pixels))
+
+
 def read_shape(documents: list[Any], family: Any, min_pixels: int, max_pixels: int,
-               within_s: float = SIZE_HEADERS_WITHIN_S) -> JobShape:
-    """Each document's images with their size class, from file headers only; past within_s (or for remote and
-    unreadable images) the size is unknown ('?')."""
+               within_s: float = SIZE_HEADERS_WITHIN_S, pdf_dpi: float = 200.0) -> JobShape:
+    """Each document's images with their size class, from file headers only (a PDF page's from its page tree, at
+    ``pdf_dpi``); past within_s (or for remote and unreadable images) the size is unknown ('?')."""
     from PIL import Image
+
+    from vlmstream.images.errors import ImageError
 
     from vlmstream.projection.sample import size_class
 
@@ -87,11 +99,13 @@ def read_shape(documents: list[Any], family: Any, min_pixels: int, max_pixels: i
                     unknown_late += 1
                 else:
                     try:
-                        with Image.open(path) as im:
-                            if page > 1:
-                                im.seek(page - 1)
-                            size = im.size
-                    except (OSError, ValueError, EOFError, Image.DecompressionBombError):
+                        size = _pdf_page_pixels(path, page, pdf_dpi) if path.suffix.lower() == ".pdf" else None
+                        if size is None:
+                            with Image.open(path) as im:
+                                if page > 1:
+                                    im.seek(page - 1)
+                                size = im.size
+                    except (OSError, ValueError, EOFError, Image.DecompressionBombError, ImageError):
                         unknown_bad += 1
                 sizes[uri] = size
             size = sizes[uri]
@@ -161,13 +175,17 @@ def job_documents(settings: Any, source: Path | None, topic: bool, per_file: boo
         raise typer.BadParameter("give a folder, a manifest file, or --topic")
     source = source.resolve()
     if source.is_file():
+        from producers.items import with_pdf_pages
         from producers.manifest import read_manifest
 
-        return [d for d in read_manifest(source) if isinstance(d, DocumentRef)], str(source)
+        # A local PDF as its pages, as the producer publishes it (a remote one stays one image of unknown size).
+        documents = with_pdf_pages(read_manifest(source), settings.decode.max_pdf_pages)
+        return [d for d in documents if isinstance(d, DocumentRef)], str(source)
     if source.is_dir():
         from producers.folder import scan_folder
 
-        return [d for d in scan_folder(source, per_file=per_file) if isinstance(d, DocumentRef)], str(source)
+        documents = scan_folder(source, per_file=per_file, max_pdf_pages=settings.decode.max_pdf_pages)
+        return [d for d in documents if isinstance(d, DocumentRef)], str(source)
     raise typer.BadParameter(f"{source} is not a folder or a manifest file")
 
 
