@@ -33,7 +33,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from vlmstream import broker  # noqa: E402
+from vlmstream.broker import lifecycle  # noqa: E402
+from vlmstream.broker.cluster import node_pids  # noqa: E402
 from vlmstream.config import load_settings  # noqa: E402
 
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".webp"}
@@ -76,7 +77,7 @@ def broker_cpu_s(settings) -> float:
     """CPU seconds (user + system) the arm's broker JVMs have used so far, from /proc."""
     ticks = os.sysconf("SC_CLK_TCK")
     total = 0.0
-    for pid in broker.node_pids(settings).values():
+    for pid in node_pids(settings).values():
         try:
             fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
         except (OSError, IndexError, TypeError):
@@ -155,7 +156,7 @@ def main() -> int:
     try:
         for arm, s in settings.items():
             t0 = time.monotonic()
-            print(f"{arm}: {broker.start(s)} ({time.monotonic() - t0:.0f} s to answer)", flush=True)
+            print(f"{arm}: {lifecycle.start(s)} ({time.monotonic() - t0:.0f} s to answer)", flush=True)
             warm_up(s)
         print(f"{args.images} images of {args.corpus}, one document each; vlmstream run --per-file, tiny CPU "
               f"model, default budget; {os.cpu_count()} cores; {args.rounds} rounds, arms alternating", flush=True)
@@ -175,7 +176,7 @@ def main() -> int:
                       f"(1-min average, every process on it)", flush=True)
     finally:
         for arm, s in settings.items():
-            broker.stop(s, reason=f"bench_cluster: arm {arm} done")
+            lifecycle.stop(s, reason=f"bench_cluster: arm {arm} done")
         shutil.rmtree(workdir, ignore_errors=True)
     single = statistics.median(r["img_s"] for r in results["single"])
     cluster = statistics.median(r["img_s"] for r in results["cluster"])

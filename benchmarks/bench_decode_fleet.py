@@ -36,7 +36,7 @@ sys.path.insert(0, str(REPO))
 from kafka import KafkaConsumer, TopicPartition  # noqa: E402
 
 from schemas import DocumentRef  # noqa: E402
-from vlmstream.broker import ensure_broker  # noqa: E402
+from vlmstream.broker.lifecycle import ensure_broker  # noqa: E402
 from vlmstream.config import Settings, load_settings  # noqa: E402
 from vlmstream.kafka.clients import make_admin, make_producer  # noqa: E402
 from vlmstream.kafka.topics import TopicSpec, create_topics, pipeline_topic_specs  # noqa: E402

@@ -22,7 +22,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from schemas import Description, Embedding  # noqa: E402
-from vlmstream.broker import ensure_broker  # noqa: E402
+from vlmstream.broker.lifecycle import ensure_broker  # noqa: E402
 from vlmstream.cli.export import export  # noqa: E402
 from vlmstream.config import load_settings  # noqa: E402
 from vlmstream.kafka.clients import make_admin, make_producer  # noqa: E402

@@ -130,7 +130,7 @@ def main() -> None:
     logging.getLogger("kafka").setLevel(logging.ERROR)
 
     from tests.kafka_helpers import create_uuid_topics, delete_topics
-    from vlmstream.broker import ensure_broker
+    from vlmstream.broker.lifecycle import ensure_broker
     from vlmstream.config import load_settings
 
     base = load_settings()

@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from producers.ledger import Ledger, bootstrap_scope, ledger_path  # noqa: E402
 from producers.publisher import publish_documents  # noqa: E402
 from producers.manifest import read_manifest  # noqa: E402
-from vlmstream.broker import ensure_broker  # noqa: E402
+from vlmstream.broker.lifecycle import ensure_broker  # noqa: E402
 from vlmstream.config import load_settings  # noqa: E402
 from vlmstream.kafka.clients import make_admin  # noqa: E402
 from vlmstream.kafka.topics import TopicSpec, create_topics  # noqa: E402

@@ -31,7 +31,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(scope="session")
 def kafka_settings() -> Settings:
     """Settings pointing at the real broker (local one started on demand, or VLMSTREAM_BOOTSTRAP_SERVERS)."""
-    from vlmstream.broker import ensure_broker
+    from vlmstream.broker.lifecycle import ensure_broker
 
     settings = load_settings()
     ensure_broker(settings)

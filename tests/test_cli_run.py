@@ -16,7 +16,7 @@ import pytest
 from schemas import Description, DocumentResult
 from tests.helpers import REPO, run_env
 from tests.kafka_helpers import read_topic
-from vlmstream import broker
+from vlmstream.broker import lifecycle
 from vlmstream.config import Settings
 
 pytestmark = pytest.mark.kafka
@@ -25,10 +25,10 @@ pytestmark = pytest.mark.kafka
 def test_second_start_reuses_the_running_broker(kafka_settings: Settings):
     if not kafka_settings.uses_local_broker:
         pytest.skip("VLMSTREAM_BOOTSTRAP_SERVERS points at another cluster")
-    before = broker.status(kafka_settings)
+    before = lifecycle.status(kafka_settings)
     assert before["answers"] is True
-    assert broker.start(kafka_settings) == f"{kafka_settings.broker.host}:{kafka_settings.broker.port}"
-    after = broker.status(kafka_settings)
+    assert lifecycle.start(kafka_settings) == f"{kafka_settings.broker.host}:{kafka_settings.broker.port}"
+    after = lifecycle.status(kafka_settings)
     assert after["pid"] == before["pid"], "a second start must reuse the running broker, not start another"
 
 

@@ -16,7 +16,10 @@ from kafka.admin import ConfigResource, ConfigResourceType
 
 from tests.helpers import wait_for
 from tests.kafka_helpers import read_topic
-from vlmstream import broker
+from vlmstream.broker import lifecycle
+from vlmstream.broker.cluster import active_controller, node_bootstrap, node_pids, partition_leaders
+from vlmstream.broker.faults import kill_node, restart_node, restore_node_data, snapshot_node_data
+from vlmstream.broker.jars import jar_dir
 from vlmstream.config import BrokerSettings, Settings
 from vlmstream.kafka.clients import make_admin, make_consumer, make_producer
 from vlmstream.kafka.topics import TopicSpec, create_topics, pipeline_topic_specs, replication
@@ -32,14 +35,14 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Settings:
     home = tmp_path_factory.mktemp("cluster-home")
     b = BrokerSettings(home=home, port=BASE_PORT, nodes=3, node_heap="384m")
     if SHARED_JARS.is_dir():  # no second Maven download: the jars are the same
-        broker.jar_dir(b).symlink_to(SHARED_JARS, target_is_directory=True)
+        jar_dir(b).symlink_to(SHARED_JARS, target_is_directory=True)
     settings = Settings(broker=b)
     try:
-        broker.start(settings)
+        lifecycle.start(settings)
         yield settings
     finally:
         for node in range(1, b.nodes + 1):  # its data goes with it: no controlled shutdown needed (9 s saved)
-            broker.kill_node(settings, node, reason="test_cluster: the module's cluster, at its end")
+            kill_node(settings, node, reason="test_cluster: the module's cluster, at its end")
         shutil.rmtree(home, ignore_errors=True)
 
 
@@ -49,7 +52,7 @@ def _topic(settings: Settings, partitions: int = 6) -> str:
     create_topics(settings, [TopicSpec(name, partitions, factor, {"min.insync.replicas": str(min_isr)})])
     # Creation returns before every node has the new partitions' leaders in its metadata (on a loaded machine a
     # describe right after it listed no leader at all): tests that pick a node by what it leads wait for them.
-    wait_for(lambda: sum(n for node, n in broker.partition_leaders(settings, [name]).items() if node > 0)
+    wait_for(lambda: sum(n for node, n in partition_leaders(settings, [name]).items() if node > 0)
              == partitions, 30, f"leaders for the {partitions} partitions of {name}")
     return name
 
@@ -118,7 +121,7 @@ def test_topics_and_internal_topics_are_replicated(cluster: Settings) -> None:
     assert broker_configs["transaction.state.log.replication.factor"]["value"] == "3"
     assert broker_configs["transaction.state.log.min.isr"]["value"] == "2"
     assert broker_configs["offsets.topic.replication.factor"]["value"] == "3"
-    assert broker.active_controller(cluster) in (1, 2, 3)
+    assert active_controller(cluster) in (1, 2, 3)
 
 
 def test_a_killed_leader_loses_nothing_and_a_node_restored_from_an_older_snapshot_catches_up(
@@ -128,7 +131,7 @@ def test_a_killed_leader_loses_nothing_and_a_node_restored_from_an_older_snapsho
     read_committed after the node is restarted. (2) The snapshot of its data taken while it was down lacks what it
     replicated since; restored under it, the node restarts behind the others and catches up."""
     topic = _topic(cluster)
-    leaders = broker.partition_leaders(cluster, [topic])
+    leaders = partition_leaders(cluster, [topic])
     victim = max((n for n in leaders if n > 0), key=lambda n: leaders[n])
     assert leaders[victim] >= 2
     killed = threading.Event()
@@ -136,23 +139,23 @@ def test_a_killed_leader_loses_nothing_and_a_node_restored_from_an_older_snapsho
     def kill_midway(acked: int) -> None:
         if acked >= 500 and not killed.is_set():
             killed.set()
-            threading.Thread(target=broker.kill_node, args=(cluster, victim),
+            threading.Thread(target=kill_node, args=(cluster, victim),
                              kwargs={"reason": "test_cluster: a leader killed mid-produce"}).start()
 
     errors = _produce(cluster, topic, range(2000), on_acked=kill_midway)
     assert killed.is_set() and errors == []
-    wait_for(lambda: broker.node_pids(cluster)[victim] is None, 10, f"node {victim} gone")
-    snapshot = broker.snapshot_node_data(cluster, victim)
-    assert broker.restart_node(cluster, victim) == broker.node_bootstrap(cluster, victim)
+    wait_for(lambda: node_pids(cluster)[victim] is None, 10, f"node {victim} gone")
+    snapshot = snapshot_node_data(cluster, victim)
+    assert restart_node(cluster, victim) == node_bootstrap(cluster, victim)
     assert sorted(_read_values(cluster, topic, 2000)) == list(range(2000))
     wait_for(lambda: _in_sync(cluster, topic, victim), 60, f"node {victim} back in sync")
 
     # (2) In sync, it has the 1,500 records written while it was down; the snapshot has not, nor the 500 more.
     assert _produce(cluster, topic, range(2000, 2500)) == []
-    broker.kill_node(cluster, victim, reason="test_cluster: down again, for its older snapshot")
-    broker.restore_node_data(cluster, victim, snapshot)
-    broker.restart_node(cluster, victim)
+    kill_node(cluster, victim, reason="test_cluster: down again, for its older snapshot")
+    restore_node_data(cluster, victim, snapshot)
+    restart_node(cluster, victim)
     # Back in every partition's ISR: its log reached each leader's end again.
     wait_for(lambda: _in_sync(cluster, topic, victim), 60, f"node {victim} caught up from its snapshot")
     assert sorted(_read_values(cluster, topic, 2500)) == list(range(2500))
-    assert all(broker.node_pids(cluster).values())
+    assert all(node_pids(cluster).values())

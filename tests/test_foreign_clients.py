@@ -18,7 +18,7 @@ from kafka import TopicPartition
 
 from tests.helpers import SMALL, Fleet, corpus_images
 from tests.kafka_helpers import read_topic
-from vlmstream.broker import provision_jars
+from vlmstream.broker.jars import provision_jars
 from vlmstream.config import Settings
 from vlmstream.kafka.clients import make_consumer
 from vlmstream.kafka.records import UnreadableRecord, poll_past_unreadable

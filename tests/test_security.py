@@ -27,7 +27,10 @@ from kafka.errors import (
     TopicAuthorizationFailedError,
 )
 
-from vlmstream import broker, security
+from vlmstream import security
+from vlmstream.broker import lifecycle
+from vlmstream.broker.jars import jar_dir
+from vlmstream.broker.node import broker_paths, node_paths, server_properties
 from vlmstream.config import BrokerSettings, KafkaSettings, Settings, load_settings
 from vlmstream.kafka.clients import make_consumer, make_producer
 from vlmstream.kafka.topics import create_topics
@@ -73,21 +76,21 @@ class Secured:
 def secured(tmp_path_factory) -> Secured:
     home = tmp_path_factory.mktemp("vlm-secured-home")
     b = BrokerSettings(home=home, port=PORT, controller_port=PORT + 1, heap="512m", security="sasl_ssl")
-    shared_jars = broker.jar_dir(load_settings().broker)
+    shared_jars = jar_dir(load_settings().broker)
     if shared_jars.exists():  # the jars are the same for every broker: no second Maven fetch
-        broker.jar_dir(b).symlink_to(shared_jars)
+        jar_dir(b).symlink_to(shared_jars)
     settings = Settings(broker=b, kafka=KafkaSettings(bootstrap_servers=f"127.0.0.1:{PORT}"))
     run_id = uuid.uuid4().hex[:8]
     passwords = {name: f"Pw-{name}-{run_id}-QuokkaMarmalade" for name in security.PRINCIPALS}
     security.ensure_credentials(b, passwords)
     try:
-        broker.start(settings)
+        lifecycle.start(settings)
         clients = security.write_client_configs(settings, home / "clients")
         admin = load_settings(clients["admin"])
         create_topics(admin.model_copy(update={"topics": admin.topics.model_copy(update={"partitions": 3})}))
         yield Secured(settings, home, passwords, clients)
     finally:
-        broker.stop(settings, reason="test_security: the secured broker, at the fixture's end")
+        lifecycle.stop(settings, reason="test_security: the secured broker, at the fixture's end")
 
 
 def _bootstrap_refused(caplog, level: int = logging.WARNING, **kwargs) -> tuple[type[BaseException], str]:
@@ -101,7 +104,7 @@ def _bootstrap_refused(caplog, level: int = logging.WARNING, **kwargs) -> tuple[
 
 
 def _broker_log(secured: Secured) -> str:
-    return broker.broker_paths(secured.settings.broker).log_file.read_text(errors="replace")
+    return broker_paths(secured.settings.broker).log_file.read_text(errors="replace")
 
 
 # ------------------------------------------------------------------------------------------------- refusals
@@ -314,7 +317,7 @@ def test_pipeline_end_to_end_each_stage_its_own_principal_and_no_secret_anywhere
     places = {
         "the run's output": run_output,
         "the stages' logs": "\n".join(p.read_text(errors="replace") for p in (secured.home / "logs").glob("*.log")),
-        "the broker's log and properties": _broker_log(secured) + broker.broker_paths(
+        "the broker's log and properties": _broker_log(secured) + broker_paths(
             secured.settings.broker).properties.read_text(),
         "the dead letters": "\n".join(repr((rec.key, rec.value, rec.headers)) for rec in letters),
         "vlmstream status": status.stdout + status.stderr,
@@ -378,7 +381,7 @@ def test_client_settings_files_are_private_and_hold_one_login(secured: Secured):
     paths = security.security_paths(secured.settings.broker)
     for private in (paths.credentials, paths.ca_key, paths.keystore, paths.secrets_properties):
         assert stat.S_IMODE(private.stat().st_mode) == 0o600, private
-    assert secured.passwords["broker"] not in broker.broker_paths(secured.settings.broker).properties.read_text()
+    assert secured.passwords["broker"] not in broker_paths(secured.settings.broker).properties.read_text()
 
 
 # ------------------------------------------------------------------------------------- no broker needed
@@ -433,7 +436,7 @@ def test_secrets_filter_masks_what_a_library_logs():
 
 def test_properties_unchanged_unless_secured(tmp_path):
     b = BrokerSettings(home=tmp_path, port=39292, controller_port=39293)
-    text = broker._server_properties(b, broker.broker_paths(b), 1 << 20)
+    text = server_properties(b, broker_paths(b), 1 << 20)
     assert security.broker_properties(b, text) == text
     assert security.format_args(b) == []
 
@@ -442,7 +445,7 @@ def test_every_node_of_a_cluster_is_secured_alike(tmp_path):
     b = BrokerSettings(home=tmp_path, port=39292, nodes=3, security="sasl_ssl")
     for node in range(1, 4):
         port, cport = b.node_ports(node)
-        text = security.broker_properties(b, broker._server_properties(b, broker.node_paths(b, node), 1 << 20,
+        text = security.broker_properties(b, server_properties(b, node_paths(b, node), 1 << 20,
                                                                      node=node))
         assert f"listeners=SASL_SSL://127.0.0.1:{port},CONTROLLER://127.0.0.1:{cport}" in text
         assert f"advertised.listeners=SASL_SSL://127.0.0.1:{port}" in text and "PLAINTEXT" not in text

@@ -20,7 +20,9 @@ from kafka import KafkaProducer
 from schemas import DocumentRef, now
 from tests.helpers import REPO, Fleet, subprocess_env, tiny_model_dir, wait_for
 from tests.kafka_helpers import committed_offsets, end_offsets, read_topic
-from vlmstream import broker
+from vlmstream.broker import BrokerError, lifecycle
+from vlmstream.broker.jars import jar_dir
+from vlmstream.broker.node import broker_answers, broker_paths
 from vlmstream.config import Settings
 
 REQUEST_TIMEOUT_MS = 8_000  # the bound of every wait on the cluster, short for the test
@@ -36,7 +38,7 @@ class OwnBroker:
     """A single-node broker on free ports under ``home`` (the shared jars linked in), killable at will."""
 
     def __init__(self, home: Path, base: Settings):
-        jars = broker.jar_dir(base.broker)
+        jars = jar_dir(base.broker)
         home.mkdir(parents=True, exist_ok=True)
         if jars.is_dir():
             (home / jars.name).symlink_to(jars)
@@ -49,12 +51,12 @@ class OwnBroker:
 
     def start(self) -> None:
         try:
-            broker.start(self.settings)
-        except broker.BrokerError:  # a slow start can be reported early; it counts once it answers
-            wait_for(lambda: broker.broker_answers(self.settings.kafka.bootstrap_servers), 60, "own broker")
+            lifecycle.start(self.settings)
+        except BrokerError:  # a slow start can be reported early; it counts once it answers
+            wait_for(lambda: broker_answers(self.settings.kafka.bootstrap_servers), 60, "own broker")
 
     def kill(self) -> None:
-        pid = int(broker.broker_paths(self.settings.broker).pid_file.read_text().strip())
+        pid = int(broker_paths(self.settings.broker).pid_file.read_text().strip())
         os.kill(pid, signal.SIGKILL)
 
         def gone() -> bool:
@@ -68,7 +70,7 @@ class OwnBroker:
 
     def stop(self) -> None:
         try:
-            broker.stop(self.settings, reason="test_stopping: the test's own broker, at its end")
+            lifecycle.stop(self.settings, reason="test_stopping: the test's own broker, at its end")
         except Exception:  # noqa: BLE001 - already killed
             pass
 

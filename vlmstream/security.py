@@ -5,7 +5,7 @@ SASL_SSL and its controller listener mutual TLS; ``StandardAuthorizer`` allows n
 (``allow.everyone.if.no.acl.found=false``); on a local cluster (``--nodes``), every node alike. This module owns
 everything that takes: the folder of certificates and passwords (``<broker home>/security/<host>-<port>/``, a
 cluster's ``...-cluster/``; mode 0700, every secret file 0600), the broker properties (``broker_properties``, called
-by ``broker.py`` where it writes each node's server.properties), the SCRAM credentials added when the storage is
+by ``vlmstream.broker`` where it writes each node's server.properties), the SCRAM credentials added when the storage is
 formatted (``format_args``), the stage principals and their ACLs (``provision``, through the admin API), and each
 principal's client settings (``write_client_configs``).
 
@@ -190,7 +190,7 @@ def load_credentials(broker: BrokerSettings) -> dict[str, str]:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# The broker side: properties and format arguments (the two hooks in broker.py)
+# The broker side: properties and format arguments (the two hooks where vlmstream.broker writes a node's files)
 
 
 def _jaas(username: str, password: str) -> str:
@@ -199,9 +199,10 @@ def _jaas(username: str, password: str) -> str:
 
 
 def broker_properties(broker: BrokerSettings, properties: str) -> str:
-    """server.properties as broker.py wrote it, secured when ``broker.security`` asks: the PLAINTEXT listener
-    becomes SASL_SSL (SCRAM-SHA-512, the broker's certificate), the CONTROLLER listener mutual TLS, the
-    StandardAuthorizer with admin and the broker as super users and nothing allowed that no ACL allows.
+    """server.properties as ``vlmstream.broker.node.server_properties`` wrote it, secured when ``broker.security``
+    asks: the PLAINTEXT listener becomes SASL_SSL (SCRAM-SHA-512, the broker's certificate), the CONTROLLER listener
+    mutual TLS, the StandardAuthorizer with admin and the broker as super users and nothing allowed that no ACL
+    allows.
     Unchanged when security is off. Works on any number of nodes: only listener names are rewritten."""
     if not enabled(broker):
         return properties
@@ -278,8 +279,8 @@ def client_security(broker: BrokerSettings, principal: str, password: str | None
 
 
 def probe_kwargs(settings: Settings) -> dict[str, Any]:
-    """kafka-python keyword arguments for broker.py's "does it answer" probe: nothing when the local broker is not
-    secured; the settings' own login when they have one; else the admin's from the credentials file."""
+    """kafka-python keyword arguments for vlmstream.broker's "does it answer" probe: nothing when the local broker is
+    not secured; the settings' own login when they have one; else the admin's from the credentials file."""
     if not enabled(settings.broker):
         return {}
     kafka = settings.kafka

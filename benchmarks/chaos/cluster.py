@@ -1,9 +1,9 @@
 """The chaos harness's view of a local 3-node KRaft cluster: start, kill -9 / restart a node, who leads what.
 
-The project's cluster API (``vlmstream.cluster`` or ``vlmstream.broker`` with ``start(settings, nodes=3)``,
-``kill_node``, ``restart_node``, ``node_pids``, ``active_controller``, ``partition_leaders``,
-``snapshot_node_data`` / ``restore_node_data``) is used when it exists; until then ``LocalCluster`` below does the
-same with the project's own jars: three combined broker+controller nodes (static quorum) on ports
+The project's cluster API (``vlmstream.broker``: ``lifecycle.start(settings, nodes=3)``, ``faults.kill_node``,
+``faults.restart_node``, ``cluster.node_pids``, ``cluster.active_controller``, ``cluster.partition_leaders``,
+``faults.snapshot_node_data`` / ``restore_node_data``) is used unless ``use_project_api=False``; ``LocalCluster``
+below does the same with the project's own jars: three combined broker+controller nodes (static quorum) on ports
 ``base``, ``base+1``, ``base+2`` (controllers ``base+50`` ...), data under ``<home>/chaos-cluster-<base>/``.
 
 Every fault goes through ``Cluster``: the harness never needs to know which of the two is behind it.
@@ -11,7 +11,6 @@ Every fault goes through ``Cluster``: the harness never needs to know which of t
 
 from __future__ import annotations
 
-import importlib
 import json
 import logging
 import os
@@ -23,22 +22,21 @@ import uuid
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 log = logging.getLogger(__name__)
 
 
-def _project_api() -> Any | None:
-    """The project's cluster module, when one with the whole API exists (the h-cluster branch)."""
-    wanted = ("kill_node", "restart_node", "node_pids", "active_controller", "partition_leaders")
-    for name in ("vlmstream.cluster", "vlmstream.broker"):
-        try:
-            module = importlib.import_module(name)
-        except ImportError:
-            continue
-        if all(hasattr(module, attr) for attr in wanted):
-            return module
-    return None
+def _project_api() -> Any:
+    """The project's cluster API, gathered from the modules of ``vlmstream.broker`` that hold it."""
+    from vlmstream.broker import cluster, faults, lifecycle, node
+
+    return SimpleNamespace(
+        __name__="vlmstream.broker", start=lifecycle.start, stop=lifecycle.stop, cluster_root=node.cluster_root,
+        node_pids=cluster.node_pids, active_controller=cluster.active_controller,
+        partition_leaders=cluster.partition_leaders, kill_node=faults.kill_node, restart_node=faults.restart_node,
+        snapshot_node_data=faults.snapshot_node_data, restore_node_data=faults.restore_node_data)
 
 
 @dataclass
@@ -103,7 +101,7 @@ class LocalCluster:
         ])
 
     def start(self, wait_s: float = 120.0, fresh: bool = True) -> str:
-        from vlmstream.broker import _java, provision_jars
+        from vlmstream.broker.jars import find_java, provision_jars
         from vlmstream.config import BrokerSettings
 
         for node in self.nodes.values():  # a node left running by an earlier run of ours (its pid file)
@@ -117,7 +115,7 @@ class LocalCluster:
             shutil.rmtree(self.root, ignore_errors=True)
 
         self.lib = provision_jars(BrokerSettings(home=self.home))
-        self.java = _java()
+        self.java = find_java()
         cluster_id = uuid.uuid4().hex[:22]
         for node in self.nodes.values():
             node.root.mkdir(parents=True, exist_ok=True)
@@ -155,7 +153,7 @@ class LocalCluster:
         return out
 
     def node_answers(self, node_id: int, timeout_s: float = 5.0) -> bool:
-        from vlmstream.broker import broker_answers
+        from vlmstream.broker.node import broker_answers
 
         return broker_answers(f"127.0.0.1:{self.nodes[node_id].port}", timeout_s=timeout_s)
 

@@ -177,12 +177,12 @@ def commit_group_at_end(bootstrap: str, topic: str, group: str) -> None:
 
 def start_broker(out: Path) -> tuple[str, bool]:
     """The local broker's bootstrap address, and whether this call started it (only then is it stopped after)."""
-    from vlmstream import broker
+    from vlmstream.broker.node import broker_answers, port_open
     from vlmstream.config import load_settings
 
     s = load_settings()
     bootstrap = f"{s.broker.host}:{s.broker.port}"
-    if broker.port_open(s.broker.host, s.broker.port) and broker.broker_answers(bootstrap):
+    if port_open(s.broker.host, s.broker.port) and broker_answers(bootstrap):
         log(f"reusing the broker already answering on {bootstrap}")
         return bootstrap, False
     t = time.monotonic()
@@ -196,10 +196,10 @@ def start_broker(out: Path) -> tuple[str, bool]:
 
 
 def stop_broker() -> None:
-    from vlmstream.broker import _read_pid, broker_paths
+    from vlmstream.broker.node import broker_paths, read_pid
     from vlmstream.config import load_settings
 
-    pid = _read_pid(broker_paths(load_settings().broker))
+    pid = read_pid(broker_paths(load_settings().broker))
     subprocess.run(vlmstream_cmd("broker", "stop", "--reason", "gpu_bench: a pipeline arm done"), capture_output=True,
                    text=True, timeout=60, cwd=str(REPO))
     if pid:  # belt and braces: the process the pid file named, if it is still there

@@ -12,7 +12,7 @@ import sys
 import time
 import uuid
 
-from vlmstream import broker
+from vlmstream.broker import lifecycle
 from vlmstream.config import load_settings
 from vlmstream.kafka.clients import make_consumer, make_producer
 from vlmstream.kafka.topics import create_topics
@@ -22,7 +22,7 @@ def main() -> int:
     keep = "--keep" in sys.argv
     settings = load_settings()
     t0 = time.monotonic()
-    bootstrap = broker.start(settings)
+    bootstrap = lifecycle.start(settings)
     started_s = time.monotonic() - t0
     ok = False
     try:
@@ -39,7 +39,7 @@ def main() -> int:
               f"topics_created={len(report.created)} roundtrip_s={time.monotonic() - t0 - started_s:.1f}", flush=True)
     finally:
         if not keep:
-            broker.stop(settings, reason="broker_smoke: the smoke test done")
+            lifecycle.stop(settings, reason="broker_smoke: the smoke test done")
     return 0 if ok else 1
 
 

@@ -1,6 +1,6 @@
 # Source on the device (after unpack_device.sh) from anywhere: `source scripts/gpu/env.sh`.
 # vLLM + our wheels in /tmp/site ahead of the repo; the jlink'ed JRE; the broker's home (jars already there, so
-# vlmstream/broker.py never calls mvn); libturbojpeg for PyTurboJPEG (it searches LD_LIBRARY_PATH for
+# vlmstream/broker/jars.py never calls mvn); libturbojpeg for PyTurboJPEG (it searches LD_LIBRARY_PATH for
 # libturbojpeg.so.0 when the system has none); `vlmstream` and `vllm` wrappers on PATH.
 _vlm_repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 case ":${PYTHONPATH:-}:" in *":/tmp/site:"*) ;; *) export PYTHONPATH=/tmp/site:$_vlm_repo${PYTHONPATH:+:$PYTHONPATH} ;; esac

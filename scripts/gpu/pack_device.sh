@@ -5,7 +5,7 @@
 #   site/                 vLLM 0.26.0 + deps.txt (as ../shared/gpu/pack.sh builds it) + deps_vlmstream.txt wheels
 #   lib/libturbojpeg.so.0 this Debian's libjpeg-turbo 2.1 (PyTurboJPEG 1.x drives it; the device has none)
 #   jre/                  jlink'ed Java 17 runtime with only the modules the Kafka 4.1 broker uses
-#   kafka-4.1.1-jars/     the broker's jars (what vlmstream/broker.py would fetch with mvn), minus unused ones
+#   kafka-4.1.1-jars/     the broker's jars (what vlmstream/broker/jars.py would fetch with mvn), minus unused ones
 # and, outside the stream (JPEGs do not compress), <last part folder>/imgs/: real JPEGs of at least 1 MP from the
 # corpus, smallest files first, up to IMG_MB (2026-11-30: 15 files, 10.2 MiB, mean 5.83 MP) for gpu_bench.py.
 # Usage: bash scripts/gpu/pack_device.sh

@@ -66,10 +66,10 @@ def broker_start(
                                 "`vlmstream security clients DIR` then writes each principal's client settings."),
 ) -> None:
     """Provision (Maven) and start the local broker or cluster; reuse the nodes that already run."""
-    from vlmstream import broker
+    from vlmstream.broker import lifecycle
 
     settings = settings_from(ctx, {"broker": {"nodes": nodes, "security": "sasl_ssl" if secure else None}})
-    console.print(f"Kafka answering on {broker.start(settings)}")
+    console.print(f"Kafka answering on {lifecycle.start(settings)}")
     if settings.broker.security == "sasl_ssl":
         console.print("secured: SASL_SSL with SCRAM-SHA-512, ACLs per principal; "
                       "`vlmstream security clients DIR` writes each principal's settings")
@@ -80,10 +80,10 @@ def broker_stop(ctx: typer.Context, node: Optional[int] = typer.Option(None, "--
                 reason: str = typer.Option("", "--reason", help="Why (recorded with the stop in each node's folder, "
                                            "stops.log, with this command and its parent's).")) -> None:
     """Stop the local broker cleanly: every node of a cluster, or one."""
-    from vlmstream import broker
+    from vlmstream.broker import lifecycle
 
     said = f"vlmstream broker stop{': ' + reason if reason else ''}"
-    stopped = broker.stop(settings_from(ctx), node=node, reason=said)
+    stopped = lifecycle.stop(settings_from(ctx), node=node, reason=said)
     console.print("stopped" if stopped else "no local broker was running")
 
 
@@ -92,17 +92,17 @@ def broker_status(ctx: typer.Context,
                   node: Optional[int] = typer.Option(None, "--node", min=1, help=NODE_HELP)) -> None:
     """Print the local broker's pid, address and whether it answers metadata requests; on a cluster, each node's,
     the cluster id and the active controller."""
-    from vlmstream import broker
+    from vlmstream.broker import lifecycle
 
-    print(orjson.dumps(broker.status(settings_from(ctx), node=node), option=orjson.OPT_INDENT_2).decode())
+    print(orjson.dumps(lifecycle.status(settings_from(ctx), node=node), option=orjson.OPT_INDENT_2).decode())
 
 
 @broker_app.command("kill")
 def broker_kill(ctx: typer.Context, node: int = typer.Option(..., "--node", min=1, help="The node to kill.")) -> None:
     """SIGKILL one node of the local cluster (a crash: no controlled shutdown)."""
-    from vlmstream import broker
+    from vlmstream.broker import faults
 
-    pid = broker.kill_node(settings_from(ctx), node, reason="vlmstream broker kill")
+    pid = faults.kill_node(settings_from(ctx), node, reason="vlmstream broker kill")
     console.print(f"node {node} (pid {pid}) killed" if pid else f"node {node} was not running")
 
 
@@ -110,9 +110,9 @@ def broker_kill(ctx: typer.Context, node: int = typer.Option(..., "--node", min=
 def broker_restart(ctx: typer.Context,
                    node: int = typer.Option(..., "--node", min=1, help="The node to start again.")) -> None:
     """Start one node of the local cluster again and wait until it answers and the cluster lists it."""
-    from vlmstream import broker
+    from vlmstream.broker import faults
 
-    console.print(f"node {node} answering on {broker.restart_node(settings_from(ctx), node)}")
+    console.print(f"node {node} answering on {faults.restart_node(settings_from(ctx), node)}")
 
 
 @topics_app.command("create")
@@ -148,9 +148,9 @@ def _secured_settings(ctx: typer.Context):
     if "bootstrap_servers" in settings.kafka.model_fields_set and port.isdigit() and \
             host in (settings.broker.host, "localhost"):
         settings = settings.model_copy(update={"broker": settings.broker.model_copy(update={"port": int(port)})})
-    from vlmstream import broker
+    from vlmstream.broker import cluster
 
-    return broker.running_layout(settings)  # a cluster running on that base port: every node's address
+    return cluster.running_layout(settings)  # a cluster running on that base port: every node's address
 
 
 @security_app.command("clients")

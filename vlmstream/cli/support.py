@@ -37,7 +37,7 @@ def settings_from(ctx: typer.Context, overrides: dict[str, Any] | None = None) -
 
 def bootstrap(settings: Settings) -> Settings:
     """Start the local broker when the settings point at it; returns the settings unchanged."""
-    from vlmstream.broker import ensure_broker
+    from vlmstream.broker.lifecycle import ensure_broker
 
     ensure_broker(settings)
     return settings
