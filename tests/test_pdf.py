@@ -363,18 +363,24 @@ def test_page_text_fills_the_prompts_placeholder_and_nothing_else():
 
 @pytest.fixture
 def pdf_server(tmp_path):
-    """http.server on 127.0.0.1 serving ``tmp_path/served``."""
+    """http.server on 127.0.0.1 serving ``tmp_path/served``, and the list of paths it was asked for."""
     import functools
     import http.server
     import threading
 
     served = tmp_path / "served"
     served.mkdir()
-    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(served))
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    requests = []
+
+    class Handler(http.server.SimpleHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - http.server's name
+            requests.append(self.path)
+            super().do_GET()
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Handler, directory=str(served)))
     httpd.daemon_threads = True
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    yield served, f"http://127.0.0.1:{httpd.server_address[1]}"
+    yield served, f"http://127.0.0.1:{httpd.server_address[1]}", requests
     httpd.shutdown()
     httpd.server_close()
 
@@ -401,7 +407,7 @@ def test_a_remote_pdf_over_http_or_fsspec_is_a_document_of_its_pages(tmp_path, p
     from producers.items import with_pdf_pages
     from schemas import DocumentRef
 
-    served, base = pdf_server
+    served, base, requests = pdf_server
     (served / "mixed.pdf").write_bytes(pdfs.text_pdf(MIXED))
     memory = f"memory://vlmstream-pdf-{os.getpid()}-{time.monotonic_ns()}/mixed.pdf"
     with fsspec.open(memory, "wb") as out:
@@ -412,8 +418,20 @@ def test_a_remote_pdf_over_http_or_fsspec_is_a_document_of_its_pages(tmp_path, p
     fetcher.close()
     assert counted.image_uris == (*(f"{base}/mixed.pdf#page={n}" for n in (1, 2, 3)),
                                   *(f"{memory}#page={n}" for n in (1, 2, 3)), f"{base}/missing.pdf")
+    # `vlmstream run` on a manifest reads it the same way.
+    from vlmstream.cli.run_setup import read_source
+
+    manifest = tmp_path / "m.jsonl"
+    manifest.write_text('{"doc_id": "web", "image_uris": ["%s/mixed.pdf"]}\n' % base)
+    [read] = read_source(manifest, per_file=False, id_prefix="", decode=DecodeSettings(allow_private_hosts=True)).items
+    assert read.image_uris == counted.image_uris[:3]
     stage = make_stage(tmp_path, allow_private_hosts=True)
+    requests.clear()
     assert_pages_render_at_their_shapes(stage, counted.image_uris[:3])
+    assert requests == ["/mixed.pdf"]  # a document's pages of one PDF: one download
+    stage.end_document()
+    assert_pages_render_at_their_shapes(stage, counted.image_uris[:3])
+    assert requests == ["/mixed.pdf"] * 2  # the next document fetches afresh
     assert_pages_render_at_their_shapes(stage, counted.image_uris[3:6])
     assert stage(counted.image_uris[6]).error_kind == "fetch_not_found"
     stage.decoder.close()
@@ -431,7 +449,7 @@ def test_vlmstream_produce_publishes_each_page_of_a_pdf_named_by_url(topic_names
     from schemas import DocumentRef
     from tests.kafka_helpers import read_topic
 
-    served, base = pdf_server
+    served, base, requests = pdf_server
     (served / "mixed.pdf").write_bytes(pdfs.text_pdf(MIXED))
     manifest = tmp_path / "m.jsonl"
     manifest.write_text(orjson.dumps({"doc_id": "web", "image_uris": [f"{base}/mixed.pdf"]}).decode() + "\n")
@@ -447,6 +465,7 @@ def test_vlmstream_produce_publishes_each_page_of_a_pdf_named_by_url(topic_names
     assert doc.image_uris == tuple(f"{base}/mixed.pdf#page={n}" for n in (1, 2, 3))
     stage = make_stage(tmp_path, allow_private_hosts=True)
     assert_pages_render_at_their_shapes(stage, doc.image_uris)
+    assert requests == ["/mixed.pdf"] * 2  # once to count its pages, once for the decode stage's three
     stage.decoder.close()
 
 

@@ -266,6 +266,7 @@ class DecodeWorker:
                     stage=result.stage or "decode", error_kind=result.error_kind, detail=result.detail[:4000],
                     retriable=result.retriable, doc_id=doc.doc_id, image_index=image_index, image_count=count,
                     source_uri=uri, source=source, created_at=now()))
+        getattr(self._stage, "end_document", lambda: None)()  # a stage given by a test may be a plain callable
 
     def _decode(self, uri: str) -> PreparedImage | ImageFailure:
         try:

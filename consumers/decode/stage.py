@@ -75,12 +75,21 @@ class DecodeStage:
             max_pdf_bytes=getattr(settings, "max_image_bytes", 64 * 1024 * 1024),
         )
         self.store = ClaimCheckStore(claim_check_url) if claim_check_url else None
+        # (location, bytes) of the last file a ``#page=N`` URI named: a document's pages of one PDF or TIFF come one
+        # after another, and its bytes (a remote PDF's download) are fetched once for them all, until end_document.
+        self._held: tuple[str, bytes] | None = None
 
     def __call__(self, uri: str) -> PreparedImage | ImageFailure:
         try:
             started = time.perf_counter()
             location, page = split_page(uri)
-            data = self.fetcher.fetch(location)
+            if page is not None and self._held is not None and self._held[0] == location:
+                data = self._held[1]
+            else:
+                self._held = None
+                data = self.fetcher.fetch(location)
+                if page is not None:
+                    self._held = (location, data)
             fetched = time.perf_counter()
             return self.prepare(data, fetch_ms=(fetched - started) * 1000, page=page)
         except ImageError as error:
@@ -130,7 +139,12 @@ class DecodeStage:
             prepare_cpu_ms=(cpu3 - cpu0) * 1000,
         )
 
+    def end_document(self) -> None:
+        """The document's images are done: the next one fetches its files afresh."""
+        self._held = None
+
     def close(self) -> None:
+        self._held = None
         self.fetcher.close()
         self.decoder.close()
 
