@@ -1,6 +1,7 @@
-"""PDFs as documents of pages: the folder source publishes one URI per page, the decode stage renders each page
-straight at the family's input size for its displayed shape, and every hostile file is a failure value naming its
-setting, the worker unharmed."""
+"""PDFs as documents of pages: the folder source, manifests and stdin publish one URI per page (a remote PDF fetched
+to count them), the decode stage renders each page at the family's input size for its displayed shape, within the
+image tolerance of the processor on a 200 dpi raster, and every hostile file is a failure value naming its setting,
+the worker unharmed."""
 
 from __future__ import annotations
 
