@@ -2,9 +2,9 @@
 
 The format comes from the magic number (``sniff``), never from the file name. JPEGs go through libjpeg-turbo with
 DCT-domain scaling (the decoder itself produces a 1/2, 1/4 or 1/8 size image, which is both the fastest path and an
-antialiased reduction); PNG and WebP through OpenCV; a PDF page drawn by PDFium at its ``pdf_dpi`` size but at most 3x the
-target on each axis (``vlmstream.images.pdf``), then shrunk; everything else through Pillow (JPEG 2000 with its own
-reduction: whole wavelet resolution levels skipped, ``jpeg2000``). Sizes are checked from the header before any
+antialiased reduction); PNG and WebP through OpenCV; a PDF page drawn by PDFium at its ``pdf_dpi`` size but at most
+3x the target on each axis (``vlmstream.images.pdf``), then shrunk; everything else through Pillow (JPEG 2000 with
+its own reduction: whole wavelet resolution levels skipped, ``jpeg2000``). Sizes are checked from the header before any
 pixel is decoded, so a decompression bomb costs a few hundred bytes of parsing (``headers``). Pillow's modes become
 8-bit RGB in ``pixels``; the failures are the classes in ``errors``.
 
