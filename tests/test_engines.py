@@ -878,9 +878,9 @@ def test_the_engine_tower_setting_is_refused_where_it_cannot_run_and_reaches_the
     assert "VLMSTREAM_INFER__VISION_COMPILE" not in os.environ
     with child_environment(env):
         seen = Settings().infer
-        assert (seen.engine_tower, seen.vision_qkv_kernel, seen.vision_compile, seen.vision_fp8,
+        assert (seen.engine_tower, seen.vision_qkv_kernel, seen.vision_compile,
                 seen.vision_mlp_kernel, seen.vision_norm_kernel, seen.vision_window_attention) == (
-            True, "torch", False, False, "triton", "torch", "same")
+            True, "torch", False, "triton", "torch", "same")
     assert "VLMSTREAM_INFER__VISION_COMPILE" not in os.environ
 
 

@@ -291,12 +291,12 @@ def test_each_tower_benchmark_variant_asks_the_encoder_for_what_its_name_says(mo
         asked[blocks] = bench_vision_tower.make_encoder(None, None, None, f"{blocks}+vllm_fa3")
     fast = asked["fast"]
     assert fast == {"attention": "vllm_fa3", "fast_blocks": True, "compile_blocks": True, "qkv_kernel": "auto",
-                    "fp8": False, "mlp_kernel": "auto", "strided_v": None, "norm_kernel": "auto",
+                    "mlp_kernel": "auto", "strided_v": None, "norm_kernel": "auto",
                     "residual_in_product": True, "window_attention": "auto"}
     changed = {blocks: {k: v for k, v in kw.items() if fast[k] != v} for blocks, kw in asked.items()}
     assert changed == {"transformers": {"fast_blocks": False, "compile_blocks": False}, "fast": {},
                        "fast-torchqkv": {"qkv_kernel": "torch"}, "fast-eager": {"compile_blocks": False},
-                       "fast-fp8": {"fp8": True}, "fast-torchmlp": {"mlp_kernel": "torch"},
+                       "fast-torchmlp": {"mlp_kernel": "torch"},
                        "fast-contigv": {"strided_v": False}, "fast-torchnorm": {"norm_kernel": "torch"},
                        "fast-addafter": {"residual_in_product": False}, "fast-fa3window": {"window_attention": "same"}}
 

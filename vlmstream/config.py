@@ -319,11 +319,6 @@ class InferSettings(BaseModel):
         "sequences, vLLM's FA3). auto: torch's varlen flash attention (FlashAttention 2) on CUDA where it passes its "
         "probe: on an H200 its call over 64-patch windows ran 1.6 times as fast as FA3's, the tower 3-4% faster at "
         "1 and 12.8 MP (benchmarks/RESULTS.md [ah]); same: the whole-image blocks' kernel; or a kernel by name.")
-    vision_fp8: bool = Field(
-        False, description="vLLM engine, our vision tower: each block's four matrix products in FP8 (e4m3; weights "
-        "scaled per output channel, activations per token), on GPUs with FP8 (compute capability 8.9+). Opt-in: "
-        "on an H200 the tower ran slower with it than in bf16, and what it costs in accuracy with a released "
-        "checkpoint's weights is not measured here (dummy weights only: benchmarks/RESULTS.md).")
     engine_tower: bool | None = Field(
         None, description="vLLM engine, Qwen families: our vision tower (the settings above) runs inside vLLM's "
         "engine process (consumers/infer/engine_tower.py): one CUDA context instead of the two that embeds mode "

@@ -10,7 +10,6 @@ Variants, side by side in one process on the same images (random weights: same c
                     consumers/infer/qkv_rotary.py, block_norm.py, mlp_activation.py)
   fast-torchqkv+... the same with the compiled torch code for that step instead of the kernel
   fast-eager+...    FastVisionBlocks without torch.compile
-  fast-fp8+...      fast+..., each block's four matrix products in FP8 (infer.vision_fp8; consumers/infer/fp8.py)
   fast-torchmlp+... fast+..., the MLP's activation by the compiled torch code (infer.vision_mlp_kernel=torch)
   fast-contigv+...  fast+..., the q/k/v kernel writing v out contiguous, as it does for an attention that does not
                     take v as a view of the projection (fast hands FA3 the view; vision.takes_strided_v)
@@ -160,7 +159,7 @@ def time_encoder(encoder: VisionEncoder, images: list[np.ndarray], batch: int, m
 
 
 # The <blocks> half of a variant's name (module docstring).
-BLOCKS = ("transformers", "fast", "fast-torchqkv", "fast-eager", "fast-fp8", "fast-torchmlp", "fast-contigv",
+BLOCKS = ("transformers", "fast", "fast-torchqkv", "fast-eager", "fast-torchmlp", "fast-contigv",
           "fast-torchnorm", "fast-addafter", "fast-fa3window")
 
 
@@ -171,7 +170,7 @@ def make_encoder(tower, device: torch.device, dtype: torch.dtype, variant: str) 
         raise SystemExit(f"--variants: no blocks named {blocks!r} (one of {', '.join(BLOCKS)})")
     return VisionEncoder(tower, device, dtype, attention=attention, fast_blocks=blocks != "transformers",
                          compile_blocks=blocks not in ("transformers", "fast-eager"),
-                         qkv_kernel="torch" if blocks == "fast-torchqkv" else "auto", fp8=blocks == "fast-fp8",
+                         qkv_kernel="torch" if blocks == "fast-torchqkv" else "auto",
                          mlp_kernel="torch" if blocks == "fast-torchmlp" else "auto",
                          strided_v=False if blocks == "fast-contigv" else None,
                          norm_kernel="torch" if blocks == "fast-torchnorm" else "auto",

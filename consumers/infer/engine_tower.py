@@ -189,7 +189,7 @@ def encoder_for(model) -> VisionEncoder:
     dtype = model.model_config.dtype
     tower, real_weights = load_vision_tower(model.model_config.model, device, dtype)
     encoder = VisionEncoder(tower, device, dtype, compile_blocks=settings.vision_compile,
-                            qkv_kernel=settings.vision_qkv_kernel, fp8=settings.vision_fp8,
+                            qkv_kernel=settings.vision_qkv_kernel,
                             mlp_kernel=settings.vision_mlp_kernel, norm_kernel=settings.vision_norm_kernel,
                             window_attention=settings.vision_window_attention)
     log.warning("vlmstream's vision tower runs in vLLM's engine process for %s: %d fast blocks, compiled=%s, "

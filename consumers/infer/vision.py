@@ -25,10 +25,10 @@ from typing import Sequence
 
 import numpy as np
 import torch
+from torch.nn.functional import linear
 
 from consumers.infer.block_norm import add_norm, norm
 from consumers.infer.block_norm import triton_kernels as triton_norm_kernels
-from consumers.infer.fp8 import fp8_problem, fp8_weight, linear
 from consumers.infer.mlp_activation import gelu, gelu_tanh, quick_gelu, silu, silu_gate
 from consumers.infer.mlp_activation import triton_kernels as triton_mlp_kernels
 from consumers.infer.qkv_rotary import rotate, triton_rotate_qkv
@@ -363,10 +363,6 @@ def _activation_of(act: torch.nn.Module):
             torch.nn.SiLU: silu}.get(type(act))
 
 
-# The products below go through fp8.linear: torch's own for a bf16/float weight, FP8 for an fp8_weight pair
-# (infer.vision_fp8); under torch.compile the choice is made once, when the function is traced.
-
-
 def _before_attention(x, norm_weight, norm_bias, qkv_weight, qkv_bias, cos, sin, eps: float, heads: int):
     h = norm(x, norm_weight, norm_bias, eps)
     q, k, v = linear(h, qkv_weight, qkv_bias).view(x.shape[0], 3, heads, -1).unbind(1)
@@ -397,9 +393,7 @@ def _add_down_projection(residual: torch.Tensor, activated: torch.Tensor, down_w
     """``residual + activated @ down_weight.T``, the block's last residual add done by the product itself: cuBLAS
     adds its output to ``residual`` in place (beta = 1), so the sum costs no pass of its own over the rows (a product
     and then an add write the product's rows and read them back). ``residual`` must be a tensor nothing else reads:
-    the up step's fresh output, with the MLP's last bias already in it. FP8 weight pairs take the plain add."""
-    if isinstance(down_weight, tuple):
-        return residual + linear(activated, down_weight, None)
+    the up step's fresh output, with the MLP's last bias already in it."""
     return residual.addmm_(activated, down_weight.t())
 
 
@@ -576,7 +570,6 @@ class FastVisionBlocks:
     keeps the compiled code), "torch" (the compiled elementwise code, in one compiled call with the matrix products
     around it), "auto" (Triton where the blocks are compiled and Triton imports; each kernel measured faster than the
     compiled code).
-    ``fp8``: the four matrix products of each block in FP8 (``fp8.py``), their weights quantised once here.
     ``strided_v``: the Triton q/k/v kernel leaves v as a view of the projection (``qkv_rotary.py``); only for an
     attention that reads it so (``takes_strided_v``; the per-window sdpa loop does). ``norm_kernel``: how the two
     norms run where the step around them is not compiled whole (the q/k/v step with its Triton kernel, the MLP's
@@ -592,14 +585,13 @@ class FastVisionBlocks:
     """
 
     def __init__(self, visual: torch.nn.Module, attention=None, compile_blocks: bool = False,
-                 alignment: int = GEMM_ALIGNMENT, qkv_kernel: str = "auto", fp8: bool = False,
+                 alignment: int = GEMM_ALIGNMENT, qkv_kernel: str = "auto",
                  mlp_kernel: str = "auto", strided_v: bool = False, norm_kernel: str = "auto",
                  residual_in_product: bool = True, window_attention=None):
         for name, value in (("qkv_kernel", qkv_kernel), ("mlp_kernel", mlp_kernel), ("norm_kernel", norm_kernel)):
             if value not in ("auto", "triton", "torch"):
                 raise ValueError(f"{name} must be auto, triton or torch, not {value!r}")
         self.attention = attention
-        self.fp8 = fp8
         self.residual_in_product = residual_in_product
         self.before, self.after, self.project, self.up = _before_attention, _after_attention, _project, _up_projection
         if compile_blocks:
@@ -665,9 +657,6 @@ class FastVisionBlocks:
         attn = block.attn
         up_weight, up_bias, down_weight = shape.mlp
         qkv_weight, proj_weight = attn.qkv.weight, attn.proj.weight
-        if self.fp8:
-            qkv_weight, proj_weight, up_weight, down_weight = (
-                fp8_weight(w) for w in (qkv_weight, proj_weight, up_weight, down_weight))
         heads, scale, eps = attn.num_heads, attn.scaling, shape.norm_eps
         # Fixed per block: a window block of a windowed tower takes its own kernel where one was given.
         attention = self.window_attention if windowed and self.window_attention is not None else self.attention
@@ -860,8 +849,7 @@ class VisionEncoder:
     grids stacked, and the varlen attention keeps them apart. ``max_patches_per_call`` bounds the activation
     memory of one forward. Each image's output is its ``image_embeds``: the merged tokens, then for a tower with
     DeepStack levels (Qwen3-VL) each level's merged tokens, concatenated on the feature axis.
-    ``family`` defaults to the one whose patch size and merge size the tower's config has. ``fp8``: the fast
-    blocks' matrix products in FP8 (``fp8.py``; on CUDA only where the GPU has FP8, on the CPU in float32 for tests).
+    ``family`` defaults to the one whose patch size and merge size the tower's config has.
     ``qkv_kernel``, ``mlp_kernel``, ``norm_kernel``, ``residual_in_product`` and ``strided_v``: as
     ``FastVisionBlocks`` takes them; ``window_attention``: the kernel of a windowed tower's window blocks
     (``pick_window_attention``: "auto", "same" as ``attention``, or a name ``attention`` takes);
@@ -872,14 +860,9 @@ class VisionEncoder:
                  dtype: torch.dtype | None = None, attention: str = "auto",
                  max_patches_per_call: int = 65536, linear_patch_embedding: bool = True,
                  fast_blocks: bool = True, compile_blocks: bool = True, family: ModelFamily | None = None,
-                 qkv_kernel: str = "auto", fp8: bool = False, mlp_kernel: str = "auto",
+                 qkv_kernel: str = "auto", mlp_kernel: str = "auto",
                  strided_v: bool | None = None, norm_kernel: str = "auto", residual_in_product: bool = True,
                  window_attention: str = "auto"):
-        if fp8:
-            problem = "it needs the fast vision blocks" if not fast_blocks else fp8_problem(
-                device, dtype or next(visual.parameters()).dtype)
-            if problem:
-                raise ValueError(f"infer.vision_fp8 cannot run: {problem}; set infer.vision_fp8=false")
         self.family = family or family_of_tower(visual)
         # Qwen2.5-VL's windowed tower: window indices precomputed.
         self.windowed = hasattr(visual, "window_size") and hasattr(visual, "fullatt_block_indexes")
@@ -909,7 +892,7 @@ class VisionEncoder:
                 strided_v = all(name not in VARLEN_KERNELS or takes_strided_v(name, self.device, self.dtype)
                                 for name in kernels)
             fast = FastVisionBlocks(self.visual, VARLEN_KERNELS.get(self.attention), compile_blocks,
-                                    qkv_kernel=qkv_kernel, fp8=fp8, mlp_kernel=mlp_kernel, strided_v=strided_v,
+                                    qkv_kernel=qkv_kernel, mlp_kernel=mlp_kernel, strided_v=strided_v,
                                     norm_kernel=norm_kernel, residual_in_product=residual_in_product,
                                     window_attention=VARLEN_KERNELS.get(self.window_attention))
             self.fast = fast if fast.replaced else None

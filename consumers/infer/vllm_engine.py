@@ -165,7 +165,6 @@ def engine_tower_args(settings: InferSettings, mode: str, family: ModelFamily) -
            "VLMSTREAM_INFER__VISION_MLP_KERNEL": settings.vision_mlp_kernel,
            "VLMSTREAM_INFER__VISION_NORM_KERNEL": settings.vision_norm_kernel,
            "VLMSTREAM_INFER__VISION_WINDOW_ATTENTION": settings.vision_window_attention,
-           "VLMSTREAM_INFER__VISION_FP8": str(settings.vision_fp8).lower(),
            "VLMSTREAM_INFER__TOWER_AHEAD": str(settings.tower_ahead).lower(),
            "VLMSTREAM_INFER__TOWER_AHEAD_TOKENS": str(settings.tower_ahead_tokens)}
     return {"worker_extension_cls": ENGINE_TOWER_EXTENSION}, env
@@ -291,7 +290,7 @@ class VllmEngine(QueuedEngine):
                 log.warning("no vision weights in %s: the tower is random, embeddings are meaningless", model_path)
             self.encoder = VisionEncoder(tower, "cuda", dtype, attention=vision_attention,
                                          compile_blocks=settings.vision_compile, family=self.family,
-                                         qkv_kernel=settings.vision_qkv_kernel, fp8=settings.vision_fp8,
+                                         qkv_kernel=settings.vision_qkv_kernel,
                                          mlp_kernel=settings.vision_mlp_kernel,
                                          norm_kernel=settings.vision_norm_kernel,
                                          window_attention=settings.vision_window_attention)
@@ -303,9 +302,9 @@ class VllmEngine(QueuedEngine):
                     f"the vision tower of {self.model_path} makes image_embeds {self.encoder.image_embeds_width} wide "
                     f"({self.encoder.deepstack_levels} DeepStack levels), vLLM's {self.family.name} model takes "
                     f"{self.image_embeds_width}: set infer.mode=pixels to let vLLM run its own tower")
-            log.info("vision tower on cuda, attention=%s, compiled=%s, kernels %s, fp8=%s, image_embeds %d wide",
+            log.info("vision tower on cuda, attention=%s, compiled=%s, kernels %s, image_embeds %d wide",
                      self.encoder.attention, self.encoder.compiled, block_kernels(self.encoder.fast),
-                     settings.vision_fp8, self.encoder.image_embeds_width)
+                     self.encoder.image_embeds_width)
         # High priority: the tower feeds the language model. When both have kernels queued, the tower's go
         # first, so the engine's queue of ready requests does not run dry while it decodes.
         self._stream = torch.cuda.Stream(priority=-1)
