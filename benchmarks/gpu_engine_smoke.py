@@ -4,7 +4,7 @@ weights).
 Run on a GPU machine with vLLM (benchmarks/gpu/README.md):
     python benchmarks/gpu_engine_smoke.py [--model qwen2.5-vl-7b|qwen3-vl-8b] [--images DIR] [--n 64]
         [--max-pixels 1003520] [--tokens 64]
-        [--modes embeds,pixels,pixels-engine-tower,embeds-engine-tower,embeds-engine-tower-ahead]
+        [--modes embeds,pixels,pixels-engine-tower,embeds-engine-tower]
         [--out $OUT/engine_smoke.json]
 
 What it checks and prints:
@@ -19,9 +19,7 @@ What it checks and prints:
    mode's (the same seeded tower and language model: equal texts say the engine ran our tower); mode
    ``embeds-engine-tower``: embeds mode with our tower in vLLM's engine, the decoded images sent there as pixel rows
    (consumers/infer/pixel_rows.py), compared the same way, and its embeddings, which vLLM's engine kept for the
-   consumer (engine_tower.EmbeddingTap), against embeds mode's (cosine per image); mode
-   ``embeds-engine-tower-ahead``: the same with the tower run ahead of the engine's step (infer.tower_ahead), compared
-   the same way, with the ahead encoder's counts (how many images the step took made ahead, how many it encoded).
+   consumer (engine_tower.EmbeddingTap), against embeds mode's (cosine per image).
 Every engine is closed before the next starts; the script exits with os._exit so no thread or EngineCore
 child can keep the device call alive.
 """
@@ -128,8 +126,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--batch-size", type=int, default=8, help="images per vision-tower forward")
     ap.add_argument("--modes", default="embeds,pixels",
-                    help="comma list of embeds, pixels, pixels-engine-tower, embeds-engine-tower, "
-                    "embeds-engine-tower-ahead")
+                    help="comma list of embeds, pixels, pixels-engine-tower, embeds-engine-tower")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "engine_smoke.json"))
     args = ap.parse_args()
 
@@ -157,8 +154,7 @@ def main() -> None:
             t = time.perf_counter()
             try:
                 base, _, tower_in_engine = mode.partition("-")
-                update = {"mode": base, "engine_tower": tower_in_engine.startswith("engine-tower"),
-                          "tower_ahead": tower_in_engine == "engine-tower-ahead"}
+                update = {"mode": base, "engine_tower": tower_in_engine == "engine-tower"}
                 engine = VllmEngine(model_dir, settings.model_copy(update=update), load_format="dummy")
             except Exception as exc:
                 if mode != "embeds":
@@ -182,12 +178,10 @@ def main() -> None:
                 run_all(engine, requests_for(warm, args.tokens, f"warm2-{mode}-", family=family))
             entry["embeds_only_engine"] = "embeds_only_error" not in report if mode == "embeds" else None
             # pixels mode: pure vLLM path, no extra tower pass; embeds-engine-tower: the engine keeps them
-            want = mode in ("embeds", "embeds-engine-tower", "embeds-engine-tower-ahead")
+            want = mode in ("embeds", "embeds-engine-tower")
             results, entry["run"] = run_all(engine, requests_for(images, args.tokens, f"{mode}-", want, family))
             texts[mode] = [getattr(results.get(f"{mode}-{i}/0"), "text", None) for i in range(len(images))]
             embeddings[mode] = [getattr(results.get(f"{mode}-{i}/0"), "embedding", None) for i in range(len(images))]
-            if mode.endswith("-ahead"):
-                entry["ahead"] = engine.tower_report().get("ahead")
             first = next(iter(results.values()))
             entry["timings_ms_first"] = {k: round(v, 1) for k, v in getattr(first, "timings_ms", {}).items()}
             print("RESULT", mode, json.dumps(entry), flush=True)
@@ -241,10 +235,8 @@ def main() -> None:
     # tower. vLLM's own tower (mode pixels) has other random weights, so its texts differ. Random weights make
     # near-ties in the logits, so a few texts may differ by bf16 rounding (the pixels are normalised on the GPU for
     # embeds and by vLLM's processor for pixels).
-    # Each mode against embeds mode, and the tower run ahead against the same tower in the step.
-    pairs_of_modes = [("embeds", other) for other in ("pixels-engine-tower", "embeds-engine-tower",
-                                                      "embeds-engine-tower-ahead", "pixels")]
-    pairs_of_modes.append(("embeds-engine-tower", "embeds-engine-tower-ahead"))
+    # Each mode against embeds mode.
+    pairs_of_modes = [("embeds", other) for other in ("pixels-engine-tower", "embeds-engine-tower", "pixels")]
     for base, other in pairs_of_modes:
         if base in texts and other in texts:
             pairs = list(zip(texts[base], texts[other]))

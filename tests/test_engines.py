@@ -4,7 +4,6 @@ batching without a barrier, schema violations as values, and vLLM's absence repo
 
 from __future__ import annotations
 
-import functools
 import importlib
 import json
 import time
@@ -633,7 +632,7 @@ def test_the_engine_tower_takes_pixel_inputs_and_leaves_the_rest_to_vllm(images,
         torch.testing.assert_close(g, e, atol=1e-4, rtol=1e-4)
     # With embeddings published the rows carry tags, and the engine keeps each image's embedding under its tag
     # for the consumer: the family's embedding (the mean of the merged tokens), each given once. A tag that does not
-    # ask for the embedding (infer.tower_ahead tags every image) keeps none.
+    # ask for the embedding keeps none.
     tags = [pixel_rows.make_tag(n, True) for n in (7, 2**40 + 3, 12)]
     tagged = torch.cat([pixel_rows.pack(np.asarray(image), tuple(grid), encoder.family, tag)
                         for image, grid, tag in zip(images[:3], inputs["image_grid_thw"].tolist(), tags)])
@@ -677,162 +676,6 @@ def test_the_engine_tower_takes_pixel_inputs_and_leaves_the_rest_to_vllm(images,
     engine_tower._encoders.pop(model)
 
 
-def _until(condition, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "the ahead thread did not get there"
-        time.sleep(0.01)
-
-
-def _cpu_encoder(model_dir):
-    from consumers.infer.vision import VisionEncoder, load_vision_tower
-
-    tower, _ = load_vision_tower(model_dir, "cpu", torch.float32)
-    return VisionEncoder(tower, "cpu", torch.float32, qkv_kernel="torch")
-
-
-def test_the_tower_ahead_makes_each_offered_image_once_within_its_budget(images, model_dir):
-    """infer.tower_ahead: images offered as vLLM's input thread receives them are encoded by the ahead thread, in
-    order, no more tokens waiting than the budget; the step takes each by its tag, the outputs the tower gives in the
-    step, once; an image not made (never offered, or taken before the thread reached it) is the step's to encode;
-    the embeddings go only to the tags that ask for them; what is left behind the images taken is dropped."""
-    from consumers.infer import pixel_rows
-    from consumers.infer.tower_ahead import AheadEncoder
-    from consumers.infer.vision import patchify_batch
-
-    encoder = _cpu_encoder(model_dir)
-    grids = [(1, im.shape[0] // 14, im.shape[1] // 14) for im in images[:4]]
-    tokens = [t * h * w // 4 for t, h, w in grids]
-    with torch.inference_mode():
-        pixel_values, grid_thw = patchify_batch(images[:4], "cpu", torch.float32, encoder.family)
-        expected = encoder.encode_patches(pixel_values, grid_thw)
-    tags = [pixel_rows.make_tag(n, keep) for n, keep in ((1, True), (2, False), (3, True), (4, False))]
-    rows = [pixel_rows.pack(im, g, encoder.family, tag) for im, g, tag in zip(images[:4], grids, tags)]
-
-    ahead = AheadEncoder(budget_tokens=tokens[0] + tokens[1], keep_behind=2)
-    assert ahead.offer(rows[0], torch.tensor([grids[0]])) is False  # no encoder yet: the step encodes it
-    kept = []
-    ahead.attach(encoder, keep_embeddings=lambda t, outputs: kept.extend(t))
-    for r, g in zip(rows, grids):
-        assert ahead.offer(r, torch.tensor([g]))
-    untagged = pixel_rows.pack(images[0], grids[0], encoder.family)
-    assert ahead.offer(untagged, torch.tensor([grids[0]])) is False
-    _until(lambda: ahead.report()["encoded"] == 2)
-    time.sleep(0.2)  # the budget holds the other two back
-    report = ahead.report()
-    assert report["encoded"] == 2 and report["queued"] == 2 and report["held_tokens"] == tokens[0] + tokens[1]
-
-    first = ahead.take([tags[0], 99])
-    torch.testing.assert_close(first[0], expected[0], atol=1e-5, rtol=1e-5)
-    assert first[1] is None  # never offered
-    torch.testing.assert_close(ahead.take([tags[1]])[0], expected[1], atol=1e-5, rtol=1e-5)
-    _until(lambda: ahead.report()["encoded"] >= 3)  # the budget freed: the thread went on
-    torch.testing.assert_close(ahead.take([tags[2]])[0], expected[2], atol=1e-5, rtol=1e-5)
-    assert ahead.take([tags[0]]) == [None]  # given once
-    assert kept == [tags[0], tags[2]]  # only the tags that ask for the embedding
-    ahead.close()
-
-    # keep_behind=2: taking the fourth image offered drops the first two, never taken (an aborted request's), and
-    # keeps the third.
-    # max_patches=1: one image per forward of the thread (an image never waits for a smaller one).
-    behind = AheadEncoder(keep_behind=2, max_patches=1)
-    behind.attach(encoder)
-    for r, g in zip(rows, grids):
-        behind.offer(r, torch.tensor([g]))
-    _until(lambda: behind.report()["encoded"] == 4)
-    behind.take([tags[3]])
-    report = behind.report()
-    assert (report["dropped"], report["taken"], report["made_waiting"], report["forwards"]) == (2, 1, 1, 4)
-    assert report["held_tokens"] == tokens[2]
-    behind.close()
-
-
-class EngineCoreLikeVllms:
-    """The part of vLLM's EngineCore that engine_tower.install_ahead wraps: ``preprocess_add_request`` returning
-    (Request, wave), the request's ``mm_features`` each with ``modality`` and ``data`` (a MultiModalKwargsItem:
-    ``get_data()`` gives its tensors by name)."""
-
-    def preprocess_add_request(self, request):
-        item = types.SimpleNamespace(get_data=lambda: request)
-        return types.SimpleNamespace(mm_features=[types.SimpleNamespace(modality="image", data=item)]), 0
-
-
-class ModelRunnerLikeVllms:
-    """The part of vLLM's GPUModelRunner that engine_tower.install_ahead wraps: ``_batch_mm_inputs_from_scheduler``
-    returning (hashes, [(modality, MultiModalKwargsItem)], lora refs) for a step, each item's fields by name with
-    their ``data`` on the host."""
-
-    def _batch_mm_inputs_from_scheduler(self, scheduler_output):
-        items = [("image", {"image_embeds": types.SimpleNamespace(data=rows),
-                            "image_grid_thw": types.SimpleNamespace(data=torch.tensor(grid))})
-                 for rows, grid in scheduler_output]
-        return [f"h{i}" for i in range(len(items))], items, []
-
-
-def test_the_tower_ahead_takes_images_from_vllms_input_thread_and_the_step_takes_them(images, model_dir, monkeypatch):
-    """With infer.tower_ahead the engine's input thread offers each request's pixel rows; the model runner's batch
-    of a step's encoder inputs names, on the host, the tags its tower calls hold; the step then takes the outputs
-    made ahead, encodes what was not made, gives the same outputs as without it and keeps the embeddings the tags ask
-    for. Without the runner's note (or with one that does not match the batch) the tags come from the rows."""
-    from consumers.infer import engine_tower, pixel_rows
-    from consumers.infer.tower_ahead import AheadEncoder
-
-    monkeypatch.setattr(QwenModelLikeVllms, "_process_image_input", QwenModelLikeVllms._process_image_input)
-    for cls, method in ((EngineCoreLikeVllms, "preprocess_add_request"),
-                        (ModelRunnerLikeVllms, "_batch_mm_inputs_from_scheduler")):
-        monkeypatch.setattr(cls, method, getattr(cls, method))
-    engine_tower.install([(__name__, "QwenModelLikeVllms")])
-    hooks = [(__name__, "EngineCoreLikeVllms", "preprocess_add_request", engine_tower.offered_ahead),
-             (__name__, "ModelRunnerLikeVllms", "_batch_mm_inputs_from_scheduler", engine_tower.noting_tags)]
-    assert engine_tower.install_ahead(hooks + [("vllm_is_not_here", "GPUModelRunner", "x", None)]) is False
-    assert not getattr(EngineCoreLikeVllms.preprocess_add_request, "vlmstream_ahead", False)  # all or nothing
-    assert engine_tower.install_ahead(hooks) and engine_tower.install_ahead(hooks)
-    assert EngineCoreLikeVllms.preprocess_add_request.__wrapped__ is not EngineCoreLikeVllms.preprocess_add_request
-    assert not hasattr(EngineCoreLikeVllms.preprocess_add_request.__wrapped__, "vlmstream_ahead")  # wrapped once
-    ahead = AheadEncoder()
-    monkeypatch.setattr(engine_tower, "AHEAD", ahead)
-    monkeypatch.setenv("VLMSTREAM_INFER__VISION_QKV_KERNEL", "torch")
-    model = QwenModelLikeVllms(model_dir)
-    encoder = engine_tower._encoders[model] = _cpu_encoder(model_dir)
-    ahead.attach(encoder, functools.partial(engine_tower.TAP.put_tags, width=encoder.embedding_width))
-
-    grids = [(1, im.shape[0] // 14, im.shape[1] // 14) for im in images[:3]]
-    tags = [pixel_rows.make_tag(n, keep) for n, keep in ((21, True), (22, False), (23, True))]
-    rows = [pixel_rows.pack(im, g, encoder.family, tag) for im, g, tag in zip(images[:3], grids, tags)]
-    core = EngineCoreLikeVllms()
-    for r, g in zip(rows[:2], grids[:2]):  # the third arrives only in the step's batch
-        prepared, wave = core.preprocess_add_request({"image_embeds": r, "image_grid_thw": torch.tensor([g])})
-        assert wave == 0 and prepared.mm_features
-    _until(lambda: ahead.report()["encoded"] == 2)
-    runner = ModelRunnerLikeVllms()
-    hashes, _, _ = runner._batch_mm_inputs_from_scheduler(list(zip(rows, grids)))
-    assert hashes == ["h0", "h1", "h2"]
-    batch = {"type": "image_embeds", "image_embeds": torch.cat(rows), "image_grid_thw": torch.tensor(grids)}
-    got = model._process_image_input(batch)
-    assert engine_tower.SCHEDULED.pop(grids[:1]) is None  # all three taken by the call
-    untagged = torch.cat([pixel_rows.pack(im, g, encoder.family) for im, g in zip(images[:3], grids)])
-    want = model._process_image_input({**batch, "image_embeds": untagged})  # no tags: all in the step
-    assert len(got) == 3
-    for g, w in zip(got, want, strict=True):
-        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
-    report = ahead.report()
-    assert (report["taken"], report["missed"], report["held_tokens"]) == (2, 1, 0)
-    kept = engine_tower.TAP.take(tags)
-    assert sorted(kept) == sorted([tags[0], tags[2]])  # the thread's and the step's, only where asked for
-
-    # A note that does not match the batch (other grids) is dropped, and the tags come from the rows.
-    more = [pixel_rows.make_tag(n, True) for n in (24, 25)]
-    runner._batch_mm_inputs_from_scheduler([(rows[0], grids[0]), (rows[0], grids[0])])
-    pair = {"type": "image_embeds", "image_grid_thw": torch.tensor(grids[1:]),
-            "image_embeds": torch.cat([pixel_rows.pack(im, g, encoder.family, tag)
-                                       for im, g, tag in zip(images[1:3], grids[1:], more)])}
-    for g, w in zip(model._process_image_input(pair), want[1:], strict=True):
-        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
-    assert sorted(engine_tower.TAP.take(more)) == sorted(more)
-    ahead.close()
-    engine_tower._encoders.pop(model)
-
-
 def test_the_engine_tower_setting_is_refused_where_it_cannot_run_and_reaches_the_engine_process():
     """engine_tower_args: off, nothing; for a generic-path model refused by the setting's name, as is tower_clock in
     embeds mode; engine_tower in either mode, and tower_clock in pixels mode, vLLM's worker extension and the tower's
@@ -857,13 +700,6 @@ def test_the_engine_tower_setting_is_refused_where_it_cannot_run_and_reaches_the
     assert args == {"worker_extension_cls": ENGINE_TOWER_EXTENSION} and env["VLMSTREAM_INFER__ENGINE_TOWER"] == "false"
     with pytest.raises(ValueError, match="infer.tower_clock=false"):  # embeds mode gives vLLM no tower to time
         engine_tower_args(InferSettings(tower_clock=True, engine_tower=False), "embeds", QWEN2_VL)
-    # infer.tower_ahead runs inside the engine tower, in embeds mode only; refused elsewhere by its name.
-    for ahead, mode in ((InferSettings(tower_ahead=True), "pixels"),
-                        (InferSettings(tower_ahead=True, engine_tower=False), "embeds")):
-        with pytest.raises(ValueError, match="infer.tower_ahead=false"):
-            engine_tower_args(ahead, mode, QWEN2_VL)
-    env = engine_tower_args(InferSettings(tower_ahead=True, tower_ahead_tokens=4096), "embeds", QWEN2_VL)[1]
-    assert (env["VLMSTREAM_INFER__TOWER_AHEAD"], env["VLMSTREAM_INFER__TOWER_AHEAD_TOKENS"]) == ("true", "4096")
     # Unset engine_tower in embeds mode: the clock times our tower there.
     assert engine_tower_args(clocked, "embeds", QWEN2_VL)[1]["VLMSTREAM_INFER__ENGINE_TOWER"] == "true"
     on = InferSettings(engine_tower=True, vision_qkv_kernel="torch", vision_compile=False, vision_mlp_kernel="triton",
@@ -969,22 +805,15 @@ def test_the_engine_process_picks_its_tower_from_the_settings_it_was_given(monke
 
     monkeypatch.setattr(engine_tower.importlib.util, "find_spec", lambda name: None)
     monkeypatch.setenv("VLMSTREAM_INFER__ENGINE_TOWER", "true")
-    monkeypatch.setenv("VLMSTREAM_INFER__TOWER_AHEAD", "true")
-    assert engine_tower._installed_on_import() == ("vlmstream", [], None)
+    assert engine_tower._installed_on_import() == ("vlmstream", [])
     monkeypatch.setenv("VLMSTREAM_INFER__ENGINE_TOWER", "false")
-    assert engine_tower._installed_on_import() == ("vllm", [], None)
-    # vLLM there (its classes as install finds them): infer.tower_ahead builds the ahead encoder with its budget, for
-    # our tower only.
+    assert engine_tower._installed_on_import() == ("vllm", [])
+    # vLLM there (its classes as install finds them).
     monkeypatch.setattr(engine_tower.importlib.util, "find_spec", lambda name: object())
     monkeypatch.setattr(engine_tower, "install", lambda wrap: [wrap.__name__])
-    monkeypatch.setattr(engine_tower, "install_ahead", lambda: True)
-    monkeypatch.setenv("VLMSTREAM_INFER__TOWER_AHEAD_TOKENS", "1234")
-    assert engine_tower._installed_on_import() == ("vllm", ["timed_tower"], None)
+    assert engine_tower._installed_on_import() == ("vllm", ["timed_tower"])
     monkeypatch.setenv("VLMSTREAM_INFER__ENGINE_TOWER", "true")
-    tower, installed, ahead = engine_tower._installed_on_import()
-    assert (tower, installed, ahead.budget_tokens) == ("vlmstream", ["through_our_tower"], 1234)
-    monkeypatch.setenv("VLMSTREAM_INFER__TOWER_AHEAD", "false")
-    assert engine_tower._installed_on_import()[2] is None
+    assert engine_tower._installed_on_import() == ("vlmstream", ["through_our_tower"])
 
 
 def test_pixel_rows_carry_an_exact_size_image_to_the_engine_and_back_unchanged():
@@ -1046,7 +875,7 @@ def test_the_embedding_tap_keeps_each_tagged_image_once_and_the_newest_when_full
     not_asked = pixel_rows.make_tag(14, False)
     tokens = [torch.arange(24, dtype=torch.float32).reshape(4, 6) + i for i in range(5)]
     tap.put(tag_bytes(t10, t11), tokens[:2], width=2)
-    tap.put_tags([t12, not_asked, t13], [tokens[2], tokens[4], tokens[3]], width=2)
+    tap.put(tag_bytes(t12, not_asked, t13), [tokens[2], tokens[4], tokens[3]], width=2)
     assert tap.take([t11]) == {t11: np.array([9.0 + 1, 10.0 + 1], np.float16).tobytes()}  # mean of rows, columns 0-1
     assert tap.take([t10, not_asked]) == {}  # the oldest of four, one too many for keep=3; one never asked for
     assert sorted(tap.take([t12, t13, t11])) == [t12, t13]

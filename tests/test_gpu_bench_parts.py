@@ -89,15 +89,6 @@ def test_engine_log_readers(tmp_path):
     log.write_text("INFO vLLM 0.26.0 up in 50.1s (mode=embeds, embeds_only=True, scheduler limits "
                    "{'max_num_seqs': 1024, 'max_num_batched_tokens': 16384})\n")
     assert arm_pipeline.engine_scheduler_limits(log) == ["{'max_num_seqs': 1024, 'max_num_batched_tokens': 16384}"]
-    assert arm_pipeline.tower_ahead_counts(log) == []
-    # What VllmEngine logs at close with infer.tower_ahead: the counts after its marker, as JSON.
-    from consumers.infer.vllm_engine import TOWER_AHEAD_LOG
-
-    counts = {"offered": 900, "encoded": 880, "taken": 870, "missed": 30, "dropped": 0, "failed": 0}
-    with log.open("a") as f:
-        f.write(f"INFO the vision tower in vLLM's engine process (vlmstream's): ...: {{'kept': 3}}; {TOWER_AHEAD_LOG} "
-                f"{json.dumps(counts)}\nINFO {TOWER_AHEAD_LOG} not json\n")
-    assert arm_pipeline.tower_ahead_counts(log) == [counts]
     profile = tmp_path / "profile.json"
     profile.write_text(json.dumps({"windows": [{
         "t_end": 1.0, "span_s": 60.0, "process_cores": 1.4,

@@ -333,16 +333,6 @@ class InferSettings(BaseModel):
         "embeddings ran 4% faster with it than with the tower in the consumer, in one lease (benchmarks/RESULTS.md "
         "[z]), and it was the fastest path measured at 12.8 MP ([r]). true or false: as set, and true fails at "
         "start where vLLM's model does not take the tower.")
-    tower_ahead: bool = Field(
-        False, description="vLLM engine, embeds mode with engine_tower: run our vision tower ahead of the engine's "
-        "step (consumers/infer/tower_ahead.py): each request's image is encoded on a CUDA stream of its own as vLLM's "
-        "input thread receives it, beside the language model's forwards, and the step takes the tokens made instead "
-        "of running the tower between the language model's turns. Every image's rows then carry a tag. Opt-in: on "
-        "one H200 at 0.2 MP it gained nothing (benchmarks/RESULTS.md [ak]); 1 MP is not measured.")
-    tower_ahead_tokens: int = Field(
-        65536, ge=1, description="vLLM engine, with tower_ahead: most merged visual tokens made ahead and not yet "
-        "taken by the engine's step (GPU memory: tokens x the tower's output width x 2 bytes; 65,536 of "
-        "Qwen2.5-VL-7B's are 470 MB); the ahead thread waits while that many wait.")
     tower_clock: bool = Field(
         False, description="vLLM engine, pixels mode, Qwen families: time the vision tower's forwards in vLLM's engine "
         "process with CUDA events (no waiting) and put its GPU ms per image in each result's timings_ms as "

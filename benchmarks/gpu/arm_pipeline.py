@@ -262,25 +262,6 @@ def engine_scheduler_limits(log_path: Path) -> list[str]:
     return re.findall(r"scheduler limits (\{[^}]*\})", text)
 
 
-def tower_ahead_counts(log_path: Path) -> list[dict]:
-    """With infer.tower_ahead, what each `vlmstream infer` of this log said at close of the tower run ahead of vLLM's
-    step (vllm_engine's TOWER_AHEAD_LOG line): images offered, made ahead and taken, missed (encoded in the step)."""
-    from consumers.infer.vllm_engine import TOWER_AHEAD_LOG
-
-    try:
-        lines = log_path.read_text(errors="replace").splitlines()
-    except OSError:
-        return []
-    counts = []
-    for line in lines:
-        if TOWER_AHEAD_LOG in line:
-            try:
-                counts.append(json.loads(line.split(TOWER_AHEAD_LOG, 1)[1]))
-            except ValueError:
-                continue
-    return counts
-
-
 def runner_stats(log_path: Path) -> dict:
     """The inference runners' own account (the JSON RunnerStats line each logs at exit): how long each engine had
     nothing submitted after its first record, and how long of that the runner itself held fetched records (the
@@ -420,8 +401,7 @@ def run_pipeline(args: argparse.Namespace, mode: str, bootstrap: str, out: Path,
                          "vision_batch_images": env.get("VLMSTREAM_INFER__VISION_BATCH_IMAGES", "default"),
                          "engine_cpu_threads": env.get("VLMSTREAM_INFER__ENGINE_CPU_THREADS", "default"),
                          "engine_tower": env.get("VLMSTREAM_INFER__ENGINE_TOWER", "default"),
-                         "tower_clock": env.get("VLMSTREAM_INFER__TOWER_CLOCK", "false"),
-                         "tower_ahead": env.get("VLMSTREAM_INFER__TOWER_AHEAD", "false")}
+                         "tower_clock": env.get("VLMSTREAM_INFER__TOWER_CLOCK", "false")}
 
             # Warm-up: engines started (phase 0), this budget's shapes seen, the new decode fleet in its group and
             # every stage has handled records before the clock starts.
@@ -515,8 +495,6 @@ def run_pipeline(args: argparse.Namespace, mode: str, bootstrap: str, out: Path,
             watcher.close()
         gpu.stop()
         stats = runner_stats(logp)
-        if ahead := tower_ahead_counts(logp):
-            stats["tower_ahead"] = ahead
         if args.profile:
             stats["profiles"] = {g: profile_summary(out / f"profile-{mode}-gpu{g}.json") for g in args.gpu_ids}
         if stats:

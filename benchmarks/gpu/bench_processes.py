@@ -75,8 +75,7 @@ def tree_cpu_seconds(pid: int) -> float:
 def stop_drained(proc: subprocess.Popen | None, grace_s: float = 20.0) -> None:
     """SIGTERM to proc alone, grace_s for it to drain and stop its own children, then ``kill_tree`` on what is left.
     A vLLM consumer signalled with its whole group loses its engine process to the same signal (it aborts its
-    requests at once), and with it what the consumer reads from the engine at close: the tower's clock and the
-    ahead encoder's counts."""
+    requests at once), and with it what the consumer reads from the engine at close: the tower's clock."""
     if proc is None:
         return
     if proc.poll() is None:

@@ -23,12 +23,6 @@ With embeddings published, embeds mode's pixel rows carry a tag per image (``pix
 each tagged image's embedding until the consumer takes it (``EmbeddingTap``): the tower runs once per image for both
 the description and the embedding.
 
-With ``infer.tower_ahead`` the import also wraps vLLM's ``EngineCore.preprocess_add_request``, which its input thread
-calls for each request it receives, so that each image's pixel rows go to ``tower_ahead.AheadEncoder`` as they arrive,
-and ``GPUModelRunner._batch_mm_inputs_from_scheduler``, so that the step knows on the host which tagged images its
-tower calls hold (``ScheduledTags``): the tower then runs ahead of the engine's step, and the step takes what it made
-(``tower_ahead`` says how).
-
 Nothing here imports vLLM unless vLLM is installed, and nothing in the consumer's own process imports this module.
 """
 
@@ -42,11 +36,9 @@ import logging
 import threading
 import weakref
 
-import numpy as np
 import torch
 
 from consumers.infer import pixel_rows
-from consumers.infer.tower_ahead import AheadEncoder
 from consumers.infer.vision import (VisionEncoder, load_vision_tower, mean_pooled, patchify_batch,
                                     to_host_later)
 
@@ -72,7 +64,7 @@ class TowerClock:
 
     def __init__(self, event=None):
         self._event = event  # the CUDA event class; found on the first forward (tests give their own)
-        self._lock = threading.Lock()  # the step's forwards and, with infer.tower_ahead, the ahead thread's
+        self._lock = threading.Lock()  # the step's forwards and the reports read from another thread
         self._pending: collections.deque = collections.deque()
         self.forwards = 0
         self.images = 0
@@ -118,7 +110,7 @@ class EmbeddingTap:
     copy into page-locked memory, with an event that ``take`` waits on (long passed by then): the engine's step never
     waits for the GPU here. Only tags that ask for it (``pixel_rows.keeps_embedding``) keep an embedding. At most
     ``keep`` embeddings wait; the oldest go first (those of requests the consumer never asks about, such as aborted
-    ones), counted in ``dropped``. Thread-safe: with ``infer.tower_ahead`` the ahead thread puts too."""
+    ones), counted in ``dropped``."""
 
     def __init__(self, keep: int = 32768):  # far above the images in flight (infer.max_images_in_flight)
         self.keep = keep
@@ -134,11 +126,6 @@ class EmbeddingTap:
         (tag_bytes, embeddings), copied = to_host_later([tag_bytes, mean_pooled(tokens, width)])
         with self._lock:
             self._pending.append((copied, tag_bytes, embeddings))
-
-    def put_tags(self, tags: list[int], tokens, width: int) -> None:
-        """``put`` with the tags as numbers."""
-        tag_bytes = torch.from_numpy(np.array(tags, dtype="<u8").view(np.uint8).reshape(-1, pixel_rows.TAG_BYTES))
-        self.put(tag_bytes.to(tokens[0].device), tokens, width)
 
     def take(self, tags: list[int]) -> dict[int, bytes]:
         """The float16 bytes of the embedding of each of ``tags`` kept here, each given once; tags not kept are left
@@ -215,16 +202,6 @@ def through_our_tower(original, build=encoder_for):
         encoder = _encoders.get(self)
         if encoder is None:
             encoder = _encoders[self] = build(self)
-            if AHEAD is not None:
-                AHEAD.attach(encoder, functools.partial(TAP.put_tags, width=encoder.embedding_width), CLOCK)
-        if rows and AHEAD is not None:
-            tags = SCHEDULED.pop([tuple(g) for g in image_input["image_grid_thw"].tolist()])
-            if tags is None:  # not noted by the model runner: read from the rows, waiting for the GPU
-                tag_bytes = pixel_rows.tags(image_input["image_embeds"], image_input["image_grid_thw"],
-                                            encoder.family)
-                tags = None if tag_bytes is None else pixel_rows.tag_values(tag_bytes.cpu())
-            if tags is not None:
-                return _made_ahead(encoder, image_input, tags)
 
         def encode():
             grid_thw = image_input["image_grid_thw"]
@@ -246,132 +223,6 @@ def through_our_tower(original, build=encoder_for):
 
     _process_image_input.vlmstream_tower = "vlmstream"
     return _process_image_input
-
-
-def _made_ahead(encoder: VisionEncoder, image_input: dict, tags: list[int]) -> tuple:
-    """Each image's output from AHEAD where the thread made it, else encoded here in the step (timed by CLOCK, the
-    embeddings its tags ask for kept in TAP), in the batch's order."""
-    outputs = AHEAD.take(tags)
-    missing = [i for i, output in enumerate(outputs) if output is None]
-    if missing:
-        images = pixel_rows.unpack(image_input["image_embeds"], image_input["image_grid_thw"], encoder.family)
-
-        def encode():
-            with AHEAD.encoder_lock:
-                return encoder.encode_images([images[i] for i in missing])
-
-        made = _clocked(image_input["image_embeds"], encode)
-        for i, output in zip(missing, made):
-            outputs[i] = output
-        kept = [i for i in missing if pixel_rows.keeps_embedding(tags[i])]
-        if kept:
-            TAP.put_tags([tags[i] for i in kept], [outputs[i] for i in kept], encoder.embedding_width)
-    return tuple(outputs)
-
-
-class ScheduledTags:
-    """The tags of the images the engine's step is about to encode, read on the host from the batch of encoder inputs
-    vLLM's model runner gathers (``GPUModelRunner._batch_mm_inputs_from_scheduler``) before it copies them to the
-    GPU, in the order the tower's calls then see them (vLLM groups consecutive items, keeping their order). Read from
-    the rows on the GPU instead, each tag would wait for everything queued there before it, the previous step's
-    forward included, which vLLM's asynchronous scheduling runs while it prepares this step."""
-
-    def __init__(self):
-        self._pending: collections.deque = collections.deque()  # (tag or None, grid) per image
-
-    def note(self, mm_kwargs) -> None:
-        """A step's (modality, MultiModalKwargsItem) list; what an earlier step left is forgotten."""
-        self._pending.clear()
-        for modality, item in mm_kwargs:
-            if modality == "image":
-                self._pending.append(_tag_and_grid(item))
-
-    def pop(self, grids: list[tuple]) -> list[int] | None:
-        """The tags of the next images, whose grids must be ``grids``; None (and nothing kept) where they are not
-        the images noted, or not all tagged."""
-        if len(self._pending) < len(grids):
-            self._pending.clear()
-            return None
-        popped = [self._pending.popleft() for _ in grids]
-        if any(tag is None or grid != tuple(g) for (tag, grid), g in zip(popped, grids)):
-            self._pending.clear()
-            return None
-        return [tag for tag, _ in popped]
-
-
-def _tag_and_grid(item) -> tuple[int | None, tuple | None]:
-    """One image item's tag (None for rows without one) and grid, read on the host."""
-    try:
-        rows, grid = item["image_embeds"].data, item["image_grid_thw"].data
-    except (KeyError, AttributeError, TypeError):
-        return None, None
-    encoder = AHEAD.encoder if AHEAD is not None else None
-    return pixel_rows.tag_of(rows, grid, encoder.family) if encoder is not None else (None, None)
-
-
-SCHEDULED = ScheduledTags()
-
-
-def noting_tags(batch_mm_inputs_from_scheduler):
-    """vLLM's ``GPUModelRunner._batch_mm_inputs_from_scheduler`` with the step's image tags noted in SCHEDULED."""
-
-    @functools.wraps(batch_mm_inputs_from_scheduler)
-    def _batch_mm_inputs_from_scheduler(self, scheduler_output):
-        batched = batch_mm_inputs_from_scheduler(self, scheduler_output)
-        SCHEDULED.note(batched[1])
-        return batched
-
-    _batch_mm_inputs_from_scheduler.vlmstream_ahead = True
-    return _batch_mm_inputs_from_scheduler
-
-
-def offered_ahead(preprocess_add_request):
-    """vLLM's ``EngineCore.preprocess_add_request`` (its input thread's, run beside the engine's step) with each
-    image's pixel rows offered to AHEAD once the request is built (vLLM's processor cache has filled them in by
-    then)."""
-
-    @functools.wraps(preprocess_add_request)
-    def _preprocess_add_request(self, request):
-        prepared = preprocess_add_request(self, request)
-        try:
-            features = getattr(prepared[0], "mm_features", None) or ()
-            for feature in features:
-                data = feature.data.get_data() if feature.data is not None and feature.modality == "image" else {}
-                rows, grid = data.get("image_embeds"), data.get("image_grid_thw")
-                if isinstance(rows, torch.Tensor) and grid is not None:
-                    AHEAD.offer(rows, grid)
-        except Exception as exc:  # noqa: BLE001 - the step encodes what was not offered; the request goes on
-            log.warning("vlmstream tower ahead: a request's images were not offered (%s: %s)", type(exc).__name__,
-                        str(exc)[:300])
-        return prepared
-
-    _preprocess_add_request.vlmstream_ahead = True
-    return _preprocess_add_request
-
-
-# Where vLLM 0.26 lets the tower run ahead: its input thread's request preparation offers each image, and its model
-# runner's batch of a step's encoder inputs says which images the step's tower calls hold.
-AHEAD_HOOKS = (("vllm.v1.engine.core", "EngineCore", "preprocess_add_request", offered_ahead),
-               ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "_batch_mm_inputs_from_scheduler", noting_tags))
-
-
-def install_ahead(hooks=AHEAD_HOOKS) -> bool:
-    """Wrap each (module, class, method) of ``hooks`` with its wrapper; False, and nothing wrapped, where any is not
-    there. Installing twice changes nothing."""
-    found = []
-    for module_name, class_name, method, wrap in hooks:
-        try:
-            cls = getattr(importlib.import_module(module_name), class_name)
-            getattr(cls, method)
-        except (ImportError, AttributeError) as exc:
-            log.warning("vlmstream tower ahead: %s.%s.%s is not there (%s); the tower runs in the engine's step",
-                        module_name, class_name, method, exc)
-            return False
-        found.append((cls, method, wrap))
-    for cls, method, wrap in found:
-        if not getattr(getattr(cls, method), "vlmstream_ahead", False):
-            setattr(cls, method, wrap(getattr(cls, method)))
-    return True
 
 
 def timed_tower(process_image_input):
@@ -437,27 +288,23 @@ class EngineTowerExtension:
         return {"installed": list(INSTALLED), "tower": TOWER, "model": model_takes_it(self), "encoders": [
             {"fast_blocks": e.fast.replaced if e.fast else 0, "compiled": e.compiled, "attention": e.attention,
              "image_embeds_width": e.image_embeds_width} for e in _encoders.values()], "clock": CLOCK.totals(),
-            "embeddings": TAP.totals(), "ahead": AHEAD.report() if AHEAD is not None else None}
+            "embeddings": TAP.totals()}
 
     def vlmstream_take_embeddings(self, tags: list[int]) -> dict[int, bytes]:
         return TAP.take(tags)
 
 
-def _installed_on_import() -> tuple[str, list[str], AheadEncoder | None]:
-    """Which tower this engine process runs ("vlmstream" or "vllm", from the settings VllmEngine exported to it),
-    the model classes it is installed in, and with infer.tower_ahead the encoder that runs it ahead of the step."""
+def _installed_on_import() -> tuple[str, list[str]]:
+    """Which tower this engine process runs ("vlmstream" or "vllm", from the settings VllmEngine exported to it)
+    and the model classes it is installed in."""
     from vlmstream.config import Settings
 
     settings = Settings().infer
     tower = "vlmstream" if settings.engine_tower else "vllm"
     if importlib.util.find_spec("vllm") is None:
-        return tower, [], None
-    installed = install(wrap=through_our_tower if tower == "vlmstream" else timed_tower)
-    ahead = None
-    if tower == "vlmstream" and settings.tower_ahead and install_ahead():
-        ahead = AheadEncoder(settings.tower_ahead_tokens)
-    return tower, installed, ahead
+        return tower, []
+    return tower, install(wrap=through_our_tower if tower == "vlmstream" else timed_tower)
 
 
 # Installed on import: the only place vLLM lets a worker run code of ours before it builds its model.
-TOWER, INSTALLED, AHEAD = _installed_on_import()
+TOWER, INSTALLED = _installed_on_import()

@@ -9,11 +9,9 @@ bytes per merged token (2,352 for Qwen2/2.5-VL, 3,072 for Qwen3-VL), so its byte
 to the engine as image_embeds without a copy: an eighth of the float32 pixels, with no processor work on the CPU.
 The engine side (``engine_tower``) views the rows as the image again and patchifies it on the GPU.
 
-With embeddings published (and with ``infer.tower_ahead``, for every image), each image's rows carry ``TAG_BYTES``
-more columns, the first row's holding a number the consumer chose (``make_tag``; the others zero): the engine keeps
-the image's embedding under it where the tag asks for one (``keeps_embedding``), and the consumer asks for it by it
-(``engine_tower.EmbeddingTap``); the tower run ahead of the engine's step finds the image by it
-(``tower_ahead``). vLLM splits the rows per image by their count alone, so the wider rows reach the model as they
+With embeddings published, each image's rows carry ``TAG_BYTES`` more columns, the first row's holding a number the
+consumer chose (``make_tag``; the others zero): the engine keeps the image's embedding under it where the tag asks
+for one (``keeps_embedding``), and the consumer asks for it by it (``engine_tower.EmbeddingTap``). vLLM splits the rows per image by their count alone, so the wider rows reach the model as they
 left. Tagged rows are a copy of the image, untagged ones its own memory.
 """
 
@@ -92,20 +90,6 @@ def tags(rows: torch.Tensor, grid_thw: torch.Tensor, family: ModelFamily) -> tor
     firsts = np.cumsum([0] + _tokens(grid_thw, family)[:-1]).tolist()
     # Slices at Python offsets: an index tensor would be copied to the GPU, and a plain copy there waits for it.
     return torch.stack([rows[first, row_width(family):] for first in firsts])
-
-
-def tag_of(rows, grid_thw, family: ModelFamily) -> tuple[int | None, tuple[int, int, int] | None]:
-    """One image's rows and grid as a request carries them, on the host -> (its tag, or None for rows that are not
-    that image's tagged pixel rows; its grid as three numbers, or None for a grid that is not one)."""
-    grid = tuple(int(v) for v in torch.as_tensor(grid_thw).reshape(-1).tolist())
-    if len(grid) != 3:
-        return None, None
-    width = row_width(family)
-    tokens = _tokens(torch.tensor([grid]), family)[0]
-    if (not isinstance(rows, torch.Tensor) or rows.dtype != torch.uint8 or rows.device.type != "cpu"
-            or tuple(rows.shape) != (tokens, width + TAG_BYTES)):
-        return None, grid
-    return tag_values(rows[:1, width:].contiguous())[0], grid
 
 
 def tag_values(tag_bytes: torch.Tensor) -> list[int]:

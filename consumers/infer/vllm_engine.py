@@ -90,7 +90,6 @@ def image_embeds_problem(tokens, grid_thw: tuple[int, int, int], family: ModelFa
 
 # vLLM imports this class's module in its worker before it builds the model (engine_tower.py says why).
 ENGINE_TOWER_EXTENSION = "consumers.infer.engine_tower.EngineTowerExtension"
-TOWER_AHEAD_LOG = "the tower run ahead of the step:"  # then its counts as JSON, for the GPU benchmark to read
 ENGINE_TOWER_CLOCK_S = 10.0  # how often the consumer reads the engine tower's GPU time (a utility call between steps)
 
 
@@ -147,9 +146,6 @@ def engine_tower_args(settings: InferSettings, mode: str, family: ModelFamily) -
     (both empty when both are off). The engine process reads the tower's settings from its environment
     (engine_tower.encoder_for)."""
     settings = settings.model_copy(update={"engine_tower": engine_tower_on(settings, mode, family)})
-    if settings.tower_ahead and not (settings.engine_tower and mode == "embeds"):
-        raise ValueError("infer.tower_ahead runs our tower ahead inside vLLM's engine in embeds mode: set "
-                         "infer.mode=embeds and infer.engine_tower=true, or infer.tower_ahead=false")
     if not (settings.engine_tower or settings.tower_clock):
         return {}, {}
     name = tower_setting(settings)
@@ -164,9 +160,7 @@ def engine_tower_args(settings: InferSettings, mode: str, family: ModelFamily) -
            "VLMSTREAM_INFER__VISION_QKV_KERNEL": settings.vision_qkv_kernel,
            "VLMSTREAM_INFER__VISION_MLP_KERNEL": settings.vision_mlp_kernel,
            "VLMSTREAM_INFER__VISION_NORM_KERNEL": settings.vision_norm_kernel,
-           "VLMSTREAM_INFER__VISION_WINDOW_ATTENTION": settings.vision_window_attention,
-           "VLMSTREAM_INFER__TOWER_AHEAD": str(settings.tower_ahead).lower(),
-           "VLMSTREAM_INFER__TOWER_AHEAD_TOKENS": str(settings.tower_ahead_tokens)}
+           "VLMSTREAM_INFER__VISION_WINDOW_ATTENTION": settings.vision_window_attention}
     return {"worker_extension_cls": ENGINE_TOWER_EXTENSION}, env
 
 
@@ -257,8 +251,7 @@ class VllmEngine(QueuedEngine):
                 log.warning("%s; running the vision tower in this process instead (infer.engine_tower=false)", problem)
                 self._engine_loop.shutdown_llm(self.llm)
                 self._engine_loop.reap_children()
-                self._set_tower_place(self.settings.model_copy(update={"engine_tower": False, "tower_clock": False,
-                                                                       "tower_ahead": False}))
+                self._set_tower_place(self.settings.model_copy(update={"engine_tower": False, "tower_clock": False}))
                 embeds_only = self._start_vllm(args, embeds_only)  # as the first start found it to work
             elif problem:
                 self._engine_loop.shutdown_llm(self.llm)
@@ -377,10 +370,6 @@ class VllmEngine(QueuedEngine):
         if self.settings.engine_tower and not report.get("encoders"):
             log.warning("vLLM ran no image at start, so the tower in its engine process is built (and compiled) on "
                         "the first batch")
-        if self.settings.tower_ahead and not report.get("ahead"):
-            log.warning("infer.tower_ahead: vLLM %s's engine has none of the places the tower run ahead hooks into "
-                        "(engine_tower.AHEAD_HOOKS; its process log says which is missing); the tower runs in the "
-                        "engine's step", self._v.version)
         return None
 
     def _embeds_here(self) -> bool:
@@ -392,8 +381,8 @@ class VllmEngine(QueuedEngine):
         return (await self.llm.collective_rpc("vlmstream_tower_report"))[0]
 
     def tower_report(self, timeout_s: float = 10) -> dict:
-        """What vLLM's worker reports now (engine_tower.EngineTowerExtension): the tower it runs, its clock, the
-        embeddings it keeps and, with infer.tower_ahead, what the tower run ahead of the step made and missed."""
+        """What vLLM's worker reports now (engine_tower.EngineTowerExtension): the tower it runs, its clock and the
+        embeddings it keeps."""
         return self._engine_loop.call(self._tower_report(), timeout_s)
 
     async def _take_engine_embeddings(self, tags: list[int]) -> dict[int, bytes]:
@@ -427,12 +416,9 @@ class VllmEngine(QueuedEngine):
                         str(exc)[:200])
             return
         log.info("the vision tower in vLLM's engine process (%s): %d images in %d forwards, %.1f GPU ms per image; "
-                 "embeddings kept there for this process: %s%s",
+                 "embeddings kept there for this process: %s",
                  "vlmstream's" if self.settings.engine_tower else "vLLM's own", clock["images"], clock["forwards"],
-                 clock["gpu_ms"] / max(1, clock["images"]), report.get("embeddings"),
-                 # With infer.tower_ahead the clock's ahead forwards count their stream's elapsed time, which holds
-                 # whatever of the language model's work the GPU ran beside them.
-                 f"; {TOWER_AHEAD_LOG} {json.dumps(report['ahead'])}" if report.get("ahead") else "")
+                 clock["gpu_ms"] / max(1, clock["images"]), report.get("embeddings"))
 
     # ----------------------------------------------------------------------------- Engine protocol
 
@@ -545,13 +531,10 @@ class VllmEngine(QueuedEngine):
                 mm_item = request.image
             else:  # image_embeds from our tower here, or the image's own bytes for our tower in the engine
                 if self._tower_in_engine:
-                    # Tagged for the embedding, and with infer.tower_ahead every image, which the tower run ahead
-                    # finds by its tag.
+                    # Tagged where the engine is to keep the image's embedding for this process.
                     keep = bool(self._engine_embeddings and request.want_embedding)
-                    tag = (pixel_rows.make_tag(next(self._tags), keep) if keep or self.settings.tower_ahead
-                           else None)
-                    embedding_tag = tag if keep else None
-                    rows = pixel_rows.pack(request.image, request.grid_thw, self.family, tag)
+                    embedding_tag = pixel_rows.make_tag(next(self._tags), keep) if keep else None
+                    rows = pixel_rows.pack(request.image, request.grid_thw, self.family, embedding_tag)
                 else:
                     rows = image_embeds
                 mm_item = {"image_embeds": rows, "image_grid_thw": self._torch.tensor([list(request.grid_thw)])}
