@@ -88,7 +88,7 @@ def main() -> None:
     for name, path in models.items():
         family = family_of(path)
         tower, _ = load_vision_tower(path, "cpu", torch.float32)
-        encoder = VisionEncoder(tower, "cpu", torch.float32, attention="sdpa", compile_blocks=False)
+        encoder = VisionEncoder(tower, "cpu", torch.float32, attention="sdpa")
         for budget in args.budgets.split(","):
             unit = family.factor ** 2
             max_pixels = family.max_pixels if budget == "default" else int(budget) * unit

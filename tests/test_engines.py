@@ -138,15 +138,20 @@ def test_compiled_vision_blocks_compile_in_this_process(model_dir, monkeypatch):
     asked = []
     monkeypatch.setattr(vision.torch, "compile", lambda fn, **kw: asked.append((fn, kw)) or fn)
     tower, _ = vision.load_vision_tower(model_dir, "cpu", torch.float32)
-    blocks = vision.FastVisionBlocks(tower, attention=None, compile_blocks=True, qkv_kernel="torch")
+    blocks = vision.FastVisionBlocks(tower, attention=None, compile_blocks=True)
     vision.FastVisionBlocks.remove(tower)
     assert {fn for fn, _ in asked} == {vision._before_attention, vision._after_attention, vision._project,
                                        vision._up_projection}
     assert all(kw["options"]["compile_threads"] == 1 and kw["dynamic"] and kw["fullgraph"] for _, kw in asked)
     assert blocks.before is vision._before_attention  # what the stand-in returned: the blocks call the compiled code
-    # "auto" kernels with compiled blocks, where Triton imports: a kernel for each MLP activation that has one.
-    assert (set(blocks.mlp_kernels), blocks.rotate_qkv is None) == (
-        {vision.silu_gate, vision.gelu_tanh, vision.quick_gelu} if vision.triton_mlp_kernels() else set(), True)
+    # Compiled blocks run the Triton kernels where Triton imports: q/k/v's, and one for each MLP activation that has
+    # one; blocks that are not compiled run none.
+    triton = vision.triton_mlp_kernels() is not None
+    assert (set(blocks.mlp_kernels), blocks.rotate_qkv is not None) == (
+        {vision.silu_gate, vision.gelu_tanh, vision.quick_gelu} if triton else set(), triton)
+    eager = vision.FastVisionBlocks(tower, attention=None)
+    vision.FastVisionBlocks.remove(tower)
+    assert (eager.mlp_kernels, eager.rotate_qkv, eager.norm_kernels) == ({}, None, None)
 
 
 def test_triton_qkv_kernel_splits_and_rotates_as_the_torch_code_does(interpreted_triton):
@@ -194,17 +199,15 @@ def test_triton_mlp_activation_kernels_compute_what_the_torch_code_does(interpre
         kernels.silu_gate(torch.randn(4, 10).t())
 
 
-@pytest.mark.parametrize("setting", [{"qkv_kernel": "triton"}, {"qkv_kernel": "triton", "strided_v": True},
-                                     {"mlp_kernel": "triton"}, {"qkv_kernel": "triton", "norm_kernel": "triton"},
-                                     {"mlp_kernel": "triton", "norm_kernel": "triton"},
-                                     {"mlp_kernel": "triton", "norm_kernel": "triton", "residual_in_product": False}])
-def test_fast_vision_blocks_with_a_triton_kernel_compute_transformers_output(setting, interpreted_triton,
-                                                                           interpreted_mlp_kernels,
-                                                                           interpreted_norm_kernels, images, model_dir):
-    """Each Triton kernel the fast blocks can run (built for the CPU interpreter), in every block of the tiny
-    Qwen2.5-VL tower: the tower's output is transformers'. With ``strided_v`` the attention gets v as a view of the
-    projection; the norm kernels run in the steps beside the q/k/v and MLP kernels; the block's last residual add in
-    the MLP's last product (the default) and after it."""
+@pytest.mark.parametrize("setting", [{}, {"strided_v": True}, {"residual_in_product": False}])
+def test_fast_vision_blocks_with_the_triton_kernels_compute_transformers_output(setting, interpreted_triton,
+                                                                              interpreted_mlp_kernels,
+                                                                              interpreted_norm_kernels, images,
+                                                                              model_dir):
+    """The Triton kernels the fast blocks run (built for the CPU interpreter), in every block of the tiny Qwen2.5-VL
+    tower: the tower's output is transformers'. With ``strided_v`` the attention gets v as a view of the projection;
+    the norm kernels run in the steps beside the q/k/v and MLP kernels; the block's last residual add in the MLP's
+    last product (the default) and after it."""
     from consumers.infer.mlp_activation import silu_gate
     from consumers.infer.vision import FastVisionBlocks, block_kernels, load_vision_tower, patchify_batch
 
@@ -212,23 +215,20 @@ def test_fast_vision_blocks_with_a_triton_kernel_compute_transformers_output(set
     pixel_values, grid_thw = patchify_batch(images[:2])
     with torch.inference_mode():
         expected = tower(pixel_values, grid_thw=grid_thw).pooler_output
-        blocks = FastVisionBlocks(tower, attention=None, **{"norm_kernel": "torch", **setting})
+        blocks = FastVisionBlocks(tower, attention=None, triton=True, **setting)
         assert blocks.replaced == len(tower.blocks)
-        assert block_kernels(blocks) == {
-            "qkv": ("triton, v strided" if setting.get("strided_v") else "triton") if "qkv_kernel" in setting
-            else "torch", "norm": setting.get("norm_kernel", "torch"), "mlp": setting.get("mlp_kernel", "torch")}
-        calls = []
-        if "norm_kernel" in setting:
-            # The steps look the kernels up in their namespace at each call (a fresh one: the fixture's cache).
-            for name in ("norm", "add_norm"):
-                setattr(blocks.norm_kernels, name, counting(getattr(blocks.norm_kernels, name), calls))
-        elif "qkv_kernel" in setting:
-            blocks.rotate_qkv = counting(blocks.rotate_qkv, calls)
-        else:
-            blocks.mlp_kernels[silu_gate] = counting(blocks.mlp_kernels[silu_gate], calls)
+        assert block_kernels(blocks) == {"qkv": "triton, v strided" if setting.get("strided_v") else "triton",
+                                         "norm": "triton", "mlp": "triton"}
+        calls = {"qkv": [], "norm": [], "mlp": []}
+        # The steps look the norm kernels up in their namespace at each call (a fresh one: the fixture's cache).
+        for name in ("norm", "add_norm"):
+            setattr(blocks.norm_kernels, name, counting(getattr(blocks.norm_kernels, name), calls["norm"]))
+        blocks.rotate_qkv = counting(blocks.rotate_qkv, calls["qkv"])
+        blocks.mlp_kernels[silu_gate] = counting(blocks.mlp_kernels[silu_gate], calls["mlp"])
         got = tower(pixel_values, grid_thw=grid_thw).pooler_output
-        # every block went through the kernel (the norm kernels: once in each step beside a Triton kernel)
-        assert len(calls) == len(tower.blocks)
+        # every block went through each kernel (the norm kernels: once in each of the two steps)
+        assert {kind: len(c) for kind, c in calls.items()} == {
+            "qkv": len(tower.blocks), "norm": 2 * len(tower.blocks), "mlp": len(tower.blocks)}
         FastVisionBlocks.remove(tower)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
 
@@ -262,20 +262,18 @@ def test_a_windowed_towers_window_blocks_take_their_own_kernel(images, model_dir
     assert max(seen["window"]) <= window_patches < min(seen["whole"])
 
 
-def test_the_window_blocks_kernel_is_picked_where_it_can_run_and_refused_by_its_setting(model_dir):
-    """pick_window_attention: "same" and, off CUDA or without a varlen kernel for the whole-image blocks, "auto" give
-    the window blocks the tower's own attention (None); a kernel asked by name that cannot run here is refused with
-    the setting that fixes it. The encoder asks only for a windowed tower."""
+def test_the_window_blocks_keep_the_towers_attention_where_their_own_kernel_cannot_run(model_dir):
+    """pick_window_attention: off CUDA, in float32, or without a varlen kernel for the whole-image blocks, the window
+    blocks keep the tower's own attention (None); the encoder on the CPU has no window kernel."""
     from consumers.infer.vision import VisionEncoder, load_vision_tower, pick_window_attention
 
-    assert pick_window_attention("cpu", torch.float32, "same", "sdpa") is None
-    assert pick_window_attention("cpu", torch.float32, "auto", "sdpa") is None
-    with pytest.raises(ValueError, match="infer.vision_window_attention=auto"):
-        pick_window_attention("cpu", torch.float32, "torch_varlen", "sdpa")
+    assert pick_window_attention("cpu", torch.float32, "sdpa") is None
+    assert pick_window_attention("cpu", torch.bfloat16, "vllm_fa3") is None
+    assert pick_window_attention("cuda", torch.float32, "vllm_fa3") is None
+    assert pick_window_attention("cuda", torch.bfloat16, "sdpa") is None
     tower, _ = load_vision_tower(model_dir, "cpu", torch.float32)
-    assert VisionEncoder(tower, "cpu", torch.float32, window_attention="same").window_attention is None
-    with pytest.raises(ValueError, match="infer.vision_window_attention"):
-        VisionEncoder(tower, "cpu", torch.float32, window_attention="vllm_fa3")
+    encoder = VisionEncoder(tower, "cpu", torch.float32)
+    assert encoder.windowed and encoder.window_attention is None
 
 
 def test_one_encoder_forward_over_mixed_sizes_equals_one_image_at_a_time(engine, images):
@@ -556,20 +554,6 @@ def test_pooled_embeddings_leave_in_one_copy_and_each_images_tokens_own_storage(
     assert mean_pool_each([]) == [] and to_host_each([]) == []
 
 
-def test_the_towers_qkv_kernel_is_a_setting(monkeypatch):
-    """infer.vision_qkv_kernel reaches the settings from the environment (how gpu_bench's arms set it), and a value
-    the tower does not know is refused by the setting's name."""
-    from vlmstream.config import InferSettings
-
-    assert InferSettings().vision_qkv_kernel == "auto"
-    monkeypatch.setenv("VLMSTREAM_INFER__VISION_QKV_KERNEL", "torch")
-    from vlmstream.config import Settings
-
-    assert Settings().infer.vision_qkv_kernel == "torch"
-    with pytest.raises(Exception, match="vision_qkv_kernel"):
-        InferSettings(vision_qkv_kernel="cuda")
-
-
 class QwenModelLikeVllms:
     """The part of vLLM's Qwen model classes that engine_tower.install replaces and reads: ``_process_image_input``
     (vLLM's own tower: here a marker), ``parameters()`` (for the device), ``model_config.model`` and ``.dtype`` (the
@@ -614,7 +598,6 @@ def test_the_engine_tower_takes_pixel_inputs_and_leaves_the_rest_to_vllm(images,
         expected = tower(inputs["pixel_values"], grid_thw=inputs["image_grid_thw"]).pooler_output.split(
             (inputs["image_grid_thw"].prod(-1) // 4).tolist())
 
-    monkeypatch.setenv("VLMSTREAM_INFER__VISION_QKV_KERNEL", "torch")
     model = QwenModelLikeVllms(model_dir)
     got = model._process_image_input(pixel_input)
     assert isinstance(got, tuple) and len(got) == 3
@@ -702,8 +685,7 @@ def test_the_engine_tower_setting_is_refused_where_it_cannot_run_and_reaches_the
         engine_tower_args(InferSettings(tower_clock=True, engine_tower=False), "embeds", QWEN2_VL)
     # Unset engine_tower in embeds mode: the clock times our tower there.
     assert engine_tower_args(clocked, "embeds", QWEN2_VL)[1]["VLMSTREAM_INFER__ENGINE_TOWER"] == "true"
-    on = InferSettings(engine_tower=True, vision_qkv_kernel="torch", vision_compile=False, vision_mlp_kernel="triton",
-                       vision_norm_kernel="torch", vision_window_attention="same")
+    on = InferSettings(engine_tower=True)
     assert engine_tower_args(on, "embeds", QWEN2_VL)[0] == {"worker_extension_cls": ENGINE_TOWER_EXTENSION}
     with pytest.raises(ValueError, match="infer.engine_tower=false"):
         engine_tower_args(on, "pixels", GENERIC)
@@ -711,13 +693,10 @@ def test_the_engine_tower_setting_is_refused_where_it_cannot_run_and_reaches_the
     assert args == {"worker_extension_cls": ENGINE_TOWER_EXTENSION}
     module, _, name = ENGINE_TOWER_EXTENSION.rpartition(".")
     assert hasattr(importlib.import_module(module), name)
-    assert "VLMSTREAM_INFER__VISION_COMPILE" not in os.environ
+    assert "VLMSTREAM_INFER__ENGINE_TOWER" not in os.environ
     with child_environment(env):
-        seen = Settings().infer
-        assert (seen.engine_tower, seen.vision_qkv_kernel, seen.vision_compile,
-                seen.vision_mlp_kernel, seen.vision_norm_kernel, seen.vision_window_attention) == (
-            True, "torch", False, "triton", "torch", "same")
-    assert "VLMSTREAM_INFER__VISION_COMPILE" not in os.environ
+        assert Settings().infer.engine_tower is True
+    assert "VLMSTREAM_INFER__ENGINE_TOWER" not in os.environ
 
 
 def test_a_host_that_refuses_page_locked_memory_gets_plain_copies_from_then_on(monkeypatch, caplog):
@@ -984,13 +963,13 @@ def test_norm_kernels_that_disagree_with_torch_are_not_used(interpreted_norm_ker
     from consumers.infer import vision
 
     tower, _ = vision.load_vision_tower(model_dir, "cpu", torch.float32)
-    blocks = vision.FastVisionBlocks(tower, attention=None, norm_kernel="triton", mlp_kernel="triton")
+    blocks = vision.FastVisionBlocks(tower, attention=None, triton=True)
     assert vision.block_kernels(blocks)["norm"] == "triton" and blocks.project is not vision._project
     kernels = interpreted_norm_kernels.triton_kernels()
     off_by_one = SimpleNamespace(norm=lambda *args: kernels.norm(*args) + 1, add_norm=kernels.add_norm)
     monkeypatch.setattr(vision, "triton_norm_kernels", lambda: off_by_one)
     with caplog.at_level("WARNING"):
-        blocks = vision.FastVisionBlocks(tower, attention=None, norm_kernel="triton", mlp_kernel="triton")
+        blocks = vision.FastVisionBlocks(tower, attention=None, triton=True)
     vision.FastVisionBlocks.remove(tower)
     assert vision.block_kernels(blocks)["norm"] == "torch" and blocks.project is vision._project
     assert "disagree" in caplog.text

@@ -172,10 +172,9 @@ def test_fast_blocks_compute_what_the_towers_own_blocks_compute(tiny_dirs, name,
                                                                 interpreted_mlp_kernels, interpreted_norm_kernels):
     """Each family's LayerNorm tower with our fused blocks against the same tower running transformers' blocks, on
     three images of different sizes in one forward, DeepStack levels included: as the encoder installs them (the
-    tiny MLP width 128 is already aligned), with the MLP padded (alignment 48 pads 128 to 144), with q/k/v split
-    and rotated by the Triton kernel (v left in the projection), and with the MLP's activation by a Triton kernel
-    in every block, then with the LayerNorms by the Triton kernels beside both (Triton's interpreter on the
-    CPU)."""
+    tiny MLP width 128 is already aligned), with the MLP padded (alignment 48 pads 128 to 144), and with the Triton
+    kernels (Triton's interpreter on the CPU): q/k/v split and rotated by one (v left in the projection, then
+    written out), the MLP's activation by another and the LayerNorms by the norm kernels, in every block."""
     from consumers.infer.vision import FastVisionBlocks, VisionEncoder, load_vision_tower, patchify_batch
 
     family = family_of(tiny_dirs[name])
@@ -196,24 +195,20 @@ def test_fast_blocks_compute_what_the_towers_own_blocks_compute(tiny_dirs, name,
     assert all(block._vlmstream_mlp[1][0].shape[0] == 144 for block in tower.blocks)
     torch.testing.assert_close(torch.cat(encoder.encode_patches(pixel_values, grid_thw)), expected,
                                atol=1e-5, rtol=1e-4)
-    assert FastVisionBlocks(tower, attention=None, alignment=48, qkv_kernel="triton", strided_v=True).strided_v
+    assert FastVisionBlocks(tower, attention=None, alignment=48, triton=True, strided_v=True).strided_v
     torch.testing.assert_close(torch.cat(encoder.encode_patches(pixel_values, grid_thw)), expected,
                                atol=1e-5, rtol=1e-4)
-    blocks = FastVisionBlocks(tower, attention=None, alignment=48, mlp_kernel="triton")
-    calls = []
-    blocks.mlp_kernels = {activation: (lambda h, kernel=kernel: calls.append(1) or kernel(h))
-                          for activation, kernel in blocks.mlp_kernels.items()}
-    torch.testing.assert_close(torch.cat(encoder.encode_patches(pixel_values, grid_thw)), expected,
-                               atol=1e-5, rtol=1e-4)
-    assert len(calls) == len(tower.blocks)  # one forward for all three images: every block's MLP through a kernel
-    blocks = FastVisionBlocks(tower, attention=None, alignment=48, qkv_kernel="triton", mlp_kernel="triton",
-                              norm_kernel="triton")
-    calls.clear()
+    blocks = FastVisionBlocks(tower, attention=None, alignment=48, triton=True)
+    calls = {"qkv": [], "norm": [], "mlp": []}
+    blocks.rotate_qkv = counting(blocks.rotate_qkv, calls["qkv"])
+    blocks.mlp_kernels = {activation: counting(kernel, calls["mlp"]) for activation, kernel in blocks.mlp_kernels.items()}
     for kernel in ("norm", "add_norm"):
-        setattr(blocks.norm_kernels, kernel, counting(getattr(blocks.norm_kernels, kernel), calls))
+        setattr(blocks.norm_kernels, kernel, counting(getattr(blocks.norm_kernels, kernel), calls["norm"]))
     torch.testing.assert_close(torch.cat(encoder.encode_patches(pixel_values, grid_thw)), expected,
                                atol=1e-5, rtol=1e-4)
-    assert len(calls) == 2 * len(tower.blocks)  # both norms of every block through the kernels
+    # One forward for all three images: every block's q/k/v and MLP through a kernel, both its norms through theirs.
+    assert {kind: len(c) for kind, c in calls.items()} == {
+        "qkv": len(tower.blocks), "norm": 2 * len(tower.blocks), "mlp": len(tower.blocks)}
     assert set(tower.state_dict()) == keys  # checkpoints still load
 
 

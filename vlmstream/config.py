@@ -295,30 +295,6 @@ class InferSettings(BaseModel):
         "win). At 0.2 MP vLLM's own way spins most of an H200 host's cores (benchmarks/RESULTS.md).")
     vision_batch_images: int = Field(32, description="vLLM engine: most images per vision-tower forward (also "
                                      "bounded to 65,536 patches).")
-    vision_compile: bool = Field(True, description="torch.compile the vision blocks on CUDA (falls back to eager).")
-    vision_qkv_kernel: Literal["auto", "triton", "torch"] = Field(
-        "auto", description="vLLM engine, our vision tower: how each block splits q, k and v out of its projection "
-        "and rotates them. triton: one pass over memory (consumers/infer/qkv_rotary.py), v left in the projection "
-        "where the attention kernel reads it there (vLLM's FA3, probed at start); torch: compiled torch code; "
-        "auto: triton where the blocks are compiled and Triton imports.")
-    vision_mlp_kernel: Literal["auto", "triton", "torch"] = Field(
-        "auto", description="vLLM engine, our vision tower: how each block computes its MLP's activation. triton: "
-        "one pass over memory (consumers/infer/mlp_activation.py) for the gated MLP's silu(gate) * up (Qwen2.5-VL), "
-        "GELU in its tanh form (Qwen3-VL, Qwen3.5) and quick GELU (Qwen2-VL); alone on an H200 each ran 1.8 to 2.5 "
-        "times as fast as the compiled kernel (benchmarks/RESULTS.md [t], [u]); torch: compiled with the code around "
-        "it; auto: triton where the blocks are compiled and Triton imports.")
-    vision_norm_kernel: Literal["auto", "triton", "torch"] = Field(
-        "auto", description="vLLM engine, our vision tower: how each block runs its two norms (RMSNorm or "
-        "LayerNorm) where the step around them is not compiled whole (beside the q/k/v and MLP Triton kernels). "
-        "triton: one pass over whole rows (consumers/infer/block_norm.py; Inductor loops over rows wider than 1,024 "
-        "values and reads them twice); torch: compiled with the matrix product after it; auto: triton where the "
-        "blocks are compiled and Triton imports.")
-    vision_window_attention: Literal["auto", "torch_varlen", "vllm_fa3", "same"] = Field(
-        "auto", description="vLLM engine, our vision tower: the attention kernel of a windowed tower's window blocks "
-        "(Qwen2.5-VL's: 64-patch windows; its whole-image blocks and other towers keep the fastest kernel for long "
-        "sequences, vLLM's FA3). auto: torch's varlen flash attention (FlashAttention 2) on CUDA where it passes its "
-        "probe: on an H200 its call over 64-patch windows ran 1.6 times as fast as FA3's, the tower 3-4% faster at "
-        "1 and 12.8 MP (benchmarks/RESULTS.md [ah]); same: the whole-image blocks' kernel; or a kernel by name.")
     engine_tower: bool | None = Field(
         None, description="vLLM engine, Qwen families: our vision tower (the settings above) runs inside vLLM's "
         "engine process (consumers/infer/engine_tower.py): one CUDA context instead of the two that embeds mode "

@@ -1,5 +1,5 @@
-"""A vision block's norms alone on the GPU: the kernels Inductor compiles (what the fast vision blocks run with
-``infer.vision_norm_kernel=torch``) against the Triton kernels of ``consumers/infer/block_norm.py`` and eager torch,
+"""A vision block's norms alone on the GPU: the kernels Inductor compiles (what the fast vision blocks run where
+Triton does not import) against the Triton kernels of ``consumers/infer/block_norm.py`` and eager torch,
 side by side in one process, at the patch counts of the engine's forwards at each budget:
   rms_norm        Qwen2.5-VL-7B's norm before the attention's projection (1,280 wide, no bias)
   add_rms_norm    its residual add and norm before the MLP

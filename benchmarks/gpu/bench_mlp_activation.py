@@ -1,5 +1,5 @@
 """A vision block's MLP activation alone on the GPU: the kernel Inductor compiles (what the fast vision blocks run
-with ``infer.vision_mlp_kernel=torch``) against the Triton kernels of ``consumers/infer/mlp_activation.py`` and eager
+where Triton does not import) against the Triton kernels of ``consumers/infer/mlp_activation.py`` and eager
 torch, side by side in one process, at the patch counts of the engine's forwards at each budget:
   silu_gate   Qwen2.5-VL-7B's gated MLP, silu(gate) * up on its merged (patches, 2 x 3,456) projection
   gelu_tanh   Qwen3-VL-8B's GELU (tanh form) on its 4,304 columns padded to 4,352

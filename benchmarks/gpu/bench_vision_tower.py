@@ -8,18 +8,10 @@ Variants, side by side in one process on the same images (random weights: same c
                     Qwen3.5), compiled, q/k/v split and rotated by the Triton kernel, the norms and the MLP's
                     activation (silu(gate) * up or a GELU) by others (what VisionEncoder runs on CUDA;
                     consumers/infer/qkv_rotary.py, block_norm.py, mlp_activation.py)
-  fast-torchqkv+... the same with the compiled torch code for that step instead of the kernel
-  fast-eager+...    FastVisionBlocks without torch.compile
-  fast-torchmlp+... fast+..., the MLP's activation by the compiled torch code (infer.vision_mlp_kernel=torch)
   fast-contigv+...  fast+..., the q/k/v kernel writing v out contiguous, as it does for an attention that does not
                     take v as a view of the projection (fast hands FA3 the view; vision.takes_strided_v)
-  fast-torchnorm+... fast+..., the norms in the compiled code of the steps around them (infer.vision_norm_kernel=
-                    torch) instead of the Triton kernels of consumers/infer/block_norm.py
   fast-addafter+... fast+..., the block's last residual add as an add after the MLP's last product instead of in
                     that product (FastVisionBlocks' residual_in_product=False)
-  fast-fa3window+... fast+..., a windowed tower's window blocks (Qwen2.5-VL's) through <attention> too, not through
-                    torch's varlen flash attention (FlashAttention 2), which fast gives them (infer.vision_window_
-                    attention=same)
 with attention vllm_fa3 (vLLM's FlashAttention 3), torch_varlen (torch's varlen flash) or sdpa. Each timing covers
 GPU patchify + tower forward + merger for a batch of images, synchronised, after warm-up; it prints ms per image
 and images/s per budget with the spread of its timed passes, then the same number of passes queued back to back
@@ -159,8 +151,7 @@ def time_encoder(encoder: VisionEncoder, images: list[np.ndarray], batch: int, m
 
 
 # The <blocks> half of a variant's name (module docstring).
-BLOCKS = ("transformers", "fast", "fast-torchqkv", "fast-eager", "fast-torchmlp", "fast-contigv",
-          "fast-torchnorm", "fast-addafter", "fast-fa3window")
+BLOCKS = ("transformers", "fast", "fast-contigv", "fast-addafter")
 
 
 def make_encoder(tower, device: torch.device, dtype: torch.dtype, variant: str) -> VisionEncoder:
@@ -169,13 +160,8 @@ def make_encoder(tower, device: torch.device, dtype: torch.dtype, variant: str) 
     if blocks not in BLOCKS:
         raise SystemExit(f"--variants: no blocks named {blocks!r} (one of {', '.join(BLOCKS)})")
     return VisionEncoder(tower, device, dtype, attention=attention, fast_blocks=blocks != "transformers",
-                         compile_blocks=blocks not in ("transformers", "fast-eager"),
-                         qkv_kernel="torch" if blocks == "fast-torchqkv" else "auto",
-                         mlp_kernel="torch" if blocks == "fast-torchmlp" else "auto",
                          strided_v=False if blocks == "fast-contigv" else None,
-                         norm_kernel="torch" if blocks == "fast-torchnorm" else "auto",
-                         residual_in_product=blocks != "fast-addafter",
-                         window_attention="same" if blocks == "fast-fa3window" else "auto")
+                         residual_in_product=blocks != "fast-addafter")
 
 
 def in_rounds(variants: list[str], rounds: int) -> list[tuple[str, str]]:
@@ -261,10 +247,10 @@ def main() -> None:
                     f"config is written here (random weights): {', '.join(sorted(GPU_MODELS))}")
     ap.add_argument("--imgs", default="/root/imgs")
     ap.add_argument("--budgets", default="256,1280,default")
-    ap.add_argument("--variants", default="transformers+vllm_fa3,fast-eager+vllm_fa3,fast+vllm_fa3,fast+torch_varlen")
+    ap.add_argument("--variants", default="transformers+vllm_fa3,fast+vllm_fa3,fast+torch_varlen")
     ap.add_argument("--seconds", type=float, default=4.0, help="Minimum timed seconds per variant and budget.")
     ap.add_argument("--batches", default="", help="comma list of images per forward, each timed (default: what the "
-                    "engine batches at each budget; infer.vision_batch_images sets the engine's)")
+                    "engine batches at each budget)")
     ap.add_argument("--images", default="", help="images timed at each budget: a count (the folder's first, by name, "
                     "repeated to fill), or 'all': every image of the folder, the mix gpu_bench's documents cycle "
                     "through, so that GFLOP per image and TFLOPS compare with its tower_tflops_in_engine (default: "

@@ -3,11 +3,10 @@ random weights: what the engine hands vLLM as ``image_embeds`` (for Qwen3-VL the
 levels) and what it publishes as the embedding, against ``get_image_features`` on the checkpoint's own processor's
 pixels. Needs torch and transformers only (no vLLM). ``--blocks fast`` (the default) checks what the engine runs:
 FastVisionBlocks, compiled, with the Triton q/k/v and MLP activation kernels; ``--blocks transformers`` the tower's
-own blocks; ``--blocks fast-fa3window`` the fast blocks with a windowed tower's window blocks through FA3 as well
-(infer.vision_window_attention=same; ``fast`` gives them torch's varlen flash attention).
+own blocks.
 
 Usage: python3 benchmarks/gpu/check_tower.py [--model qwen3-vl-8b|qwen2.5-vl-7b]
-           [--blocks fast|transformers|fast-fa3window]
+           [--blocks fast|transformers]
            [--images DIR] [--n 8] [--max-pixels 1003520] [--out $OUT/tower_check.json]
 Prints one RESULT line; exits 1 when a check fails.
 """
@@ -37,7 +36,7 @@ def main() -> int:
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="qwen3-vl-8b", choices=sorted(GPU_MODELS))
-    ap.add_argument("--blocks", default="fast", choices=("fast", "transformers", "fast-fa3window"))
+    ap.add_argument("--blocks", default="fast", choices=("fast", "transformers"))
     ap.add_argument("--images", default=os.environ.get("IMAGES"))
     ap.add_argument("--n", type=int, default=8)
     ap.add_argument("--max-pixels", type=int, default=1003520)
@@ -57,8 +56,7 @@ def main() -> int:
     # The encoder gets a copy: it swaps the patch embedding and picks its own attention, and the reference must run
     # transformers' own modules (its sdpa attention, its index tensors, its Conv3d).
     encoder = VisionEncoder(copy.deepcopy(model.model.visual), "cuda", torch.bfloat16, family=family,
-                            fast_blocks=args.blocks != "transformers",
-                            window_attention="same" if args.blocks == "fast-fa3window" else "auto")
+                            fast_blocks=args.blocks != "transformers")
     started = time.perf_counter()
     ours = encoder.encode(images)
     torch.cuda.synchronize()

@@ -166,19 +166,13 @@ TAP = EmbeddingTap()
 
 def encoder_for(model) -> VisionEncoder:
     """Our encoder for a vLLM Qwen model: its checkpoint's vision weights, on the device and in the dtype of vLLM's
-    own tower, with the inference settings found in the environment."""
-    from vlmstream.config import Settings
-
-    settings = Settings().infer
+    own tower."""
     # vLLM's own tower may be a placeholder on the meta device (an engine started for image_embeds only): the
     # device is the language model's, the dtype the model's.
     device = next(p.device for p in model.parameters() if p.device.type != "meta")
     dtype = model.model_config.dtype
     tower, real_weights = load_vision_tower(model.model_config.model, device, dtype)
-    encoder = VisionEncoder(tower, device, dtype, compile_blocks=settings.vision_compile,
-                            qkv_kernel=settings.vision_qkv_kernel,
-                            mlp_kernel=settings.vision_mlp_kernel, norm_kernel=settings.vision_norm_kernel,
-                            window_attention=settings.vision_window_attention)
+    encoder = VisionEncoder(tower, device, dtype)
     log.warning("vlmstream's vision tower runs in vLLM's engine process for %s: %d fast blocks, compiled=%s, "
                 "attention %s (window blocks: %s), checkpoint weights %s", type(model).__name__,
                 encoder.fast.replaced if encoder.fast else 0, encoder.compiled, encoder.attention,

@@ -275,28 +275,20 @@ def pick_vision_attention(device: torch.device | str, dtype: torch.dtype, reques
     return "sdpa"
 
 
-def pick_window_attention(device: torch.device | str, dtype: torch.dtype, requested: str, attention: str) -> str | None:
+def pick_window_attention(device: torch.device | str, dtype: torch.dtype, attention: str) -> str | None:
     """The kernel for a windowed tower's window blocks (Qwen2.5-VL's: thousands of 64-patch windows per image), or
-    None for the tower's own ``attention`` there too. "auto": torch's varlen flash attention (FlashAttention 2) on
-    CUDA in half precision where it passes its probe, since on an H200 its packed call over 64-patch windows ran 1.6
-    times as fast as vLLM's FA3, which wins on whole images (benchmarks/RESULTS.md [ah]); "same": None; a name as
-    ``pick_vision_attention`` takes one: that kernel, or a ValueError naming infer.vision_window_attention."""
+    None for the tower's own ``attention`` there too: torch's varlen flash attention (FlashAttention 2) on CUDA in
+    half precision where the whole-image blocks have a varlen kernel and it passes its probe, since on an H200 its
+    packed call over 64-patch windows ran 1.6 times as fast as vLLM's FA3, which wins on whole images, and the tower
+    ran 3-4% faster with it at 1 and 12.8 MP (benchmarks/gpu/bench_vision_tower.py); elsewhere None."""
     device = torch.device(device)
-    if requested in ("same", None):
+    if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16) or attention not in VARLEN_KERNELS:
         return None
-    if requested == "auto":
-        if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16) or attention not in VARLEN_KERNELS:
-            return None
-        try:
-            return pick_vision_attention(device, dtype, "torch_varlen")
-        except RuntimeError as exc:
-            log.info("window blocks keep %s: %s", attention, exc)
-            return None
     try:
-        return pick_vision_attention(device, dtype, requested)
-    except (KeyError, RuntimeError) as exc:
-        raise ValueError(f"infer.vision_window_attention={requested!r} cannot run on {device} ({exc}); set "
-                         "infer.vision_window_attention=auto or same") from exc
+        return pick_vision_attention(device, dtype, "torch_varlen")
+    except RuntimeError as exc:
+        log.info("window blocks keep %s: %s", attention, exc)
+        return None
 
 
 class PatchProjection(torch.nn.Module):
@@ -562,20 +554,20 @@ class FastVisionBlocks:
 
     ``attention`` is a varlen kernel ``(q, k, v, cu_q, cu_k, max_q, max_k, scale) -> out`` on (tokens, heads,
     dim) tensors, or None for the per-window sdpa loop. ``compile_blocks`` compiles the code around the
-    attention (CUDA only; a failed compile falls back to eager with a warning). ``qkv_kernel``: how q, k, v are
-    split out of the projection and rotated: "triton" (one pass, ``qkv_rotary.py``), "torch" (the compiled
-    elementwise code), "auto" (Triton when the blocks are compiled and Triton imports). ``mlp_kernel``: how the MLP's
-    activation runs: "triton" (one pass, ``mlp_activation.py``, between a compiled call for the code before it and
-    the down projection: a gated MLP's ``silu(gate) * up``, GELU in its tanh form, quick GELU; any other activation
-    keeps the compiled code), "torch" (the compiled elementwise code, in one compiled call with the matrix products
-    around it), "auto" (Triton where the blocks are compiled and Triton imports; each kernel measured faster than the
-    compiled code).
+    attention (CUDA only; a failed compile falls back to eager with a warning).
+
+    Compiled blocks also run the Triton kernels, where Triton imports (on an H200 each ran faster than Inductor's code
+    for the same step, the tower faster with them: benchmarks/gpu/bench_vision_tower.py and the kernels' own
+    benchmarks in benchmarks/gpu/): q, k, v split out of the projection and rotated in one pass (``qkv_rotary.py``);
+    the MLP's activation in one pass (``mlp_activation.py``, between a
+    compiled call for the code before it and the down projection: a gated MLP's ``silu(gate) * up``, GELU in its
+    tanh form, quick GELU; any other activation keeps the compiled code); and the two norms in one pass over whole
+    rows in the steps beside those kernels (``block_norm.py``; probed once against torch's norm on the tower's width,
+    dtype and device, and dropped with a warning if they disagree). ``triton``: None decides so; True runs the
+    kernels without compiling too, which tests do on the CPU through Triton's interpreter (an error where Triton does
+    not import). Without the kernels each step is the compiled (or eager) torch code.
     ``strided_v``: the Triton q/k/v kernel leaves v as a view of the projection (``qkv_rotary.py``); only for an
-    attention that reads it so (``takes_strided_v``; the per-window sdpa loop does). ``norm_kernel``: how the two
-    norms run where the step around them is not compiled whole (the q/k/v step with its Triton kernel, the MLP's
-    first product with its Triton activation): "triton" (one pass over whole rows, ``block_norm.py``; probed once
-    against torch's norm on the tower's width, dtype and device, and dropped with a warning if they disagree),
-    "torch" (in the compiled code of that step), "auto" (Triton where the blocks are compiled and Triton imports).
+    attention that reads it so (``takes_strided_v``; the per-window sdpa loop does).
     ``residual_in_product``: where the MLP's activation has a Triton kernel, its last product adds its output to the
     residual stream in place (``_add_down_projection``) instead of a separate add after it; False only to measure
     what that is worth.
@@ -585,43 +577,32 @@ class FastVisionBlocks:
     """
 
     def __init__(self, visual: torch.nn.Module, attention=None, compile_blocks: bool = False,
-                 alignment: int = GEMM_ALIGNMENT, qkv_kernel: str = "auto",
-                 mlp_kernel: str = "auto", strided_v: bool = False, norm_kernel: str = "auto",
-                 residual_in_product: bool = True, window_attention=None):
-        for name, value in (("qkv_kernel", qkv_kernel), ("mlp_kernel", mlp_kernel), ("norm_kernel", norm_kernel)):
-            if value not in ("auto", "triton", "torch"):
-                raise ValueError(f"{name} must be auto, triton or torch, not {value!r}")
+                 alignment: int = GEMM_ALIGNMENT, strided_v: bool = False, residual_in_product: bool = True,
+                 window_attention=None, triton: bool | None = None):
+        use_triton = compile_blocks if triton is None else triton
         self.attention = attention
         self.residual_in_product = residual_in_product
         self.before, self.after, self.project, self.up = _before_attention, _after_attention, _project, _up_projection
         if compile_blocks:
             self.before, self.after, self.project, self.up = (
                 compiled_in_process(f) for f in (_before_attention, _after_attention, _project, _up_projection))
-        self.rotate_qkv = None
-        if qkv_kernel == "triton" or (qkv_kernel == "auto" and compile_blocks):
-            self.rotate_qkv = triton_rotate_qkv()
-            if self.rotate_qkv is None and qkv_kernel == "triton":
-                raise RuntimeError("qkv_kernel='triton' needs Triton, which cannot be imported here")
+        self.rotate_qkv = triton_rotate_qkv() if use_triton else None
+        self.norm_kernels = triton_norm_kernels() if use_triton else None
+        mlp_kernels = triton_mlp_kernels() if use_triton else None
+        if triton and None in (self.rotate_qkv, self.norm_kernels, mlp_kernels):
+            raise RuntimeError("triton=True needs Triton, which cannot be imported here")
         self.strided_v = self.rotate_qkv is not None and strided_v
         if self.strided_v:
             self.rotate_qkv = functools.partial(self.rotate_qkv, contiguous_v=False)
-        self.norm_kernels = None
-        if norm_kernel == "triton" or (norm_kernel == "auto" and compile_blocks):
-            self.norm_kernels = triton_norm_kernels()
-            if self.norm_kernels is None and norm_kernel == "triton":
-                raise RuntimeError("norm_kernel='triton' needs Triton, which cannot be imported here")
         if self.norm_kernels is not None:
             self.project, self.up = _steps_with_norm_kernels(self.norm_kernels)
         # The MLP activations run by a Triton kernel, by the activation function a block's shape names.
         self.mlp_kernels: dict = {}
-        if mlp_kernel == "triton" or (mlp_kernel == "auto" and compile_blocks):
-            kernels = triton_mlp_kernels()
-            if kernels is None and mlp_kernel == "triton":
-                raise RuntimeError("mlp_kernel='triton' needs Triton, which cannot be imported here")
-            if kernels is not None:
-                # Alone on an H200 each ran 1.8 to 2.5 times as fast as Inductor's kernel (RESULTS.md [t], [u]).
-                self.mlp_kernels = {silu_gate: kernels.silu_gate, gelu_tanh: kernels.gelu_tanh,
-                                    quick_gelu: kernels.quick_gelu}
+        if mlp_kernels is not None:
+            # Alone on an H200 each ran 1.8 to 2.5 times as fast as Inductor's kernel
+            # (benchmarks/gpu/bench_mlp_activation.py).
+            self.mlp_kernels = {silu_gate: mlp_kernels.silu_gate, gelu_tanh: mlp_kernels.gelu_tanh,
+                                quick_gelu: mlp_kernels.quick_gelu}
         self.replaced = 0
         self.window_attention = window_attention
         whole_image = set(getattr(visual, "fullatt_block_indexes", None) or range(len(visual.blocks)))
@@ -638,7 +619,7 @@ class FastVisionBlocks:
             if self.replaced == 1 and self.norm_kernels is not None and not _norm_kernels_agree(
                     self.norm_kernels, block.norm2.weight, shape.norm2_bias, shape.norm_eps):
                 log.warning("the Triton norm kernels disagree with torch's norm on %s; the blocks run the torch "
-                            "code (infer.vision_norm_kernel=torch)", block.norm2.weight.device)
+                            "code for their norms", block.norm2.weight.device)
                 self.norm_kernels = None
                 self.project, self.up = (compiled_in_process(f) if compile_blocks else f
                                          for f in (_project, _up_projection))
@@ -700,7 +681,7 @@ def block_kernels(fast: FastVisionBlocks | None) -> dict[str, str]:
     if fast is None:
         return {"qkv": "torch", "norm": "torch", "mlp": "torch"}
     qkv = "torch" if fast.rotate_qkv is None else "triton, v strided" if fast.strided_v else "triton"
-    # The norm kernels run only in the steps that have a Triton kernel (FastVisionBlocks' norm_kernel).
+    # The norm kernels run only in the steps that have a Triton kernel (FastVisionBlocks says why).
     beside = fast.rotate_qkv is not None or bool(fast.mlp_kernels)
     return {"qkv": qkv, "norm": "triton" if fast.norm_kernels is not None and beside else "torch",
             "mlp": "triton" if fast.mlp_kernels else "torch"}
@@ -849,20 +830,18 @@ class VisionEncoder:
     grids stacked, and the varlen attention keeps them apart. ``max_patches_per_call`` bounds the activation
     memory of one forward. Each image's output is its ``image_embeds``: the merged tokens, then for a tower with
     DeepStack levels (Qwen3-VL) each level's merged tokens, concatenated on the feature axis.
-    ``family`` defaults to the one whose patch size and merge size the tower's config has.
-    ``qkv_kernel``, ``mlp_kernel``, ``norm_kernel``, ``residual_in_product`` and ``strided_v``: as
-    ``FastVisionBlocks`` takes them; ``window_attention``: the kernel of a windowed tower's window blocks
-    (``pick_window_attention``: "auto", "same" as ``attention``, or a name ``attention`` takes);
-    ``strided_v`` None (the default) where the attention takes it (``takes_strided_v``).
+    ``family`` defaults to the one whose patch size and merge size the tower's config has. On CUDA the fast blocks
+    are compiled, with the Triton kernels (``FastVisionBlocks``); a compile that fails leaves them eager, with a
+    warning. A windowed tower's window blocks get their own kernel (``pick_window_attention``).
+    ``residual_in_product`` and ``strided_v``: as ``FastVisionBlocks`` takes them; ``strided_v`` None (the default)
+    where the attention takes it (``takes_strided_v``).
     """
 
     def __init__(self, visual: torch.nn.Module, device: torch.device | str = "cpu",
                  dtype: torch.dtype | None = None, attention: str = "auto",
                  max_patches_per_call: int = 65536, linear_patch_embedding: bool = True,
-                 fast_blocks: bool = True, compile_blocks: bool = True, family: ModelFamily | None = None,
-                 qkv_kernel: str = "auto", mlp_kernel: str = "auto",
-                 strided_v: bool | None = None, norm_kernel: str = "auto", residual_in_product: bool = True,
-                 window_attention: str = "auto"):
+                 fast_blocks: bool = True, family: ModelFamily | None = None, strided_v: bool | None = None,
+                 residual_in_product: bool = True):
         self.family = family or family_of_tower(visual)
         # Qwen2.5-VL's windowed tower: window indices precomputed.
         self.windowed = hasattr(visual, "window_size") and hasattr(visual, "fullatt_block_indexes")
@@ -876,7 +855,7 @@ class VisionEncoder:
         if linear_patch_embedding:  # False only to measure what the swap is worth
             use_linear_patch_embedding(self.visual)
         self.attention = pick_vision_attention(self.device, self.dtype, attention)
-        self.window_attention = (pick_window_attention(self.device, self.dtype, window_attention, self.attention)
+        self.window_attention = (pick_window_attention(self.device, self.dtype, self.attention)
                                  if self.windowed and fast_blocks else None)
         # The tower's config object is its own (vision_config); the language model keeps its implementation.
         self.visual.config._attn_implementation = self.attention
@@ -886,14 +865,13 @@ class VisionEncoder:
         self.fast = None
         FastVisionBlocks.remove(self.visual)
         if fast_blocks:  # False only to measure what they are worth
-            compile_blocks = compile_blocks and self.device.type == "cuda"
+            compile_blocks = self.device.type == "cuda"
             kernels = [self.attention] + ([self.window_attention] if self.window_attention else [])
             if strided_v is None:
                 strided_v = all(name not in VARLEN_KERNELS or takes_strided_v(name, self.device, self.dtype)
                                 for name in kernels)
             fast = FastVisionBlocks(self.visual, VARLEN_KERNELS.get(self.attention), compile_blocks,
-                                    qkv_kernel=qkv_kernel, mlp_kernel=mlp_kernel, strided_v=strided_v,
-                                    norm_kernel=norm_kernel, residual_in_product=residual_in_product,
+                                    strided_v=strided_v, residual_in_product=residual_in_product,
                                     window_attention=VARLEN_KERNELS.get(self.window_attention))
             self.fast = fast if fast.replaced else None
             if compile_blocks and self.fast is not None:

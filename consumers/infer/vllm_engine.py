@@ -155,12 +155,7 @@ def engine_tower_args(settings: InferSettings, mode: str, family: ModelFamily) -
     if not family.exact_size:
         raise ValueError(f"{name} needs a model of a Qwen family; this one ({family.name}) runs the generic path: "
                          f"set {name}=false")
-    env = {"VLMSTREAM_INFER__ENGINE_TOWER": str(settings.engine_tower).lower(),
-           "VLMSTREAM_INFER__VISION_COMPILE": str(settings.vision_compile).lower(),
-           "VLMSTREAM_INFER__VISION_QKV_KERNEL": settings.vision_qkv_kernel,
-           "VLMSTREAM_INFER__VISION_MLP_KERNEL": settings.vision_mlp_kernel,
-           "VLMSTREAM_INFER__VISION_NORM_KERNEL": settings.vision_norm_kernel,
-           "VLMSTREAM_INFER__VISION_WINDOW_ATTENTION": settings.vision_window_attention}
+    env = {"VLMSTREAM_INFER__ENGINE_TOWER": str(settings.engine_tower).lower()}
     return {"worker_extension_cls": ENGINE_TOWER_EXTENSION}, env
 
 
@@ -281,12 +276,7 @@ class VllmEngine(QueuedEngine):
             tower, self.tower_has_real_weights = load_vision_tower(self.model_path, "cuda", dtype)
             if not self.tower_has_real_weights and load_format != "dummy":
                 log.warning("no vision weights in %s: the tower is random, embeddings are meaningless", model_path)
-            self.encoder = VisionEncoder(tower, "cuda", dtype, attention=vision_attention,
-                                         compile_blocks=settings.vision_compile, family=self.family,
-                                         qkv_kernel=settings.vision_qkv_kernel,
-                                         mlp_kernel=settings.vision_mlp_kernel,
-                                         norm_kernel=settings.vision_norm_kernel,
-                                         window_attention=settings.vision_window_attention)
+            self.encoder = VisionEncoder(tower, "cuda", dtype, attention=vision_attention, family=self.family)
             if self._embeds_here() and self.encoder.image_embeds_width != self.image_embeds_width:
                 self._engine_loop.shutdown_llm(self.llm)
                 self._engine_loop.stop()
