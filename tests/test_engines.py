@@ -557,12 +557,11 @@ def test_pooled_embeddings_leave_in_one_copy_and_each_images_tokens_own_storage(
 class QwenModelLikeVllms:
     """The part of vLLM's Qwen model classes that engine_tower.install replaces and reads: ``_process_image_input``
     (vLLM's own tower: here a marker), ``parameters()`` (for the device), ``model_config.model`` and ``.dtype`` (the
-    checkpoint, the model's dtype) and ``use_data_parallel``."""
+    checkpoint, the model's dtype)."""
 
-    def __init__(self, checkpoint, data_parallel: bool = False):
+    def __init__(self, checkpoint):
         self.language_model = torch.nn.Linear(2, 2)
         self.model_config = types.SimpleNamespace(model=str(checkpoint), dtype=torch.float32)
-        self.use_data_parallel = data_parallel
 
     def parameters(self):
         return self.language_model.parameters()
@@ -571,11 +570,11 @@ class QwenModelLikeVllms:
         return ("vllm's own tower", image_input["type"])
 
 
-def test_the_engine_tower_takes_pixel_inputs_and_leaves_the_rest_to_vllm(images, model_dir, monkeypatch):
-    """infer.engine_tower: in vLLM's engine process, a Qwen model class's pixel inputs (the processor's
-    pixel_values and grids) go through our encoder, built once from the checkpoint with the settings found in the
-    environment, and give per image what transformers' tower gives; image_embeds inputs and a data-parallel tower keep
-    vLLM's own path. Installing twice wraps once."""
+def test_the_engine_tower_takes_pixel_rows_and_leaves_the_rest_to_vllm(images, model_dir, monkeypatch):
+    """Our tower in vLLM's engine process: a Qwen model class's pixel rows (the decoded images' own bytes as uint8
+    image_embeds) go through our encoder, built once from the checkpoint, and give per image what transformers'
+    tower gives; the processor's pixel_values and other image_embeds keep vLLM's own path. Installing twice wraps
+    once."""
     from transformers import AutoImageProcessor
 
     from consumers.infer import engine_tower
@@ -599,20 +598,21 @@ def test_the_engine_tower_takes_pixel_inputs_and_leaves_the_rest_to_vllm(images,
             (inputs["image_grid_thw"].prod(-1) // 4).tolist())
 
     model = QwenModelLikeVllms(model_dir)
-    got = model._process_image_input(pixel_input)
+    assert model._process_image_input(pixel_input) == ("vllm's own tower", "pixel_values")
+    assert model not in engine_tower._encoders
+    # The decoded images' own bytes as uint8 image_embeds rows.
+    from consumers.infer import pixel_rows
+    from vlmstream.models.registry import family_of
+
+    rows = torch.cat([pixel_rows.pack(np.asarray(image), tuple(grid), family_of(model_dir))
+                      for image, grid in zip(images[:3], inputs["image_grid_thw"].tolist())])
+    rows_input = {"type": "image_embeds", "image_embeds": rows, "image_grid_thw": inputs["image_grid_thw"]}
+    got = model._process_image_input(rows_input)
     assert isinstance(got, tuple) and len(got) == 3
     for g, e in zip(got, expected, strict=True):
         torch.testing.assert_close(g, e, atol=1e-4, rtol=1e-4)
     encoder = engine_tower._encoders[model]
     assert encoder.fast is not None and not encoder.compiled  # CPU: fast blocks, not compiled
-    # embeds mode with the tower in the engine: the decoded images' own bytes as uint8 image_embeds rows.
-    from consumers.infer import pixel_rows
-
-    rows = torch.cat([pixel_rows.pack(np.asarray(image), tuple(grid), encoder.family)
-                      for image, grid in zip(images[:3], inputs["image_grid_thw"].tolist())])
-    rows_input = {"type": "image_embeds", "image_embeds": rows, "image_grid_thw": inputs["image_grid_thw"]}
-    for g, e in zip(model._process_image_input(rows_input), expected, strict=True):
-        torch.testing.assert_close(g, e, atol=1e-4, rtol=1e-4)
     # With embeddings published the rows carry tags, and the engine keeps each image's embedding under its tag
     # for the consumer: the family's embedding (the mean of the merged tokens), each given once. A tag that does not
     # ask for the embedding keeps none.
@@ -633,7 +633,7 @@ def test_the_engine_tower_takes_pixel_inputs_and_leaves_the_rest_to_vllm(images,
         got_embedding = np.frombuffer(kept[tag], dtype=np.float16)
         np.testing.assert_allclose(got_embedding, e[:, :encoder.embedding_width].mean(0).numpy(), atol=2e-3, rtol=2e-3)
     assert engine_tower.TAP.take(tags) == {}
-    model._process_image_input(pixel_input)
+    model._process_image_input(rows_input)
     assert engine_tower._encoders[model] is encoder  # built once
     worker = engine_tower.EngineTowerExtension()
     worker.model_runner = types.SimpleNamespace(get_model=lambda: model)  # vLLM's worker holds its runner
@@ -653,50 +653,16 @@ def test_the_engine_tower_takes_pixel_inputs_and_leaves_the_rest_to_vllm(images,
 
     embeds_input = {"type": "image_embeds", "image_embeds": torch.zeros(4, 8), "image_grid_thw": torch.ones(1, 3)}
     assert model._process_image_input(embeds_input) == ("vllm's own tower", "image_embeds")
-    sharded = QwenModelLikeVllms(model_dir, data_parallel=True)
-    assert sharded._process_image_input(pixel_input) == ("vllm's own tower", "pixel_values")
-    assert sharded not in engine_tower._encoders
     engine_tower._encoders.pop(model)
 
 
-def test_the_engine_tower_setting_is_refused_where_it_cannot_run_and_reaches_the_engine_process():
-    """engine_tower_args: off, nothing; for a generic-path model refused by the setting's name, as is tower_clock in
-    embeds mode; engine_tower in either mode, and tower_clock in pixels mode, vLLM's worker extension and the tower's
-    settings for the engine process's environment, which child_environment puts there while the engine starts and
-    takes back afterwards."""
-    import os
+def test_the_worker_extension_vllm_is_given_is_there():
+    """VllmEngine names our worker extension to vLLM by its dotted name; vLLM's worker imports the module and finds
+    the class there (installing our tower as it imports)."""
+    from consumers.infer.vllm_engine import ENGINE_TOWER_EXTENSION
 
-    from consumers.infer.vllm_engine import ENGINE_TOWER_EXTENSION, engine_tower_args
-    from vlmstream.config import Settings
-    from vlmstream.models.generic import GENERIC
-    from vlmstream.models.qwen2_vl import QWEN2_VL
-    from vlmstream.vllm_process import child_environment
-
-    assert engine_tower_args(InferSettings(), "pixels", QWEN2_VL) == ({}, {})
-    # Unset: on in embeds mode for a Qwen family only; never refused for the generic path.
-    args, env = engine_tower_args(InferSettings(), "embeds", QWEN2_VL)
-    assert args == {"worker_extension_cls": ENGINE_TOWER_EXTENSION} and env["VLMSTREAM_INFER__ENGINE_TOWER"] == "true"
-    assert engine_tower_args(InferSettings(), "pixels", GENERIC) == ({}, {})
-    assert engine_tower_args(InferSettings(engine_tower=False), "embeds", QWEN2_VL) == ({}, {})
-    clocked = InferSettings(tower_clock=True)
-    args, env = engine_tower_args(clocked, "pixels", QWEN2_VL)  # vLLM's own tower, clocked
-    assert args == {"worker_extension_cls": ENGINE_TOWER_EXTENSION} and env["VLMSTREAM_INFER__ENGINE_TOWER"] == "false"
-    with pytest.raises(ValueError, match="infer.tower_clock=false"):  # embeds mode gives vLLM no tower to time
-        engine_tower_args(InferSettings(tower_clock=True, engine_tower=False), "embeds", QWEN2_VL)
-    # Unset engine_tower in embeds mode: the clock times our tower there.
-    assert engine_tower_args(clocked, "embeds", QWEN2_VL)[1]["VLMSTREAM_INFER__ENGINE_TOWER"] == "true"
-    on = InferSettings(engine_tower=True)
-    assert engine_tower_args(on, "embeds", QWEN2_VL)[0] == {"worker_extension_cls": ENGINE_TOWER_EXTENSION}
-    with pytest.raises(ValueError, match="infer.engine_tower=false"):
-        engine_tower_args(on, "pixels", GENERIC)
-    args, env = engine_tower_args(on, "pixels", QWEN2_VL)
-    assert args == {"worker_extension_cls": ENGINE_TOWER_EXTENSION}
     module, _, name = ENGINE_TOWER_EXTENSION.rpartition(".")
     assert hasattr(importlib.import_module(module), name)
-    assert "VLMSTREAM_INFER__ENGINE_TOWER" not in os.environ
-    with child_environment(env):
-        assert Settings().infer.engine_tower is True
-    assert "VLMSTREAM_INFER__ENGINE_TOWER" not in os.environ
 
 
 def test_a_host_that_refuses_page_locked_memory_gets_plain_copies_from_then_on(monkeypatch, caplog):
@@ -757,42 +723,29 @@ def test_the_engine_tower_clock_counts_a_forward_once_the_gpu_has_passed_it():
     assert clock.totals() == {"forwards": 2, "images": 3, "gpu_ms": 50.0}
 
 
-def test_the_tower_clock_alone_times_vllms_own_tower_on_the_gpu(monkeypatch):
-    """infer.tower_clock without infer.engine_tower: vLLM's own _process_image_input runs unchanged, and each of its
-    forwards on pixel inputs on the GPU is counted by the clock with its images; other inputs are not."""
+def test_the_engine_towers_clock_times_its_forwards_on_the_gpu_only(monkeypatch):
+    """Each forward of our tower in the engine whose input is on the GPU is counted by the clock with its images;
+    one on the CPU is not (no CUDA events there)."""
     from consumers.infer import engine_tower
 
     clock = engine_tower.TowerClock(event=StepEvent)
     monkeypatch.setattr(engine_tower, "CLOCK", clock)
-    monkeypatch.setattr(QwenModelLikeVllms, "_process_image_input", QwenModelLikeVllms._process_image_input)
-    assert engine_tower.install([(__name__, "QwenModelLikeVllms")], wrap=engine_tower.timed_tower) == [
-        "QwenModelLikeVllms"]
-    model = object.__new__(QwenModelLikeVllms)
-    on_gpu = {"type": "pixel_values", "pixel_values": types.SimpleNamespace(is_cuda=True)}
     StepEvent.now_ms, StepEvent.reached_ms = 100.0, 1e9
-    assert model._process_image_input(on_gpu) == ("vllm's own tower", "pixel_values")  # two "images"
-    assert model._process_image_input({"type": "pixel_values", "pixel_values": torch.zeros(1)})[0] == (
-        "vllm's own tower")
-    assert model._process_image_input({"type": "image_embeds", "image_embeds": torch.zeros(1)})[1] == "image_embeds"
+    assert engine_tower._clocked(types.SimpleNamespace(is_cuda=True), lambda: ("a", "b")) == ("a", "b")
+    assert engine_tower._clocked(torch.zeros(1), lambda: ("c",)) == ("c",)
     assert clock.totals() == {"forwards": 1, "images": 2, "gpu_ms": 0.0}
 
 
-def test_the_engine_process_picks_its_tower_from_the_settings_it_was_given(monkeypatch):
-    """What engine_tower's import installs: our tower where VllmEngine exported infer.engine_tower=true to the engine
-    process, else vLLM's own with the clock (infer.tower_clock); no model class where vLLM is not installed."""
+def test_the_engine_process_installs_our_tower_where_vllm_is(monkeypatch):
+    """What engine_tower's import installs: our tower in vLLM's Qwen model classes; none where vLLM is not
+    installed."""
     from consumers.infer import engine_tower
 
     monkeypatch.setattr(engine_tower.importlib.util, "find_spec", lambda name: None)
-    monkeypatch.setenv("VLMSTREAM_INFER__ENGINE_TOWER", "true")
-    assert engine_tower._installed_on_import() == ("vlmstream", [])
-    monkeypatch.setenv("VLMSTREAM_INFER__ENGINE_TOWER", "false")
-    assert engine_tower._installed_on_import() == ("vllm", [])
-    # vLLM there (its classes as install finds them).
+    assert engine_tower._installed_on_import() == []
     monkeypatch.setattr(engine_tower.importlib.util, "find_spec", lambda name: object())
-    monkeypatch.setattr(engine_tower, "install", lambda wrap: [wrap.__name__])
-    assert engine_tower._installed_on_import() == ("vllm", ["timed_tower"])
-    monkeypatch.setenv("VLMSTREAM_INFER__ENGINE_TOWER", "true")
-    assert engine_tower._installed_on_import() == ("vlmstream", ["through_our_tower"])
+    monkeypatch.setattr(engine_tower, "install", lambda: ["Qwen2_5_VLForConditionalGeneration"])
+    assert engine_tower._installed_on_import() == ["Qwen2_5_VLForConditionalGeneration"]
 
 
 def test_pixel_rows_carry_an_exact_size_image_to_the_engine_and_back_unchanged():

@@ -118,7 +118,7 @@ def test_our_tower_equals_the_full_models_image_features(tiny_dirs, name):
 
 @pytest.mark.parametrize("name", FAMILIES)
 def test_the_engine_tower_turns_each_familys_pixel_rows_into_the_full_models_image_features(tiny_dirs, name):
-    """infer.engine_tower in embeds mode: two decoded images' bytes as pixel rows, concatenated as vLLM batches
+    """Our tower in vLLM's engine process, embeds mode: two decoded images' bytes as pixel rows, concatenated as vLLM batches
     image_embeds, through the patched ``_process_image_input`` give per image what transformers' full model gives
     (merged tokens and, for Qwen3-VL, every DeepStack level), for each family's patch size."""
     from transformers import AutoImageProcessor, AutoModelForImageTextToText

@@ -249,7 +249,7 @@ def test_the_towers_tflops_inside_the_pipeline(tmp_path):
 
 def test_the_towers_ms_per_image_from_either_place_it_runs():
     """The watcher's mean tower time per image: embeds mode's forward time shared by its batch, or, with the tower in
-    vLLM's engine process (infer.engine_tower), the GPU ms per image the engine's clock gave; each timing averaged over
+    vLLM's engine process, the GPU ms per image the engine's clock gave; each timing averaged over
     the records that carry it."""
     import threading
 

@@ -295,25 +295,6 @@ class InferSettings(BaseModel):
         "win). At 0.2 MP vLLM's own way spins most of an H200 host's cores (benchmarks/RESULTS.md).")
     vision_batch_images: int = Field(32, description="vLLM engine: most images per vision-tower forward (also "
                                      "bounded to 65,536 patches).")
-    engine_tower: bool | None = Field(
-        None, description="vLLM engine, Qwen families: our vision tower (the settings above) runs inside vLLM's "
-        "engine process (consumers/infer/engine_tower.py): one CUDA context instead of the two that embeds mode "
-        "otherwise time-slices. In embeds mode the decoded images go there as they are, uint8 bytes passed as "
-        "image_embeds rows (consumers/infer/pixel_rows.py: an eighth of vLLM's float32 pixels, no processor on the "
-        "CPU); in pixels mode vLLM's processor makes the pixels and the engine holds the tower twice. vLLM's "
-        "scheduler decides how many images share a forward (vision_batch_images does not apply). With "
-        "publish_embeddings, embeds mode tags each image's rows and the engine keeps its embedding for the consumer "
-        "(one tower pass for both); pixels mode runs our tower a second time in the consumer for them. Unset (the "
-        "default): on in embeds mode for a Qwen family, off otherwise; a model whose vLLM class does not take the "
-        "tower then runs it in the consumer instead, with a warning. On an H200 at 0.2 MP, embeds mode with "
-        "embeddings ran 4% faster with it than with the tower in the consumer, in one lease (benchmarks/RESULTS.md "
-        "[z]), and it was the fastest path measured at 12.8 MP ([r]). true or false: as set, and true fails at "
-        "start where vLLM's model does not take the tower.")
-    tower_clock: bool = Field(
-        False, description="vLLM engine, pixels mode, Qwen families: time the vision tower's forwards in vLLM's engine "
-        "process with CUDA events (no waiting) and put its GPU ms per image in each result's timings_ms as "
-        "encode_ms_per_image: vLLM's own tower, or ours with engine_tower (which always has the clock). For "
-        "comparing the two towers where they run.")
     enable_prefix_caching: bool = Field(
         True, description="vLLM prefix caching. Every image is new, so only the shared prompt text is ever reused; "
         "benchmarks turn it off to match offline arms that must (they reuse images).")

@@ -91,7 +91,7 @@ class TopicWatcher:
         except ValueError:
             return
         found = {key: timings[key] for key in ("queue_ms", "generate_ms", "encode_ms") if key in timings}
-        if "encode_ms_per_image" in timings:  # infer.engine_tower / tower_clock: the tower's GPU ms per image there
+        if "encode_ms_per_image" in timings:  # the tower in vLLM's engine process: its GPU ms per image there
             found["encode_ms_per_image"] = timings["encode_ms_per_image"]
         elif timings.get("encode_batch_images"):  # one tower forward per batch: its time shared by the batch
             found["encode_ms_per_image"] = timings["encode_ms"] / timings["encode_batch_images"]
@@ -314,10 +314,10 @@ def tower_gflop_per_image(model: str, files: list[str], max_pixels: int) -> floa
 
 def tower_in_engine(gflop_per_image: float | None, engine_timings_ms: dict, in_vllm_engine: bool) -> dict:
     """The tower's achieved TFLOPS inside the pipeline: its GFLOP per image over its time per image there, and the
-    clock that time came from. In vLLM's engine process (``infer.engine_tower``, or vLLM's own tower with
-    ``infer.tower_clock``) CUDA events time the tower's own GPU work. In the inference consumer's process (embeds mode)
-    it is the wall time of a batch's pass, shared by its images: the two processes' CUDA contexts time-slice one GPU,
-    so that time holds the engine's slices too and the figure is a floor, not the tower's speed."""
+    clock that time came from. In vLLM's engine process (embeds mode) CUDA events time the tower's own GPU work. In
+    the inference consumer's process (the fallback where vLLM's model does not take our tower) it is the wall time of
+    a batch's pass, shared by its images: the two processes' CUDA contexts time-slice one GPU, so that time holds the
+    engine's slices too and the figure is a floor, not the tower's speed."""
     ms = engine_timings_ms.get("encode_ms_per_image")
     if not gflop_per_image or not ms:
         return {}
@@ -367,9 +367,8 @@ def run_pipeline(args: argparse.Namespace, mode: str, bootstrap: str, out: Path,
                                               "--prompt", PROMPT_TEXT,
                                               # Pixels mode has no embeddings from the tower that serves the
                                               # language model: publishing them would cost a second vision pass,
-                                              # so it runs without. Embeds mode publishes them, from the tower here
-                                              # or (infer.engine_tower) from the one in vLLM's engine, which keeps
-                                              # them for the consumer.
+                                              # so it runs without. Embeds mode publishes them, from the tower in
+                                              # vLLM's engine, which keeps them for the consumer.
                                               *(["--no-embeddings"] if mode == "pixels" else [])),
                                 logp, genv, tag=f"infer gpu{g}"))
 
@@ -399,9 +398,7 @@ def run_pipeline(args: argparse.Namespace, mode: str, bootstrap: str, out: Path,
                          "max_num_batched_tokens": env.get("VLMSTREAM_INFER__MAX_NUM_BATCHED_TOKENS", "vLLM default"),
                          "max_images_in_flight": env.get("VLMSTREAM_INFER__MAX_IMAGES_IN_FLIGHT", "default"),
                          "vision_batch_images": env.get("VLMSTREAM_INFER__VISION_BATCH_IMAGES", "default"),
-                         "engine_cpu_threads": env.get("VLMSTREAM_INFER__ENGINE_CPU_THREADS", "default"),
-                         "engine_tower": env.get("VLMSTREAM_INFER__ENGINE_TOWER", "default"),
-                         "tower_clock": env.get("VLMSTREAM_INFER__TOWER_CLOCK", "false")}
+                         "engine_cpu_threads": env.get("VLMSTREAM_INFER__ENGINE_CPU_THREADS", "default")}
 
             # Warm-up: engines started (phase 0), this budget's shapes seen, the new decode fleet in its group and
             # every stage has handled records before the clock starts.

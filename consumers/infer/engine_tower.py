@@ -1,27 +1,23 @@
-"""Our vision tower inside vLLM's engine process (``infer.engine_tower``), or a clock on vLLM's own
-(``infer.tower_clock``).
+"""Our vision tower inside vLLM's engine process, in embeds mode for a Qwen family.
 
-Without it, embeds mode runs our tower in the inference consumer's process: a second CUDA context beside vLLM's,
-which the GPU time-slices against it, and each image's image_embeds cross to vLLM's engine process through host
-memory (117 MB for a 12.8 MP Qwen2.5-VL image). Pixels mode runs vLLM's own tower in its engine process. This module
-puts ours there instead: vLLM imports it in its worker as a worker extension (``worker_extension_cls``), before it
-builds the model, and the import routes each Qwen model class's pixel inputs through ``VisionEncoder``, in one CUDA
-context. In pixels mode those inputs are vLLM's processor's pixel_values (normalised and patchified on the CPU, in
-float32); in embeds mode they are the decoded image itself, its uint8 bytes passed as image_embeds rows
-(``pixel_rows``), which vLLM's processor passes through and this module patchifies on the GPU.
+Run in the inference consumer's process, our tower would take a second CUDA context beside vLLM's, which the GPU
+time-slices against it, and each image's image_embeds would cross to vLLM's engine process through host memory
+(117 MB for a 12.8 MP Qwen2.5-VL image). This module puts it in vLLM's engine process instead: vLLM imports it in its
+worker as a worker extension (``worker_extension_cls``), before it builds the model, and the import routes each Qwen
+model class's image inputs through ``VisionEncoder``, in one CUDA context. Those inputs are the decoded image itself,
+its uint8 bytes passed as image_embeds rows (``pixel_rows``), which vLLM's processor passes through and this module
+patchifies on the GPU. Where the model vLLM builds does not take the wrapper, ``VllmEngine`` runs the tower in the
+consumer's process instead.
 
-The encoder is built from the checkpoint's own vision weights (``load_vision_tower``) on the first image batch. In
-pixels mode the engine holds the tower twice (vLLM's module, unused, and ours); an embeds-mode engine has none of
-its own. Its settings are the inference settings as the engine process reads them from the environment:
-``VllmEngine`` exports the tower's ones there before it starts vLLM.
+The encoder is built from the checkpoint's own vision weights (``load_vision_tower``) on the first image batch; the
+engine has no tower of its own. It needs no settings: ``VisionEncoder`` picks its kernels where it runs.
 
-Either way a clock of CUDA events around each tower forward (``TowerClock``) counts the tower's GPU time there. With
-``infer.tower_clock`` and without ``infer.engine_tower`` the import wraps vLLM's own tower in that clock alone, so that
-the two towers can be compared where they run, inside the engine's step.
+A clock of CUDA events around each tower forward (``TowerClock``) counts the tower's GPU time there, which the
+consumer reads into each result's timings.
 
-With embeddings published, embeds mode's pixel rows carry a tag per image (``pixel_rows.pack``), and the engine keeps
-each tagged image's embedding until the consumer takes it (``EmbeddingTap``): the tower runs once per image for both
-the description and the embedding.
+With embeddings published, the pixel rows carry a tag per image (``pixel_rows.pack``), and the engine keeps each
+tagged image's embedding until the consumer takes it (``EmbeddingTap``): the tower runs once per image for both the
+description and the embedding.
 
 Nothing here imports vLLM unless vLLM is installed, and nothing in the consumer's own process imports this module.
 """
@@ -182,16 +178,14 @@ def encoder_for(model) -> VisionEncoder:
 
 
 def through_our_tower(original, build=encoder_for):
-    """``original`` (a vLLM model's ``_process_image_input``) with pixel inputs encoded by our tower, built once per
-    model by ``build``: vLLM's processor's pixel_values, or the decoded image itself as pixel rows (uint8
-    image_embeds, ``pixel_rows``), patchified here on the GPU. Image embeddings given as input, and pixel_values
-    for a tower vLLM shards over GPUs (data-parallel vision encoder), keep vLLM's own path. Each forward is timed
-    by CLOCK; building the encoder (loading and compiling it, on the first batch) is not."""
+    """``original`` (a vLLM model's ``_process_image_input``) with the decoded images given as pixel rows (uint8
+    image_embeds, ``pixel_rows``) encoded by our tower, built once per model by ``build`` and patchified here on the
+    GPU. Any other input (image embeddings, vLLM's processor's pixel_values) keeps vLLM's own path. Each forward is
+    timed by CLOCK; building the encoder (loading and compiling it, on the first batch) is not."""
 
     @functools.wraps(original)
     def _process_image_input(self, image_input):
-        rows = pixel_rows.are_pixel_rows(image_input)
-        if not rows and (image_input["type"] != "pixel_values" or getattr(self, "use_data_parallel", False)):
+        if not pixel_rows.are_pixel_rows(image_input):
             return original(self, image_input)
         encoder = _encoders.get(self)
         if encoder is None:
@@ -199,13 +193,9 @@ def through_our_tower(original, build=encoder_for):
 
         def encode():
             grid_thw = image_input["image_grid_thw"]
-            tag_bytes = None
-            if rows:
-                images = pixel_rows.unpack(image_input["image_embeds"], grid_thw, encoder.family)
-                tag_bytes = pixel_rows.tags(image_input["image_embeds"], grid_thw, encoder.family)
-                pixel_values, grid_thw = patchify_batch(images, encoder.device, encoder.dtype, encoder.family)
-            else:
-                pixel_values = image_input["pixel_values"]
+            images = pixel_rows.unpack(image_input["image_embeds"], grid_thw, encoder.family)
+            tag_bytes = pixel_rows.tags(image_input["image_embeds"], grid_thw, encoder.family)
+            pixel_values, grid_thw = patchify_batch(images, encoder.device, encoder.dtype, encoder.family)
             # vLLM splits its tower's output per image the same way: merged tokens (then DeepStack levels) per
             # image.
             per_image = tuple(encoder.encode_patches(pixel_values, grid_thw))
@@ -213,22 +203,9 @@ def through_our_tower(original, build=encoder_for):
                 TAP.put(tag_bytes, per_image, encoder.embedding_width)
             return per_image
 
-        return _clocked(image_input["image_embeds" if rows else "pixel_values"], encode)
+        return _clocked(image_input["image_embeds"], encode)
 
     _process_image_input.vlmstream_tower = "vlmstream"
-    return _process_image_input
-
-
-def timed_tower(process_image_input):
-    """``process_image_input`` (vLLM's own) with each forward on pixel_values timed by CLOCK."""
-
-    @functools.wraps(process_image_input)
-    def _process_image_input(self, image_input):
-        if image_input["type"] != "pixel_values":
-            return process_image_input(self, image_input)
-        return _clocked(image_input["pixel_values"], lambda: process_image_input(self, image_input))
-
-    _process_image_input.vlmstream_tower = "vllm"
     return _process_image_input
 
 
@@ -241,9 +218,9 @@ def _clocked(pixels, forward):
     return per_image
 
 
-def install(classes=MODEL_CLASSES, wrap=through_our_tower) -> list[str]:
-    """Route the pixel inputs of each of ``classes`` (module, class name) through ``wrap`` (our tower, or
-    ``timed_tower``: vLLM's own, clocked); the names of those that now do. Installing twice changes nothing."""
+def install(classes=MODEL_CLASSES) -> list[str]:
+    """Route the pixel rows given to each of ``classes`` (module, class name) through our tower
+    (``through_our_tower``); the names of those that now do. Installing twice changes nothing."""
     installed = []
     for module_name, class_name in classes:
         try:
@@ -253,7 +230,7 @@ def install(classes=MODEL_CLASSES, wrap=through_our_tower) -> list[str]:
                         module_name, class_name, exc)
             continue
         if not getattr(cls._process_image_input, "vlmstream_tower", None):
-            cls._process_image_input = wrap(cls._process_image_input)
+            cls._process_image_input = through_our_tower(cls._process_image_input)
         installed.append(class_name)
     return installed
 
@@ -279,7 +256,7 @@ class EngineTowerExtension:
     it."""
 
     def vlmstream_tower_report(self) -> dict:
-        return {"installed": list(INSTALLED), "tower": TOWER, "model": model_takes_it(self), "encoders": [
+        return {"installed": list(INSTALLED), "model": model_takes_it(self), "encoders": [
             {"fast_blocks": e.fast.replaced if e.fast else 0, "compiled": e.compiled, "attention": e.attention,
              "image_embeds_width": e.image_embeds_width} for e in _encoders.values()], "clock": CLOCK.totals(),
             "embeddings": TAP.totals()}
@@ -288,17 +265,10 @@ class EngineTowerExtension:
         return TAP.take(tags)
 
 
-def _installed_on_import() -> tuple[str, list[str]]:
-    """Which tower this engine process runs ("vlmstream" or "vllm", from the settings VllmEngine exported to it)
-    and the model classes it is installed in."""
-    from vlmstream.config import Settings
-
-    settings = Settings().infer
-    tower = "vlmstream" if settings.engine_tower else "vllm"
-    if importlib.util.find_spec("vllm") is None:
-        return tower, []
-    return tower, install(wrap=through_our_tower if tower == "vlmstream" else timed_tower)
+def _installed_on_import() -> list[str]:
+    """The model classes whose pixel rows go through our tower in this engine process; none without vLLM."""
+    return install() if importlib.util.find_spec("vllm") is not None else []
 
 
 # Installed on import: the only place vLLM lets a worker run code of ours before it builds its model.
-TOWER, INSTALLED = _installed_on_import()
+INSTALLED = _installed_on_import()

@@ -1,5 +1,4 @@
-"""Decoded pixels as vLLM ``image_embeds`` rows, for our tower in vLLM's engine process (``infer.engine_tower`` in
-embeds mode).
+"""Decoded pixels as vLLM ``image_embeds`` rows, for our tower in vLLM's engine process (embeds mode).
 
 vLLM takes a Qwen image either as pixels, which its processor normalises and patchifies on the CPU into float32
 (4,704 bytes per 14-px patch), or as ``image_embeds``: one row per merged visual token, passed through untouched and

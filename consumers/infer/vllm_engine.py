@@ -1,18 +1,19 @@
 """The vLLM engine: continuous batching on one GPU, with the vision front end moved onto the GPU.
 
 Two modes:
-- ``embeds`` (default): our thread patchifies the exact-size uint8 images on the GPU and runs the
-  family's vision tower (vlmstream/models/; the transformers module with vision.FastVisionBlocks: varlen
-  FlashAttention 3 from vLLM, aligned GEMMs, compiled elementwise) on several images per forward, then
-  hands vLLM ``image_embeds`` + ``image_grid_thw``. For Qwen3-VL ``image_embeds`` carries the DeepStack levels
-  after the merged tokens (``out_hidden_size * (1 + levels)`` wide), which vLLM's Qwen3-VL splits off again;
-  the width is checked against vLLM's model config at start and per image before anything is handed over, because
-  a wrong width fails inside vLLM's engine process, not on this request. vLLM's single front-end process never
-  touches pixels, which is its wall (see shared/gpu/README.md). The embedding for the embeddings topic
-  is the mean of the main merger's part of the same tower output the language model reads.
-  With ``infer.engine_tower`` the tower runs in vLLM's engine process instead (engine_tower.py): the image travels
-  there as pixel rows (pixel_rows.py), tagged when embeddings are published, and the engine keeps each tagged
-  image's embedding until this side takes it (``EngineEmbeddings``), so one tower pass serves both.
+- ``embeds`` (default): the family's vision tower (vlmstream/models/; the transformers module with
+  vision.FastVisionBlocks: varlen FlashAttention 3 from vLLM, aligned GEMMs, compiled elementwise) runs in vLLM's
+  engine process (engine_tower.py), one CUDA context for the tower and the language model: the exact-size uint8
+  image travels there as pixel rows (pixel_rows.py), tagged when embeddings are published, and the engine keeps
+  each tagged image's embedding until this side takes it (``EngineEmbeddings``), so one tower pass serves both.
+  vLLM's single front-end process never touches pixels, which is its wall (see shared/gpu/README.md).
+  Where the model vLLM builds does not take our tower, this process runs it instead, with a warning: our thread
+  patchifies the images on the GPU and runs the tower on several images per forward, then hands vLLM
+  ``image_embeds`` + ``image_grid_thw``. For Qwen3-VL ``image_embeds`` carries the DeepStack levels after the
+  merged tokens (``out_hidden_size * (1 + levels)`` wide), which vLLM's Qwen3-VL splits off again; the width is
+  checked against vLLM's model config at start and per image before anything is handed over, because a wrong width
+  fails inside vLLM's engine process, not on this request. The embedding for the embeddings topic is the mean of
+  the main merger's part of the same tower output the language model reads.
 - ``pixels``: vLLM gets the uint8 array and does its own normalise/patchify/tower; processor kwargs make
   its resize a no-op. Embeddings, if asked for, cost a separate pass of our tower. The generic path
   (vlmstream/models/generic.py: a model no family module describes) runs only in this mode: the image, decoded,
@@ -34,7 +35,6 @@ import asyncio
 import collections
 import dataclasses
 import itertools
-import json
 import logging
 import time
 from pathlib import Path
@@ -51,8 +51,8 @@ from consumers.infer.vision import (TowerPass, VisionEncoder, block_kernels, gro
 from vlmstream.config import InferSettings
 from vlmstream.models.family import ModelFamily
 from vlmstream.models.registry import family_of
-from vlmstream.vllm_process import (EngineLoop, EngineUnavailable, child_environment, engine_process_threads,
-                                    import_vllm, kernel_args, model_module_failure)
+from vlmstream.vllm_process import (EngineLoop, EngineUnavailable, engine_process_threads, import_vllm, kernel_args,
+                                    model_module_failure)
 
 log = logging.getLogger(__name__)
 
@@ -128,37 +128,6 @@ class EngineEmbeddings:
                     future.set_result(None if kept is None else np.frombuffer(kept, dtype=np.float16))
 
 
-def tower_setting(settings: InferSettings) -> str:
-    """The setting that put vlmstream's wrapper in vLLM's engine, for messages that name what would change it."""
-    return "infer.engine_tower" if settings.engine_tower else "infer.tower_clock"
-
-
-def engine_tower_on(settings: InferSettings, mode: str, family: ModelFamily) -> bool:
-    """``infer.engine_tower`` as set; unset, on in embeds mode for a model of a Qwen family, where it ran ahead of
-    the tower in the consumer's process on an H200 (benchmarks/RESULTS.md [z], [q]), and off elsewhere."""
-    if settings.engine_tower is not None:
-        return settings.engine_tower
-    return mode == "embeds" and family.exact_size
-
-
-def engine_tower_args(settings: InferSettings, mode: str, family: ModelFamily) -> tuple[dict, dict[str, str]]:
-    """vLLM engine arguments and the engine process's environment for ``infer.engine_tower`` or ``infer.tower_clock``
-    (both empty when both are off). The engine process reads the tower's settings from its environment
-    (engine_tower.encoder_for)."""
-    settings = settings.model_copy(update={"engine_tower": engine_tower_on(settings, mode, family)})
-    if not (settings.engine_tower or settings.tower_clock):
-        return {}, {}
-    name = tower_setting(settings)
-    if mode != "pixels" and not settings.engine_tower:
-        raise ValueError("infer.tower_clock times vLLM's own tower, which only pixels mode runs: set infer.mode=pixels, "
-                         "or infer.tower_clock=false")
-    if not family.exact_size:
-        raise ValueError(f"{name} needs a model of a Qwen family; this one ({family.name}) runs the generic path: "
-                         f"set {name}=false")
-    env = {"VLMSTREAM_INFER__ENGINE_TOWER": str(settings.engine_tower).lower()}
-    return {"worker_extension_cls": ENGINE_TOWER_EXTENSION}, env
-
-
 class VllmEngine(QueuedEngine):
     engine_label = "vLLM engine"
     name = "vllm"
@@ -193,11 +162,11 @@ class VllmEngine(QueuedEngine):
             raise ValueError(f"infer.model {self.model_path} has no model family in vlmstream/models (the generic path): "
                              "its tower is vLLM's, so set infer.mode=pixels")
 
-        # infer.engine_tower unset: on where it applies (embeds mode, a Qwen family); then a model whose vLLM class
-        # does not take the tower wrapper runs the tower here instead of failing.
-        self._engine_tower_by_default = settings.engine_tower is None
-        settings = settings.model_copy(update={"engine_tower": engine_tower_on(settings, self.mode, self.family)})
-        self._set_tower_place(settings)
+        # Embeds mode runs our tower in vLLM's engine process (one CUDA context; on an H200 at 0.2 MP with
+        # embeddings 4% faster than the tower in this process, and the fastest path measured at 12.8 MP). A model
+        # whose vLLM class does not take it runs the tower here instead (below).
+        self.settings = settings
+        self._set_tower_place(self.mode == "embeds")
 
         from transformers import AutoTokenizer
 
@@ -234,29 +203,23 @@ class VllmEngine(QueuedEngine):
         args.update(kernel_args(self.model_path))
         self._engine_kwargs = engine_kwargs or {}
         started = time.perf_counter()
-        self.engine_tower_report: dict | None = None  # what vLLM's worker runs, with infer.engine_tower
-        # With infer.engine_tower or tower_clock: the tower's GPU ms per image in vLLM's engine process over the last
-        # clock reading, in each result's timings as encode_ms_per_image (what embeds mode reports for its tower).
+        self.engine_tower_report: dict | None = None  # what vLLM's worker runs, with our tower there
+        # With our tower in vLLM's engine process: its GPU ms per image there over the last clock reading, in each
+        # result's timings as encode_ms_per_image (what the tower in this process reports as encode_ms).
         self.engine_tower_ms_per_image: float | None = None
         self._tower_watch = None
         embeds_only = self._start_vllm(args, embeds_only)
-        if settings.engine_tower or settings.tower_clock:
+        if self._tower_in_engine:
             problem = self._engine_tower_problem()
-            if problem and self._engine_tower_by_default and settings.engine_tower:
-                log.warning("%s; running the vision tower in this process instead (infer.engine_tower=false)", problem)
+            if problem:
+                log.warning("%s; running the vision tower in this process instead", problem)
                 self._engine_loop.shutdown_llm(self.llm)
                 self._engine_loop.reap_children()
-                self._set_tower_place(self.settings.model_copy(update={"engine_tower": False, "tower_clock": False}))
+                self._set_tower_place(False)
                 embeds_only = self._start_vllm(args, embeds_only)  # as the first start found it to work
-            elif problem:
-                self._engine_loop.shutdown_llm(self.llm)
-                self._engine_loop.stop()
-                self._engine_loop.reap_children()
-                raise RuntimeError(f"{problem}; set {tower_setting(self.settings)}=false")
-            if self.settings.engine_tower or self.settings.tower_clock:
+            else:
                 self._tower_watch = self._engine_loop.submit(self._watch_engine_tower())
         self.start_s = time.perf_counter() - started
-        settings = self.settings
         scheduler = self.llm.vllm_config.scheduler_config
         self.batch_size = scheduler.max_num_seqs  # what the runner sizes its in-flight window by
         self.step_tokens = scheduler.max_num_batched_tokens
@@ -296,27 +259,26 @@ class VllmEngine(QueuedEngine):
         # 3. The encoder thread feeds vLLM.
         self._start_worker(self._encode_loop, "vllm-encoder")
 
-    def _set_tower_place(self, settings: InferSettings) -> None:
-        """Settings with ``engine_tower`` decided, and what follows from them."""
-        self.settings = settings
-        # Where embeds mode runs our tower: here, shipping image_embeds to vLLM, or (infer.engine_tower) in vLLM's
-        # engine process, shipping the decoded image there as pixel rows (consumers/infer/pixel_rows.py).
-        self._tower_in_engine = self.mode == "embeds" and settings.engine_tower
+    def _set_tower_place(self, in_engine: bool) -> None:
+        """Where embeds mode runs our tower: in vLLM's engine process, shipping the decoded image there as pixel rows
+        (consumers/infer/pixel_rows.py), or here, shipping image_embeds to vLLM."""
+        self._tower_in_engine = in_engine
         # Then the engine also keeps each image's embedding, found by the tag its pixel rows carry.
         self._engine_embeddings = (EngineEmbeddings(self._take_engine_embeddings)
-                                   if self._tower_in_engine and settings.publish_embeddings else None)
+                                   if in_engine and self.settings.publish_embeddings else None)
 
     def _start_vllm(self, base_args: dict, embeds_only: bool) -> bool:
         """Start vLLM's engine with ``base_args`` and what the tower's place adds. ``embeds_only``: images arrive
         only as embeddings (``limit_mm_per_prompt`` image 0), so vLLM neither builds nor profiles its own tower;
         returns it as it ended up (see the retry below)."""
         settings = self.settings
-        tower_args, tower_env = engine_tower_args(settings, self.mode, self.family)  # refused before vLLM starts
+        # vLLM imports this extension's module in its worker, which installs our tower there (engine_tower.py).
+        tower_args = {"worker_extension_cls": ENGINE_TOWER_EXTENSION} if self._tower_in_engine else {}
         args = {**base_args, **tower_args, **self._engine_kwargs,
                 "limit_mm_per_prompt": {"image": 0 if embeds_only else 1, "video": 0}}
         try:
             try:
-                with engine_process_threads(settings.engine_cpu_threads), child_environment(tower_env):
+                with engine_process_threads(settings.engine_cpu_threads):
                     self.llm = self._engine_loop.start_llm(self._v, self._v.AsyncEngineArgs(**args))
             except Exception as exc:
                 if not embeds_only:
@@ -331,7 +293,7 @@ class VllmEngine(QueuedEngine):
                 self._engine_loop.reap_children()
                 embeds_only = False
                 args["limit_mm_per_prompt"] = {"image": 1, "video": 0}
-                with engine_process_threads(settings.engine_cpu_threads), child_environment(tower_env):
+                with engine_process_threads(settings.engine_cpu_threads):
                     self.llm = self._engine_loop.start_llm(self._v, self._v.AsyncEngineArgs(**args))
         except Exception as exc:
             self._engine_loop.stop()
@@ -355,9 +317,8 @@ class VllmEngine(QueuedEngine):
         self.engine_tower_report = report
         log.info("vLLM's engine process, vlmstream's tower wrapper: %s", report)  # plan_x1.sh's readers look for it
         if not report.get("installed") or not report.get("model", {}).get("wrapped"):
-            return (f"{tower_setting(self.settings)}: the model vLLM {self._v.version} built does not take vlmstream's "
-                    f"tower wrapper ({report})")
-        if self.settings.engine_tower and not report.get("encoders"):
+            return f"the model vLLM {self._v.version} built does not take vlmstream's tower wrapper ({report})"
+        if not report.get("encoders"):
             log.warning("vLLM ran no image at start, so the tower in its engine process is built (and compiled) on "
                         "the first batch")
         return None
@@ -405,9 +366,8 @@ class VllmEngine(QueuedEngine):
             log.warning("the engine tower's clock could not be read at close (%s: %s)", type(exc).__name__,
                         str(exc)[:200])
             return
-        log.info("the vision tower in vLLM's engine process (%s): %d images in %d forwards, %.1f GPU ms per image; "
-                 "embeddings kept there for this process: %s",
-                 "vlmstream's" if self.settings.engine_tower else "vLLM's own", clock["images"], clock["forwards"],
+        log.info("the vision tower in vLLM's engine process: %d images in %d forwards, %.1f GPU ms per image; "
+                 "embeddings kept there for this process: %s", clock["images"], clock["forwards"],
                  clock["gpu_ms"] / max(1, clock["images"]), report.get("embeddings"))
 
     # ----------------------------------------------------------------------------- Engine protocol
@@ -570,9 +530,8 @@ class VllmEngine(QueuedEngine):
             if embedding_tag is not None and embedding is None:
                 # Never published without its embedding: the runner retries the image (a new tag, a new pass).
                 result = InferenceFailure(request.request_id, "inference_error",
-                                          "vLLM's engine process kept no embedding for this image (infer.engine_tower "
-                                          "with infer.publish_embeddings); set infer.engine_tower=false to make "
-                                          "embeddings in this process")
+                                          "vLLM's engine process kept no embedding for this image (the tower there "
+                                          "with infer.publish_embeddings)")
             else:
                 result = self._output(request, final, embedding, timings)
         except asyncio.CancelledError:
