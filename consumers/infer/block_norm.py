@@ -4,7 +4,7 @@
 
 Inductor compiles a reduction over more than 1,024 values per row into a loop that reads each row twice (the
 threshold in ``should_use_persistent_reduction``, torch/_inductor/choices.py), and these towers' rows are 1,152 or
-1,280 wide: in the 12.8 MP profile of benchmarks/RESULTS.md [u] its norm before the projection took 82 us a call
+1,280 wide: in a 12.8 MP profile of the tower on an H200 its norm before the projection took 82 us a call
 where one read and one write of its rows at the add kernel's pace would take about 50. These kernels hold a tile of
 whole rows in registers, so each row is read once and written once; ``add_norm`` reads both inputs once and writes
 the sum and its norm. Same arithmetic as the torch code: statistics in float32; RMSNorm rounds the normalised row to

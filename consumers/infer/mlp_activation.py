@@ -5,11 +5,11 @@ Qwen3.5), or quick GELU (Qwen2-VL).
 Qwen2.5-VL's vision blocks project to gate and up in one matrix product (``vision._merged_mlp``), so its activation
 reads (tokens, 2 x width) and writes (tokens, width). Compiled by Inductor into the code around it, that kernel ran
 at about a third of the H200's memory bandwidth: 10.9% of the tower's GPU time at 12.8 MP, more than any kernel but
-the matrix products and the attention (benchmarks/RESULTS.md [o], 511 us a call for 860 MB moved). ``silu_gate``
+the matrix products and the attention (511 us a call for 860 MB moved). ``silu_gate``
 reads each tile of gate and up once, as rows of the merged projection, and writes the tile once: alone on the H200
 it moved 4.1 TB/s against the compiled kernel's 1.7, 2.4 times as fast, with the same output bit for bit
-(benchmarks/gpu/bench_mlp_activation.py; benchmarks/RESULTS.md [t]). The one-input activations are one flat pass
-each: 2.0 times (GELU, tanh form) and 1.8 times (quick GELU) as fast as Inductor's kernels there ([u]). Same
+(benchmarks/gpu/bench_mlp_activation.py). The one-input activations are one flat pass each: 2.0 times (GELU, tanh
+form) and 1.8 times (quick GELU) as fast as Inductor's kernels there. Same
 arithmetic as the compiled code: float32, rounded once to the input type (GELU's tanh as 1 - 2 / (exp(2y) + 1),
 within float32 rounding of tanh).
 """

@@ -2,12 +2,12 @@
 
 The torch version (``rotate_qkv_torch``: unbind, ``x * cos + rotate_half(x) * sin`` in float32, ``v.contiguous()``)
 compiles to two elementwise kernels that read and write the projection's output at a small fraction of the GPU's
-memory bandwidth: on the H200 at 12.8 MP they took a quarter of the tower's time (RESULTS.md, 2026-12-01, code at
-6b7698a: 1.3 ms + 0.3 ms per layer for ~30,000 patches, against 1.3 ms for the attention itself). This kernel reads
-each element of the projection once and writes q and k once, each (tokens, heads, dim) and contiguous, as the
-varlen attention kernels take them. v needs no arithmetic: with ``contiguous_v=False`` it is returned as a view of
-the projection (rows 3 x heads x dim apart), for an attention kernel that reads strided rows (vLLM's FA3 does), and
-the kernel neither reads nor writes it: a third less memory traffic. Same arithmetic as the torch version: float32,
+memory bandwidth: on an H200 at 12.8 MP they took a quarter of the tower's time (1.3 ms + 0.3 ms per layer for
+~30,000 patches, against 1.3 ms for the attention itself; benchmarks/gpu/bench_vision_tower.py profiles it). This
+kernel reads each element of the projection once and writes q and k once, each (tokens, heads, dim) and contiguous,
+as the varlen attention kernels take them. v needs no arithmetic: with ``contiguous_v=False`` it is returned as a
+view of the projection (rows 3 x heads x dim apart), for an attention kernel that reads strided rows (vLLM's FA3
+does), and the kernel neither reads nor writes it: a third less memory traffic. Same arithmetic as the torch version: float32,
 rounded once to the input type.
 
 ``cos``/``sin`` are (tokens, dim), the tower's rotary tables for each patch; the rotation is transformers'

@@ -297,7 +297,7 @@ class PatchProjection(torch.nn.Module):
     Its kernel equals its stride and covers the whole (channel, frame, 14, 14) patch, so the convolution is one
     GEMM. With torch 2.9 cuDNN had no fast bf16 algorithm for that shape and the Conv3d dominated whole towers
     (pytorch/pytorch#174051; vLLM's Conv3dLayer does the same substitution). On the device's torch 2.11 both
-    run at the same speed (benchmarks/gpu/bench_vision_tower.py; benchmarks/RESULTS.md); the swap guards other versions.
+    run at the same speed (benchmarks/gpu/bench_vision_tower.py); the swap guards other versions.
     The Parameter is the convolution's own, so its state-dict key and
     shape are unchanged and weights load before or after the swap.
     """
@@ -328,7 +328,7 @@ def use_linear_patch_embedding(visual: torch.nn.Module) -> torch.nn.Module:
 # ---------------------------------------------------------------------------------------------------------
 # Fast vision blocks. transformers' block is correct but slow on a GPU: its MLP width is often not a multiple
 # of 64 (3420 for Qwen2.5-VL-7B's tower, 4304 for Qwen3-VL-8B's), so cuBLAS falls back to slower GEMM kernels
-# (52% of a 1 MP Qwen2.5-VL forward on the H200; benchmarks/RESULTS.md), and the norms, rotary and activation
+# (52% of a 1 MP Qwen2.5-VL forward on an H200), and the norms, rotary and activation
 # run as ~20 separate float32 elementwise kernels per layer (a further third). The replacement computes the
 # same function: the MLP's first projection (Qwen2.5-VL: gate and up merged into one GEMM) zero-padded to a
 # multiple of 64 (the padded columns come out of the activation as zeros, and zero columns of the second
@@ -529,7 +529,7 @@ def _block_shape(block: torch.nn.Module, alignment: int) -> _BlockShape | str:
 
 # Inductor compiles in this process, not in its pool of compile workers. A process's first Triton compile starts that
 # pool, one worker per core (16 on the H200 host), and the tower timed right after its compile then ran three times
-# slower at 0.2 MP (9.8 against 3.1 ms per image, benchmarks/RESULTS.md [s]) with every core of the host busy: at that
+# slower at 0.2 MP (9.8 against 3.1 ms per image) with every core of the host busy: at that
 # budget the tower is bound by the one thread that launches its kernels. Compiled in this process it ran at full speed
 # from its first pass, and compiled no slower. The option holds for every later recompile of these functions too.
 IN_PROCESS_COMPILE = {"compile_threads": 1}
