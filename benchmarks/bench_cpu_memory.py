@@ -3,7 +3,7 @@ images for a while, its RSS read every --every seconds; variants side by side (o
 one torch thread each), so the machine's load falls on all of them alike.
 
 Variants (glibc malloc settings, applied in the process before the engine starts):
-  arenas2      what `vlmstream infer` does on the CPU: at most 2 malloc arenas (infer.cpu_malloc_arenas)
+  arenas2      what `vlmstream infer` does on the CPU: at most 2 malloc arenas (engine.CPU_MALLOC_ARENAS)
   mmap1m       the same, and allocations of 1 MiB or more always mmapped (M_MMAP_THRESHOLD fixed at 1 MiB): glibc
                otherwise raises its threshold after the first large free, then serves large tensors from the heap
                and keeps the freed pages
@@ -57,8 +57,8 @@ def child(variant: str, seconds: float, every: float, seed: int) -> None:
         return np.ascontiguousarray(pixels[:h, :w])
 
     readings, batches = [], 0
-    with TransformersEngine(default_tiny_model_dir(), InferSettings(batch_size=8, ignore_eos=True),
-                            device="cpu") as engine:
+    with TransformersEngine(default_tiny_model_dir(), InferSettings(batch_size=8), device="cpu",
+                            ignore_eos=True) as engine:
         started = time.monotonic()
         next_reading = started
         while time.monotonic() - started < seconds:

@@ -43,7 +43,8 @@ def bench_engine(args) -> dict:
     model = default_tiny_model_dir()
     res = {"n": args.n, "max_pixels": args.max_pixels, "tokens": args.tokens, "threads": torch.get_num_threads()}
     for bs in (1, 8):
-        with TransformersEngine(model, InferSettings(batch_size=bs, ignore_eos=True), device=args.device) as eng:
+        with TransformersEngine(model, InferSettings(batch_size=bs), device=args.device,
+                                ignore_eos=True) as eng:
             reqs = lambda tag: [InferenceRequest(f"{tag}{i}", im, (1, im.shape[0] // 14, im.shape[1] // 14),
                                                  "Describe this image.", args.tokens, want_embedding=True)
                                 for i, im in enumerate(images)]

@@ -329,8 +329,8 @@ def test_batched_output_equals_single(engine, images):
 def test_more_requests_than_batch_size_arrive_as_batches_finish(model_dir, images):
     from consumers.infer.transformers_engine import TransformersEngine
 
-    settings = InferSettings(batch_size=2, ignore_eos=True)
-    with TransformersEngine(model_dir, settings, device="cpu") as eng:
+    settings = InferSettings(batch_size=2)
+    with TransformersEngine(model_dir, settings, device="cpu", ignore_eos=True) as eng:
         requests = [_request(i, images[i % len(images)], max_new_tokens=5) for i in range(7)]
         eng.submit(requests)
         polls = _collect(eng, len(requests))
@@ -364,9 +364,10 @@ def test_output_that_cannot_satisfy_the_schema_is_a_failure(model_dir, images, t
     assert result.error_kind == "output_schema_violation" and result.retriable is False
 
 
-def test_an_output_schema_keeps_eos_even_when_ignore_eos_is_set(model_dir, tmp_path):
-    """ignore_eos (fixed output lengths for benchmarks) must not apply to guided output: the document has to be able
-    to end at its closing brace. On the H200 vLLM otherwise generated past it and every output failed the schema."""
+def test_an_output_schema_keeps_eos_even_when_the_engine_ignores_it(model_dir, tmp_path):
+    """ignore_eos (the engines' keyword for benchmarks' fixed output lengths) must not apply to guided output: the
+    document has to be able to end at its closing brace. On the H200 vLLM otherwise generated past it and every
+    output failed the schema."""
     from types import SimpleNamespace
 
     from consumers.infer.transformers_engine import TransformersEngine
@@ -374,14 +375,16 @@ def test_an_output_schema_keeps_eos_even_when_ignore_eos_is_set(model_dir, tmp_p
 
     schema = tmp_path / "schema.json"
     schema.write_text(json.dumps({"type": "object", "properties": {"kind": {"enum": ["photo", "drawing"]}}}))
-    with TransformersEngine(model_dir, InferSettings(ignore_eos=True), device="cpu") as free:
+    with TransformersEngine(model_dir, InferSettings(), device="cpu", ignore_eos=True) as free:
         assert free._generation_config().eos_token_id is None
-    with TransformersEngine(model_dir, InferSettings(ignore_eos=True, output_schema=str(schema)), device="cpu") as eng:
+    with TransformersEngine(model_dir, InferSettings(output_schema=str(schema)), device="cpu", ignore_eos=True) as eng:
         assert eng._generation_config().eos_token_id is not None
+    with TransformersEngine(model_dir, InferSettings(), device="cpu") as stops:  # a product run: EOS ends outputs
+        assert stops._generation_config().eos_token_id is not None
 
     # The vLLM engine's request parameters, built without a GPU (vLLM's classes stand in as plain records).
     vllm_side = object.__new__(VllmEngine)
-    vllm_side.settings = InferSettings(ignore_eos=True)
+    vllm_side.settings, vllm_side.ignore_eos = InferSettings(), True
     vllm_side._v = SimpleNamespace(SamplingParams=lambda **kw: kw, StructuredOutputsParams=lambda **kw: kw,
                                    RequestOutputKind=SimpleNamespace(FINAL_ONLY="final"))
     vllm_side.schema = None
@@ -470,7 +473,7 @@ def test_vllm_engine_process_starts_with_few_cpu_threads_and_this_one_keeps_its_
     torch.set_num_threads(2)
     try:
         ctx = multiprocessing.get_context("spawn")
-        with engine_process_threads(1):
+        with engine_process_threads():
             assert os.environ["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn"
             queue = ctx.Queue()
             child = ctx.Process(target=_torch_threads_in_child, args=(queue,))
@@ -482,10 +485,8 @@ def test_vllm_engine_process_starts_with_few_cpu_threads_and_this_one_keeps_its_
         torch.set_num_threads(before)
     assert "OMP_NUM_THREADS" not in os.environ and "VLLM_WORKER_MULTIPROC_METHOD" not in os.environ
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
-    with engine_process_threads(1):
+    with engine_process_threads():
         assert os.environ["OMP_NUM_THREADS"] == "3"
-    with engine_process_threads(0):
-        assert "VLLM_WORKER_MULTIPROC_METHOD" not in os.environ
 
 
 def test_the_encoder_hands_transformers_the_index_tensors_it_derived_on_the_cpu(images, model_dir):
@@ -991,6 +992,7 @@ def test_the_vllm_encoder_thread_keeps_a_pass_queued_and_hands_every_image_over_
     more is waiting; the passes' spans add up to no more than the wall time."""
     from consumers.infer.engine import InferenceRequest
     from consumers.infer.vision import VisionEncoder, load_vision_tower
+    from consumers.infer import vllm_engine
     from consumers.infer.vllm_engine import VllmEngine
     from vlmstream.models.qwen2_vl import QWEN2_VL
     from vlmstream.queued_engine import ENGINE_STOP
@@ -1000,7 +1002,8 @@ def test_the_vllm_encoder_thread_keeps_a_pass_queued_and_hands_every_image_over_
     engine = object.__new__(VllmEngine)
     engine._init_queues()
     engine.mode, engine._tower_in_engine, engine.family, engine.encoder = "embeds", False, QWEN2_VL, encoder
-    engine.settings = InferSettings(vision_batch_images=3)
+    engine.settings = InferSettings()
+    monkeypatch.setattr(vllm_engine, "VISION_BATCH_IMAGES", 3)
     engine.image_embeds_width, engine._torch, engine._stream = encoder.image_embeds_width, torch, None
     engine._last_pass_finished = 0.0
     handed, events = [], []

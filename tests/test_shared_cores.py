@@ -1,6 +1,7 @@
 """Stages started side by side on one machine (`vlmstream run`, `estimate`) share its cores: decode yields them
 (a higher nice value unless decode.niceness says otherwise) and an engine on the CPU runs one torch thread
-(unless infer.cpu_threads or OMP_NUM_THREADS says otherwise) and at most infer.cpu_malloc_arenas malloc arenas."""
+(unless infer.cpu_threads or OMP_NUM_THREADS says otherwise) and at most two malloc arenas
+(engine.CPU_MALLOC_ARENAS)."""
 
 import os
 import subprocess
@@ -73,7 +74,7 @@ _ARENAS_AFTER_EIGHT_THREADS = """
 import ctypes, os, tempfile, threading
 from consumers.infer.engine import limit_cpu_use
 from vlmstream.config import InferSettings
-limit_cpu_use(InferSettings(cpu_malloc_arenas={arenas}), 'cpu')
+limit_cpu_use(InferSettings(), {device!r})
 barrier = threading.Barrier(8)
 def allocate():
     held = [bytearray(4096) for _ in range(64)]
@@ -92,7 +93,7 @@ print(open(path).read().count('<heap nr='))
 
 def test_a_cpu_engine_caps_its_malloc_arenas(monkeypatch):
     monkeypatch.delenv("MALLOC_ARENA_MAX", raising=False)
-    capped = _in_a_fresh_process(_ARENAS_AFTER_EIGHT_THREADS.format(arenas=2))
-    glibc_default = _in_a_fresh_process(_ARENAS_AFTER_EIGHT_THREADS.format(arenas=0))
+    capped = _in_a_fresh_process(_ARENAS_AFTER_EIGHT_THREADS.format(device="cpu"))
+    glibc_default = _in_a_fresh_process(_ARENAS_AFTER_EIGHT_THREADS.format(device="cuda"))  # no cap off the CPU
     assert int(capped.stdout.split()[-1]) <= 2, capped.stderr[-2000:]
     assert int(glibc_default.stdout.split()[-1]) > 2, glibc_default.stderr[-2000:]

@@ -248,7 +248,25 @@ class DecodeSettings(BaseModel):
         return model
 
 
-class InferSettings(BaseModel):
+class VllmEngineSettings(BaseModel):
+    """The language model engine's own settings, which inference and condense share (each section has its own
+    values, under its own names: ``infer.max_model_len``, ``condense.max_model_len``)."""
+
+    dtype: str = Field(
+        "auto", description="The model's dtype: auto, bfloat16, float16 or float32. auto: vLLM's choice from the "
+        "checkpoint; the transformers engine's bfloat16 on a GPU, float32 on the CPU.")
+    gpu_memory_utilization: float = Field(
+        0.85, description="vLLM: the share of the GPU's memory this engine takes (weights, activations, KV cache). "
+        "`vlmstream infer` and `vlmstream condense` on one GPU must add up to less than 1 (e.g. infer 0.6, condense "
+        "0.3).")
+    max_model_len: int = Field(32768, description="vLLM: the longest sequence, prompt and output together.")
+    max_num_seqs: int | None = Field(None, description="vLLM: most sequences per step; None takes vLLM's default for "
+                                     "offline batch inference (its LLM class: 1024 on 70 GB+ GPUs, 256 on others).")
+    max_num_batched_tokens: int | None = Field(None, description="vLLM: most tokens per step; None takes vLLM's "
+                                               "offline default (16384 on 70 GB+ GPUs other than A100, else 8192).")
+
+
+class InferSettings(VllmEngineSettings):
     group_id: str = "vlmstream-infer"
     engine: Literal["auto", "vllm", "transformers"] = "auto"
     mode: Literal["embeds", "pixels"] = "embeds"
@@ -260,7 +278,6 @@ class InferSettings(BaseModel):
     prompt_id: str = "describe-v1"
     output_schema: str | None = Field(None, description="Path to a JSON Schema the output must satisfy.")
     max_new_tokens: int = 64
-    ignore_eos: bool = False
     temperature: float = 0.0
     max_images_in_flight: int | None = Field(None, description="Images handed to the engine and not yet back; None: "
                                              "twice the engine's batch (vLLM: its max_num_seqs), at least 256.")
@@ -270,11 +287,7 @@ class InferSettings(BaseModel):
         0, ge=0, description="transformers engine on the CPU: torch's threads (0: torch's own choice, one per core "
         "or OMP_NUM_THREADS). `vlmstream run` and `estimate` use 1 unless this or OMP_NUM_THREADS is set: there the "
         "decode workers share the cores, and torch's threads, which wait for each other at every operation, lose "
-        "whenever one of them loses its core (benchmarks/RESULTS.md).")
-    cpu_malloc_arenas: int = Field(
-        2, ge=0, description="transformers engine on the CPU: most glibc malloc arenas in the inference process (0: "
-        "glibc's own, up to 8 per core; MALLOC_ARENA_MAX exported by the user wins). Each thread that allocates may "
-        "take an arena of its own and keep what it freed; with 2 long runs grew less (benchmarks/RESULTS.md).")
+        "whenever one of them loses its core.")
     session_timeout_ms: int = Field(
         10_000, description="How long a silent (killed) inference consumer keeps its images before the group moves "
         "them to the others (Kafka's default is 45 s). Heartbeats run on kafka-python's IO thread, so a long batch "
@@ -282,22 +295,6 @@ class InferSettings(BaseModel):
     publish_embeddings: bool = True
     max_attempts: int = 3
     exactly_once: bool = False
-    dtype: str = "auto"
-    gpu_memory_utilization: float = 0.85
-    max_model_len: int = 32768
-    max_num_seqs: int | None = Field(None, description="vLLM: most sequences per step; None takes vLLM's default for "
-                                     "offline batch inference (its LLM class: 1024 on 70 GB+ GPUs, 256 on others).")
-    max_num_batched_tokens: int | None = Field(None, description="vLLM: most tokens per step; None takes vLLM's "
-                                               "offline default (16384 on 70 GB+ GPUs other than A100, else 8192).")
-    engine_cpu_threads: int = Field(
-        1, ge=0, description="vLLM: torch CPU threads of its engine process, which is then spawned (0: vLLM's own "
-        "way, a fork keeping a thread per core; OMP_NUM_THREADS or VLLM_WORKER_MULTIPROC_METHOD exported by the user "
-        "win). At 0.2 MP vLLM's own way spins most of an H200 host's cores (benchmarks/RESULTS.md).")
-    vision_batch_images: int = Field(32, description="vLLM engine: most images per vision-tower forward (also "
-                                     "bounded to 65,536 patches).")
-    enable_prefix_caching: bool = Field(
-        True, description="vLLM prefix caching. Every image is new, so only the shared prompt text is ever reused; "
-        "benchmarks turn it off to match offline arms that must (they reuse images).")
 
     def images_in_flight(self, engine_batch_size: int) -> int:
         """max_images_in_flight, or unset: twice what the engine runs at once, so that finished requests are
@@ -311,7 +308,7 @@ DEFAULT_CONDENSE_PROMPT = (
     "Answer with one JSON object that follows this JSON Schema: {schema}")
 
 
-class CondenseSettings(BaseModel):
+class CondenseSettings(VllmEngineSettings):
     """`vlmstream condense`: one structured answer per complete document, from its image descriptions."""
 
     group_id: str = "vlmstream-condense"
@@ -347,15 +344,9 @@ class CondenseSettings(BaseModel):
     max_attempts: int = 3
     exactly_once: bool = False
     session_timeout_ms: int = 10_000
-    dtype: str = "auto"
-    gpu_memory_utilization: float = Field(
-        0.85, description="vLLM: the GPU memory share this engine takes; beside `vlmstream infer` on one GPU, the "
-        "two shares must add up to less than 1 (e.g. infer 0.6, condense 0.3).")
-    max_model_len: int = 8192
-    max_num_seqs: int | None = None
-    max_num_batched_tokens: int | None = None
-    engine_cpu_threads: int = Field(1, ge=0, description="vLLM: torch CPU threads of its engine process.")
-    enable_prefix_caching: bool = Field(True, description="vLLM prefix caching: the prompt's head is shared.")
+    # A document's prompt (max_prompt_tokens) and its answer fit in far less than the inference engine's images.
+    max_model_len: int = Field(8192, description="vLLM: the longest sequence, prompt and output together; "
+                               "max_prompt_tokens and max_new_tokens must fit in it.")
 
     def documents_in_flight(self, engine_batch_size: int) -> int:
         return self.max_documents_in_flight or max(64, 2 * engine_batch_size)

@@ -36,17 +36,19 @@ def load_format(model_path: str | Path) -> str:
     return "dummy" if weightless else "auto"
 
 
+# Torch CPU threads of vLLM's engine process (inference and condense). vLLM lowers OMP_NUM_THREADS to 1 only when it
+# runs several GPU workers; its one-GPU engine keeps a thread per core, and at 0.2 MP those threads spun on 15 of an
+# H200 host's 32 cores, which the decode fleet needs, and two such engines on one host fell well short of twice one
+# GPU. The engine's CPU work is one thread's anyway.
+ENGINE_CPU_THREADS = 1
+
+
 @contextlib.contextmanager
-def engine_process_threads(threads: int):
-    """Start vLLM's engine process (inside this block) with `threads` torch/OpenMP threads; this process keeps its
-    own. vLLM lowers OMP_NUM_THREADS to 1 only when it runs several GPU workers; its one-GPU engine keeps a thread
-    per core, and at 0.2 MP those threads spun on 15 of the H200 host's 32 cores (benchmarks/RESULTS.md). libgomp
-    reads the variable when it loads, so the engine must be spawned, not forked (vLLM forks unless CUDA is already
-    up here). Variables the user exported are kept as they are; 0 leaves vLLM to its own way."""
-    if threads <= 0:
-        yield
-        return
-    wanted = {"OMP_NUM_THREADS": str(threads), "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
+def engine_process_threads():
+    """Start vLLM's engine process (inside this block) with ENGINE_CPU_THREADS torch/OpenMP threads; this process
+    keeps its own. libgomp reads the variable when it loads, so the engine must be spawned, not forked (vLLM forks
+    unless CUDA is already up here). Variables the user exported are kept as they are."""
+    wanted = {"OMP_NUM_THREADS": str(ENGINE_CPU_THREADS), "VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
     added = [name for name in wanted if name not in os.environ]
     os.environ.update({name: wanted[name] for name in added})
     try:
@@ -91,7 +93,7 @@ def kernel_args(model_path: str | Path) -> dict:
     """AsyncEngineArgs (or ``LLM`` keywords) that keep vLLM on kernels this install has, for the checkpoint folder
     ``model_path``. vLLM 0.26 picks FlashInfer's Gated DeltaNet prefill kernel on Hopper by default without checking
     that FlashInfer is installed; without it the engine starts, then dies at the first prefill of a Qwen3.5 model
-    (seen on the H200, benchmarks/RESULTS.md [aa]). Then its own Triton (FLA) kernel is asked for. ``vllm serve`` takes
+    (seen on an H200 with the Qwen3.5-27B config). Then its own Triton (FLA) kernel is asked for. ``vllm serve`` takes
     the same choice as ``--gdn-prefill-backend``."""
     config_file = Path(model_path) / "config.json"
     if not config_file.is_file():
@@ -197,7 +199,7 @@ class EngineLoop:
     def _answer_one_token(self, v: SimpleNamespace, llm, timeout: float) -> None:
         """One one-token text request through the engine just started. An engine can build and profile a model
         and still fail its first real step: vLLM 0.26 started Qwen3.5 with FlashInfer's Gated DeltaNet kernel
-        missing and died at the first prefill (benchmarks/RESULTS.md [aa]). Then it fails here, at start, with a
+        missing and died at the first prefill (seen on an H200). Then it fails here, at start, with a
         clear error, instead of on the first batch of work."""
         params = v.SamplingParams(max_tokens=1, temperature=0.0, output_kind=v.RequestOutputKind.FINAL_ONLY)
 

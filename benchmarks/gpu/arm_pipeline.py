@@ -9,6 +9,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -148,9 +149,7 @@ def pipeline_env(tag: str, args: argparse.Namespace, work: Path) -> dict[str, st
         env[f"VLMSTREAM_TOPICS__{name.upper()}"] = f"{tag}.{name}"
     env.update({"VLMSTREAM_TOPICS__PARTITIONS": str(args.partitions),
                 "VLMSTREAM_INFER__GROUP_ID": f"{tag}-infer",  # decode: a group per phase (run_pipeline)
-                "VLMSTREAM_PRODUCER__STATE_DIR": str(work / "ledger"), "PYTHONUNBUFFERED": "1",
-                # Off like the offline engine and `vllm serve` (they reuse images, so they must run without it).
-                "VLMSTREAM_INFER__ENABLE_PREFIX_CACHING": "true" if args.prefix_caching else "false"})
+                "VLMSTREAM_PRODUCER__STATE_DIR": str(work / "ledger"), "PYTHONUNBUFFERED": "1"})
     # vLLM scheduler limits for the pipeline's engines: empty = vLLM's own choice (recorded as such).
     for name in ("max_num_seqs", "max_num_batched_tokens"):
         value = getattr(args, name)
@@ -362,14 +361,15 @@ def run_pipeline(args: argparse.Namespace, mode: str, bootstrap: str, out: Path,
             genv = gpu_env(env, g)
             if args.profile:
                 genv["VLMSTREAM_PROFILE_OUT"] = str(out / f"profile-{mode}-gpu{g}.json")
-            infers.append(spawn(vlmstream_cmd("infer", "--engine", args.engine, "--mode", mode, "--model", args.model,
-                                              "--max-new-tokens", str(args.max_tokens), "--ignore-eos",
-                                              "--prompt", PROMPT_TEXT,
-                                              # Pixels mode has no embeddings from the tower that serves the
-                                              # language model: publishing them would cost a second vision pass,
-                                              # so it runs without. Embeds mode publishes them, from the tower in
-                                              # vLLM's engine, which keeps them for the consumer.
-                                              *(["--no-embeddings"] if mode == "pixels" else [])),
+            # bench_infer.py: `vlmstream infer` with fixed-length outputs and prefix caching as asked.
+            infers.append(spawn([sys.executable, str(Path(__file__).with_name("bench_infer.py")),
+                                 *(["--prefix-caching"] if args.prefix_caching else []),
+                                 "--engine", args.engine, "--mode", mode, "--model", args.model,
+                                 "--max-new-tokens", str(args.max_tokens), "--prompt", PROMPT_TEXT,
+                                 # Pixels mode has no embeddings from the tower that serves the language model:
+                                 # publishing them would cost a second vision pass, so it runs without. Embeds mode
+                                 # publishes them, from the tower in vLLM's engine, which keeps them for the consumer.
+                                 *(["--no-embeddings"] if mode == "pixels" else [])],
                                 logp, genv, tag=f"infer gpu{g}"))
 
         for phase, budget in enumerate(args.budgets):
@@ -396,9 +396,7 @@ def run_pipeline(args: argparse.Namespace, mode: str, bootstrap: str, out: Path,
                          # From the engines' environment: the flags, or variables exported around the run.
                          "max_num_seqs": env.get("VLMSTREAM_INFER__MAX_NUM_SEQS", "vLLM default"),
                          "max_num_batched_tokens": env.get("VLMSTREAM_INFER__MAX_NUM_BATCHED_TOKENS", "vLLM default"),
-                         "max_images_in_flight": env.get("VLMSTREAM_INFER__MAX_IMAGES_IN_FLIGHT", "default"),
-                         "vision_batch_images": env.get("VLMSTREAM_INFER__VISION_BATCH_IMAGES", "default"),
-                         "engine_cpu_threads": env.get("VLMSTREAM_INFER__ENGINE_CPU_THREADS", "default")}
+                         "max_images_in_flight": env.get("VLMSTREAM_INFER__MAX_IMAGES_IN_FLIGHT", "default")}
 
             # Warm-up: engines started (phase 0), this budget's shapes seen, the new decode fleet in its group and
             # every stage has handled records before the clock starts.

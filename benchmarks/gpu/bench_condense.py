@@ -171,9 +171,9 @@ def main() -> None:
         from consumers.infer.engine import InferenceRequest
         from consumers.infer.vllm_engine import VllmEngine
 
-        infer_settings = InferSettings(model=str(model), max_new_tokens=args.max_tokens, ignore_eos=True,
+        infer_settings = InferSettings(model=str(model), max_new_tokens=args.max_tokens,
                                        gpu_memory_utilization=args.infer_mem, publish_embeddings=False)
-        infer_engine = VllmEngine(model, infer_settings, mode="embeds", load_format="dummy")
+        infer_engine = VllmEngine(model, infer_settings, mode="embeds", load_format="dummy", ignore_eos=True)
         images = exact_size_images(args.imgs, 64, args.budget)
 
         def image_request(i: int):

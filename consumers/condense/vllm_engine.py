@@ -37,7 +37,8 @@ def engine_args(settings: CondenseSettings, model_path: str, v: SimpleNamespace,
     args = dict(
         model=model_path, revision=settings.revision, dtype=settings.dtype, max_model_len=settings.max_model_len,
         gpu_memory_utilization=settings.gpu_memory_utilization, load_format=load_format, seed=0,
-        disable_log_stats=True, enable_prefix_caching=settings.enable_prefix_caching,
+        # Prefix caching: every document's prompt starts with the same instruction.
+        disable_log_stats=True, enable_prefix_caching=True,
         # Guided JSON without free whitespace: a random or weak model would spend its token budget on blanks. vLLM
         # 0.26 reads this switch from the engine's config as well as from the request.
         structured_outputs_config=v.StructuredOutputsConfig(backend="guidance", disable_any_whitespace=True),
@@ -83,7 +84,7 @@ class VllmCondenseEngine(QueuedEngine):
         args.update(engine_kwargs or {})
         started = time.perf_counter()
         try:
-            with engine_process_threads(settings.engine_cpu_threads):
+            with engine_process_threads():
                 self.llm = self._engine_loop.start_llm(self._v, self._v.AsyncEngineArgs(**args))
         except Exception as exc:
             self._engine_loop.stop()

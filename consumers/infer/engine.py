@@ -20,17 +20,23 @@ if TYPE_CHECKING:
     from vlmstream.config import InferSettings
 
 
+# Most glibc malloc arenas in a process whose engine computes on the CPU. glibc gives each thread that allocates an
+# arena of its own, up to 8 per core, and each keeps what its thread freed: long runs on the CPU grew by hundreds of
+# MB, less with 2 (benchmarks/soak_run.py). MALLOC_ARENA_MAX exported by the user wins.
+CPU_MALLOC_ARENAS = 2
+
+
 def limit_cpu_use(settings: InferSettings, device: str) -> None:
-    """infer.cpu_threads and infer.cpu_malloc_arenas for an engine that computes on the CPU (0 leaves each at its
-    own default)."""
+    """infer.cpu_threads (0 leaves torch's own choice) and at most CPU_MALLOC_ARENAS malloc arenas, for an engine
+    that computes on the CPU."""
     if device != "cpu":
         return
     if settings.cpu_threads > 0:
         import torch
 
         torch.set_num_threads(settings.cpu_threads)
-    if settings.cpu_malloc_arenas > 0 and not os.environ.get("MALLOC_ARENA_MAX"):
-        cap_malloc_arenas(settings.cpu_malloc_arenas)
+    if not os.environ.get("MALLOC_ARENA_MAX"):
+        cap_malloc_arenas(CPU_MALLOC_ARENAS)
 
 
 M_ARENA_MAX = -8  # glibc's malloc.h
@@ -38,9 +44,7 @@ M_ARENA_MAX = -8  # glibc's malloc.h
 
 def cap_malloc_arenas(arenas: int) -> None:
     """At most ``arenas`` glibc malloc arenas from now on in this process, as MALLOC_ARENA_MAX would at its start
-    (arenas made before stay). glibc gives a thread that allocates an arena of its own, up to 8 per core, and each
-    keeps what its thread freed: long runs on the CPU grew by hundreds of MB, less with 2 (benchmarks/RESULTS.md).
-    Nothing where the C library has no mallopt (not glibc): the cap only saves memory."""
+    (arenas made before stay). Nothing where the C library has no mallopt (not glibc): the cap only saves memory."""
     try:
         ctypes.CDLL(None).mallopt(ctypes.c_int(M_ARENA_MAX), ctypes.c_int(arenas))
     except (OSError, AttributeError):

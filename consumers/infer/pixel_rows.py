@@ -10,8 +10,9 @@ The engine side (``engine_tower``) views the rows as the image again and patchif
 
 With embeddings published, each image's rows carry ``TAG_BYTES`` more columns, the first row's holding a number the
 consumer chose (``make_tag``; the others zero): the engine keeps the image's embedding under it where the tag asks
-for one (``keeps_embedding``), and the consumer asks for it by it (``engine_tower.EmbeddingTap``). vLLM splits the rows per image by their count alone, so the wider rows reach the model as they
-left. Tagged rows are a copy of the image, untagged ones its own memory.
+for one (``keeps_embedding``), and the consumer asks for it by it (``engine_tower.EmbeddingTap``). vLLM splits the
+rows per image by their count alone, so the wider rows reach the model as they left. Tagged rows are a copy of the
+image, untagged ones its own memory.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ def pack(image: np.ndarray, grid_thw: tuple[int, int, int], family: ModelFamily,
         return torch.from_numpy(rows)
     # The copy in numpy, on this thread: torch's copy of an image this size wakes its pool of CPU threads (one per
     # core), which then spin waiting for more work. At 0.2 MP the consumer used about six of the H200 host's cores
-    # that way (benchmarks/RESULTS.md [s]); in pixels mode, which packs nothing, under one.
+    # that way; in pixels mode, which packs nothing, under one.
     tagged = np.zeros((rows.shape[0], width + TAG_BYTES), dtype=np.uint8)
     tagged[:, :width] = rows
     tagged[0, width:] = np.array([tag], dtype="<u8").view(np.uint8)

@@ -28,10 +28,11 @@ class ProcessorEngine(TransformersEngine):
     engine_label = "transformers engine (model's own processor)"
 
     def __init__(self, model_path: str | Path, settings: InferSettings, family: ModelFamily,
-                 device: str | None = None):
+                 device: str | None = None, ignore_eos: bool = False):
         import torch
         from transformers import AutoModelForImageTextToText, AutoProcessor
 
+        self.ignore_eos = ignore_eos  # benchmarks only, as TransformersEngine takes it
         self.settings = settings
         self.family = family
         self.model_id = settings.model or str(model_path)

@@ -55,12 +55,16 @@ class TransformersEngine(QueuedEngine):
     engine_label = "transformers engine"
     name = "transformers"
     mode = None
+    ignore_eos = False
 
     def __init__(self, model_path: str | Path, settings: InferSettings, device: str | None = None,
-                 vision_attention: str = "auto"):
+                 vision_attention: str = "auto", ignore_eos: bool = False):
+        """``ignore_eos``: every output runs to its token budget (guided ones excepted), for benchmarks that compare
+        at one output length."""
         import torch
         from transformers import AutoModelForImageTextToText, AutoTokenizer
 
+        self.ignore_eos = ignore_eos
         self.settings = settings
         self.model_id = settings.model or str(model_path)
         self.revision = settings.revision
@@ -232,7 +236,7 @@ class TransformersEngine(QueuedEngine):
     @property
     def _ignore_eos(self) -> bool:
         # Not with an output schema: the document must be able to end (as in the vLLM engine).
-        return self.settings.ignore_eos and self.schema is None
+        return self.ignore_eos and self.schema is None
 
     def _generation_config(self):
         config = copy.deepcopy(self.model.generation_config)

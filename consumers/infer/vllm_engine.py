@@ -90,6 +90,10 @@ def image_embeds_problem(tokens, grid_thw: tuple[int, int, int], family: ModelFa
 
 # vLLM imports this class's module in its worker before it builds the model (engine_tower.py says why).
 ENGINE_TOWER_EXTENSION = "consumers.infer.engine_tower.EngineTowerExtension"
+# Most images per forward of the tower in this process (where vLLM's engine does not take it, and for embeddings in
+# pixels mode); each forward is also bounded to 65,536 patches (VisionEncoder.max_patches_per_call), which binds
+# first for images over 2,048 patches (about 0.4 MP). vLLM's scheduler decides the batches of the tower in its engine.
+VISION_BATCH_IMAGES = 32
 ENGINE_TOWER_CLOCK_S = 10.0  # how often the consumer reads the engine tower's GPU time (a utility call between steps)
 
 
@@ -131,14 +135,19 @@ class EngineEmbeddings:
 class VllmEngine(QueuedEngine):
     engine_label = "vLLM engine"
     name = "vllm"
+    ignore_eos = False
 
     def __init__(self, model_path: str | Path, settings: InferSettings, mode: str | None = None, *,
                  load_format: str = "auto", embeds_only_engine: bool = True, vision_attention: str = "auto",
-                 engine_kwargs: dict | None = None):
+                 engine_kwargs: dict | None = None, ignore_eos: bool = False):
         """``load_format="dummy"``: random weights (a folder without safetensors); our tower is then random
         too. ``embeds_only_engine``: in embeds mode, tell vLLM images arrive only as embeddings
         (``limit_mm_per_prompt`` image 0 + ``enable_mm_embeds``), so it neither builds nor profiles its own
-        vision tower; False keeps vLLM's tower (the path shared/gpu/bench.py measured)."""
+        vision tower; False keeps vLLM's tower (the path shared/gpu/bench.py measured). ``engine_kwargs`` (vLLM
+        engine arguments over ours) and ``ignore_eos`` (every output runs to its token budget, guided ones excepted)
+        are for benchmarks, which compare arms at one output length and without caches that only some arms can
+        use."""
+        self.ignore_eos = ignore_eos
         self.mode = mode or settings.mode
         if self.mode not in ("embeds", "pixels"):
             raise ValueError(f"vllm mode must be 'embeds' or 'pixels', got {self.mode!r}")
@@ -185,9 +194,9 @@ class VllmEngine(QueuedEngine):
             max_model_len=settings.max_model_len, gpu_memory_utilization=settings.gpu_memory_utilization,
             load_format=load_format, seed=0, disable_log_stats=True,
             enable_mm_embeds=self.mode == "embeds",
-            # Every image is new: caching processed inputs only costs memory and hashing.
-            mm_processor_cache_gb=0,
-            enable_prefix_caching=settings.enable_prefix_caching,
+            # Every image is new: caching processed inputs only costs memory and hashing. Prefix caching still
+            # reuses the prompt text before the image, which every request shares.
+            mm_processor_cache_gb=0, enable_prefix_caching=True,
         )
         # Scheduler limits only when set: vLLM's own choice depends on the GPU, and a larger token budget than it
         # would pick costs KV-cache memory on smaller cards.
@@ -278,13 +287,13 @@ class VllmEngine(QueuedEngine):
                 "limit_mm_per_prompt": {"image": 0 if embeds_only else 1, "video": 0}}
         try:
             try:
-                with engine_process_threads(settings.engine_cpu_threads):
+                with engine_process_threads():
                     self.llm = self._engine_loop.start_llm(self._v, self._v.AsyncEngineArgs(**args))
             except Exception as exc:
                 if not embeds_only:
                     raise
                 # vLLM 0.26 cannot build Qwen3-VL's language model without its tower: the DeepStack buffers stay
-                # on the meta device and the compile fails (seen on the H200, RESULTS.md 2026-12-01). The engine
+                # on the meta device and the compile fails (seen on an H200 with the Qwen3-VL-8B config). The engine
                 # with its tower kept takes the same image_embeds and gives the same outputs; it only holds the
                 # tower's weights and profiles it at start.
                 log.warning("vLLM %s would not start %s with images as embeddings only (%s: %s); starting it "
@@ -293,7 +302,7 @@ class VllmEngine(QueuedEngine):
                 self._engine_loop.reap_children()
                 embeds_only = False
                 args["limit_mm_per_prompt"] = {"image": 1, "video": 0}
-                with engine_process_threads(settings.engine_cpu_threads):
+                with engine_process_threads():
                     self.llm = self._engine_loop.start_llm(self._v, self._v.AsyncEngineArgs(**args))
         except Exception as exc:
             self._engine_loop.stop()
@@ -399,7 +408,7 @@ class VllmEngine(QueuedEngine):
             while not stopping or in_flight:
                 batch: list = []
                 if not stopping:
-                    batch, stopping = self._next_batch(self.settings.vision_batch_images, block=not in_flight)
+                    batch, stopping = self._next_batch(VISION_BATCH_IMAGES, block=not in_flight)
                 for work in self._launch_batch(batch):
                     in_flight.append(work)
                     while len(in_flight) > 1:
@@ -556,7 +565,7 @@ class VllmEngine(QueuedEngine):
         # A guided document ends where its grammar ends: ignoring EOS there made vLLM generate past the closing
         # brace (seen on the H200: `{...}<filler>...`, every output a schema violation).
         return v.SamplingParams(max_tokens=max_tokens, temperature=self.settings.temperature,
-                                ignore_eos=self.settings.ignore_eos and structured is None,
+                                ignore_eos=self.ignore_eos and structured is None,
                                 structured_outputs=structured,
                                 output_kind=v.RequestOutputKind.FINAL_ONLY)
 

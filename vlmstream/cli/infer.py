@@ -14,7 +14,6 @@ def infer(
     prompt_id: Optional[str] = typer.Option(None, "--prompt-id"),
     output_schema: Optional[str] = typer.Option(None, "--output-schema", help="JSON Schema file for the output."),
     max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens"),
-    ignore_eos: Optional[bool] = typer.Option(None, "--ignore-eos/--stop-at-eos"),
     batch_size: Optional[int] = typer.Option(None, "--batch-size"),
     max_images_in_flight: Optional[int] = typer.Option(None, "--max-images-in-flight"),
     no_embeddings: bool = typer.Option(False, "--no-embeddings", help="Do not publish vision embeddings."),
@@ -47,7 +46,7 @@ def infer(
     profiler = profiling.start_from_env()  # VLMSTREAM_PROFILE_OUT: where this process's CPU goes, per thread
     infer_overrides = {
         "model": model, "engine": engine, "mode": mode, "prompt": prompt, "prompt_id": prompt_id,
-        "output_schema": output_schema, "max_new_tokens": max_new_tokens, "ignore_eos": ignore_eos,
+        "output_schema": output_schema, "max_new_tokens": max_new_tokens,
         "batch_size": batch_size, "max_images_in_flight": max_images_in_flight, "max_attempts": max_attempts,
         "group_id": group_id, "publish_embeddings": False if no_embeddings else None,
         "exactly_once": True if exactly_once else None,
