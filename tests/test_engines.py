@@ -424,13 +424,16 @@ def test_factory_picks_transformers_without_vllm_and_the_tiny_model_by_default(m
 
     engine = make_engine(InferSettings(engine="auto", model=""))
     try:
-        assert engine.name == "transformers" and engine.mode is None
+        assert engine.name == "transformers" and engine.mode is None and not engine.ignore_eos
         assert Path(engine.model_id) == model_dir
         engine.submit([_request(0, images[0], max_new_tokens=2)])
         [[result]] = _collect(engine, 1)
         assert isinstance(result, InferenceOutput)
     finally:
         engine.close()
+    # Benchmarks' fixed output lengths reach the engine through make_engine's keyword, not a setting.
+    with make_engine(InferSettings(engine="transformers"), model_dir, ignore_eos=True) as fixed:
+        assert fixed.ignore_eos
 
 
 def test_encoder_groups_keep_order_and_stay_within_the_patch_bound():

@@ -367,3 +367,20 @@ def test_a_drained_stop_signals_the_consumer_alone_and_lets_it_stop_its_own_chil
     proc.stdout.close()
     assert proc.returncode == 0 and marker.read_text() == "True"  # drained by itself, its child alive until then
     assert time.monotonic() - started < 15
+
+
+def test_the_pipeline_arms_infer_runs_fixed_length_outputs_with_prefix_caching_as_asked():
+    """bench_infer.py (the pipeline arm's `vlmstream infer`): the engine `vlmstream infer` builds gets ignore_eos, and
+    vLLM's prefix caching off unless --prefix-caching, as the offline and serve arms run; nothing else changes."""
+    import bench_infer
+
+    asked = []
+
+    def make_engine(settings, model_path=None, **benchmark):
+        asked.append((settings, model_path, benchmark))
+        return "engine"
+
+    assert bench_infer.fixed_length(make_engine, prefix_caching=False)("settings", "/m") == "engine"
+    assert bench_infer.fixed_length(make_engine, prefix_caching=True)("settings") == "engine"
+    assert asked == [("settings", "/m", {"ignore_eos": True, "engine_kwargs": {"enable_prefix_caching": False}}),
+                     ("settings", None, {"ignore_eos": True, "engine_kwargs": None})]

@@ -280,7 +280,6 @@ class VllmEngine(QueuedEngine):
         """Start vLLM's engine with ``base_args`` and what the tower's place adds. ``embeds_only``: images arrive
         only as embeddings (``limit_mm_per_prompt`` image 0), so vLLM neither builds nor profiles its own tower;
         returns it as it ended up (see the retry below)."""
-        settings = self.settings
         # vLLM imports this extension's module in its worker, which installs our tower there (engine_tower.py).
         tower_args = {"worker_extension_cls": ENGINE_TOWER_EXTENSION} if self._tower_in_engine else {}
         args = {**base_args, **tower_args, **self._engine_kwargs,
