@@ -554,8 +554,8 @@ def main() -> None:
     parser.add_argument("--sample-fraction", type=float, default=0.1,
                         help="The estimate's sample: this share of the job's images (at least 16).")
     parser.add_argument("--timeout-s", type=int, default=RUN_TIMEOUT_S, help="The full run's limit.")
-    parser.add_argument("--deadline", type=float, help="Unix time by which this script must be done (a machine's "
-                        "lease): the run's limit becomes the lesser of --timeout-s and the time left then, less "
+    parser.add_argument("--deadline", type=float, help="Unix time by which this script must be done (a machine "
+                        "reserved until then): the run's limit becomes the lesser of --timeout-s and the time left then, less "
                         f"{DEADLINE_MARGIN_S} s to stop it and read its results back.")
     parser.add_argument("--diagnose", action="store_true", help="Also hold the estimate's decode costs (per size "
                         "class, per source file, warm-up against steady) against the full run's, in each JSON row.")
