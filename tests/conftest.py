@@ -106,3 +106,24 @@ def interpreted_norm_kernels(monkeypatch):
 def interpreted_mlp_kernels(monkeypatch):
     """The Triton MLP activation kernels' module (``mlp_activation``), built for the CPU interpreter."""
     yield from _interpreted(monkeypatch, "mlp_activation", "triton_kernels")
+
+
+@pytest.fixture
+def engine_tower_config(monkeypatch):
+    """engine_tower as vLLM's engine process runs it: configured by the consumer (``EngineTowerConfig.for_engine``,
+    through its environment variable), read afresh by this test. Call it with the checkpoint folder."""
+    from consumers.infer import engine_tower
+    from consumers.infer.engine_boundary import EngineTowerConfig
+    from vlmstream.config import InferSettings
+    from vlmstream.models.registry import family_of
+
+    def configure(checkpoint, **settings) -> EngineTowerConfig:
+        built = EngineTowerConfig.for_engine(str(checkpoint), family_of(checkpoint), InferSettings(**settings),
+                                             "0.26.0")
+        for name, value in built.environment().items():
+            monkeypatch.setenv(name, value)
+        monkeypatch.setattr(engine_tower, "_config", None)
+        monkeypatch.setattr(engine_tower, "_tap", None)
+        return built
+
+    return configure

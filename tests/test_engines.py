@@ -574,7 +574,8 @@ class QwenModelLikeVllms:
         return ("vllm's own tower", image_input["type"])
 
 
-def test_the_engine_tower_takes_pixel_rows_and_leaves_the_rest_to_vllm(images, model_dir, monkeypatch):
+def test_the_engine_tower_takes_pixel_rows_and_leaves_the_rest_to_vllm(images, model_dir, monkeypatch,
+                                                                       engine_tower_config):
     """Our tower in vLLM's engine process: a Qwen model class's pixel rows (the decoded images' own bytes as uint8
     image_embeds) go through our encoder, built once from the checkpoint, and give per image what transformers'
     tower gives; the processor's pixel_values and other image_embeds keep vLLM's own path. Installing twice wraps
@@ -584,6 +585,7 @@ def test_the_engine_tower_takes_pixel_rows_and_leaves_the_rest_to_vllm(images, m
     from consumers.infer import engine_tower
     from consumers.infer.vision import load_vision_tower
 
+    engine_tower_config(model_dir)
     original = QwenModelLikeVllms._process_image_input
     monkeypatch.setattr(QwenModelLikeVllms, "_process_image_input", original)  # undone after the test
     assert engine_tower.install([(__name__, "QwenModelLikeVllms"), ("vllm_is_not_here", "Nothing")]) == [
@@ -631,12 +633,12 @@ def test_the_engine_tower_takes_pixel_rows_and_leaves_the_rest_to_vllm(images, m
                 "image_embeds": pixel_rows.pack(np.asarray(images[0]), tuple(inputs["image_grid_thw"][0].tolist()),
                                                 encoder.family, untagged_embedding)}
     torch.testing.assert_close(model._process_image_input(one_more)[0], expected[0], atol=1e-4, rtol=1e-4)
-    kept = engine_tower.TAP.take(tags + [99, untagged_embedding])
+    kept = engine_tower.tap().take(tags + [99, untagged_embedding])
     assert sorted(kept) == sorted(tags)  # 99 was never kept, nor the embedding its tag did not ask for
     for tag, e in zip(tags, expected):
         got_embedding = np.frombuffer(kept[tag], dtype=np.float16)
         np.testing.assert_allclose(got_embedding, e[:, :encoder.embedding_width].mean(0).numpy(), atol=2e-3, rtol=2e-3)
-    assert engine_tower.TAP.take(tags) == {}
+    assert engine_tower.tap().take(tags) == {}
     model._process_image_input(rows_input)
     assert engine_tower._encoders[model] is encoder  # built once
     worker = engine_tower.EngineTowerExtension()
@@ -740,16 +742,33 @@ def test_the_engine_towers_clock_times_its_forwards_on_the_gpu_only(monkeypatch)
     assert clock.totals() == {"forwards": 1, "images": 2, "gpu_ms": 0.0}
 
 
-def test_the_engine_process_installs_our_tower_where_vllm_is(monkeypatch):
+def test_the_engine_process_installs_our_tower_where_vllm_is(monkeypatch, model_dir, engine_tower_config, caplog):
     """What engine_tower's import installs: our tower in vLLM's Qwen model classes; none where vLLM is not
-    installed."""
+    installed; a clear error without the consumer's configuration; none, with a warning naming both releases, on a
+    vLLM release other than the checked one or than the consumer's."""
     from consumers.infer import engine_tower
+    from consumers.infer.engine_boundary import ENVIRONMENT_VARIABLE
+    from vlmstream import vllm_adapter
 
     monkeypatch.setattr(engine_tower.importlib.util, "find_spec", lambda name: None)
     assert engine_tower._installed_on_import() == []
     monkeypatch.setattr(engine_tower.importlib.util, "find_spec", lambda name: object())
     monkeypatch.setattr(engine_tower, "install", lambda: ["Qwen2_5_VLForConditionalGeneration"])
+    monkeypatch.delenv(ENVIRONMENT_VARIABLE, raising=False)
+    monkeypatch.setattr(engine_tower, "_config", None)
+    with pytest.raises(RuntimeError, match=f"{ENVIRONMENT_VARIABLE} is not set"):
+        engine_tower._installed_on_import()
+    engine_tower_config(model_dir)  # the consumer checked 0.26.0
+    monkeypatch.setattr(vllm_adapter, "installed_vllm", lambda: "0.26.0")
     assert engine_tower._installed_on_import() == ["Qwen2_5_VLForConditionalGeneration"]
+    with caplog.at_level("WARNING", logger=engine_tower.__name__):
+        monkeypatch.setattr(vllm_adapter, "installed_vllm", lambda: "0.27.1")
+        assert engine_tower._installed_on_import() == []
+        monkeypatch.setattr(vllm_adapter, "installed_vllm", lambda: "0.26.1")  # the checked series, not the consumer's
+        assert engine_tower._installed_on_import() == []
+    warnings = [r.getMessage() for r in caplog.records]
+    assert any("0.27.1" in w and vllm_adapter.CHECKED_VLLM in w for w in warnings)
+    assert any("0.26.1" in w and "0.26.0" in w for w in warnings)
 
 
 def test_pixel_rows_carry_an_exact_size_image_to_the_engine_and_back_unchanged():

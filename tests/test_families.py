@@ -117,7 +117,8 @@ def test_our_tower_equals_the_full_models_image_features(tiny_dirs, name):
 
 
 @pytest.mark.parametrize("name", FAMILIES)
-def test_the_engine_tower_turns_each_familys_pixel_rows_into_the_full_models_image_features(tiny_dirs, name):
+def test_the_engine_tower_turns_each_familys_pixel_rows_into_the_full_models_image_features(tiny_dirs, name,
+                                                                                            engine_tower_config):
     """Our tower in vLLM's engine process, embeds mode: two decoded images' bytes as pixel rows, concatenated as vLLM batches
     image_embeds, through the patched ``_process_image_input`` give per image what transformers' full model gives
     (merged tokens and, for Qwen3-VL, every DeepStack level), for each family's patch size."""
@@ -127,6 +128,7 @@ def test_the_engine_tower_turns_each_familys_pixel_rows_into_the_full_models_ima
     from consumers.infer.vision import VisionEncoder, load_vision_tower
 
     path = tiny_dirs[name]
+    engine_tower_config(path)
     family = family_of(path)
     model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
     images = _images(family.factor)
@@ -160,7 +162,7 @@ def test_the_engine_tower_turns_each_familys_pixel_rows_into_the_full_models_ima
                                 "image_grid_thw": reference["image_grid_thw"]})
     for g, e in zip(got, expected):
         torch.testing.assert_close(g, e, atol=1e-5, rtol=1e-5)
-    kept = engine_tower.TAP.take(tags)
+    kept = engine_tower.tap().take(tags)
     assert sorted(kept) == tags
     for tag, pooled in zip(tags, features.pooler_output):
         np.testing.assert_allclose(np.frombuffer(kept[tag], dtype=np.float16).astype(np.float32),

@@ -13,7 +13,7 @@ import threading
 from pathlib import Path
 from types import SimpleNamespace
 
-from vlmstream.extras import install_command
+from vlmstream.vllm_adapter import INSTALL_HINT, MODELS_PACKAGE, registered_models
 
 log = logging.getLogger(__name__)
 
@@ -106,20 +106,18 @@ def kernel_args(model_path: str | Path) -> dict:
 
 
 def model_module_failure(model_path: str | Path, models: dict | None = None,
-                         package: str = "vllm.model_executor.models") -> str | None:
+                         package: str = MODELS_PACKAGE) -> str | None:
     """Why vLLM's module for the checkpoint's architecture does not import in this install, or None (it imports,
     vLLM does not know the architecture, or the folder has no config.json). vLLM inspects a model class in a
     subprocess and reports only that the inspection failed; the import error behind it (a vLLM built against
     another transformers, say) is in the engine's log alone. ``models``: architecture -> (module, class), vLLM's
-    registry by default."""
+    registry by default (``vllm_adapter.registered_models``)."""
     config_file = Path(model_path) / "config.json"
     if not config_file.is_file():
         return None
+    models = registered_models() if models is None else models
     if models is None:
-        try:
-            from vllm.model_executor.models.registry import _VLLM_MODELS as models
-        except Exception:  # noqa: BLE001 - no vLLM, or one without that table: nothing to add
-            return None
+        return None
     for architecture in json.loads(config_file.read_text()).get("architectures") or []:
         if architecture not in models:
             continue
@@ -131,9 +129,6 @@ def model_module_failure(model_path: str | Path, models: dict | None = None,
                     f"{str(exc)[:300]} (the installed transformers or another package is not the version this "
                     "vLLM was built against)")
     return None
-
-
-INSTALL_HINT = install_command("gpu")
 
 
 class EngineUnavailable(RuntimeError):

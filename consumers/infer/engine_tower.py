@@ -10,7 +10,10 @@ patchifies on the GPU. Where the model vLLM builds does not take the wrapper, ``
 consumer's process instead.
 
 The encoder is built from the checkpoint's own vision weights (``load_vision_tower``) on the first image batch; the
-engine has no tower of its own. It needs no settings: ``VisionEncoder`` picks its kernels where it runs.
+engine has no tower of its own. It reads no settings: what the consumer decided for it (its model family, whether
+and how many embeddings to keep, the vLLM release it checked) arrives as one ``EngineTowerConfig``
+(engine_boundary.py), and ``VisionEncoder`` picks its kernels where it runs. Every hook into vLLM's internals is
+vlmstream/vllm_adapter.py's; on a vLLM release other than the one they were checked against, nothing is installed.
 
 A clock of CUDA events around each tower forward (``TowerClock``) counts the tower's GPU time there, which the
 consumer reads into each result's timings.
@@ -26,7 +29,6 @@ from __future__ import annotations
 
 import collections
 import functools
-import importlib
 import importlib.util
 import logging
 import threading
@@ -35,22 +37,26 @@ import weakref
 import torch
 
 from consumers.infer import pixel_rows
+from consumers.infer.engine_boundary import EngineTowerConfig
 from consumers.infer.vision import (VisionEncoder, load_vision_tower, mean_pooled, patchify_batch,
                                     to_host_later)
+from vlmstream import vllm_adapter
 
 log = logging.getLogger(__name__)
-
-# vLLM's Qwen model classes whose ``_process_image_input(self, image_input)`` runs the tower on pixel inputs. Qwen3-VL
-# MoE and Qwen3.5 (dense and MoE) subclass Qwen3VLForConditionalGeneration and inherit the replaced method.
-MODEL_CLASSES = (
-    ("vllm.model_executor.models.qwen2_vl", "Qwen2VLForConditionalGeneration"),
-    ("vllm.model_executor.models.qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration"),
-    ("vllm.model_executor.models.qwen3_vl", "Qwen3VLForConditionalGeneration"),
-)
 
 # Per vLLM model object, held weakly: one engine process builds one model, but nothing here relies on it, and a model
 # that goes takes its encoder with it.
 _encoders: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_config: EngineTowerConfig | None = None
+_tap: EmbeddingTap | None = None
+
+
+def config() -> EngineTowerConfig:
+    """What the consumer that started this engine decided for the tower here (engine_boundary.py), read once."""
+    global _config
+    if _config is None:
+        _config = EngineTowerConfig.from_environment()
+    return _config
 
 
 class TowerClock:
@@ -105,10 +111,10 @@ class EmbeddingTap:
     DeepStack levels left out), in float16. Each forward's embeddings and tags reach the host by one non-blocking
     copy into page-locked memory, with an event that ``take`` waits on (long passed by then): the engine's step never
     waits for the GPU here. Only tags that ask for it (``pixel_rows.keeps_embedding``) keep an embedding. At most
-    ``keep`` embeddings wait; the oldest go first (those of requests the consumer never asks about, such as aborted
-    ones), counted in ``dropped``."""
+    ``keep`` embeddings wait (the consumer's bound, ``EngineTowerConfig.embeddings_kept_at_most``); the oldest go
+    first (those of requests the consumer never asks about, such as aborted ones), counted in ``dropped``."""
 
-    def __init__(self, keep: int = 32768):  # far above the images in flight (infer.max_images_in_flight)
+    def __init__(self, keep: int):
         self.keep = keep
         self._lock = threading.Lock()
         self._pending: collections.deque = collections.deque()  # (event or None, tags, embeddings) per forward
@@ -157,18 +163,27 @@ class EmbeddingTap:
                 self.dropped += 1
 
 
-TAP = EmbeddingTap()
+def tap() -> EmbeddingTap:
+    """This engine process's EmbeddingTap, as large as the consumer asked."""
+    global _tap
+    if _tap is None:
+        _tap = EmbeddingTap(keep=config().embeddings_kept_at_most)
+    return _tap
 
 
 def encoder_for(model) -> VisionEncoder:
     """Our encoder for a vLLM Qwen model: its checkpoint's vision weights, on the device and in the dtype of vLLM's
-    own tower."""
+    own tower, of the family the consumer resolved (``config().family``)."""
     # vLLM's own tower may be a placeholder on the meta device (an engine started for image_embeds only): the
     # device is the language model's, the dtype the model's.
     device = next(p.device for p in model.parameters() if p.device.type != "meta")
-    dtype = model.model_config.dtype
-    tower, real_weights = load_vision_tower(model.model_config.model, device, dtype)
+    checkpoint, dtype = vllm_adapter.model_checkpoint_and_dtype(model)
+    tower, real_weights = load_vision_tower(checkpoint, device, dtype)
     encoder = VisionEncoder(tower, device, dtype)
+    if encoder.family.name != config().family:
+        # The pixel rows are packed by the consumer's family: another family would read them wrong.
+        raise RuntimeError(f"the vision tower of {checkpoint} in vLLM's engine process is of family "
+                           f"{encoder.family.name}, the consumer packs images for {config().family}")
     log.warning("vlmstream's vision tower runs in vLLM's engine process for %s: %d fast blocks, compiled=%s, "
                 "attention %s (window blocks: %s), checkpoint weights %s", type(model).__name__,
                 encoder.fast.replaced if encoder.fast else 0, encoder.compiled, encoder.attention,
@@ -199,13 +214,12 @@ def through_our_tower(original, build=encoder_for):
             # vLLM splits its tower's output per image the same way: merged tokens (then DeepStack levels) per
             # image.
             per_image = tuple(encoder.encode_patches(pixel_values, grid_thw))
-            if tag_bytes is not None:
-                TAP.put(tag_bytes, per_image, encoder.embedding_width)
+            if tag_bytes is not None and config().keep_embeddings:
+                tap().put(tag_bytes, per_image, encoder.embedding_width)
             return per_image
 
         return _clocked(image_input["image_embeds"], encode)
 
-    _process_image_input.vlmstream_tower = "vlmstream"
     return _process_image_input
 
 
@@ -218,21 +232,10 @@ def _clocked(pixels, forward):
     return per_image
 
 
-def install(classes=MODEL_CLASSES) -> list[str]:
+def install(classes=vllm_adapter.MODEL_CLASSES) -> list[str]:
     """Route the pixel rows given to each of ``classes`` (module, class name) through our tower
     (``through_our_tower``); the names of those that now do. Installing twice changes nothing."""
-    installed = []
-    for module_name, class_name in classes:
-        try:
-            cls = getattr(importlib.import_module(module_name), class_name)
-        except (ImportError, AttributeError) as exc:
-            log.warning("vlmstream engine tower: %s.%s is not there (%s); its model keeps vLLM's tower",
-                        module_name, class_name, exc)
-            continue
-        if not getattr(cls._process_image_input, "vlmstream_tower", None):
-            cls._process_image_input = through_our_tower(cls._process_image_input)
-        installed.append(class_name)
-    return installed
+    return vllm_adapter.wrap_image_inputs(through_our_tower, classes)
 
 
 def model_takes_it(worker) -> dict:
@@ -240,13 +243,10 @@ def model_takes_it(worker) -> dict:
     installed above, or one inheriting from it. Without that, pixel rows would reach vLLM's own method as if they were
     embeddings."""
     try:
-        model = worker.model_runner.get_model()
-        if hasattr(model, "unwrap"):  # a CUDA graph wrapper around it (vLLM's runners unwrap some, not all)
-            model = model.unwrap()
+        model = vllm_adapter.built_model(worker)
     except Exception as exc:  # noqa: BLE001 - no model to ask about is an answer too
         return {"class": None, "wrapped": False, "error": f"{type(exc).__name__}: {exc}"[:300]}
-    method = getattr(type(model), "_process_image_input", None)
-    return {"class": type(model).__name__, "wrapped": bool(getattr(method, "vlmstream_tower", None))}
+    return {"class": type(model).__name__, "wrapped": vllm_adapter.takes_wrapper(model)}
 
 
 class EngineTowerExtension:
@@ -259,15 +259,28 @@ class EngineTowerExtension:
         return {"installed": list(INSTALLED), "model": model_takes_it(self), "encoders": [
             {"fast_blocks": e.fast.replaced if e.fast else 0, "compiled": e.compiled, "attention": e.attention,
              "image_embeds_width": e.image_embeds_width} for e in _encoders.values()], "clock": CLOCK.totals(),
-            "embeddings": TAP.totals()}
+            "embeddings": tap().totals()}
 
     def vlmstream_take_embeddings(self, tags: list[int]) -> dict[int, bytes]:
-        return TAP.take(tags)
+        return tap().take(tags)
 
 
 def _installed_on_import() -> list[str]:
-    """The model classes whose pixel rows go through our tower in this engine process; none without vLLM."""
-    return install() if importlib.util.find_spec("vllm") is not None else []
+    """The model classes whose pixel rows go through our tower in this engine process; none without vLLM, and none
+    on a vLLM release other than the one the consumer checked, or than the adapter's hooks were checked against (the
+    consumer then runs the tower in its own process). The consumer's configuration is read here, so a missing or
+    malformed one stops the engine at start."""
+    if importlib.util.find_spec("vllm") is None:
+        return []
+    wanted = config()
+    installed = vllm_adapter.installed_vllm()
+    problem = vllm_adapter.version_problem(installed)
+    if problem is None and installed != wanted.vllm_version:
+        problem = f"vLLM {installed} runs the engine, the consumer checked vLLM {wanted.vllm_version}"
+    if problem:
+        log.warning("vlmstream's vision tower is not installed in vLLM's engine process: %s", problem)
+        return []
+    return install()
 
 
 # Installed on import: the only place vLLM lets a worker run code of ours before it builds its model.

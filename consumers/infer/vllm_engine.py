@@ -43,6 +43,7 @@ import numpy as np
 
 from consumers.infer import pixel_rows
 from consumers.infer.engine import ENGINE_DEAD as _DEAD
+from consumers.infer.engine_boundary import EngineTowerConfig
 from consumers.infer.engine import (InferenceFailure, InferenceOutput, InferenceRequest,
                                     QueuedEngine)
 from consumers.infer.prompts import OutputSchema, PromptBuilder, with_schema
@@ -51,8 +52,9 @@ from consumers.infer.vision import (TowerPass, VisionEncoder, block_kernels, gro
 from vlmstream.config import InferSettings
 from vlmstream.models.family import ModelFamily
 from vlmstream.models.registry import family_of
-from vlmstream.vllm_process import (EngineLoop, EngineUnavailable, engine_process_threads, import_vllm, kernel_args,
-                                    model_module_failure)
+from vlmstream import vllm_adapter
+from vlmstream.vllm_process import (EngineLoop, EngineUnavailable, child_environment, engine_process_threads,
+                                    import_vllm, kernel_args, model_module_failure)
 
 log = logging.getLogger(__name__)
 
@@ -173,9 +175,13 @@ class VllmEngine(QueuedEngine):
 
         # Embeds mode runs our tower in vLLM's engine process (one CUDA context; on an H200 at 0.2 MP with
         # embeddings 4% faster than the tower in this process, and the fastest path measured at 12.8 MP). A model
-        # whose vLLM class does not take it runs the tower here instead (below).
+        # whose vLLM class does not take it, or a vLLM release other than the one vllm_adapter's hooks were checked
+        # against, runs the tower here instead (below).
         self.settings = settings
-        self._set_tower_place(self.mode == "embeds")
+        tower_problem = vllm_adapter.version_problem(self._v.version) if self.mode == "embeds" else None
+        if tower_problem:
+            log.warning("%s: the vision tower runs in this process, not in vLLM's engine process", tower_problem)
+        self._set_tower_place(self.mode == "embeds" and tower_problem is None)
 
         from transformers import AutoTokenizer
 
@@ -280,13 +286,16 @@ class VllmEngine(QueuedEngine):
         """Start vLLM's engine with ``base_args`` and what the tower's place adds. ``embeds_only``: images arrive
         only as embeddings (``limit_mm_per_prompt`` image 0), so vLLM neither builds nor profiles its own tower;
         returns it as it ended up (see the retry below)."""
-        # vLLM imports this extension's module in its worker, which installs our tower there (engine_tower.py).
+        # vLLM imports this extension's module in its worker, which installs our tower there (engine_tower.py),
+        # configured by what this process decided (engine_boundary.py), in the engine process's environment.
         tower_args = {"worker_extension_cls": ENGINE_TOWER_EXTENSION} if self._tower_in_engine else {}
+        tower_env = (EngineTowerConfig.for_engine(self.model_path, self.family, self.settings, self._v.version)
+                     .environment() if self._tower_in_engine else {})
         args = {**base_args, **tower_args, **self._engine_kwargs,
                 "limit_mm_per_prompt": {"image": 0 if embeds_only else 1, "video": 0}}
         try:
             try:
-                with engine_process_threads():
+                with child_environment(tower_env), engine_process_threads():
                     self.llm = self._engine_loop.start_llm(self._v, self._v.AsyncEngineArgs(**args))
             except Exception as exc:
                 if not embeds_only:
@@ -301,7 +310,7 @@ class VllmEngine(QueuedEngine):
                 self._engine_loop.reap_children()
                 embeds_only = False
                 args["limit_mm_per_prompt"] = {"image": 1, "video": 0}
-                with engine_process_threads():
+                with child_environment(tower_env), engine_process_threads():
                     self.llm = self._engine_loop.start_llm(self._v, self._v.AsyncEngineArgs(**args))
         except Exception as exc:
             self._engine_loop.stop()

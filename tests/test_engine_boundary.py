@@ -1,0 +1,136 @@
+"""The boundary to vLLM's engine process: the one adapter that touches vLLM's internals (vlmstream/vllm_adapter.py)
+and the one object that carries the consumer's decisions to our tower there (consumers/infer/engine_boundary.py).
+vLLM is not needed: the adapter's hooks are exercised on plain classes defined here, and the engine side's reader
+runs in a real subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tomllib
+import types
+from pathlib import Path
+
+import pytest
+
+from consumers.infer.engine_boundary import ENVIRONMENT_VARIABLE, VLLM_LARGEST_DEFAULT_BATCH, EngineTowerConfig
+from vlmstream import vllm_adapter
+from vlmstream.config import InferSettings
+from vlmstream.models.qwen2_vl import QWEN2_VL
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def built(**settings) -> EngineTowerConfig:
+    return EngineTowerConfig.for_engine("/models/qwen", QWEN2_VL, InferSettings(**settings), "0.26.0")
+
+
+def test_the_consumer_builds_the_engine_towers_config_from_its_settings():
+    """What the consumer decided: its family, whether embeddings are kept, and twice its in-flight bound as the
+    engine's keep (the engine's batch taken as vLLM's largest default when infer.max_num_seqs leaves it open)."""
+    config = built()
+    assert (config.family, config.checkpoint, config.vllm_version, config.keep_embeddings) == (
+        QWEN2_VL.name, "/models/qwen", "0.26.0", True)
+    assert config.embeddings_kept_at_most == 2 * max(256, 2 * VLLM_LARGEST_DEFAULT_BATCH)
+    assert built(max_images_in_flight=300).embeddings_kept_at_most == 600
+    assert built(max_num_seqs=64).embeddings_kept_at_most == 2 * 256
+    assert built(publish_embeddings=False).keep_embeddings is False
+    with pytest.raises(Exception, match="frozen"):
+        config.family = "other"
+
+
+def test_the_config_crosses_as_one_environment_variable_and_back():
+    config = built(max_images_in_flight=100)
+    environment = config.environment()
+    assert list(environment) == [ENVIRONMENT_VARIABLE]
+    assert EngineTowerConfig.from_environment(environment) == config
+
+
+def test_a_missing_malformed_or_extra_field_is_refused_with_the_variables_name():
+    fields = json.loads(built().model_dump_json())
+    with pytest.raises(RuntimeError, match=f"{ENVIRONMENT_VARIABLE} is not set"):
+        EngineTowerConfig.from_environment({})
+    missing = {k: v for k, v in fields.items() if k != "embeddings_kept_at_most"}
+    with pytest.raises(RuntimeError, match="embeddings_kept_at_most"):
+        EngineTowerConfig.from_environment({ENVIRONMENT_VARIABLE: json.dumps(missing)})
+    with pytest.raises(RuntimeError, match="tower_clock"):
+        EngineTowerConfig.from_environment({ENVIRONMENT_VARIABLE: json.dumps({**fields, "tower_clock": True})})
+    with pytest.raises(RuntimeError, match="not a valid EngineTowerConfig"):
+        EngineTowerConfig.from_environment({ENVIRONMENT_VARIABLE: "{not json"})
+    with pytest.raises(RuntimeError, match="embeddings_kept_at_most"):
+        EngineTowerConfig.from_environment({ENVIRONMENT_VARIABLE: json.dumps({**fields, "embeddings_kept_at_most": 0})})
+
+
+def _engine_side(environment: dict[str, str]) -> subprocess.CompletedProcess:
+    """engine_tower's reader in a fresh interpreter, as vLLM's spawned engine process runs it."""
+    code = "from consumers.infer import engine_tower; print(engine_tower.config().model_dump_json())"
+    env = {k: v for k, v in os.environ.items() if k != ENVIRONMENT_VARIABLE}
+    env.update(environment, PYTHONPATH=str(REPO))
+    return subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_the_engine_side_reads_exactly_what_the_consumer_built_in_its_own_process():
+    config = built(max_images_in_flight=123, publish_embeddings=False)
+    done = _engine_side(config.environment())
+    assert done.returncode == 0, done.stderr
+    assert EngineTowerConfig.model_validate_json(done.stdout.strip().splitlines()[-1]) == config
+    done = _engine_side({})
+    assert done.returncode != 0 and f"{ENVIRONMENT_VARIABLE} is not set" in done.stderr
+
+
+def test_the_adapter_names_the_vllm_release_its_hooks_were_checked_against():
+    """The checked release is of the series the gpu extra pins; another series, or none, is a reason naming both
+    releases and the install command."""
+    gpu = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]["gpu"]
+    major, minor, _ = vllm_adapter.CHECKED_VLLM.split(".")
+    assert f"vllm>={major}.{minor},<{major}.{int(minor) + 1}" in gpu
+    assert vllm_adapter.version_problem(vllm_adapter.CHECKED_VLLM) is None
+    assert vllm_adapter.version_problem(f"{major}.{minor}.7") is None  # a patch release of the checked series
+    problem = vllm_adapter.version_problem("0.27.0")
+    assert "0.27.0" in problem and vllm_adapter.CHECKED_VLLM in problem and vllm_adapter.INSTALL_HINT in problem
+    if vllm_adapter.installed_vllm() is None:
+        assert "not installed" in vllm_adapter.version_problem()
+
+
+class ModelWithATower:
+    """A model class with the method vLLM's Qwen classes have."""
+
+    def _process_image_input(self, image_input):
+        return ("own", image_input)
+
+
+class ModelWithTheTowerInherited(ModelWithATower):
+    pass
+
+
+def test_the_adapter_wraps_a_classes_image_inputs_once_and_skips_a_missing_one(monkeypatch, caplog):
+    original = ModelWithATower._process_image_input
+    monkeypatch.setattr(ModelWithATower, "_process_image_input", original)  # undone after the test
+
+    def wrap(inner):
+        def _process_image_input(self, image_input):
+            return ("ours", inner(self, image_input))
+        return _process_image_input
+
+    with caplog.at_level("WARNING", logger=vllm_adapter.__name__):
+        assert vllm_adapter.wrap_image_inputs(wrap, [(__name__, "ModelWithATower"), ("no_such_module", "X")]) == [
+            "ModelWithATower"]
+    assert any("no_such_module.X" in r.getMessage() for r in caplog.records)
+    assert vllm_adapter.wrap_image_inputs(wrap, [(__name__, "ModelWithATower")]) == ["ModelWithATower"]
+    assert ModelWithTheTowerInherited()._process_image_input(1) == ("ours", ("own", 1))  # wrapped once, inherited
+    assert vllm_adapter.takes_wrapper(ModelWithTheTowerInherited())
+    assert not vllm_adapter.takes_wrapper(object())
+
+
+def test_the_adapter_finds_the_model_a_worker_built_inside_a_graph_wrapper():
+    model = ModelWithATower()
+    model.model_config = types.SimpleNamespace(model="/models/qwen", dtype="bfloat16")
+    worker = types.SimpleNamespace(model_runner=types.SimpleNamespace(get_model=lambda: model))
+    assert vllm_adapter.built_model(worker) is model
+    wrapped = types.SimpleNamespace(unwrap=lambda: model)
+    worker.model_runner = types.SimpleNamespace(get_model=lambda: wrapped)
+    assert vllm_adapter.built_model(worker) is model
+    assert vllm_adapter.model_checkpoint_and_dtype(model) == ("/models/qwen", "bfloat16")

@@ -1,0 +1,117 @@
+"""Every hook into a vLLM internal, in one place, with the vLLM release it was checked against.
+
+vlmstream drives vLLM through its public engine API (``AsyncLLM``, ``AsyncEngineArgs``, ``SamplingParams``,
+``collective_rpc``, ``worker_extension_cls``) wherever that API reaches. The hooks below reach past it, because the
+speed they buy has no public way in: they rely on names vLLM may change in any release, so they were checked against
+CHECKED_VLLM, and on any other release the code that needs them is not used (``version_problem`` says why):
+
+- ``wrap_image_inputs``: the Qwen model classes in ``vllm.model_executor.models`` (MODEL_CLASSES) run their vision
+  tower in ``_process_image_input(self, image_input)``, where ``image_input`` is a dict with ``type``,
+  ``image_embeds`` or ``pixel_values``, and ``image_grid_thw``, and the method returns one tensor per image. Our
+  tower in vLLM's engine process (consumers/infer/engine_tower.py) replaces that method.
+- ``built_model``: a worker's ``model_runner.get_model()`` is the model vLLM built, possibly inside a CUDA graph
+  wrapper that ``unwrap()`` opens.
+- ``model_checkpoint_and_dtype``: vLLM's model objects carry the engine's ``model_config`` (its ``model``: the
+  checkpoint as the engine was given it; its ``dtype``).
+- ``registered_models``: vLLM's private registry table ``vllm.model_executor.models.registry._VLLM_MODELS``
+  (architecture -> (module under ``vllm.model_executor.models``, class)), read only to explain a start failure.
+
+Nothing here imports vLLM at module import: the CPU install has none.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import logging
+from collections.abc import Callable
+
+from vlmstream.extras import install_command
+
+log = logging.getLogger(__name__)
+
+# The vLLM release the hooks below were read against. pyproject.toml's ``gpu`` extra pins its release series
+# (``vllm>=0.26,<0.27``); patch releases of one series keep these names.
+CHECKED_VLLM = "0.26.0"
+INSTALL_HINT = install_command("gpu")
+
+MODELS_PACKAGE = "vllm.model_executor.models"
+# vLLM's Qwen model classes whose ``_process_image_input(self, image_input)`` runs the tower on image inputs. Qwen3-VL
+# MoE and Qwen3.5 (dense and MoE) subclass Qwen3VLForConditionalGeneration and inherit the replaced method.
+MODEL_CLASSES = (
+    (f"{MODELS_PACKAGE}.qwen2_vl", "Qwen2VLForConditionalGeneration"),
+    (f"{MODELS_PACKAGE}.qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration"),
+    (f"{MODELS_PACKAGE}.qwen3_vl", "Qwen3VLForConditionalGeneration"),
+)
+# The attribute a wrapped method carries, so that wrapping twice wraps once and a built model's class can be asked.
+WRAPPED_MARK = "vlmstream_tower"
+
+
+def installed_vllm() -> str | None:
+    """The installed vLLM release, or None without vLLM."""
+    try:
+        return importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _series(version: str) -> tuple[str, ...]:
+    return tuple(version.split("+")[0].split(".")[:2])
+
+
+def version_problem(installed: str | None = None) -> str | None:
+    """Why the hooks here cannot be used with the vLLM release ``installed`` (the installed one by default), or None
+    when it is of CHECKED_VLLM's release series."""
+    installed = installed if installed is not None else installed_vllm()
+    if installed is None:
+        return f"vLLM is not installed ({INSTALL_HINT} installs vLLM {CHECKED_VLLM}'s series)"
+    if _series(installed) != _series(CHECKED_VLLM):
+        return (f"vLLM {installed} is installed, and vlmstream's hooks into vLLM internals were checked against "
+                f"vLLM {CHECKED_VLLM} ({INSTALL_HINT} installs that release series)")
+    return None
+
+
+def wrap_image_inputs(wrap: Callable[[Callable], Callable], classes=MODEL_CLASSES) -> list[str]:
+    """Replace each of ``classes``' (module, class name) ``_process_image_input`` with ``wrap(original)``; the names
+    of the classes whose method is now wrapped. A class already wrapped is left as it is; one that is not there is
+    skipped with a warning (its model keeps vLLM's own method)."""
+    wrapped = []
+    for module_name, class_name in classes:
+        try:
+            cls = getattr(importlib.import_module(module_name), class_name)
+        except (ImportError, AttributeError) as exc:
+            log.warning("%s.%s is not there (%s); its model keeps vLLM's own image path", module_name, class_name,
+                        exc)
+            continue
+        if not getattr(cls._process_image_input, WRAPPED_MARK, None):
+            replacement = wrap(cls._process_image_input)
+            setattr(replacement, WRAPPED_MARK, "vlmstream")
+            cls._process_image_input = replacement
+        wrapped.append(class_name)
+    return wrapped
+
+
+def built_model(worker):
+    """The model a vLLM worker built (outside any CUDA graph wrapper: vLLM's runners unwrap some, not all)."""
+    model = worker.model_runner.get_model()
+    return model.unwrap() if hasattr(model, "unwrap") else model
+
+
+def takes_wrapper(model) -> bool:
+    """Whether ``model``'s image inputs go through a method ``wrap_image_inputs`` replaced (its class or a base)."""
+    return bool(getattr(getattr(type(model), "_process_image_input", None), WRAPPED_MARK, None))
+
+
+def model_checkpoint_and_dtype(model) -> tuple[str, object]:
+    """The checkpoint (as the engine was given it) and the dtype of a model vLLM built."""
+    return model.model_config.model, model.model_config.dtype
+
+
+def registered_models() -> dict | None:
+    """vLLM's registry of architectures: architecture -> (module under MODELS_PACKAGE, class); None without vLLM or
+    where the table is not there."""
+    try:
+        from vllm.model_executor.models.registry import _VLLM_MODELS
+    except Exception:  # noqa: BLE001 - no vLLM, or one without that table: nothing to read
+        return None
+    return _VLLM_MODELS
