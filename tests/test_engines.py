@@ -665,7 +665,7 @@ def test_the_engine_tower_takes_pixel_rows_and_leaves_the_rest_to_vllm(images, m
 def test_the_worker_extension_vllm_is_given_is_there():
     """VllmEngine names our worker extension to vLLM by its dotted name; vLLM's worker imports the module and finds
     the class there (installing our tower as it imports)."""
-    from consumers.infer.vllm_engine import ENGINE_TOWER_EXTENSION
+    from consumers.infer.vllm_engine_tower import ENGINE_TOWER_EXTENSION
 
     module, _, name = ENGINE_TOWER_EXTENSION.rpartition(".")
     assert hasattr(importlib.import_module(module), name)
@@ -843,7 +843,7 @@ def test_engine_embeddings_are_taken_for_all_waiting_requests_in_few_calls():
     serves the next ones."""
     import asyncio
 
-    from consumers.infer.vllm_engine import EngineEmbeddings
+    from consumers.infer.vllm_engine_tower import EngineEmbeddings
 
     calls = []
 
@@ -1014,7 +1014,7 @@ def test_the_vllm_encoder_thread_keeps_a_pass_queued_and_hands_every_image_over_
     more is waiting; the passes' spans add up to no more than the wall time."""
     from consumers.infer.engine import InferenceRequest
     from consumers.infer.vision import VisionEncoder, load_vision_tower
-    from consumers.infer import vllm_engine
+    from consumers.infer import vllm_encoder_thread
     from consumers.infer.vllm_engine import VllmEngine
     from vlmstream.models.qwen2_vl import QWEN2_VL
     from vlmstream.queued_engine import ENGINE_STOP
@@ -1025,7 +1025,7 @@ def test_the_vllm_encoder_thread_keeps_a_pass_queued_and_hands_every_image_over_
     engine._init_queues()
     engine.mode, engine._tower_in_engine, engine.family, engine.encoder = "embeds", False, QWEN2_VL, encoder
     engine.settings = InferSettings()
-    monkeypatch.setattr(vllm_engine, "VISION_BATCH_IMAGES", 3)
+    monkeypatch.setattr(vllm_encoder_thread, "VISION_BATCH_IMAGES", 3)
     engine.image_embeds_width, engine._torch, engine._stream = encoder.image_embeds_width, torch, None
     engine._last_pass_finished = 0.0
     handed, events = [], []

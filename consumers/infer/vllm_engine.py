@@ -21,9 +21,9 @@ Two modes:
   is published.
 
 Threads: vLLM's ``AsyncLLM`` lives in its own asyncio loop thread (its EngineCore is a child process);
-the encoder thread feeds it, so encoding of new images overlaps generation of earlier ones. The encoder thread
-keeps the next tower pass queued on the GPU while it waits for one (``_encode_loop``). Requests enter vLLM as soon
-as they are encoded: no batch barrier anywhere.
+the encoder thread feeds it (vllm_encoder_thread.py), so encoding of new images overlaps generation of earlier
+ones. Requests enter vLLM as soon as they are encoded: no batch barrier anywhere. What this process asks of our
+tower in vLLM's engine process is vllm_engine_tower.py's.
 
 vllm is imported lazily: without it, constructing the engine raises ``EngineUnavailable`` with the
 install hint, and this module still imports.
@@ -32,109 +32,28 @@ install hint, and this module still imports.
 from __future__ import annotations
 
 import asyncio
-import collections
-import dataclasses
 import itertools
 import logging
 import time
 from pathlib import Path
 
-import numpy as np
-
 from consumers.infer import pixel_rows
 from consumers.infer.engine import ENGINE_DEAD as _DEAD
-from consumers.infer.engine_boundary import EngineTowerConfig
-from consumers.infer.engine import (InferenceFailure, InferenceOutput, InferenceRequest,
-                                    QueuedEngine)
+from consumers.infer.engine import InferenceFailure, InferenceOutput, InferenceRequest, QueuedEngine
 from consumers.infer.prompts import OutputSchema, PromptBuilder, with_schema
-from consumers.infer.vision import (TowerPass, VisionEncoder, block_kernels, groups_by_patches, load_vision_tower,
-                                    request_problem)
-from vlmstream.config import InferSettings
-from vlmstream.models.family import ModelFamily
-from vlmstream.models.registry import family_of
+from consumers.infer.vision import VisionEncoder, block_kernels, load_vision_tower
+from consumers.infer.vllm_encoder_thread import EncoderThread, expected_image_embeds_width
+from consumers.infer.vllm_engine_tower import EngineTowerSide
 from vlmstream import vllm_adapter
+from vlmstream.config import InferSettings
+from vlmstream.models.registry import family_of
 from vlmstream.vllm_process import (EngineLoop, EngineUnavailable, child_environment, engine_process_threads,
                                     import_vllm, kernel_args, model_module_failure)
 
 log = logging.getLogger(__name__)
 
 
-
-@dataclasses.dataclass
-class _TowerWork:
-    """Requests whose tower pass is queued on the GPU (``TowerPass``), and when it was queued."""
-    items: list[tuple[InferenceRequest, float]]
-    tower_pass: TowerPass
-    started: float
-
-
-def _patches(item: tuple[InferenceRequest, float]) -> int:
-    _, grid_h, grid_w = item[0].grid_thw
-    return grid_h * grid_w
-
-
-def expected_image_embeds_width(hf_config) -> int:
-    """The ``image_embeds`` width vLLM's model takes, from the config it loaded: the vision merger's
-    ``out_hidden_size``, times one plus its DeepStack levels (Qwen3-VL's ``deepstack_visual_indexes``)."""
-    vision = hf_config.vision_config
-    vision = vision.to_dict() if hasattr(vision, "to_dict") else dict(vision)
-    return ModelFamily.image_embeds_width(vision)
-
-
-def image_embeds_problem(tokens, grid_thw: tuple[int, int, int], family: ModelFamily, width: int) -> str | None:
-    """Why ``tokens`` are not the image_embeds vLLM expects for an image of this grid, or None."""
-    rows = family.visual_tokens(grid_thw)
-    if tuple(tokens.shape) != (rows, width):
-        return (f"vision tower output {tuple(tokens.shape)} is not the ({rows}, {width}) image_embeds the model takes "
-                f"for grid {tuple(grid_thw)}")
-    return None
-
-
-# vLLM imports this class's module in its worker before it builds the model (engine_tower.py says why).
-ENGINE_TOWER_EXTENSION = "consumers.infer.engine_tower.EngineTowerExtension"
-# Most images per forward of the tower in this process (where vLLM's engine does not take it, and for embeddings in
-# pixels mode); each forward is also bounded to 65,536 patches (VisionEncoder.max_patches_per_call), which binds
-# first for images over 2,048 patches (about 0.4 MP). vLLM's scheduler decides the batches of the tower in its engine.
-VISION_BATCH_IMAGES = 32
-ENGINE_TOWER_CLOCK_S = 10.0  # how often the consumer reads the engine tower's GPU time (a utility call between steps)
-
-
-class EngineEmbeddings:
-    """The embeddings vLLM's engine process keeps for the pixel rows' tags (engine_tower.EmbeddingTap), taken for
-    every request that finished meanwhile in one utility call, not one call per image: the engine answers such calls
-    between its steps. ``fetch(tags)`` is that call (``collective_rpc("vlmstream_take_embeddings")``)."""
-
-    def __init__(self, fetch):
-        self._fetch = fetch
-        self._waiting: dict[int, asyncio.Future] = {}
-        self._taking: asyncio.Task | None = None
-
-    async def take(self, tag: int):
-        """The float16 embedding kept under ``tag``, or None if the engine kept none."""
-        future = asyncio.get_running_loop().create_future()
-        self._waiting[tag] = future
-        if self._taking is None or self._taking.done():
-            self._taking = asyncio.ensure_future(self._take_waiting())
-        return await future
-
-    async def _take_waiting(self) -> None:
-        # One call for every tag that waits, again for those that came while a call ran: no tag is left waiting.
-        while self._waiting:
-            waiting, self._waiting = self._waiting, {}
-            try:
-                found = await self._fetch(list(waiting))
-            except Exception as exc:  # noqa: BLE001 - each waiting request fails with the call's error
-                for future in waiting.values():
-                    if not future.done():
-                        future.set_exception(exc)
-                continue
-            for tag, future in waiting.items():
-                if not future.done():
-                    kept = found.get(tag)
-                    future.set_result(None if kept is None else np.frombuffer(kept, dtype=np.float16))
-
-
-class VllmEngine(QueuedEngine):
+class VllmEngine(EngineTowerSide, EncoderThread, QueuedEngine):
     engine_label = "vLLM engine"
     name = "vllm"
     ignore_eos = False
@@ -273,24 +192,11 @@ class VllmEngine(QueuedEngine):
 
         # 3. The encoder thread feeds vLLM.
         self._start_worker(self._encode_loop, "vllm-encoder")
-
-    def _set_tower_place(self, in_engine: bool) -> None:
-        """Where embeds mode runs our tower: in vLLM's engine process, shipping the decoded image there as pixel rows
-        (consumers/infer/pixel_rows.py), or here, shipping image_embeds to vLLM."""
-        self._tower_in_engine = in_engine
-        # Then the engine also keeps each image's embedding, found by the tag its pixel rows carry.
-        self._engine_embeddings = (EngineEmbeddings(self._take_engine_embeddings)
-                                   if in_engine and self.settings.publish_embeddings else None)
-
     def _start_vllm(self, base_args: dict, embeds_only: bool) -> bool:
         """Start vLLM's engine with ``base_args`` and what the tower's place adds. ``embeds_only``: images arrive
         only as embeddings (``limit_mm_per_prompt`` image 0), so vLLM neither builds nor profiles its own tower;
         returns it as it ended up (see the retry below)."""
-        # vLLM imports this extension's module in its worker, which installs our tower there (engine_tower.py),
-        # configured by what this process decided (engine_boundary.py), in the engine process's environment.
-        tower_args = {"worker_extension_cls": ENGINE_TOWER_EXTENSION} if self._tower_in_engine else {}
-        tower_env = (EngineTowerConfig.for_engine(self.model_path, self.family, self.settings, self._v.version)
-                     .environment() if self._tower_in_engine else {})
+        tower_args, tower_env = self._engine_tower_start()
         args = {**base_args, **tower_args, **self._engine_kwargs,
                 "limit_mm_per_prompt": {"image": 0 if embeds_only else 1, "video": 0}}
         try:
@@ -323,70 +229,6 @@ class VllmEngine(QueuedEngine):
             self._engine_loop.stop()
             raise
         return embeds_only
-
-    def _engine_tower_problem(self) -> str | None:
-        """Log what vLLM's worker says it runs (engine_tower.EngineTowerExtension); why the engine did not take it,
-        or None."""
-        try:
-            report = self.tower_report(timeout_s=120)
-        except Exception as exc:  # noqa: BLE001 - whatever went wrong, the engine did not take our tower
-            report = {"installed": [], "error": f"{type(exc).__name__}: {str(exc)[:300]}"}
-        self.engine_tower_report = report
-        log.info("vLLM's engine process, vlmstream's tower wrapper: %s", report)  # plan_x1.sh's readers look for it
-        if not report.get("installed") or not report.get("model", {}).get("wrapped"):
-            return f"the model vLLM {self._v.version} built does not take vlmstream's tower wrapper ({report})"
-        if not report.get("encoders"):
-            log.warning("vLLM ran no image at start, so the tower in its engine process is built (and compiled) on "
-                        "the first batch")
-        return None
-
-    def _embeds_here(self) -> bool:
-        """Whether this process makes the image_embeds vLLM gets (embeds mode, tower not in vLLM's engine)."""
-        return self.mode == "embeds" and not self._tower_in_engine
-
-    async def _tower_report(self) -> dict:
-        """What the wrapper in vLLM's worker reports (engine_tower.EngineTowerExtension): one worker, one GPU."""
-        return (await self.llm.collective_rpc("vlmstream_tower_report"))[0]
-
-    def tower_report(self, timeout_s: float = 10) -> dict:
-        """What vLLM's worker reports now (engine_tower.EngineTowerExtension): the tower it runs, its clock and the
-        embeddings it keeps."""
-        return self._engine_loop.call(self._tower_report(), timeout_s)
-
-    async def _take_engine_embeddings(self, tags: list[int]) -> dict[int, bytes]:
-        return (await self.llm.collective_rpc("vlmstream_take_embeddings", args=(tags,)))[0]
-
-    async def _watch_engine_tower(self) -> None:
-        """Read the engine tower's clock (engine_tower.TowerClock) every ENGINE_TOWER_CLOCK_S: its GPU ms per image
-        since the last reading becomes engine_tower_ms_per_image."""
-        last = None
-        while True:
-            await asyncio.sleep(ENGINE_TOWER_CLOCK_S)
-            try:
-                clock = (await self._tower_report())["clock"]
-            except Exception as exc:  # noqa: BLE001 - a clock that cannot be read only leaves the timing out
-                log.warning("the engine tower's clock could not be read (%s: %s); its timings stay out of results",
-                            type(exc).__name__, str(exc)[:200])
-                return
-            if last is not None and clock["images"] > last["images"]:
-                self.engine_tower_ms_per_image = round(
-                    (clock["gpu_ms"] - last["gpu_ms"]) / (clock["images"] - last["images"]), 2)
-            last = clock
-
-    def _log_engine_tower_clock(self) -> None:
-        self._tower_watch.cancel()
-        try:
-            report = self.tower_report()
-            clock = report["clock"]
-        except Exception as exc:  # noqa: BLE001 - only a closing log line is lost
-            # A stop by signal reaches vLLM's engine process too: it may be gone before this reading.
-            log.warning("the engine tower's clock could not be read at close (%s: %s)", type(exc).__name__,
-                        str(exc)[:200])
-            return
-        log.info("the vision tower in vLLM's engine process: %d images in %d forwards, %.1f GPU ms per image; "
-                 "embeddings kept there for this process: %s", clock["images"], clock["forwards"],
-                 clock["gpu_ms"] / max(1, clock["images"]), report.get("embeddings"))
-
     # ----------------------------------------------------------------------------- Engine protocol
 
     def close(self) -> None:
@@ -403,88 +245,6 @@ class VllmEngine(QueuedEngine):
         self._engine_loop.reap_children()
         self.encoder = None
         self._torch.cuda.empty_cache()
-
-    # ----------------------------------------------------------------------------- encoder thread
-
-    def _encode_loop(self) -> None:
-        # Tower passes queued on the GPU and not yet waited for, oldest first. A pass is waited for only once the
-        # next one is queued behind it, or once nothing more is waiting in the inbox: so the GPU always has tower
-        # work queued while this thread prepares the next forward or hands finished images to vLLM.
-        in_flight: collections.deque[_TowerWork] = collections.deque()
-        try:
-            stopping = False
-            while not stopping or in_flight:
-                batch: list = []
-                if not stopping:
-                    batch, stopping = self._next_batch(VISION_BATCH_IMAGES, block=not in_flight)
-                for work in self._launch_batch(batch):
-                    in_flight.append(work)
-                    while len(in_flight) > 1:
-                        self._finish(in_flight.popleft())
-                if not batch and in_flight:
-                    self._finish(in_flight.popleft())
-        except BaseException as exc:
-            log.exception("vLLM encoder thread died")
-            self._dead = exc
-            self._outbox.put(_DEAD)
-
-    def _launch_batch(self, batch: list[tuple[InferenceRequest, float]]):
-        """Dispatches at once what needs no tower here; yields a ``_TowerWork`` per forward as it is queued."""
-        valid = []
-        for request, submitted in batch:
-            problem = request_problem(request.image, request.grid_thw, self.family)
-            if problem:
-                self._outbox.put(InferenceFailure(request.request_id, "invalid_request", problem, retriable=False))
-            else:
-                valid.append((request, submitted))
-        need_tower = [(r, s) for r, s in valid if self._embeds_here() or (r.want_embedding and self.encoder)]
-        tower_ids = {id(r) for r, _ in need_tower}
-        self._dispatch([(r, s) for r, s in valid if id(r) not in tower_ids], {})
-        for group in groups_by_patches(need_tower, _patches, self.encoder.max_patches_per_call if need_tower else 1):
-            # Each group goes to vLLM as soon as it is encoded: the language model starts on the first images
-            # while the tower works on the next.
-            yield from self._launch_splitting(group)
-
-    def _launch_splitting(self, items: list[tuple[InferenceRequest, float]]):
-        torch = self._torch
-        started = time.perf_counter()
-        try:
-            with torch.cuda.stream(self._stream):
-                tower_pass = self.encoder.launch([r.image for r, _ in items], self._embeds_here(),
-                                                 [i for i, (r, _) in enumerate(items) if r.want_embedding])
-        except torch.cuda.OutOfMemoryError as exc:  # raised while queuing: allocations are made on the host's side
-            torch.cuda.empty_cache()
-            if len(items) == 1:
-                request = items[0][0]
-                self._outbox.put(InferenceFailure(request.request_id, "out_of_memory", f"vision tower: {exc}",
-                                                  retriable=False))
-                return
-            half = len(items) // 2
-            log.warning("vision tower out of memory on %d images; retrying as %d + %d", len(items), half,
-                        len(items) - half)
-            yield from self._launch_splitting(items[:half])
-            yield from self._launch_splitting(items[half:])
-            return
-        yield _TowerWork(items, tower_pass, started)
-
-    def _finish(self, work: _TowerWork) -> None:
-        """Waits for one tower pass and hands its images to vLLM."""
-        tokens, embeddings = work.tower_pass.wait()
-        finished = time.perf_counter()
-        # The pass's own span: from its launch, or from the previous pass's end when it was queued behind that one,
-        # so that the spans of passes queued back to back add up to the wall time, not more.
-        encode_ms = (finished - max(work.started, self._last_pass_finished)) * 1e3
-        self._last_pass_finished = finished
-        timings = {"encode_ms": encode_ms, "encode_batch_images": float(len(work.items))}
-        encoded = {}
-        for (request, _), t, e in zip(work.items, tokens, embeddings):
-            # Checked here, not left to vLLM: a wrong shape fails inside its engine process, taking every request.
-            problem = t is not None and image_embeds_problem(t, request.grid_thw, self.family, self.image_embeds_width)
-            encoded[request.request_id] = (InferenceFailure(request.request_id, "invalid_request", problem,
-                                                            retriable=False)
-                                           if problem else (t, e, dict(timings)))
-        self._dispatch(work.items, encoded)
-
     def _dispatch(self, items: list[tuple[InferenceRequest, float]], encoded: dict) -> None:
         for request, submitted in items:
             result = encoded.get(request.request_id)
