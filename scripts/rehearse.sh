@@ -33,21 +33,27 @@ CONF
 export CONTAINERS_CONF=$work/containers.conf
 containers=()
 cleanup() {
-  for c in "${containers[@]}"; do podman rm -f -t 0 "$c" >/dev/null 2>&1 || true; done
+  for c in "${containers[@]}"; do podman rm -f -v -t 0 "$c" >/dev/null 2>&1 || true; done
   [ -f "$work/kube.yaml" ] && podman kube down "$work/kube.yaml" >/dev/null 2>&1 || true
   podman secret rm vlmstream-secrets >/dev/null 2>&1 || true
-  podman volume rm -f "rehearsal-$id-claim-check" >/dev/null 2>&1 || true
+  podman volume rm -f "rehearsal-$id-claim-check" "rehearsal-$id-export" >/dev/null 2>&1 || true
   rm -rf "$work"
 }
 trap cleanup EXIT
 
 # --- images ------------------------------------------------------------------------------------------------------
-say "debootstrap bookworm (minbase) -> localhost/vlmstream-base:bookworm"
-debootstrap --variant=minbase bookworm "$work/rootfs" http://deb.debian.org/debian >"$work/debootstrap.log" 2>&1
-tar -C "$work/rootfs" -c . | podman import - localhost/vlmstream-base:bookworm >/dev/null
-rm -rf "$work/rootfs"
+# The base is made once per host (a second run reuses it, and with it the build cache); `podman rmi` it to remake.
+base=localhost/vlmstream-base:bookworm
+if ! podman image exists "$base"; then
+  say "debootstrap bookworm (minbase) -> $base"
+  debootstrap --variant=minbase bookworm "$work/rootfs" http://deb.debian.org/debian >"$work/debootstrap.log" 2>&1
+  # As Debian's published images: no package files or lists left in the base.
+  rm -rf "$work/rootfs"/var/cache/apt/archives/*.deb "$work/rootfs"/var/cache/apt/*.bin "$work/rootfs"/var/lib/apt/lists/*
+  tar -C "$work/rootfs" -c . | podman import -q - "$base" >/dev/null
+  rm -rf "$work/rootfs"
+fi
 # A network whose TLS is intercepted by a CA of its own (PIP_CERT): pip inside the build trusts it too.
-build=(podman build --network host --build-arg BASE_IMAGE=localhost/vlmstream-base:bookworm)
+build=(podman build --network host --build-arg BASE_IMAGE="$base")
 if [ -n "${PIP_CERT:-}" ] && [ -f "$PIP_CERT" ]; then
   printf '[global]\ncert = /run/vlmstream-build-ca.crt\n' > "$work/pip.conf"
   build+=(-v "$PIP_CERT:/run/vlmstream-build-ca.crt:ro" -v "$work/pip.conf:/etc/pip.conf:ro")
@@ -64,10 +70,10 @@ fi
 
 # --- the corpus and its plan ---------------------------------------------------------------------------------------
 mkdir -p "$work/scans"
-podman run --rm -i --user 0 -v "$work/scans:/out" localhost/vlmstream-decode:latest python - "$docs" "$id" <<'PY'
+podman run --rm -i --user 0 -v "$work/scans:/out" localhost/vlmstream-decode:latest python - "$docs" "$id" "$http_port" <<'PY'
 import json, random, sys
 from PIL import Image
-docs, run = int(sys.argv[1]), sys.argv[2]
+docs, run, port = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 rng = random.Random(7)
 plan = {"documents": [], "images": 0}
 lines = {"http": [], "files": []}
@@ -82,7 +88,7 @@ for d in range(docs):
     doc_id = f"rehearsal-{run}-{d:03d}"
     plan["documents"].append({"doc_id": doc_id, "image_count": count, "planted": {}})
     plan["images"] += count
-    lines["http"].append({"doc_id": doc_id, "image_uris": [f"http://127.0.0.1:PORT/{n}" for n in names]})
+    lines["http"].append({"doc_id": doc_id, "image_uris": [f"http://127.0.0.1:{port}/{n}" for n in names]})
     lines["files"].append({"doc_id": doc_id + "-k8s", "image_uris": [f"/data/{n}" for n in names]})
 json.dump(plan, open("/out/plan.json", "w"))
 kube_plan = {"documents": [dict(d, doc_id=d["doc_id"] + "-k8s") for d in plan["documents"]], "images": plan["images"]}
@@ -91,7 +97,6 @@ for kind, rows in lines.items():
     with open(f"/out/manifest-{kind}.jsonl", "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows)
 PY
-sed -i "s/PORT/$http_port/" "$work/scans/manifest-http.jsonl"
 chmod -R a+rX "$work/scans"
 images=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['images'])" "$work/scans/plan.json")
 
@@ -116,35 +121,74 @@ VLMSTREAM_DECODE__SESSION_TIMEOUT_MS=6000
 VLMSTREAM_INFER__MAX_NEW_TOKENS=8
 ENV
 podman volume create "rehearsal-$id-claim-check" >/dev/null
-run() {  # run NAME IMAGE ARGS...: a detached container on the host's network with the settings
-  local name=$1 image=$2; shift 2
+run() {  # run NAME IMAGE [PODMAN-OPTIONS...] -- COMMAND...: a detached container on the host's network, the settings
+  local name=$1 image=$2 opts=(); shift 2
+  while [ "$1" != "--" ]; do opts+=("$1"); shift; done; shift
   containers+=("$name")
-  podman run -d --name "$name" --network host --env-file "$work/env" "$@" "localhost/vlmstream-$image:latest" >/dev/null
+  podman run -d --name "$name" --network host --env-file "$work/env" "${opts[@]}" "localhost/vlmstream-$image:latest" \
+    "$@" >/dev/null
 }
 check() {  # check PREFIX PLAN: the independent checker, from the decode image (kafka-python, schemas)
   podman run --rm --network host -v "$repo:/src:ro" -v "$work/scans:/scans:ro" -w /src localhost/vlmstream-decode:latest \
     python -m benchmarks.chaos.checker --bootstrap "$bootstrap" --prefix "$1" --plan "$2"
 }
-podman run --rm --network host --env-file "$work/env" localhost/vlmstream-decode:latest vlmstream topics create >/dev/null
-run "$prefix-http" decode -v "$work/scans:/srv:ro" python -m http.server "$http_port" --bind 127.0.0.1 --directory /srv
-run "$prefix-decode-1" decode -v "rehearsal-$id-claim-check:/claim-check" vlmstream decode
-run "$prefix-decode-2" decode -v "rehearsal-$id-claim-check:/claim-check" vlmstream decode
-run "$prefix-infer-1" infer-cpu -v "rehearsal-$id-claim-check:/claim-check" vlmstream infer
-run "$prefix-producer" decode -v "$work/scans:/scans:ro" vlmstream produce --manifest /scans/manifest-http.jsonl
-say "part 1: $docs documents, $images images; producer, http, 2 decode, 1 inference container"
-# Kill a decode container and the inference container while work is in hand; start a new inference one.
-podman wait "$prefix-producer" >/dev/null
-sleep 3
-podman kill -s KILL "$prefix-decode-1" >/dev/null; say "killed $prefix-decode-1"
-sleep 20
-podman kill -s KILL "$prefix-infer-1" >/dev/null; say "killed $prefix-infer-1"
-run "$prefix-infer-2" infer-cpu -v "rehearsal-$id-claim-check:/claim-check" vlmstream infer
+podman run --rm --network host --env-file "$work/env" localhost/vlmstream-decode:latest vlmstream topics create \
+  >"$work/topics.log" 2>&1 || { cat "$work/topics.log" >&2; exit 1; }
+run "$prefix-http" decode -v "$work/scans:/srv:ro" -- python -m http.server "$http_port" --bind 127.0.0.1 --directory /srv
+run "$prefix-decode-1" decode -v "rehearsal-$id-claim-check:/claim-check" -- vlmstream decode
+run "$prefix-decode-2" decode -v "rehearsal-$id-claim-check:/claim-check" -- vlmstream decode
+run "$prefix-infer-1" infer-cpu -v "rehearsal-$id-claim-check:/claim-check" -- vlmstream infer
+# The results tap: the tools image exporting the output topics to files on a volume of its own, as it goes.
+podman volume create "rehearsal-$id-export" >/dev/null
+run "$prefix-export" decode -v "rehearsal-$id-export:/export" -- \
+  vlmstream export /export --follow --what results,deadletter --group-id "$prefix-export"
+run "$prefix-producer" decode -v "$work/scans:/scans:ro" -- vlmstream produce --manifest /scans/manifest-http.jsonl
+say "part 1: $docs documents, $images images; producer, http, 2 decode, 1 inference, 1 export container"
+# Kill a decode container once it fetches images, and the inference container once descriptions come out while
+# images wait; then start a new inference container.
+for _ in $(seq 1 240); do
+  # grep reads it all (no -q): an early exit would fail the pipeline (pipefail) on podman's broken pipe.
+  podman logs "$prefix-decode-1" 2>&1 | grep 'HTTP Request: GET' >/dev/null && break
+  sleep 0.5
+done
+podman kill -s KILL "$prefix-decode-1" >/dev/null; say "killed $prefix-decode-1 (it was fetching images)"
+ends() {  # ends TOPIC...: the sum of the topics' end offsets
+  podman run --rm --network host localhost/vlmstream-decode:latest python -c '
+import sys
+from kafka import KafkaConsumer, TopicPartition
+c = KafkaConsumer(bootstrap_servers=sys.argv[1])
+tps = [TopicPartition(t, p) for t in sys.argv[2:] for p in c.partitions_for_topic(t) or ()]
+print(sum(c.end_offsets(tps).values()))' "$bootstrap" "$@"
+}
+for _ in $(seq 1 120); do
+  described=$(ends "$prefix.descriptions")
+  [ "$described" -gt 0 ] && break
+  sleep 1
+done
+podman kill -s KILL "$prefix-infer-1" >/dev/null
+say "killed $prefix-infer-1 (descriptions topic at offset $described, images topic at $(ends "$prefix.images"))"
+run "$prefix-infer-2" infer-cpu -v "rehearsal-$id-claim-check:/claim-check" -- vlmstream infer
 part1=1
 for _ in $(seq 1 90); do
   if check "$prefix" /scans/plan.json >"$work/check1.txt" 2>&1; then part1=0; break; fi
   sleep 10
 done
 cat "$work/check1.txt" >&2
+tap=1 exported=0
+for _ in $(seq 1 24); do  # the tap's files: a result line for every planned document
+  exported=$(podman run --rm -v "rehearsal-$id-export:/export:ro" -v "$work/scans:/scans:ro" \
+    localhost/vlmstream-decode:latest python -c '
+import json
+planned = {d["doc_id"] for d in json.load(open("/scans/plan.json"))["documents"]}
+try:
+    exported = {json.loads(line)["doc_id"] for line in open("/export/results.jsonl")}
+except FileNotFoundError:
+    exported = set()
+print(len(planned & exported))')
+  [ "$exported" = "$docs" ] && { tap=0; break; }
+  sleep 5
+done
+say "results tap: $exported of $docs documents' results in its files"
 
 # --- part 2: the Kubernetes manifests with podman kube play -------------------------------------------------------
 kprefix=rehearsal-$id-k8s
@@ -154,7 +198,7 @@ podman run --rm --network host --env-file "$work/env" -e VLMSTREAM_TOPICS__DOCUM
   -e VLMSTREAM_TOPICS__IMAGES="$kprefix.images" -e VLMSTREAM_TOPICS__DESCRIPTIONS="$kprefix.descriptions" \
   -e VLMSTREAM_TOPICS__EMBEDDINGS="$kprefix.embeddings" -e VLMSTREAM_TOPICS__RESULTS="$kprefix.results" \
   -e VLMSTREAM_TOPICS__SUMMARIES="$kprefix.summaries" -e VLMSTREAM_TOPICS__DEADLETTER="$kprefix.deadletter" \
-  localhost/vlmstream-decode:latest vlmstream topics create >/dev/null
+  localhost/vlmstream-decode:latest vlmstream topics create >>"$work/topics.log" 2>&1 || { cat "$work/topics.log" >&2; exit 1; }
 podman secret rm vlmstream-secrets >/dev/null 2>&1 || true
 podman secret create vlmstream-secrets "$work/kube.secret.json" >/dev/null
 podman kube play --network host "$work/kube.yaml" >"$work/kube-play.log" 2>&1 || { cat "$work/kube-play.log" >&2; exit 1; }
@@ -182,6 +226,7 @@ print(f"images described {images.group(1)} of {images.group(2)}, documents with 
 PY
 }
 say "took $(( $(date +%s) - started ))s"
-status=$(( part1 | part2 ))
-echo "rehearsal $([ $status = 0 ] && echo PASSED || echo FAILED): containers: $(verdict "$work/check1.txt"); kube play: $(verdict "$work/check2.txt")"
+status=$(( part1 | tap | part2 ))
+echo "rehearsal $([ $status = 0 ] && echo PASSED || echo FAILED): containers: $(verdict "$work/check1.txt")," \
+  "exported $exported of $docs; kube play: $(verdict "$work/check2.txt")"
 exit $status
