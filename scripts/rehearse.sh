@@ -142,16 +142,25 @@ run "$prefix-infer-1" infer-cpu -v "rehearsal-$id-claim-check:/claim-check" -- v
 podman volume create "rehearsal-$id-export" >/dev/null
 run "$prefix-export" decode -v "rehearsal-$id-export:/export" -- \
   vlmstream export /export --follow --what results,deadletter --group-id "$prefix-export"
+# Both decode containers in the group before any document: each then holds partitions, and work, to lose.
+for _ in $(seq 1 120); do
+  n=0
+  for c in decode-1 decode-2; do podman logs "$prefix-$c" 2>&1 | grep ': assigned \[' >/dev/null && n=$((n + 1)); done
+  [ $n = 2 ] && break
+  sleep 1
+done
+sleep 5
 run "$prefix-producer" decode -v "$work/scans:/scans:ro" -- vlmstream produce --manifest /scans/manifest-http.jsonl
 say "part 1: $docs documents, $images images; producer, http, 2 decode, 1 inference, 1 export container"
 # Kill a decode container once it fetches images, and the inference container once descriptions come out while
 # images wait; then start a new inference container.
+fetching="no fetch seen in 120 s"
 for _ in $(seq 1 240); do
   # grep reads it all (no -q): an early exit would fail the pipeline (pipefail) on podman's broken pipe.
-  podman logs "$prefix-decode-1" 2>&1 | grep 'HTTP Request: GET' >/dev/null && break
+  podman logs "$prefix-decode-1" 2>&1 | grep 'HTTP Request: GET' >/dev/null && { fetching="it was fetching images"; break; }
   sleep 0.5
 done
-podman kill -s KILL "$prefix-decode-1" >/dev/null; say "killed $prefix-decode-1 (it was fetching images)"
+podman kill -s KILL "$prefix-decode-1" >/dev/null
 ends() {  # ends TOPIC...: the sum of the topics' end offsets
   podman run --rm --network host localhost/vlmstream-decode:latest python -c '
 import sys
@@ -160,6 +169,7 @@ c = KafkaConsumer(bootstrap_servers=sys.argv[1])
 tps = [TopicPartition(t, p) for t in sys.argv[2:] for p in c.partitions_for_topic(t) or ()]
 print(sum(c.end_offsets(tps).values()))' "$bootstrap" "$@"
 }
+say "killed $prefix-decode-1 ($fetching; images topic at offset $(ends "$prefix.images") of $images images)"
 for _ in $(seq 1 120); do
   described=$(ends "$prefix.descriptions")
   [ "$described" -gt 0 ] && break
