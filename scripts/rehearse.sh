@@ -7,7 +7,8 @@
 #   bash scripts/rehearse.sh          (root, podman, debootstrap, runc; a broker on REHEARSE_BOOTSTRAP)
 #
 # Builds the images from a Debian base made here (debootstrap), kills a decode and an inference container mid-run,
-# and checks both runs with the chaos run's independent checker (benchmarks/chaos/checker.py). Exit 1 on any loss;
+# and checks both runs with the chaos run's independent checker (benchmarks/chaos/checker.py), and the first also by
+# its results tap's files (`vlmstream export --follow` in a container of its own). Exit 1 on any loss;
 # the last line is the verdict. Topics and groups are this run's own (prefix rehearsal-<id>), so a shared broker is
 # left as it was apart from them. Containers use the host's network; no address but the broker's and
 # 127.0.0.1 is ever a target.
