@@ -127,10 +127,10 @@ def test_the_adapter_wraps_a_classes_image_inputs_once_and_skips_a_missing_one(m
 
 def test_the_adapter_finds_the_model_a_worker_built_inside_a_graph_wrapper():
     model = ModelWithATower()
-    model.model_config = types.SimpleNamespace(model="/models/qwen", dtype="bfloat16")
+    model.model_config = types.SimpleNamespace(dtype="bfloat16")
     worker = types.SimpleNamespace(model_runner=types.SimpleNamespace(get_model=lambda: model))
     assert vllm_adapter.built_model(worker) is model
     wrapped = types.SimpleNamespace(unwrap=lambda: model)
     worker.model_runner = types.SimpleNamespace(get_model=lambda: wrapped)
     assert vllm_adapter.built_model(worker) is model
-    assert vllm_adapter.model_checkpoint_and_dtype(model) == ("/models/qwen", "bfloat16")
+    assert vllm_adapter.model_dtype(model) == "bfloat16"

@@ -560,12 +560,12 @@ def test_pooled_embeddings_leave_in_one_copy_and_each_images_tokens_own_storage(
 
 class QwenModelLikeVllms:
     """The part of vLLM's Qwen model classes that engine_tower.install replaces and reads: ``_process_image_input``
-    (vLLM's own tower: here a marker), ``parameters()`` (for the device), ``model_config.model`` and ``.dtype`` (the
-    checkpoint, the model's dtype)."""
+    (vLLM's own tower: here a marker), ``parameters()`` (for the device) and ``model_config.dtype`` (the model's
+    dtype). The checkpoint is the one the consumer's EngineTowerConfig names."""
 
-    def __init__(self, checkpoint):
+    def __init__(self):
         self.language_model = torch.nn.Linear(2, 2)
-        self.model_config = types.SimpleNamespace(model=str(checkpoint), dtype=torch.float32)
+        self.model_config = types.SimpleNamespace(dtype=torch.float32)
 
     def parameters(self):
         return self.language_model.parameters()
@@ -603,7 +603,7 @@ def test_the_engine_tower_takes_pixel_rows_and_leaves_the_rest_to_vllm(images, m
         expected = tower(inputs["pixel_values"], grid_thw=inputs["image_grid_thw"]).pooler_output.split(
             (inputs["image_grid_thw"].prod(-1) // 4).tolist())
 
-    model = QwenModelLikeVllms(model_dir)
+    model = QwenModelLikeVllms()
     assert model._process_image_input(pixel_input) == ("vllm's own tower", "pixel_values")
     assert model not in engine_tower._encoders
     # The decoded images' own bytes as uint8 image_embeds rows.

@@ -11,8 +11,7 @@ CHECKED_VLLM, and on any other release the code that needs them is not used (``v
   tower in vLLM's engine process (consumers/infer/engine_tower.py) replaces that method.
 - ``built_model``: a worker's ``model_runner.get_model()`` is the model vLLM built, possibly inside a CUDA graph
   wrapper that ``unwrap()`` opens.
-- ``model_checkpoint_and_dtype``: vLLM's model objects carry the engine's ``model_config`` (its ``model``: the
-  checkpoint as the engine was given it; its ``dtype``).
+- ``model_dtype``: vLLM's model objects carry the engine's ``model_config``, whose ``dtype`` the model runs in.
 - ``registered_models``: vLLM's private registry table ``vllm.model_executor.models.registry._VLLM_MODELS``
   (architecture -> (module under ``vllm.model_executor.models``, class)), read only to explain a start failure.
 
@@ -102,9 +101,9 @@ def takes_wrapper(model) -> bool:
     return bool(getattr(getattr(type(model), "_process_image_input", None), WRAPPED_MARK, None))
 
 
-def model_checkpoint_and_dtype(model) -> tuple[str, object]:
-    """The checkpoint (as the engine was given it) and the dtype of a model vLLM built."""
-    return model.model_config.model, model.model_config.dtype
+def model_dtype(model):
+    """The torch dtype a model vLLM built runs in."""
+    return model.model_config.dtype
 
 
 def registered_models() -> dict | None:

@@ -30,7 +30,8 @@ class EngineTowerConfig(BaseModel):
 
     vllm_version: str = Field(description="The vLLM release the consumer checked against vllm_adapter.CHECKED_VLLM; "
                                           "the engine process runs the same installation.")
-    checkpoint: str = Field(description="The checkpoint the consumer gave vLLM (infer.model as resolved).")
+    checkpoint: str = Field(description="The checkpoint the consumer gave vLLM (infer.model as resolved), whose "
+                                        "vision weights the engine side's tower loads.")
     family: str = Field(description="The model family the consumer resolved from the checkpoint; the tower the "
                                     "engine side builds must be of it.")
     keep_embeddings: bool = Field(description="Whether the engine keeps tagged images' embeddings for the consumer "

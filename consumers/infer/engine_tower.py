@@ -172,12 +172,13 @@ def tap() -> EmbeddingTap:
 
 
 def encoder_for(model) -> VisionEncoder:
-    """Our encoder for a vLLM Qwen model: its checkpoint's vision weights, on the device and in the dtype of vLLM's
-    own tower, of the family the consumer resolved (``config().family``)."""
+    """Our encoder for a vLLM Qwen model: the vision weights of the checkpoint the consumer gave the engine
+    (``config().checkpoint``), on the device and in the dtype of vLLM's own tower, of the family the consumer resolved
+    (``config().family``)."""
     # vLLM's own tower may be a placeholder on the meta device (an engine started for image_embeds only): the
     # device is the language model's, the dtype the model's.
     device = next(p.device for p in model.parameters() if p.device.type != "meta")
-    checkpoint, dtype = vllm_adapter.model_checkpoint_and_dtype(model)
+    checkpoint, dtype = config().checkpoint, vllm_adapter.model_dtype(model)
     tower, real_weights = load_vision_tower(checkpoint, device, dtype)
     encoder = VisionEncoder(tower, device, dtype)
     if encoder.family.name != config().family:
