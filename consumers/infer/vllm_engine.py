@@ -128,12 +128,11 @@ class VllmEngine(EngineTowerSide, EncoderThread, QueuedEngine):
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             if getattr(settings, name) is not None:
                 args[name] = getattr(settings, name)
-        from vllm.config import StructuredOutputsConfig
-
         # No free whitespace in guided JSON: a random or weak model would otherwise spend its whole token budget
         # on blanks between tokens (seen on the H200 with dummy weights). vLLM 0.26 reads this switch from the
         # engine's config, not from the request's StructuredOutputsParams. It only affects guided requests.
-        args["structured_outputs_config"] = StructuredOutputsConfig(backend="guidance", disable_any_whitespace=True)
+        args["structured_outputs_config"] = self._v.StructuredOutputsConfig(backend="guidance",
+                                                                            disable_any_whitespace=True)
         args.update(kernel_args(self.model_path))
         self._engine_kwargs = engine_kwargs or {}
         started = time.perf_counter()
