@@ -97,7 +97,7 @@ class VllmEngine(EngineTowerSide, EncoderThread, QueuedEngine):
         # whose vLLM class does not take it, or a vLLM release other than the one vllm_adapter's hooks were checked
         # against, runs the tower here instead (below).
         self.settings = settings
-        tower_problem = vllm_adapter.version_problem(self._v.version) if self.mode == "embeds" else None
+        tower_problem = vllm_adapter.version_problem() if self.mode == "embeds" else None
         if tower_problem:
             log.warning("%s: the vision tower runs in this process, not in vLLM's engine process", tower_problem)
         self._set_tower_place(self.mode == "embeds" and tower_problem is None)

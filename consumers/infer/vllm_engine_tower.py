@@ -16,6 +16,7 @@ import logging
 import numpy as np
 
 from consumers.infer.engine_boundary import EngineTowerConfig
+from vlmstream import vllm_adapter
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +78,9 @@ class EngineTowerSide:
         what this process decided (engine_boundary.py)."""
         if not self._tower_in_engine:
             return {}, {}
-        config = EngineTowerConfig.for_engine(self.model_path, self.family, self.settings, self._v.version)
+        # The release as the engine process reads it (the installed distribution's), so that the two compare alike.
+        config = EngineTowerConfig.for_engine(self.model_path, self.family, self.settings,
+                                              vllm_adapter.installed_vllm())
         return {"worker_extension_cls": ENGINE_TOWER_EXTENSION}, config.environment()
 
     def _engine_tower_problem(self) -> str | None:
