@@ -68,7 +68,8 @@ def main() -> None:
     import torch
 
     from consumers.infer.tiny_model import default_tiny_model_dir, write_tiny_family_model
-    from consumers.infer.vision import GridIndexParts, VisionEncoder, load_vision_tower
+    from consumers.infer.vision.checkpoint import load_vision_tower
+    from consumers.infer.vision.encoder import GridIndexParts, VisionEncoder
     from vlmstream.models.registry import family_of
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -68,7 +68,9 @@ def bench_tower(args) -> dict:
     from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
 
     from benchmarks.model7b import write_qwen25vl_7b_config
-    from consumers.infer.vision import VisionEncoder, patchify_batch, vision_config_from
+    from consumers.infer.vision.checkpoint import vision_config_from
+    from consumers.infer.vision.encoder import VisionEncoder
+    from consumers.infer.vision.pixels import patchify_batch
 
     device = args.device
     dtype = torch.bfloat16 if device == "cuda" else torch.float32

@@ -131,7 +131,8 @@ def main() -> None:
     import torch
 
     from consumers.infer.prompts import OutputSchema
-    from consumers.infer.vision import VisionEncoder, load_vision_tower
+    from consumers.infer.vision.checkpoint import load_vision_tower
+    from consumers.infer.vision.encoder import VisionEncoder
     from consumers.infer.vllm_engine import VllmEngine
     from vlmstream.config import InferSettings
     from vlmstream.models.registry import family_of

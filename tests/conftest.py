@@ -83,7 +83,7 @@ def _interpreted(monkeypatch, module: str, launcher: str):
     """A Triton kernel's module with its launcher built for Triton's CPU interpreter (the same kernel source the GPU
     compiles), the launcher's cache emptied before and after."""
     pytest.importorskip("triton")
-    kernels = importlib.import_module(f"consumers.infer.{module}")
+    kernels = importlib.import_module(f"consumers.infer.vision.{module}")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     getattr(kernels, launcher).cache_clear()
     yield kernels

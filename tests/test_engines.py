@@ -78,7 +78,7 @@ def engine(model_dir):
 def test_patchify_matches_the_processor(images, model_dir):
     from transformers import AutoImageProcessor
 
-    from consumers.infer.vision import patchify_batch
+    from consumers.infer.vision.pixels import patchify_batch
 
     processor = AutoImageProcessor.from_pretrained(model_dir)
     expected = processor(images=images, do_resize=False, return_tensors="pt")
@@ -89,7 +89,9 @@ def test_patchify_matches_the_processor(images, model_dir):
 
 
 def test_linear_patch_embedding_equals_the_convolution_it_replaces(images, model_dir):
-    from consumers.infer.vision import PatchProjection, load_vision_tower, patchify_batch, use_linear_patch_embedding
+    from consumers.infer.vision.checkpoint import load_vision_tower
+    from consumers.infer.vision.encoder import PatchProjection, use_linear_patch_embedding
+    from consumers.infer.vision.pixels import patchify_batch
 
     convolution, _ = load_vision_tower(model_dir, "cpu", torch.float32)
     linear, _ = load_vision_tower(model_dir, "cpu", torch.float32)
@@ -106,7 +108,10 @@ def test_linear_patch_embedding_equals_the_convolution_it_replaces(images, model
 
 
 def test_fast_vision_blocks_compute_what_transformers_blocks_compute(images, model_dir):
-    from consumers.infer.vision import FastVisionBlocks, VisionEncoder, load_vision_tower, patchify_batch
+    from consumers.infer.vision.blocks import FastVisionBlocks
+    from consumers.infer.vision.checkpoint import load_vision_tower
+    from consumers.infer.vision.encoder import VisionEncoder
+    from consumers.infer.vision.pixels import patchify_batch
 
     tower, _ = load_vision_tower(model_dir, "cpu", torch.float32)
     keys = set(tower.state_dict())
@@ -132,25 +137,27 @@ def test_fast_vision_blocks_compute_what_transformers_blocks_compute(images, mod
 
 def test_compiled_vision_blocks_compile_in_this_process(model_dir, monkeypatch):
     """Every function the fast blocks compile asks Inductor to compile in this process: a pool of compile workers
-    starting beside the tower held the host's cores and slowed the tower threefold (vision.IN_PROCESS_COMPILE)."""
-    from consumers.infer import vision
+    starting beside the tower held the host's cores and slowed the tower threefold (blocks.IN_PROCESS_COMPILE)."""
+    from consumers.infer.vision import blocks as vision_blocks
+    from consumers.infer.vision import checkpoint, mlp_activation
 
     asked = []
-    monkeypatch.setattr(vision.torch, "compile", lambda fn, **kw: asked.append((fn, kw)) or fn)
-    tower, _ = vision.load_vision_tower(model_dir, "cpu", torch.float32)
-    blocks = vision.FastVisionBlocks(tower, attention=None, compile_blocks=True)
-    vision.FastVisionBlocks.remove(tower)
-    assert {fn for fn, _ in asked} == {vision._before_attention, vision._after_attention, vision._project,
-                                       vision._up_projection}
+    monkeypatch.setattr(vision_blocks.torch, "compile", lambda fn, **kw: asked.append((fn, kw)) or fn)
+    tower, _ = checkpoint.load_vision_tower(model_dir, "cpu", torch.float32)
+    blocks = vision_blocks.FastVisionBlocks(tower, attention=None, compile_blocks=True)
+    vision_blocks.FastVisionBlocks.remove(tower)
+    assert {fn for fn, _ in asked} == {vision_blocks._before_attention, vision_blocks._after_attention,
+                                       vision_blocks._project, vision_blocks._up_projection}
     assert all(kw["options"]["compile_threads"] == 1 and kw["dynamic"] and kw["fullgraph"] for _, kw in asked)
-    assert blocks.before is vision._before_attention  # what the stand-in returned: the blocks call the compiled code
+    # what the stand-in returned: the blocks call the compiled code
+    assert blocks.before is vision_blocks._before_attention
     # Compiled blocks run the Triton kernels where Triton imports: q/k/v's, and one for each MLP activation that has
     # one; blocks that are not compiled run none.
-    triton = vision.triton_mlp_kernels() is not None
+    triton = mlp_activation.triton_kernels() is not None
     assert (set(blocks.mlp_kernels), blocks.rotate_qkv is not None) == (
-        {vision.silu_gate, vision.gelu_tanh, vision.quick_gelu} if triton else set(), triton)
-    eager = vision.FastVisionBlocks(tower, attention=None)
-    vision.FastVisionBlocks.remove(tower)
+        {mlp_activation.silu_gate, mlp_activation.gelu_tanh, mlp_activation.quick_gelu} if triton else set(), triton)
+    eager = vision_blocks.FastVisionBlocks(tower, attention=None)
+    vision_blocks.FastVisionBlocks.remove(tower)
     assert (eager.mlp_kernels, eager.rotate_qkv, eager.norm_kernels) == ({}, None, None)
 
 
@@ -208,8 +215,10 @@ def test_fast_vision_blocks_with_the_triton_kernels_compute_transformers_output(
     tower: the tower's output is transformers'. With ``strided_v`` the attention gets v as a view of the projection;
     the norm kernels run in the steps beside the q/k/v and MLP kernels; the block's last residual add in the MLP's
     last product (the default) and after it."""
-    from consumers.infer.mlp_activation import silu_gate
-    from consumers.infer.vision import FastVisionBlocks, block_kernels, load_vision_tower, patchify_batch
+    from consumers.infer.vision.blocks import FastVisionBlocks, block_kernels
+    from consumers.infer.vision.checkpoint import load_vision_tower
+    from consumers.infer.vision.mlp_activation import silu_gate
+    from consumers.infer.vision.pixels import patchify_batch
 
     tower = lively(load_vision_tower(model_dir, "cpu", torch.float32)[0])  # every bias non-zero
     pixel_values, grid_thw = patchify_batch(images[:2])
@@ -236,7 +245,10 @@ def test_fast_vision_blocks_with_the_triton_kernels_compute_transformers_output(
 def test_a_windowed_towers_window_blocks_take_their_own_kernel(images, model_dir):
     """``window_attention``: the tiny Qwen2.5-VL tower's window blocks call that kernel, its whole-image blocks
     (``fullatt_block_indexes``) the other, each with its own sequence bounds, and the output is transformers'."""
-    from consumers.infer.vision import FastVisionBlocks, _windowed_sdpa, load_vision_tower, patchify_batch
+    from consumers.infer.vision.attention import windowed_sdpa
+    from consumers.infer.vision.blocks import FastVisionBlocks
+    from consumers.infer.vision.checkpoint import load_vision_tower
+    from consumers.infer.vision.pixels import patchify_batch
 
     tower, _ = load_vision_tower(model_dir, "cpu", torch.float32)
     whole = set(tower.fullatt_block_indexes)
@@ -246,7 +258,7 @@ def test_a_windowed_towers_window_blocks_take_their_own_kernel(images, model_dir
     def kernel(kind):
         def attend(q, k, v, cu_q, cu_k, max_q, max_k, scale):
             seen[kind].append(int(max_q))
-            return _windowed_sdpa(q, k, v, cu_q, scale)
+            return windowed_sdpa(q, k, v, cu_q, scale)
         return attend
 
     pixel_values, grid_thw = patchify_batch(images[:2])
@@ -265,7 +277,9 @@ def test_a_windowed_towers_window_blocks_take_their_own_kernel(images, model_dir
 def test_the_window_blocks_keep_the_towers_attention_where_their_own_kernel_cannot_run(model_dir):
     """pick_window_attention: off CUDA, in float32, or without a varlen kernel for the whole-image blocks, the window
     blocks keep the tower's own attention (None); the encoder on the CPU has no window kernel."""
-    from consumers.infer.vision import VisionEncoder, load_vision_tower, pick_window_attention
+    from consumers.infer.vision.attention import pick_window_attention
+    from consumers.infer.vision.checkpoint import load_vision_tower
+    from consumers.infer.vision.encoder import VisionEncoder
 
     assert pick_window_attention("cpu", torch.float32, "sdpa") is None
     assert pick_window_attention("cpu", torch.bfloat16, "vllm_fa3") is None
@@ -440,7 +454,7 @@ def test_encoder_groups_keep_order_and_stay_within_the_patch_bound():
     from hypothesis import given, settings
     from hypothesis import strategies as st
 
-    from consumers.infer.vision import groups_by_patches
+    from consumers.infer.vision.encoder import groups_by_patches
 
     @settings(max_examples=200, deadline=None)
     @given(st.lists(st.integers(1, 5000), max_size=40), st.integers(1, 8000))
@@ -495,7 +509,9 @@ def test_vllm_engine_process_starts_with_few_cpu_threads_and_this_one_keeps_its_
 def test_the_encoder_hands_transformers_the_index_tensors_it_derived_on_the_cpu(images, model_dir):
     """Derived from the grid on the CPU (a grid on the GPU makes transformers wait for the GPU several times per
     forward), and really used: a forward given altered positions computes something else."""
-    from consumers.infer.vision import VisionEncoder, load_vision_tower, patchify_batch
+    from consumers.infer.vision.checkpoint import load_vision_tower
+    from consumers.infer.vision.encoder import VisionEncoder
+    from consumers.infer.vision.pixels import patchify_batch
 
     tower, _ = load_vision_tower(model_dir, "cpu", torch.float32)
     encoder = VisionEncoder(tower, "cpu", torch.float32, attention="sdpa")
@@ -533,7 +549,7 @@ def test_pooled_embeddings_leave_in_one_copy_and_each_images_tokens_own_storage(
     language model shares), equal to the one-image definitions, and every image's tokens own their storage (vLLM
     ships a tensor's whole storage, so a view would carry the batch). On CUDA the tokens go by DMA into one pinned
     tensor per image with a single wait; this machine checks the values and the storage."""
-    from consumers.infer.vision import mean_pool, mean_pool_each, to_host_each
+    from consumers.infer.vision.outputs import mean_pool, mean_pool_each, to_host_each
 
     generator = torch.Generator().manual_seed(7)
     merged = torch.randn(5 + 9 + 1, 16, generator=generator).to(torch.bfloat16)
@@ -583,7 +599,7 @@ def test_the_engine_tower_takes_pixel_rows_and_leaves_the_rest_to_vllm(images, m
     from transformers import AutoImageProcessor
 
     from consumers.infer import engine_tower
-    from consumers.infer.vision import load_vision_tower
+    from consumers.infer.vision.checkpoint import load_vision_tower
 
     engine_tower_config(model_dir)
     original = QwenModelLikeVllms._process_image_input
@@ -672,25 +688,25 @@ def test_the_worker_extension_vllm_is_given_is_there():
 
 
 def test_a_host_that_refuses_page_locked_memory_gets_plain_copies_from_then_on(monkeypatch, caplog):
-    """vision._page_locked: what the allocation makes while the host gives page-locked memory; once it refuses,
+    """pixels.page_locked: what the allocation makes while the host gives page-locked memory; once it refuses,
     None (the callers then copy through pageable memory), said once, and the allocation is never tried again."""
-    from consumers.infer import vision
+    from consumers.infer.vision import pixels
 
-    monkeypatch.setattr(vision, "_pinning", True)
-    assert vision._page_locked(lambda: "pinned") == "pinned"
+    monkeypatch.setattr(pixels, "_pinning", True)
+    assert pixels.page_locked(lambda: "pinned") == "pinned"
     calls = []
 
     def refuse():
         calls.append(1)
         raise RuntimeError("cudaHostAlloc: out of memory")
 
-    with caplog.at_level("WARNING", logger=vision.__name__):
-        assert vision._page_locked(refuse) is None
-        assert vision._page_locked(refuse) is None
-        assert vision._page_locked(lambda: "pinned") is None
+    with caplog.at_level("WARNING", logger=pixels.__name__):
+        assert pixels.page_locked(refuse) is None
+        assert pixels.page_locked(refuse) is None
+        assert pixels.page_locked(lambda: "pinned") is None
     assert calls == [1]
     assert sum("page-locked memory unavailable" in r.getMessage() for r in caplog.records) == 1
-    assert vision.to_device(torch.ones(2), torch.device("cpu")).tolist() == [1.0, 1.0]
+    assert pixels.to_device(torch.ones(2), torch.device("cpu")).tolist() == [1.0, 1.0]
 
 
 class StepEvent:
@@ -871,7 +887,7 @@ def test_engine_embeddings_are_taken_for_all_waiting_requests_in_few_calls():
 def test_strided_v_is_used_only_with_an_attention_kernel_that_gives_the_same_output_with_it(monkeypatch):
     """The probe behind ``strided_v=None``: a kernel that reads v's rows where they lie says yes; one that fails on
     a view, or answers differently with one, says no (the blocks then copy v, as before)."""
-    from consumers.infer import vision
+    from consumers.infer.vision import attention
 
     def by_sdpa(q, k, v, cu_q, cu_k, max_q, max_k, scale):  # reads v through its strides, as FA3 does
         return torch.cat([torch.nn.functional.scaled_dot_product_attention(
@@ -886,12 +902,12 @@ def test_strided_v_is_used_only_with_an_attention_kernel_that_gives_the_same_out
     def reads_v_as_if_packed(q, k, v, *rest):  # ignores v's strides: wrong numbers from a view
         return by_sdpa(q, k, torch.as_strided(v, v.shape, (v.shape[1] * v.shape[2], v.shape[2], 1)), *rest)
 
-    monkeypatch.setattr(vision, "_STRIDED_V", {})
+    monkeypatch.setattr(attention, "_STRIDED_V", {})
     for name, kernel, expected in (("views", by_sdpa, True), ("contiguous-only", needs_contiguous_v, False),
                                    ("strides-ignored", reads_v_as_if_packed, False)):
-        monkeypatch.setitem(vision.VARLEN_KERNELS, name, kernel)
-        assert vision.takes_strided_v(name, "cpu", torch.float32) is expected, name
-    assert not vision.takes_strided_v("not-registered", "cpu", torch.float32)
+        monkeypatch.setitem(attention.VARLEN_KERNELS, name, kernel)
+        assert attention.takes_strided_v(name, "cpu", torch.float32) is expected, name
+    assert not attention.takes_strided_v("not-registered", "cpu", torch.float32)
 
 
 def test_triton_norm_kernels_compute_what_the_torch_code_does(interpreted_norm_kernels):
@@ -936,18 +952,19 @@ def test_norm_kernels_that_disagree_with_torch_are_not_used(interpreted_norm_ker
     that answer otherwise are dropped with a warning, and the blocks run the torch code."""
     from types import SimpleNamespace
 
-    from consumers.infer import vision
+    from consumers.infer.vision import blocks as vision_blocks
+    from consumers.infer.vision import checkpoint
 
-    tower, _ = vision.load_vision_tower(model_dir, "cpu", torch.float32)
-    blocks = vision.FastVisionBlocks(tower, attention=None, triton=True)
-    assert vision.block_kernels(blocks)["norm"] == "triton" and blocks.project is not vision._project
+    tower, _ = checkpoint.load_vision_tower(model_dir, "cpu", torch.float32)
+    blocks = vision_blocks.FastVisionBlocks(tower, attention=None, triton=True)
+    assert vision_blocks.block_kernels(blocks)["norm"] == "triton" and blocks.project is not vision_blocks._project
     kernels = interpreted_norm_kernels.triton_kernels()
     off_by_one = SimpleNamespace(norm=lambda *args: kernels.norm(*args) + 1, add_norm=kernels.add_norm)
-    monkeypatch.setattr(vision, "triton_norm_kernels", lambda: off_by_one)
+    monkeypatch.setattr(vision_blocks, "triton_norm_kernels", lambda: off_by_one)
     with caplog.at_level("WARNING"):
-        blocks = vision.FastVisionBlocks(tower, attention=None, triton=True)
-    vision.FastVisionBlocks.remove(tower)
-    assert vision.block_kernels(blocks)["norm"] == "torch" and blocks.project is vision._project
+        blocks = vision_blocks.FastVisionBlocks(tower, attention=None, triton=True)
+    vision_blocks.FastVisionBlocks.remove(tower)
+    assert vision_blocks.block_kernels(blocks)["norm"] == "torch" and blocks.project is vision_blocks._project
     assert "disagree" in caplog.text
 
 
@@ -977,7 +994,8 @@ def test_index_tensors_from_each_grids_kept_part_equal_transformers_derivation_o
     from transformers import vision_utils
 
     from consumers.infer.tiny_model import write_tiny_family_model
-    from consumers.infer.vision import VisionEncoder, load_vision_tower
+    from consumers.infer.vision.checkpoint import load_vision_tower
+    from consumers.infer.vision.encoder import VisionEncoder
 
     path = model_dir if family == "qwen2.5-vl" else write_tiny_family_model(tmp_path / family, family)
     tower, _ = load_vision_tower(path, "cpu", torch.float32)
@@ -1013,7 +1031,8 @@ def test_the_vllm_encoder_thread_keeps_a_pass_queued_and_hands_every_image_over_
     an invalid one fails by itself; a pass is waited for only after the next one is queued behind it, or once nothing
     more is waiting; the passes' spans add up to no more than the wall time."""
     from consumers.infer.engine import InferenceRequest
-    from consumers.infer.vision import VisionEncoder, load_vision_tower
+    from consumers.infer.vision.checkpoint import load_vision_tower
+    from consumers.infer.vision.encoder import VisionEncoder
     from consumers.infer import vllm_encoder_thread
     from consumers.infer.vllm_engine import VllmEngine
     from vlmstream.models.qwen2_vl import QWEN2_VL

@@ -78,7 +78,8 @@ def test_our_tower_equals_the_full_models_image_features(tiny_dirs, name):
     Qwen3-VL, every DeepStack level, concatenated as vLLM takes ``image_embeds``."""
     from transformers import AutoImageProcessor, AutoModelForImageTextToText
 
-    from consumers.infer.vision import VisionEncoder, load_vision_tower
+    from consumers.infer.vision.checkpoint import load_vision_tower
+    from consumers.infer.vision.encoder import VisionEncoder
 
     path = tiny_dirs[name]
     family = family_of(path)
@@ -125,7 +126,8 @@ def test_the_engine_tower_turns_each_familys_pixel_rows_into_the_full_models_ima
     from transformers import AutoImageProcessor, AutoModelForImageTextToText
 
     from consumers.infer import engine_tower, pixel_rows
-    from consumers.infer.vision import VisionEncoder, load_vision_tower
+    from consumers.infer.vision.checkpoint import load_vision_tower
+    from consumers.infer.vision.encoder import VisionEncoder
 
     path = tiny_dirs[name]
     engine_tower_config(path)
@@ -177,7 +179,10 @@ def test_fast_blocks_compute_what_the_towers_own_blocks_compute(tiny_dirs, name,
     tiny MLP width 128 is already aligned), with the MLP padded (alignment 48 pads 128 to 144), and with the Triton
     kernels (Triton's interpreter on the CPU): q/k/v split and rotated by one (v left in the projection, then
     written out), the MLP's activation by another and the LayerNorms by the norm kernels, in every block."""
-    from consumers.infer.vision import FastVisionBlocks, VisionEncoder, load_vision_tower, patchify_batch
+    from consumers.infer.vision.blocks import FastVisionBlocks
+    from consumers.infer.vision.checkpoint import load_vision_tower
+    from consumers.infer.vision.encoder import VisionEncoder
+    from consumers.infer.vision.pixels import patchify_batch
 
     family = family_of(tiny_dirs[name])
     tower = lively(load_vision_tower(tiny_dirs[name], "cpu", torch.float32)[0])
@@ -218,7 +223,11 @@ def test_fast_blocks_compute_what_the_towers_own_blocks_compute(tiny_dirs, name,
 def test_a_block_the_fast_path_does_not_know_keeps_transformers_forward(tiny_dirs):
     """A block whose MLP activation is not one the fused forward computes runs transformers' forward; the others
     still run the fused one, and the tower's output is unchanged. An activation with act(0) != 0 gets no padding."""
-    from consumers.infer.vision import FastVisionBlocks, VisionEncoder, _padded_mlp, load_vision_tower, patchify_batch
+    from consumers.infer.vision.block_shapes import padded_mlp
+    from consumers.infer.vision.blocks import FastVisionBlocks
+    from consumers.infer.vision.checkpoint import load_vision_tower
+    from consumers.infer.vision.encoder import VisionEncoder
+    from consumers.infer.vision.pixels import patchify_batch
 
     family = family_of(tiny_dirs["qwen3-vl"])
     tower = lively(load_vision_tower(tiny_dirs["qwen3-vl"], "cpu", torch.float32)[0])
@@ -234,9 +243,9 @@ def test_a_block_the_fast_path_does_not_know_keeps_transformers_forward(tiny_dir
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
 
     mlp = tower.blocks[0].mlp
-    padded = _padded_mlp(mlp.linear_fc1, mlp.linear_fc2, torch.nn.functional.gelu, alignment=48)
+    padded = padded_mlp(mlp.linear_fc1, mlp.linear_fc2, torch.nn.functional.gelu, alignment=48)
     assert padded[0].shape[0] == 144 and padded[2].shape[1] == 144
-    unpadded = _padded_mlp(mlp.linear_fc1, mlp.linear_fc2, torch.sigmoid, alignment=48)  # sigmoid(0) = 0.5
+    unpadded = padded_mlp(mlp.linear_fc1, mlp.linear_fc2, torch.sigmoid, alignment=48)  # sigmoid(0) = 0.5
     assert all(a is b for a, b in zip(unpadded, (mlp.linear_fc1.weight, mlp.linear_fc1.bias, mlp.linear_fc2.weight),
                                       strict=True))
 

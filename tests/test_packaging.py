@@ -33,7 +33,7 @@ def test_the_wheel_holds_every_package_and_its_data(tmp_path):
     packages = {str(init.parent.relative_to(REPO))
                 for root in ROOTS
                 for init in (REPO / root).rglob("__init__.py")}
-    assert {"consumers/decode", "consumers/infer", "vlmstream/kafka"} <= packages
+    assert {"consumers/decode", "consumers/infer", "consumers/infer/vision", "vlmstream/kafka"} <= packages
     missing = sorted(p for p in packages if f"{p}/__init__.py" not in names)
     assert not missing, f"packages left out of the wheel: {missing}"
     modules = {str(m.relative_to(REPO)) for p in packages for m in (REPO / p).glob("*.py")}

@@ -30,7 +30,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from consumers.infer.vision import VARLEN_KERNELS, _windowed_sdpa, pick_vision_attention  # noqa: E402
+from consumers.infer.vision.attention import VARLEN_KERNELS, pick_vision_attention, windowed_sdpa  # noqa: E402
 
 SDPA_BACKENDS = {"sdpa_cudnn": SDPBackend.CUDNN_ATTENTION, "sdpa_flash": SDPBackend.FLASH_ATTENTION,
                  "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION}
@@ -41,7 +41,7 @@ def per_sequence(backend):
     backend."""
     def attend(q, k, v, bounds, scale):
         with sdpa_kernel([backend]):
-            return _windowed_sdpa(q, k, v, torch.tensor(bounds), scale)
+            return windowed_sdpa(q, k, v, torch.tensor(bounds), scale)
     return attend
 
 

@@ -1,5 +1,5 @@
 """A vision block's norms alone on the GPU: the kernels Inductor compiles (what the fast vision blocks run where
-Triton does not import) against the Triton kernels of ``consumers/infer/block_norm.py`` and eager torch,
+Triton does not import) against the Triton kernels of ``consumers/infer/vision/block_norm.py`` and eager torch,
 side by side in one process, at the patch counts of the engine's forwards at each budget:
   rms_norm        Qwen2.5-VL-7B's norm before the attention's projection (1,280 wide, no bias)
   add_rms_norm    its residual add and norm before the MLP
@@ -25,8 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.gpu.bench_mlp_activation import (  # noqa: E402
     PATCHES, kernel_bench_args, time_against_compiled, write_report)
-from consumers.infer.block_norm import add_norm, norm, triton_kernels  # noqa: E402
-from consumers.infer.vision import compiled_in_process  # noqa: E402
+from consumers.infer.vision.block_norm import add_norm, norm, triton_kernels  # noqa: E402
+from consumers.infer.vision.blocks import compiled_in_process  # noqa: E402
 
 
 def main() -> None:

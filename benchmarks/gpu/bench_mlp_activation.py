@@ -1,5 +1,5 @@
 """A vision block's MLP activation alone on the GPU: the kernel Inductor compiles (what the fast vision blocks run
-where Triton does not import) against the Triton kernels of ``consumers/infer/mlp_activation.py`` and eager
+where Triton does not import) against the Triton kernels of ``consumers/infer/vision/mlp_activation.py`` and eager
 torch, side by side in one process, at the patch counts of the engine's forwards at each budget:
   silu_gate   Qwen2.5-VL-7B's gated MLP, silu(gate) * up on its merged (patches, 2 x 3,456) projection
   gelu_tanh   Qwen3-VL-8B's GELU (tanh form) on its 4,304 columns padded to 4,352
@@ -23,8 +23,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from consumers.infer.mlp_activation import gelu_tanh, quick_gelu, silu_gate, triton_kernels  # noqa: E402
-from consumers.infer.vision import compiled_in_process  # noqa: E402
+from consumers.infer.vision.blocks import compiled_in_process  # noqa: E402
+from consumers.infer.vision.mlp_activation import gelu_tanh, quick_gelu, silu_gate, triton_kernels  # noqa: E402
 
 # Patches per forward: 16 images at 0.2 MP, 8 at 1 MP, 2 at 12.8 MP (Qwen2.5-VL's counts on the kit's first images).
 PATCHES = {"0.2 MP": 16 * 241 * 4, "1 MP": 8 * 1270 * 4, "12.8 MP": 2 * 5187 * 4}

@@ -7,9 +7,9 @@ Variants, side by side in one process on the same images (random weights: same c
   fast+...          FastVisionBlocks (Qwen2.5-VL's RMSNorm blocks or the LayerNorm blocks of Qwen2-VL, Qwen3-VL and
                     Qwen3.5), compiled, q/k/v split and rotated by the Triton kernel, the norms and the MLP's
                     activation (silu(gate) * up or a GELU) by others (what VisionEncoder runs on CUDA;
-                    consumers/infer/qkv_rotary.py, block_norm.py, mlp_activation.py)
+                    consumers/infer/vision/qkv_rotary.py, block_norm.py, mlp_activation.py)
   fast-contigv+...  fast+..., the q/k/v kernel writing v out contiguous, as it does for an attention that does not
-                    take v as a view of the projection (fast hands FA3 the view; vision.takes_strided_v)
+                    take v as a view of the projection (fast hands FA3 the view; vision/attention.py: takes_strided_v)
   fast-addafter+... fast+..., the block's last residual add as an add after the MLP's last product instead of in
                     that product (FastVisionBlocks' residual_in_product=False)
 with attention vllm_fa3 (vLLM's FlashAttention 3), torch_varlen (torch's varlen flash) or sdpa. Each timing covers
@@ -49,7 +49,10 @@ sys.path.insert(0, str(REPO / "benchmarks" / "gpu"))
 
 from benchmarks.images import exact_size_images  # noqa: E402 - after the path insert
 from benchmarks.model7b import GPU_MODELS  # noqa: E402
-from consumers.infer.vision import VisionEncoder, block_kernels, load_vision_tower, patchify_batch  # noqa: E402
+from consumers.infer.vision.blocks import block_kernels  # noqa: E402
+from consumers.infer.vision.checkpoint import load_vision_tower  # noqa: E402
+from consumers.infer.vision.encoder import VisionEncoder  # noqa: E402
+from consumers.infer.vision.pixels import patchify_batch  # noqa: E402
 from vlmstream.models.registry import family_of  # noqa: E402
 from tower_flops import H200_DENSE_BF16_TFLOPS, tower_flops  # noqa: E402 - benchmarks/gpu is on sys.path
 
@@ -128,8 +131,8 @@ def time_encoder(encoder: VisionEncoder, images: list[np.ndarray], batch: int, m
             break
     n = len(pass_ms) * len(images)
     # The same number of passes again, queued back to back with one wait at the end. The pipeline's tower queues its
-    # next pass before it waits for the last (vision.TowerPass), so the host prepares a pass (patchify, index
-    # tensors, launches) while the GPU runs the one before; the synchronised passes above pay that preparation
+    # next pass before it waits for the last (TowerPass, vision/outputs.py), so the host prepares a pass (patchify,
+    # index tensors, launches) while the GPU runs the one before; the synchronised passes above pay that preparation
     # between passes, with the GPU idle.
     synchronize(encoder.device)
     queued_from = time.perf_counter()

@@ -31,7 +31,8 @@ def main() -> int:
 
     from benchmarks.images import exact_size_images
     from benchmarks.model7b import GPU_MODELS
-    from consumers.infer.vision import VisionEncoder, block_kernels
+    from consumers.infer.vision.blocks import block_kernels
+    from consumers.infer.vision.encoder import VisionEncoder
     from vlmstream.models.registry import family_of
 
     ap = argparse.ArgumentParser()

@@ -38,8 +38,10 @@ import torch
 
 from consumers.infer import pixel_rows
 from consumers.infer.engine_boundary import EngineTowerConfig
-from consumers.infer.vision import (VisionEncoder, load_vision_tower, mean_pooled, patchify_batch,
-                                    to_host_later)
+from consumers.infer.vision.checkpoint import load_vision_tower
+from consumers.infer.vision.encoder import VisionEncoder
+from consumers.infer.vision.outputs import mean_pooled, to_host_later
+from consumers.infer.vision.pixels import patchify_batch
 from vlmstream import vllm_adapter
 
 log = logging.getLogger(__name__)

@@ -21,7 +21,9 @@ from typing import Sequence
 from consumers.infer.engine import (EngineCannotLoadModel, InferenceFailure, InferenceOutput, InferenceRequest,
                                     QueuedEngine, limit_cpu_use)
 from consumers.infer.prompts import OutputSchema, PromptBuilder, with_schema
-from consumers.infer.vision import VisionEncoder, mean_pool_each, patchify_batch, request_problem
+from consumers.infer.vision.encoder import VisionEncoder
+from consumers.infer.vision.outputs import mean_pool_each
+from consumers.infer.vision.pixels import patchify_batch, request_problem
 from vlmstream.config import InferSettings
 from vlmstream.models.registry import family_of
 

@@ -13,7 +13,9 @@ import time
 
 from consumers.infer.engine import ENGINE_DEAD as _DEAD
 from consumers.infer.engine import InferenceFailure, InferenceRequest
-from consumers.infer.vision import TowerPass, groups_by_patches, request_problem
+from consumers.infer.vision.encoder import groups_by_patches
+from consumers.infer.vision.outputs import TowerPass
+from consumers.infer.vision.pixels import request_problem
 from vlmstream.models.family import ModelFamily
 
 log = logging.getLogger(__name__)

@@ -41,7 +41,9 @@ from consumers.infer import pixel_rows
 from consumers.infer.engine import ENGINE_DEAD as _DEAD
 from consumers.infer.engine import InferenceFailure, InferenceOutput, InferenceRequest, QueuedEngine
 from consumers.infer.prompts import OutputSchema, PromptBuilder, with_schema
-from consumers.infer.vision import VisionEncoder, block_kernels, load_vision_tower
+from consumers.infer.vision.blocks import block_kernels
+from consumers.infer.vision.checkpoint import load_vision_tower
+from consumers.infer.vision.encoder import VisionEncoder
 from consumers.infer.vllm_encoder_thread import EncoderThread, expected_image_embeds_width
 from consumers.infer.vllm_engine_tower import EngineTowerSide
 from vlmstream import vllm_adapter

@@ -18,8 +18,8 @@ class Tower:
 
     model_class: str
     config_class: str
-    # Qwen2.5-VL's windowed tower: the forward takes window indices. vision.FastVisionBlocks fits its blocks (RMSNorm,
-    # gated MLP) and those of every other Qwen tower (LayerNorm, two-matrix MLP) alike.
+    # Qwen2.5-VL's windowed tower: the forward takes window indices. vision.blocks.FastVisionBlocks fits its blocks
+    # (RMSNorm, gated MLP) and those of every other Qwen tower (LayerNorm, two-matrix MLP) alike.
     windowed: bool = False
 
 

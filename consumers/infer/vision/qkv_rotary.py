@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from consumers.infer.triton_build import built_once_where_triton_imports
+from consumers.infer.vision.triton_build import built_once_where_triton_imports
 
 
 def rotate_qkv_torch(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):

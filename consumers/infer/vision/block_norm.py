@@ -19,7 +19,7 @@ from types import SimpleNamespace
 
 import torch
 
-from consumers.infer.triton_build import built_once_where_triton_imports
+from consumers.infer.vision.triton_build import built_once_where_triton_imports
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

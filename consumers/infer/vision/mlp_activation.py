@@ -2,16 +2,15 @@
 CUDA) for the gated MLP's ``silu(gate) * up`` (Qwen2.5-VL) and the two-matrix MLP's GELU, tanh form (Qwen3-VL,
 Qwen3.5), or quick GELU (Qwen2-VL).
 
-Qwen2.5-VL's vision blocks project to gate and up in one matrix product (``vision._merged_mlp``), so its activation
-reads (tokens, 2 x width) and writes (tokens, width). Compiled by Inductor into the code around it, that kernel ran
-at about a third of the H200's memory bandwidth: 10.9% of the tower's GPU time at 12.8 MP, more than any kernel but
-the matrix products and the attention (511 us a call for 860 MB moved). ``silu_gate``
-reads each tile of gate and up once, as rows of the merged projection, and writes the tile once: alone on the H200
-it moved 4.1 TB/s against the compiled kernel's 1.7, 2.4 times as fast, with the same output bit for bit
-(benchmarks/gpu/bench_mlp_activation.py). The one-input activations are one flat pass each: 2.0 times (GELU, tanh
-form) and 1.8 times (quick GELU) as fast as Inductor's kernels there. Same
-arithmetic as the compiled code: float32, rounded once to the input type (GELU's tanh as 1 - 2 / (exp(2y) + 1),
-within float32 rounding of tanh).
+Qwen2.5-VL's vision blocks project to gate and up in one matrix product (``block_shapes._merged_mlp``), so its
+activation reads (tokens, 2 x width) and writes (tokens, width). Compiled by Inductor into the code around it, that
+kernel ran at about a third of the H200's memory bandwidth: 10.9% of the tower's GPU time at 12.8 MP, more than any
+kernel but the matrix products and the attention (511 us a call for 860 MB moved). ``silu_gate`` reads each tile of gate
+and up once, as rows of the merged projection, and writes the tile once: alone on the H200 it moved 4.1 TB/s against the
+compiled kernel's 1.7, 2.4 times as fast, with the same output bit for bit (benchmarks/gpu/bench_mlp_activation.py). The
+one-input activations are one flat pass each: 2.0 times (GELU, tanh form) and 1.8 times (quick GELU) as fast as
+Inductor's kernels there. Same arithmetic as the compiled code: float32, rounded once to the input type (GELU's tanh as
+1 - 2 / (exp(2y) + 1), within float32 rounding of tanh).
 """
 
 from __future__ import annotations
@@ -20,11 +19,11 @@ from types import SimpleNamespace
 
 import torch
 
-from consumers.infer.triton_build import built_once_where_triton_imports
+from consumers.infer.vision.triton_build import built_once_where_triton_imports
 
 
 # The activations in torch, which the fast blocks compile (and run off CUDA), and the kernels' references. Module-level
-# functions, one object per kind, so that the compiled code is shared by every block (vision._activation_of).
+# functions, one object per kind, so that the compiled code is shared by every block (block_shapes._activation_of).
 
 
 def silu_gate(gate_up: torch.Tensor) -> torch.Tensor:
