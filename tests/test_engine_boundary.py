@@ -93,6 +93,8 @@ def test_the_adapter_names_the_vllm_release_its_hooks_were_checked_against():
     assert "0.27.0" in problem and vllm_adapter.CHECKED_VLLM in problem and vllm_adapter.INSTALL_HINT in problem
     if vllm_adapter.installed_vllm() is None:
         assert "not installed" in vllm_adapter.version_problem()
+        with pytest.raises(RuntimeError, match="not installed"):  # the tower's blocks then take another kernel
+            vllm_adapter.flash_attention_3_varlen()
 
 
 class ModelWithATower:

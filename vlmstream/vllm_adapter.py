@@ -12,6 +12,9 @@ CHECKED_VLLM, and on any other release the code that needs them is not used (``v
 - ``built_model``: a worker's ``model_runner.get_model()`` is the model vLLM built, possibly inside a CUDA graph
   wrapper that ``unwrap()`` opens.
 - ``model_dtype``: vLLM's model objects carry the engine's ``model_config``, whose ``dtype`` the model runs in.
+- ``flash_attention_3_varlen``: vLLM bundles FlashAttention 3 as ``vllm.vllm_flash_attn.flash_attn_interface``
+  (``flash_attn_varlen_func`` with ``fa_version``, ``is_fa_version_supported``), a module of its own build, not its
+  API; our tower's fast blocks use its varlen kernel.
 - ``registered_models``: vLLM's private registry table ``vllm.model_executor.models.registry._VLLM_MODELS``
   (architecture -> (module under ``vllm.model_executor.models``, class)), read only to explain a start failure.
 
@@ -104,6 +107,26 @@ def takes_wrapper(model) -> bool:
 def model_dtype(model):
     """The torch dtype a model vLLM built runs in."""
     return model.model_config.dtype
+
+
+def flash_attention_3_varlen():
+    """vLLM's FlashAttention 3 varlen kernel as ``kernel(q, k, v, cu_q, cu_k, max_q, max_k, scale)`` (non-causal;
+    q, k, v as (tokens, heads, head_dim)). Raises RuntimeError where it cannot be used: another vLLM release than
+    the checked one, none, or a device FlashAttention 3 does not support."""
+    problem = version_problem()
+    if problem:
+        raise RuntimeError(problem)
+    from vllm.vllm_flash_attn.flash_attn_interface import flash_attn_varlen_func, is_fa_version_supported
+
+    if not is_fa_version_supported(3):
+        raise RuntimeError("vLLM's FlashAttention 3 is not supported on this device")
+
+    def kernel(q, k, v, cu_q, cu_k, max_q, max_k, scale):
+        # fa_version is explicit: vLLM's default is FA2, whose library the device bundle leaves out.
+        return flash_attn_varlen_func(q, k, v, max_seqlen_q=max_q, cu_seqlens_q=cu_q, max_seqlen_k=max_k,
+                                      cu_seqlens_k=cu_k, softmax_scale=scale, causal=False, fa_version=3)
+
+    return kernel
 
 
 def registered_models() -> dict | None:

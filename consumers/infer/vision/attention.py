@@ -1,6 +1,7 @@
 """Attention for the vision blocks. transformers sends a packed varlen call (cu_seqlens over windows and images) to any
 registered implementation whose name contains "flash"; its sdpa path instead loops in Python over every window of
-every image. On CUDA vLLM's FlashAttention 3 (what vLLM's own tower runs) or torch's built-in varlen flash attention
+every image. On CUDA vLLM's FlashAttention 3 (what vLLM's own tower runs; ``vllm_adapter.flash_attention_3_varlen``,
+on the vLLM release the adapter was checked against) or torch's built-in varlen flash attention
 is registered under such a name, each probed once against sdpa before it is picked; the fast blocks call the raw
 kernels (``VARLEN_KERNELS``) directly, and ``windowed_sdpa`` where there is none (CPU)."""
 
@@ -9,6 +10,8 @@ from __future__ import annotations
 import logging
 
 import torch
+
+from vlmstream import vllm_adapter
 
 log = logging.getLogger(__name__)
 
@@ -27,20 +30,6 @@ def _varlen_adapter(kernel):
         return out.unsqueeze(0), None
 
     return attention
-
-
-def _vllm_fa3_kernel():
-    from vllm.vllm_flash_attn.flash_attn_interface import flash_attn_varlen_func, is_fa_version_supported
-
-    if not is_fa_version_supported(3):
-        raise RuntimeError("vLLM's FlashAttention 3 is not supported on this device")
-
-    def kernel(q, k, v, cu_q, cu_k, max_q, max_k, scale):
-        # fa_version is explicit: vLLM's default is FA2, whose library the device bundle leaves out.
-        return flash_attn_varlen_func(q, k, v, max_seqlen_q=max_q, cu_seqlens_q=cu_q, max_seqlen_k=max_k,
-                                      cu_seqlens_k=cu_k, softmax_scale=scale, causal=False, fa_version=3)
-
-    return kernel
 
 
 def _torch_varlen_kernel():
@@ -119,7 +108,8 @@ def pick_vision_attention(device: torch.device | str, dtype: torch.dtype, reques
     """The fastest attention available for the vision blocks: vLLM FA3 > torch varlen flash > sdpa.
     Flash kernels need CUDA and half precision; on CPU it is sdpa."""
     device = torch.device(device)
-    candidates = {"vllm_fa3": (VLLM_FA3, _vllm_fa3_kernel), "torch_varlen": (TORCH_VARLEN, _torch_varlen_kernel)}
+    candidates = {"vllm_fa3": (VLLM_FA3, vllm_adapter.flash_attention_3_varlen),
+                  "torch_varlen": (TORCH_VARLEN, _torch_varlen_kernel)}
     if requested in ("sdpa", "eager"):
         return requested
     if requested != "auto":
