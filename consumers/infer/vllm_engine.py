@@ -2,8 +2,8 @@
 
 Two modes:
 - ``embeds`` (default): the family's vision tower (vlmstream/models/; the transformers module with
-  vision.blocks.FastVisionBlocks: varlen FlashAttention 3 from vLLM, aligned GEMMs, compiled elementwise) runs in vLLM's
-  engine process (engine_tower.py), one CUDA context for the tower and the language model: the exact-size uint8
+  vision.blocks.FastVisionBlocks: varlen FlashAttention 3 from vLLM, aligned GEMMs, compiled elementwise) runs in
+  vLLM's engine process (engine_tower.py), one CUDA context for the tower and the language model: the exact-size uint8
   image travels there as pixel rows (pixel_rows.py), tagged when embeddings are published, and the engine keeps
   each tagged image's embedding until this side takes it (``EngineEmbeddings``), so one tower pass serves both.
   vLLM's single front-end process never touches pixels: its own processor, which normalises and patchifies every
@@ -67,8 +67,8 @@ class VllmEngine(EngineTowerSide, EncoderThread, QueuedEngine):
         """``load_format="dummy"``: random weights (a folder without safetensors); our tower is then random
         too. ``embeds_only_engine``: in embeds mode, tell vLLM images arrive only as embeddings
         (``limit_mm_per_prompt`` image 0 + ``enable_mm_embeds``), so it neither builds nor profiles its own
-        vision tower; False keeps vLLM's tower (benchmarks/gpu's offline arm measures that path). ``engine_kwargs`` (vLLM
-        engine arguments over ours) and ``ignore_eos`` (every output runs to its token budget, guided ones excepted)
+        vision tower; False keeps vLLM's tower (benchmarks/gpu's offline arm measures that path).
+        ``engine_kwargs`` (vLLM engine arguments over ours) and ``ignore_eos`` (every output runs to its token budget, guided ones excepted)
         are for benchmarks, which compare arms at one output length and without caches that only some arms can
         use."""
         self.ignore_eos = ignore_eos
