@@ -68,9 +68,9 @@ class VllmEngine(EngineTowerSide, EncoderThread, QueuedEngine):
         too. ``embeds_only_engine``: in embeds mode, tell vLLM images arrive only as embeddings
         (``limit_mm_per_prompt`` image 0 + ``enable_mm_embeds``), so it neither builds nor profiles its own
         vision tower; False keeps vLLM's tower (benchmarks/gpu's offline arm measures that path).
-        ``engine_kwargs`` (vLLM engine arguments over ours) and ``ignore_eos`` (every output runs to its token budget, guided ones excepted)
-        are for benchmarks, which compare arms at one output length and without caches that only some arms can
-        use."""
+        ``engine_kwargs`` (vLLM engine arguments over ours) and ``ignore_eos`` (every output runs to its token
+        budget, guided ones excepted) are for benchmarks, which compare arms at one output length and without caches
+        that only some arms can use."""
         self.ignore_eos = ignore_eos
         self.mode = mode or settings.mode
         if self.mode not in ("embeds", "pixels"):
