@@ -16,6 +16,9 @@ Jobs (real images from the corpus, the built-in tiny model on this machine's CPU
   g  for a GPU: job b's shape (1-40 images per document, the heavy ones last) over any folder of images
      (--images), 2,000 x --scale documents at 0.2 MP; with --run-options naming the model (and --sample-fraction
      0.05) it is the "sample of at most 5% of a run of 20 minutes or more" check on one H200
+  h  for a GPU at 1 MP: 700 x --scale documents of 1-40 images (Pareto), the heavy ones clustered mid-job, every
+     image a distinct crop (0.5-4 MP, re-encoded) of a photo in --images, so that no cache of the engine can make
+     a repeated image cheap
 
 p, q and s draw on images this script generates once (``generated``: 1/f-noise photos and text-like scans, seeded) into
 the broker's home, so they are images no earlier version of the estimate was tuned on.
@@ -276,6 +279,46 @@ def job_g(root: Path, scale: float) -> tuple[Path, list[str]]:
     return manifest, ["--max-pixels", str(256 * 28 * 28)]
 
 
+def _crop(task: tuple[str, str, int]) -> None:
+    """One distinct crop of a photo: a random window of 0.5-4 MP (or the whole photo if smaller), JPEG quality 80-95."""
+    from PIL import Image
+
+    src, dst, seed = task
+    rng = random.Random(seed)
+    with Image.open(src) as im:
+        im = im.convert("RGB")
+        side = min(1.0, (rng.uniform(0.5e6, 4e6) / (im.size[0] * im.size[1])) ** 0.5)
+        w, h = max(64, int(im.size[0] * side)), max(64, int(im.size[1] * side))
+        x, y = rng.randrange(im.size[0] - w + 1), rng.randrange(im.size[1] - h + 1)
+        im.crop((x, y, x + w, y + h)).save(dst, quality=rng.randrange(80, 96))
+
+
+def job_h(root: Path, scale: float) -> tuple[Path, list[str]]:
+    """Documents of 1-40 images (Pareto), the heavy ones clustered mid-job, every image a distinct crop of a photo of
+    the corpus (--images), written into the generated folder (decode may read there), 1 MP."""
+    from multiprocessing import Pool
+
+    photos = corpus("all")
+    rng = random.Random(8)
+    sizes = [min(40, max(1, int(rng.paretovariate(1.2)))) for _ in range(int(700 * scale))]
+    light, heavy = [s for s in sizes if s < 8], sorted(s for s in sizes if s >= 8)
+    order = light[: len(light) // 2] + heavy + light[len(light) // 2:]
+    folder = GENERATED / f"crops-h-{uuid.uuid4().hex[:8]}"
+    folder.mkdir(parents=True)
+    tasks, manifest = [], root / "h.jsonl"
+    with manifest.open("w") as handle:
+        for d, size in enumerate(order):
+            uris = []
+            for i in range(size):
+                dst = folder / f"h{d:05d}_{i:02d}.jpg"
+                tasks.append((str(rng.choice(photos)), str(dst), rng.randrange(1 << 30)))
+                uris.append(str(dst))
+            handle.write(json.dumps({"doc_id": f"h{d:05d}", "image_uris": uris}) + "\n")
+    with Pool(os.cpu_count()) as pool:
+        pool.map(_crop, tasks, chunksize=16)
+    return manifest, ["--max-pixels", str(1280 * 28 * 28)]
+
+
 def job_d(root: Path, scale: float) -> tuple[Path, list[str]]:
     """Job a's documents (a folder of their own: both can run in one invocation), each also condensed into one answer
     (`--condense`)."""
@@ -283,7 +326,7 @@ def job_d(root: Path, scale: float) -> tuple[Path, list[str]]:
     return folder, [*options, "--condense"]
 
 
-JOBS = {"a": job_a, "b": job_b, "c": job_c, "d": job_d, "g": job_g, "p": job_p, "q": job_q, "s": job_s}
+JOBS = {"a": job_a, "b": job_b, "c": job_c, "d": job_d, "g": job_g, "h": job_h, "p": job_p, "q": job_q, "s": job_s}
 
 
 def documents_in(job: Path) -> list[tuple[str, int]]:
@@ -628,6 +671,8 @@ def main() -> None:
             print(json.dumps(row), flush=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
+        for crops in GENERATED.glob("crops-h-*"):  # job h's distinct crops are written per run
+            shutil.rmtree(crops, ignore_errors=True)
     print()
     print("| job | documents | images | sample (docs / images) | estimate took | predicted (range) | actual "
           "| error | in range | naive (first N docs' rate) | naive error | bottleneck | load average |")
