@@ -30,7 +30,7 @@ from consumers.decode.headers import (EXIF_ORIENTATION_TAG, check_jpeg_is_decoda
                                       tiff_orientation)
 from consumers.decode.jpeg2000 import jpeg2000_decomposition_levels, jpeg2000_is_cut_short, jpeg2000_levels_to_drop
 from consumers.decode.pixels import composite_on_white, eight_bit, to_rgb
-from consumers.decode.resize import swaps_axes
+from consumers.decode.resize import resize_exact, shrink_bicubic, swaps_axes
 from consumers.decode.sniff import sniff_format
 from vlmstream.images import pages as page_files
 from vlmstream.images import pdf
@@ -44,15 +44,18 @@ TIFF_TILE_WIDTH_TAG, TIFF_TILE_LENGTH_TAG = 322, 323
 # padding to the tile grid. Tiles up to this area are allowed for any image (encoders use 256x256 for tiny ones).
 _TILE_PIXELS_ANY_IMAGE = 1 << 20
 _TILE_OVER_IMAGE_AREA = 4
-# A PDF page is drawn at decode.pdf_dpi (the raster the processor's route starts from) but at most this many times
-# the model's size, then resized. Drawn straight at the model's size, glyphs and thin rules come
-# out hinted to a coarse pixel grid: mean |diff| 0.10 of normalised values from PDFium's own 200 dpi raster through
-# Qwen2VLImageProcessor at 0.2 MP; drawn at 3x and shrunk as below, 0.03 (benchmarks/bench_pdf_render.py).
-PDF_OVERSAMPLE = 3.0
-# Shrinking a drawn page by more than this: Pillow's antialiased bicubic, the kernel transformers' resize calls
-# (on text the area filter stays 0.06 from it at 3x); by less, the stage's resize_exact as for any image (0.016
-# from it at 2x, at half the cost).
+# A PDF page is drawn at decode.pdf_dpi, the raster the processor's route starts from, so that glyphs are hinted to
+# the same pixel grid as there, but at most this many times the model's size on each axis (a page larger than A3 at
+# 0.2 MP), then resized. Drawn at another size the same glyphs land on other pixels whatever the resize: mean |diff|
+# of normalised values from PDFium's own 200 dpi raster through Qwen2VLImageProcessor at 0.2 MP 0.10 (p99 1.2) drawn
+# at the model's size, 0.033 (p99 0.39) at 3x, 0.008 (p99 0.08) at 200 dpi (benchmarks/bench_pdf_render.py).
+PDF_OVERSAMPLE = 6.0
+# Shrinking a drawn page by more than this: Pillow's antialiased bicubic, the kernel transformers' resize calls (on
+# text the area filter stays 0.06 from it at 3x), after a box reduce by a whole factor that leaves at least
+# PDF_REDUCING_GAP times the target (resize.shrink_bicubic: half the cost at 4x, 0.008 from the kernel alone); by
+# less, the stage's resize_exact as for any image (0.016 from it at 2x, at half the cost).
 PDF_PILLOW_SHRINK = 2.0
+PDF_REDUCING_GAP = 2.0
 
 
 @dataclass(frozen=True)
@@ -201,20 +204,19 @@ class Decoder:
     # -- PDF pages through PDFium ----------------------------------------------------------------------
 
     def _decode_pdf(self, data: bytes, page: int | None) -> Decoded:
-        """The page drawn at ``_pdf_draw_size`` and, past ``PDF_PILLOW_SHRINK``, shrunk to the family's target for
-        its displayed size at ``pdf_dpi`` (the stage's resize_exact does any other resize, and a scan's JPEG's).
+        """The page drawn at ``_pdf_draw_size`` and resized to the family's target for its displayed size at
+        ``pdf_dpi`` (``_shrink_pdf_page``; a scan's JPEG is resized by the stage, as any JPEG).
         Without a page selector the first page, with ``pages`` saying how many there are."""
         if self.pdf_renderer is None:
-            self.pdf_renderer = pdf.PageRenderer(max_pixels=int(PDF_OVERSAMPLE ** 2 * self.family.max_pixels),
+            self.pdf_renderer = pdf.PageRenderer(max_pixels=min(int(PDF_OVERSAMPLE ** 2 * self.family.max_pixels),
+                                                                self.max_source_pixels),
                                                  max_bytes=self.max_pdf_bytes)
         rendered = self.pdf_renderer.render(
             data, page, self._pdf_draw_size, time_limit_s=self.pdf_render_time_limit_s,
             text_chars=self.pdf_page_text_chars, page_limit=self.max_pdf_pages,
-            scan=self._scan_jpeg if self._turbo is not None else None)
+            scan=self._scan_jpeg if self._turbo is not None else None, shrink=self._shrink_pdf_page)
         width, height, target_w, target_h = self._pdf_target(rendered.width_pt, rendered.height_pt)
         pixels = rendered.pixels
-        if not rendered.scan and pixels.shape[1] > PDF_PILLOW_SHRINK * target_w:
-            pixels = np.asarray(Image.fromarray(pixels).resize((target_w, target_h), Image.BICUBIC))
         # scale: the pixels' width over the page's at pdf_dpi
         return Decoded(pixels, 1, width, height, target_w, target_h, "pdf", pixels.shape[1] / width,
                        rendered.pages if page is None else 1, rendered.text)
@@ -225,6 +227,16 @@ class Decoder:
         as the processor reaches it, by enlarging that raster)."""
         width, height, target_w, target_h = self._pdf_target(width_pt, height_pt)
         return min(width, round(PDF_OVERSAMPLE * target_w)), min(height, round(PDF_OVERSAMPLE * target_h))
+
+    def _shrink_pdf_page(self, pixels: np.ndarray, width_pt: float, height_pt: float) -> np.ndarray:
+        """A drawn page at its target: past ``PDF_PILLOW_SHRINK`` by ``shrink_bicubic``, else by the stage's
+        resize_exact (the stage's own call then has nothing to do). ``pixels`` is the renderer's shared buffer, read
+        in place: the result is always a new array."""
+        target_w, target_h = self._pdf_target(width_pt, height_pt)[2:]
+        if pixels.shape[1] > PDF_PILLOW_SHRINK * target_w:
+            return shrink_bicubic(pixels, target_h, target_w, PDF_REDUCING_GAP)
+        resized = resize_exact(pixels, target_h, target_w)
+        return resized.copy() if resized is pixels else resized
 
     def _scan_jpeg(self, data: bytes, width_pt: float, height_pt: float) -> np.ndarray | None:
         """A scanned page's own JPEG, DCT-scaled to at least the page's target (the stage then resizes it exactly,

@@ -153,14 +153,18 @@ class PageRenderer:
 
     def render(self, data: bytes, number: int | None, size_for: Callable[[float, float], tuple[int, int]], *,
                time_limit_s: float = 0.0, text_chars: int = 0, page_limit: int | None = None,
-               scan: Callable[[bytes, int, int], np.ndarray | None] | None = None) -> RenderedPage:
+               scan: Callable[[bytes, int, int], np.ndarray | None] | None = None,
+               shrink: Callable[[np.ndarray, float, float], np.ndarray] | None = None) -> RenderedPage:
         """Page ``number`` (from 1; None: the first, with ``page_limit`` refusing a longer document) at
         ``size_for(width_pt, height_pt)`` = (width, height) pixels, at most ``max_pixels``. ``size_for`` runs here
         and may raise ``ImageError`` (a size over a cap).
 
         ``scan(jpeg, width_pt, height_pt)``: for a page that is one JPEG covering it exactly and nothing else (what
         a scanner writes), the JPEG's own bytes, decoded here for a page of that displayed size (a JPEG decoder
-        scales by 1/2..1/8 while decoding, which PDFium does not), or None to have the page drawn after all."""
+        scales by 1/2..1/8 while decoding, which PDFium does not), or None to have the page drawn after all.
+
+        ``shrink(pixels, width_pt, height_pt)``: the drawn pixels, read in place in the shared buffer (a large
+        raster is not copied to be shrunk), to a new array returned as the page's; without it, a copy."""
         if len(data) > self.max_bytes:
             raise CorruptPdf(f"a PDF of {len(data)} bytes is over the renderer's {self.max_bytes}")
         deadline = time.monotonic() + time_limit_s if time_limit_s > 0 else None
@@ -192,7 +196,9 @@ class PageRenderer:
             except BaseException:  # the caller's own alarm, an interrupt: the child is mid-request, so it goes
                 self._stop()
                 raise
-            pixels = np.frombuffer(self._pixels, np.uint8, width * height * 3).reshape(height, width, 3).copy()
+            drawn = np.frombuffer(self._pixels, np.uint8, width * height * 3).reshape(height, width, 3)
+            pixels = drawn.copy() if shrink is None else shrink(drawn, size["width"], size["height"])
+            del drawn  # the buffer is the next page's
         return RenderedPage(pixels, size["width"], size["height"], pages, reply["text"])
 
     def close(self) -> None:
