@@ -80,6 +80,16 @@ def validated(doc: DocumentRef) -> DocumentRef:
     return doc
 
 
+def _is_local(uri: str) -> bool:
+    return uri.startswith("file://") or not (":" in uri and _URI_SCHEME.match(uri))
+
+
+def is_remote_pdf(uri: str) -> bool:
+    """A PDF named by an http(s) or fsspec URL without ``#page=N``: one whose pages only fetching it can count."""
+    return ("#page=" not in uri and not _is_local(uri)
+            and unquote(urlsplit(uri).path).lower().endswith(".pdf"))
+
+
 def pdf_page_uris(uri: str, max_pdf_pages: int, read: Callable[[str], bytes] | None = None) -> list[str]:
     """A PDF named without ``#page=N`` as one URI per page, its pages counted from its page tree (nothing
     rendered): a local one (a path or a ``file://`` URI) read here, a remote one (``http(s)://``, an fsspec URL)
@@ -89,7 +99,7 @@ def pdf_page_uris(uri: str, max_pdf_pages: int, read: Callable[[str], bytes] | N
     than ``max_pdf_pages`` pages (decode.max_pdf_pages: the decode stage's dead letter names it)."""
     if "#page=" in uri:
         return [uri]
-    local = uri.startswith("file://") or not (":" in uri and _URI_SCHEME.match(uri))
+    local = _is_local(uri)
     path = uri if local and not uri.startswith("file://") else unquote(urlsplit(uri).path)
     if not path.lower().endswith(".pdf") or (not local and read is None):
         return [uri]

@@ -285,9 +285,9 @@ def decoded_pages(tmp_path, data: bytes, budget: int):
 
 def test_typed_pages_are_within_the_image_tolerance_of_the_processor_on_a_200_dpi_raster(tmp_path):
     """Typed pages (10 pt text, thin rules, fills; three sizes and rotations) against PDFium drawing each page at
-    200 dpi and the processor resizing that raster: the tolerance the image path holds, on the mean at every budget
-    and on the 99th percentile at 1 MP and the default. At 0.2 MP the 99th percentile is the edges of 10 pt glyphs
-    shrunk 4x (0.36-0.51 measured; bound at 0.6, so that drawing straight at the model's size, 1.1-1.2, fails)."""
+    200 dpi and the processor resizing that raster: the tolerance the image path holds, mean and 99th percentile,
+    at every budget (drawn at the model's size the 99th percentile is 1.1-1.3, drawn at 3x it and shrunk 0.34-0.51
+    at 0.2 MP: glyphs hinted to another pixel grid than the 200 dpi raster's)."""
     import pypdfium2
 
     from tests.test_decode_equivalence import MEAN_LIMIT, P99_LIMIT
@@ -298,9 +298,26 @@ def test_typed_pages_are_within_the_image_tolerance_of_the_processor_on_a_200_dp
         for page, pixels, width, height in decoded_pages(tmp_path, data, budget):
             reference = processor_route(pdf.render_page(document, page, width, height), *pixels.shape[:2])
             mean, p99 = normalised_diff(pixels, reference)
-            assert mean < MEAN_LIMIT and p99 < (0.6 if budget == PIXEL_BUDGETS[0] else P99_LIMIT), (budget, page,
-                                                                                                    mean, p99)
+            assert mean < MEAN_LIMIT and p99 < P99_LIMIT, (budget, page, mean, p99)
     document.close()
+
+
+@pytest.mark.parametrize("shape", [(2200, 1700), (2339, 1653), (101, 77)])
+def test_shrink_bicubic_is_pillows_reducing_gap_resize(shape):
+    """The PDF path's shrink: Pillow's bicubic after its box reduce, the reduce on cv2's integer area path, edges
+    whose boxes are cut short included: on noise (the worst case) within two levels of Pillow's own at 2x to 10x,
+    most pixels equal (the box means round apart by one level at most; bicubic's lobes can double that)."""
+    from PIL import Image
+
+    from consumers.decode.resize import shrink_bicubic
+
+    image = np.random.default_rng(0).integers(0, 256, (*shape, 3), dtype=np.uint8)
+    for factor in (2.1, 4.3, 6.2, 10.0):
+        height, width = max(1, round(shape[0] / factor)), max(1, round(shape[1] / factor))
+        ours = shrink_bicubic(image, height, width, 2.0)
+        pillow = np.asarray(Image.fromarray(image).resize((width, height), Image.BICUBIC, reducing_gap=2.0))
+        diff = np.abs(ours.astype(int) - pillow)
+        assert ours.shape == pillow.shape and diff.max() <= 2 and diff.mean() < 0.5, (factor, diff.max(), diff.mean())
 
 
 @pytest.mark.skipif(shutil.which("pdftoppm") is None, reason="pdftoppm (poppler-utils) is not installed")
@@ -492,3 +509,103 @@ def test_vlmstream_estimate_counts_and_sizes_each_pdf_page_of_a_folder_or_manife
         [document] = shape.documents
         assert [image.source_px for image in document.images] == [
             round(w * 200 / 72) * round(h * 200 / 72) for w, h in SHOWN], source
+
+
+def _page_counts_job(served, base, tmp_path, counts):
+    """A manifest of one document per served PDF of ``counts[i]`` pages, then a document naming two of them and a
+    local image; returns the manifest and the job's true image count (each PDF's pages, as the producer publishes
+    them)."""
+    import orjson
+
+    lines = []
+    for n, pages in enumerate(counts):
+        (served / f"d{n}.pdf").write_bytes(pdfs.text_pdf([(612, 792, 0, f"page {p}") for p in range(pages)]))
+        lines.append({"doc_id": f"d{n}", "image_uris": [f"{base}/d{n}.pdf"]})
+    image = tmp_path / "photo.png"
+    images.marked_image(64, 48).save(image)
+    lines.append({"doc_id": "mixed", "image_uris": [f"{base}/d0.pdf", str(image), f"{base}/d1.pdf"]})
+    manifest = tmp_path / "job.jsonl"
+    manifest.write_text("".join(orjson.dumps(line).decode() + "\n" for line in lines))
+    return manifest, sum(counts) + counts[0] + 1 + counts[1]
+
+
+def test_the_estimate_counts_remote_pdf_pages_where_fetched_and_says_how_many_it_assumed(tmp_path, pdf_server):
+    """A manifest of PDFs served over http: the estimate's shape fetches a few spread over the job (with the decode
+    stage's rules) to count their pages, assumes the mean for the others and marks their pages; the sample's
+    documents are fetched and counted before they run, and the fewest and most images the job may hold bracket its
+    true count."""
+    from vlmstream.cli.estimate_job import count_remote_pdfs, draw_sample, job_documents, read_shape, \
+        settle_sample_pdfs
+    from vlmstream.config import Settings
+    from vlmstream.models.qwen2_vl import QWEN2_VL
+
+    served, base, requests = pdf_server
+    counts = [1, 3, 2, 5, 6, 4, 2, 3, 1, 2, 2, 3]
+    manifest, true_images = _page_counts_job(served, base, tmp_path, counts)
+    settings = Settings(decode={"allow_private_hosts": True})
+    documents, _ = job_documents(settings, manifest, topic=False, per_file=False)
+    documents, remote = count_remote_pdfs(documents, settings.decode, count=4)
+    assert len(requests) == 4 and len(remote.pages) == 4  # 4 of the 12 remote PDFs fetched, spread over the job
+    assert requests[0] == "/d0.pdf" and requests[-1] == "/d11.pdf"
+    counted = [counts[int(path[2:-4])] for path in requests]
+    assert remote.readable() == counted and remote.assumed_pages == max(1, round(sum(counted) / 4))
+    shape = read_shape(documents, QWEN2_VL, 56 * 56, BUDGET, remote_pdfs=remote)
+    pdfs_assumed, images_assumed = shape.assumed_pdfs()
+    # 8 PDFs not fetched, one of them named by two documents (each document's pages are its own images)
+    assert pdfs_assumed == 9 and images_assumed == 9 * remote.assumed_pages
+    low, high = shape.images_range()
+    assert low <= true_images <= high and low < shape.images < high
+    assert "9 remote PDF(s) not fetched: their pages assumed" in shape.pdfs_said()
+    # The sample's documents run as the job will publish them: their PDFs fetched and counted first.
+    sample = draw_sample(shape, 6, seed=1)
+    sampled = {im.uri.rpartition("#page=")[0] for d in sample for im in d.images if im.assumed}
+    assert sampled  # the draw took documents whose pages were assumed
+    still_assumed = sum(1 for d in shape.documents for im in d.images
+                        if im.assumed and im.uri.endswith("#page=1") and im.uri.rpartition("#page=")[0] not in sampled)
+    requests.clear()
+    settle_sample_pdfs(shape, sample, settings.decode)
+    assert sorted(requests) == sorted(urlpath.removeprefix(base) for urlpath in sampled)
+    for document in sample:
+        assert not any(im.assumed for im in document.images)
+        for uri in document.doc.image_uris:
+            pdf_uri, _, page = uri.rpartition("#page=")
+            if pdf_uri.startswith(base):
+                assert 1 <= int(page) <= counts[int(pdf_uri.rsplit("/d", 1)[1][:-4])]
+    assert shape.assumed_pdfs()[0] == still_assumed < 9
+    # Nothing left to assume: every remote PDF counted, the job's count is the producer's.
+    documents, _ = job_documents(settings, manifest, topic=False, per_file=False)
+    documents, remote = count_remote_pdfs(documents, settings.decode, count=20)
+    shape = read_shape(documents, QWEN2_VL, 56 * 56, BUDGET, remote_pdfs=remote)
+    assert shape.images == true_images and shape.assumed_pdfs() == (0, 0) and shape.images_range() is None
+
+
+@pytest.mark.kafka
+@pytest.mark.model
+@pytest.mark.slow
+def test_vlmstream_estimate_of_remote_pdfs_runs_counted_pages_and_says_what_it_assumed(kafka_settings, tmp_path,
+                                                                                       pdf_server):
+    """`vlmstream estimate` on a manifest of PDFs served over http, on the real broker with the tiny model: its sample
+    runs each of its documents' pages (none dead-lettered, so none was assumed into existence), the JSON line says how
+    many PDFs' page counts were assumed, and the printed estimate says so beside its range."""
+    import json
+    import subprocess
+    import sys
+
+    served, base, requests = pdf_server
+    counts = [n % 6 + 1 for n in range(24)]  # the 8 counted first (every third or so) hold 1 to 6 pages
+    manifest, true_images = _page_counts_job(served, base, tmp_path, counts)
+    env = {**os.environ, "VLMSTREAM_INFER__BATCH_SIZE": "4", "OMP_NUM_THREADS": "1",
+           "VLMSTREAM_PRODUCER__STATE_DIR": str(tmp_path / "ledger"), "VLMSTREAM_DECODE__ALLOW_PRIVATE_HOSTS": "true"}
+    cmd = [sys.executable, "-m", "vlmstream.cli", "estimate", str(manifest), "--sample-images", "6",
+           "--decode-workers", "1", "--max-pixels", str(64 * 28 * 28), "--max-new-tokens", "2", "--json"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    data = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert data["documents"] == len(counts) + 1 and data["sample_missing"] == 0
+    assert data["remote_pdfs_counted"] >= 8 and 0 < data["remote_pdfs_assumed"] < len(counts)
+    low, high = data["images_range"]
+    assert low <= true_images <= high and low <= data["images"] <= high
+    assert data["range_parts"]["images_up"] > 0 and data["low_s"] <= data["predicted_s"] <= data["high_s"]
+    said = [line for line in data["assumptions"] if "remote PDF(s) not fetched: their pages assumed" in line]
+    assert len(said) == 1 and f"{data['remote_pdfs_assumed']} remote PDF(s) not fetched" in said[0]
+    assert f"pages of {data['remote_pdfs_assumed']} remote PDF(s) not fetched" in proc.stderr

@@ -33,7 +33,8 @@ from typing import Any, Optional
 import typer
 from rich.console import Console
 
-from vlmstream.cli.estimate_job import JobDocument, JobShape, draw_sample, job_documents, read_shape
+from vlmstream.cli.estimate_job import (JobDocument, JobShape, count_remote_pdfs, draw_sample, job_documents,
+                                        read_shape, settle_sample_pdfs)
 from vlmstream.cli.estimate_sample import SampleRun, run_sample
 from vlmstream.cli.run_setup import with_model_family, with_pixel_budget
 from vlmstream.cli.run_workers import as_stage
@@ -125,14 +126,19 @@ def shape_and_sample(settings: Any, documents: list[Any], what: str, sample_imag
 
     family = decode_family(settings.decode)
     shaping = time.monotonic()
+    documents, remote_pdfs = count_remote_pdfs(documents, settings.decode)
     shape = read_shape(documents, family, family.min_pixels, family.max_pixels,
-                       pdf_dpi=settings.decode.pdf_dpi)
+                       pdf_dpi=settings.decode.pdf_dpi, remote_pdfs=remote_pdfs)
     target = sample_images or max(16, min(300, shape.images // 20))
     sample = draw_sample(shape, target, seed)
+    settle_sample_pdfs(shape, sample, settings.decode)
     shape_s = time.monotonic() - shaping
     per_doc = shape.per_document()
+    assumed_pdfs, assumed_images = shape.assumed_pdfs()
     console.print(f"job: {what}: {len(shape.documents)} documents, {shape.images} images "
-                  f"({min(per_doc)}-{max(per_doc)} per document, mean {shape.images / len(shape.documents):.1f})")
+                  f"({min(per_doc)}-{max(per_doc)} per document, mean {shape.images / len(shape.documents):.1f})"
+                  + (f"; {assumed_images} of them pages of {assumed_pdfs} remote PDF(s) not fetched, their page "
+                     "counts assumed" if assumed_pdfs else ""))
     console.print("  size classes (e: pixels the model takes, s: source pixels; bins of 4x from 0.05 MP): " +
                   ", ".join(f"{c} {n}" for c, n in sorted(shape.classes().items())))
     console.print(f"sample: {len(sample)} documents, {sum(len(d.images) for d in sample)} images, from "
@@ -242,7 +248,8 @@ def project_job(settings: Any, shape: JobShape, sampled: MeasuredSample, *, gpus
                             result.done_at - result.workers_at) if on_cpu else 0.0
     projection = project(dict(shape.classes()), len(shape.documents), costs, windows, result.fixed_s, spread=spread,
                          gpus=gpus, decode_cores=decode_cores, warmup_extra_s=extra,
-                         load=Load(sampled.load_before, sampled.load_after, cores, own=own))
+                         load=Load(sampled.load_before, sampled.load_after, cores, own=own),
+                         images_range=shape.images_range())
     return Estimate(result, sampled.load_before, sampled.load_after, windows, costs, projection, on_cpu, shared_out,
                     decode_parallel, cores, infer_threads, spread, batches, extra)
 
@@ -294,6 +301,7 @@ def assumptions(est: Estimate, shape: JobShape, sample: list[JobDocument], *, ti
             f"the machine's other load stays as it was during the sample (load average {est.load_before:.1f} before "
             f"it, {est.load_after:.1f} after, on {os.cpu_count()} cores)"]),
         *projection.assumptions, *shape.unseen,
+        *([said] if (said := shape.pdfs_said()) else []),
     ]
     if result.missing:
         out.append(f"{result.missing} sample images were not described (dead letters): costed like the rest")
@@ -362,7 +370,11 @@ def json_report(est: Estimate, shape: JobShape, sample: list[JobDocument], *, co
     result, costs = est.result, est.costs
     sampled = Counter(im.size_class for im in result.images)
     data = est.projection.as_dict()
+    assumed_pdfs, assumed_images = shape.assumed_pdfs()
     data.update({"sample_documents": len(sample), "sample_images": sum(len(d.images) for d in sample),
+                 "remote_pdfs_counted": len(shape.remote_pdfs.pages) if shape.remote_pdfs is not None else 0,
+                 "remote_pdfs_assumed": assumed_pdfs, "images_assumed": assumed_images,
+                 "images_range": shape.images_range(),
                  "stages": ["decode", "inference"] + (["condense"] if condense else []),
                  "condense_s_per_document": (round(result.condense_s_per_document, 3) if condense else None),
                  "sample_images_per_document": sorted(len(d.images) for d in sample),

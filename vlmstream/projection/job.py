@@ -110,7 +110,8 @@ def batch_occupancy(costs: ClassCosts, decode_s: float, infer_s: float, *, gpus:
 
 def project(job_classes: dict[str, int], documents: int, costs: ClassCosts, windows: SampleWindows,
             fixed_s: float, *, spread: float, gpus: int = 1, decode_cores: int | None = None,
-            warmup_extra_s: float = 0.0, load: Load | None = None) -> Projection:
+            warmup_extra_s: float = 0.0, load: Load | None = None,
+            images_range: tuple[int, int] | None = None) -> Projection:
     """The whole job's wall time: the fixed part measured on the sample (start-up, model loading, results and
     stopping) plus the job's remaining busy time in wall seconds.
 
@@ -127,6 +128,9 @@ def project(job_classes: dict[str, int], documents: int, costs: ClassCosts, wind
     least half a core) while the job runs.
 
     ``warmup_extra_s``: how much longer the job's warm-up is than the sample's (``contended_warmup``).
+
+    ``images_range``: the fewest and most images the job may hold where its count is partly assumed (remote PDFs
+    whose pages were not counted): the range's steady part shrinks and grows with them.
 
     ``gpus`` / ``decode_cores`` (a job meant for more than this machine): inference time divided by gpus (one
     process each, nothing shared), decode time by the decode processes; stages on their own cores overlap."""
@@ -199,9 +203,13 @@ def project(job_classes: dict[str, int], documents: int, costs: ClassCosts, wind
                      f"{load.after:.1f} after it, on {load.cores} cores, the job keeping about {own:.1f} busy): "
                      f"{load.moves():.1f} more busy processes make the run {up - 1:.0%} longer, "
                      f"{load.moves():.1f} fewer {1 - down:.0%} shorter; the range covers both")
+    fewer = more = 1.0
+    if images_range is not None and images:
+        fewer, more = min(1.0, images_range[0] / images), max(1.0, images_range[1] / images)
+        parts["images_down"], parts["images_up"] = 1 - fewer, more - 1
     return Projection(
-        predicted_s=fixed + steady, low_s=(fixed / (1 + wander) + steady / (1 + width)) * down,
-        high_s=(fixed * (1 + wander) + steady * (1 + width)) * up,
+        predicted_s=fixed + steady, low_s=(fixed / (1 + wander) + steady * fewer / (1 + width)) * down,
+        high_s=(fixed * (1 + wander) + steady * more * (1 + width)) * up,
         images=images, documents=documents, fixed_s=fixed, steady_s=steady, bottleneck=neck, bottleneck_share=share,
         decode_cores_per_gpu=mean_d / costs.infer_wall(mean_i) if mean_i else None, scaled=scaled, assumptions=notes,
         batch_images=occupancy, range_parts=parts)
