@@ -209,7 +209,7 @@ class DecodeSettings(BaseModel):
     )
     pdf_dpi: float = Field(
         200.0, gt=0, description="A PDF page's size in pixels before the family's resize rule: its size in points "
-        "at this resolution (a scanner's usual 200 dpi). The page is drawn at that size, but at most 3x the "
+        "at this resolution (a scanner's usual 200 dpi). The page is drawn at that size, but at most 6x the "
         "model's input size for it on each axis, and resized to the input size; max_pixels bounds it either way.")
     max_pdf_pages: int = Field(
         DEFAULT_MAX_PDF_PAGES, ge=1, description="Largest PDF (in pages) a folder source publishes page by page; a PDF named without "
