@@ -236,8 +236,8 @@ def run(repeat: int) -> list[str]:
                                f"route {same_mean:.3f} / {same_p99:.2f} ({'within' if same_within else 'outside'})")
             decoder.close()
             verdicts.append(f"- {budget_name}: " + " | ".join(verdict))
-    fine_lines = ["", "Both routes against a reference each should approach: the page drawn at 600 dpi, by PDFium and by "
-                  "pdftoppm, through the processor's resize to the same output size (first pass only).", "",
+    fine_lines = ["", "Both routes against a reference each should approach: the page drawn at 600 dpi, by PDFium and "
+                  "by pdftoppm, through the processor's resize to the same output size (first pass only).", "",
                   *fine_lines]
     print("\n".join(["", *verdicts, *fine_lines]), flush=True)
     return lines + ["", *verdicts, *fine_lines]

@@ -3,6 +3,8 @@
 1. The job's shape, without fetching every image: its documents and images per document; each local image's size
    from its file header (Pillow reads no pixels), the size the model takes it at (the family's resize rule and the
    budget), hence its size class. Images it cannot size so cheaply (remote ones) are counted as of unknown size.
+   A PDF is its pages, as the producer publishes it: a manifest's PDFs named by URL are fetched to count them, a
+   few spread over the job and then the sample's own; the others' pages are assumed (said, and in the range).
 2. A sample of whole documents that covers the heavy tail: stratified by images per document (1, 2-3, 4-7, ...) and
    by the documents' size classes, at least one document from each stratum, the rest in proportion to the images.
 3. The sample through the real pipeline: `vlmstream run SAMPLE [same options]` on this machine's broker and workers,

@@ -243,8 +243,8 @@ def count_remote_pdfs(documents: list[Any], decode: Any, *, count: int = REMOTE_
     counted = RemotePdfs()
     if not remote:
         return documents, counted
-    picks = remote if len(remote) <= count else [remote[round(i * (len(remote) - 1) / (count - 1))]
-                                                 for i in range(count)]
+    picks = (remote if len(remote) <= count else remote[:count] if count < 2
+             else [remote[round(i * (len(remote) - 1) / (count - 1))] for i in range(count)])
     deadline = time.monotonic() + within_s
     _fetch_and_count(picks, counted, decode, deadline)
     readable = counted.readable()
