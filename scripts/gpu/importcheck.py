@@ -1,13 +1,18 @@
 """Device import check: vLLM (the modules the Qwen2.5-VL path loads), our wheels, TurboJPEG through the carried
 libturbojpeg exactly as consumers/decode builds it, the JRE, and the vlmstream CLI."""
 import glob
+import importlib
+import importlib.util
 import os
 import subprocess
 
 import vllm, vllm.entrypoints.llm  # noqa: E401
 from vllm import LLM, SamplingParams  # noqa: F401
 import vllm.model_executor.models.qwen2_5_vl, vllm.v1.engine.core, vllm.v1.engine.llm_engine  # noqa: E401
-import vllm.multimodal.hasher, vllm.v1.worker.gpu_model_runner  # noqa: E401
+import vllm.multimodal.hasher  # noqa: E401
+# The GPU model runner's module: vllm.v1.worker.gpu_model_runner in 0.26, vllm.v1.worker.gpu.model_runner in 0.34.
+importlib.import_module("vllm.v1.worker.gpu_model_runner" if importlib.util.find_spec("vllm.v1.worker.gpu_model_runner")
+                        else "vllm.v1.worker.gpu.model_runner")
 print("IMPORT_OK vllm", vllm.__version__)
 
 import cv2, fastjsonschema, kafka, orjson, pydantic, pydantic_settings, turbojpeg  # noqa: E401

@@ -21,7 +21,12 @@ except ImportError:  # transformers 5.17: only the Pixtral-HF tower needs these
 
     PixtralRotaryEmbedding = position_ids_in_meshgrid = _missing
 '''
-if "_missing" not in s:
-    assert old in s, "vLLM's pixtral.py imports differ from 0.26.0's"
+if "_missing" in s:
+    print("patched", p)
+elif old in s:
     open(p, 'w').write(s.replace(old, new, 1))
-print("patched", p)
+    print("patched", p)
+else:
+    # vLLM 0.34's pixtral.py imports only apply_rotary_pos_emb from transformers: nothing to stand in for.
+    assert "PixtralRotaryEmbedding," not in s, "vLLM's pixtral.py imports differ from 0.26.0's"
+    print("nothing to patch in", p)

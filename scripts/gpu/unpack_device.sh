@@ -29,6 +29,8 @@ rm -rf "$x"
 printf '#!/bin/sh\nexec python3 -m vlmstream.cli "$@"\n' > /tmp/vlmbin/vlmstream
 printf '#!/bin/sh\nexec python3 -m vllm.entrypoints.cli.main "$@"\n' > /tmp/vlmbin/vllm
 chmod +x /tmp/vlmbin/*
+# Again, now that /tmp/vlmlib holds what the kit carries (a kit with torch 2.14 preloads its NCCL stub from there).
+source "$repo/scripts/gpu/env.sh"
 python3 "$repo/scripts/gpu/patch_flashinfer.py"
 python3 "$repo/scripts/gpu/patch_pixtral.py"
 python3 "$repo/scripts/gpu/importcheck.py"
