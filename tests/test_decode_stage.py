@@ -11,7 +11,7 @@ from consumers.decode.decoder import Decoder, pick_dct_scale
 from consumers.decode.headers import jpeg_exif_orientation
 from consumers.decode.jpeg2000 import jpeg2000_decomposition_levels, jpeg2000_levels_to_drop
 from consumers.decode.stage import DecodeStage
-from consumers.decode.types import ImageFailure, PreparedImage
+from consumers.decode.types import ImageFailure, PreparedImage, Stage
 from tests import images
 from vlmstream.config import DecodeSettings
 
@@ -19,6 +19,21 @@ from vlmstream.config import DecodeSettings
 def make_stage(tmp_path, **overrides) -> DecodeStage:
     settings = DecodeSettings(allowed_roots=[str(tmp_path)], codec="raw", **overrides)
     return DecodeStage(settings, str(tmp_path / "claims"))
+
+
+def test_a_stage_is_a_callable_with_the_runners_hooks(tmp_path):
+    class Failing(Stage):
+        def __call__(self, uri):
+            return ImageFailure("fetch_not_found", uri, False)
+
+    with pytest.raises(TypeError):
+        Stage()  # the call is what a stage must supply
+    stage = Failing()
+    assert stage("x").error_kind == "fetch_not_found"
+    assert stage.end_document() is None and stage.close() is None and stage.store is None
+    decode_stage = make_stage(tmp_path)
+    assert isinstance(decode_stage, Stage) and decode_stage.store is not None
+    decode_stage.close()
 
 
 def pixels_of(result: PreparedImage) -> np.ndarray:

@@ -35,7 +35,7 @@ from kafka.coordinator.assignors.cooperative_sticky import CooperativeStickyAssi
 
 from consumers.decode.metrics import DecodeMetrics
 from vlmstream.images.pages import MAX_PAGES
-from consumers.decode.types import ImageFailure, PreparedImage
+from consumers.decode.types import ImageFailure, PreparedImage, Stage
 from vlmstream.images.claimcheck import claim_check_url
 from schemas import DeadLetter, DocumentRef, ImagePayload, SchemaError, now, source_coords
 from vlmstream.config import Settings
@@ -80,7 +80,7 @@ class DecodeWorker:
 
     def __init__(self, settings: Settings, index: int = 0, *, stop: Callable[[], bool] = lambda: False,
                  until_idle_s: float | None = None, deadline: float | None = None,
-                 stage: Callable[[str], PreparedImage | ImageFailure] | None = None) -> None:
+                 stage: Stage | None = None) -> None:
         self.settings = settings
         self.index = index
         self.exactly_once = settings.decode.exactly_once
@@ -158,7 +158,7 @@ class DecodeWorker:
             # at once, dropping them (nothing past them was committed).
             _close_quietly(self.consumer.close, "consumer")
             _close_quietly(lambda: self.sender.close(flushed=status == EXIT_OK), "producer")
-            _close_quietly(getattr(self._stage, "close", lambda: None), "decode stage")
+            _close_quietly(self._stage.close, "decode stage")
         return status
 
     def _should_stop(self) -> bool:
@@ -266,7 +266,7 @@ class DecodeWorker:
                     stage=result.stage or "decode", error_kind=result.error_kind, detail=result.detail[:4000],
                     retriable=result.retriable, doc_id=doc.doc_id, image_index=image_index, image_count=count,
                     source_uri=uri, source=source, created_at=now()))
-        getattr(self._stage, "end_document", lambda: None)()  # a stage given by a test may be a plain callable
+        self._stage.end_document()
 
     def _decode(self, uri: str) -> PreparedImage | ImageFailure:
         try:
@@ -325,8 +325,7 @@ class DecodeWorker:
         if self._claim_checks is None:
             from vlmstream.images.claimcheck import ClaimCheckStore
 
-            self._claim_checks = (getattr(self._stage, "store", None)
-                                  or ClaimCheckStore(claim_check_url(self.settings)))
+            self._claim_checks = self._stage.store or ClaimCheckStore(claim_check_url(self.settings))
         return self._claim_checks
 
     # --- commits (at-least-once) ---------------------------------------------------------------

@@ -20,7 +20,7 @@ from vlmstream.images.pages import split_page
 from consumers.decode.fetch import Fetcher
 from consumers.decode.resize import apply_orientation, resize_exact
 from vlmstream.images.errors import ImageError
-from consumers.decode.types import ImageFailure, PreparedImage
+from consumers.decode.types import ImageFailure, PreparedImage, Stage
 from vlmstream.models.family import ModelFamily
 from vlmstream.models.registry import family_named, family_of
 
@@ -52,7 +52,7 @@ def decode_family(settings) -> ModelFamily:
     return checkpoint.with_pixel_limits(min(low, high), high)
 
 
-class DecodeStage:
+class DecodeStage(Stage):
     """``stage(uri) -> PreparedImage | ImageFailure``; never raises. Known bad input gets a stable error_kind
     (see fetch.py, errors.py, vlmstream/models/qwen2_vl.py); anything a library throws unexpectedly becomes ``decode_unexpected``
     and is logged with its traceback, so one hostile file cannot stop a partition.

@@ -1,12 +1,15 @@
-"""What the decode stage returns: a decoded image or a failure, both plain values (no Kafka here)."""
+"""What a decode stage is and what it returns: a decoded image or a failure, both plain values (no Kafka here)."""
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from vlmstream.images.errors import ImageError
 
-
+if TYPE_CHECKING:
+    from vlmstream.images.claimcheck import ClaimCheckStore
 
 @dataclass(frozen=True)
 class PreparedImage:
@@ -43,3 +46,22 @@ class ImageFailure:
     @classmethod
     def from_error(cls, error: ImageError) -> "ImageFailure":
         return cls(error.error_kind, str(error), error.retriable)
+
+
+class Stage(ABC):
+    """What the decode runner drives: ``stage(uri) -> PreparedImage | ImageFailure``, a plain callable that never
+    raises, told when a document's images are done and closed when the worker stops. ``DecodeStage`` is the one
+    the fleet runs; a stage holding nothing across images or documents keeps the no-op hooks."""
+
+    # Where the runner puts payloads over the record limit; None: it opens the configured store itself.
+    store: ClaimCheckStore | None = None
+
+    @abstractmethod
+    def __call__(self, uri: str) -> PreparedImage | ImageFailure:
+        """One image, by URI (``#page=N`` picks a page); a failure is returned, never raised."""
+
+    def end_document(self) -> None:
+        """The document's images are done: anything held for them (a multi-page file's bytes) is let go."""
+
+    def close(self) -> None:
+        """The worker stops: release what the stage opened."""
