@@ -21,17 +21,12 @@ printf '[containers]\ndefault_ulimits = []\n[engine]\ncgroup_manager = "cgroupfs
 CONTAINERS_CONF=$conf podman info >/dev/null 2>&1 || { rm -f "$conf"; skip "podman does not run on this machine (podman info fails)"; }
 rm -f "$conf"
 
-started_here=0
-if ! .venv/bin/vlmstream broker status 2>/dev/null | grep -q '"answers": true'; then
-  started_here=1
-fi
-.venv/bin/vlmstream broker start || exit 1
+. scripts/lib/broker.sh
+broker_up .venv/bin/vlmstream || exit 1
 timeout 1800 bash scripts/rehearse.sh
 rc=$?
 [ "$rc" = 124 ] && echo "ci_rehearse.sh: the rehearsal ran past 30 minutes" >&2
-if [ "$started_here" = 1 ]; then
-  .venv/bin/vlmstream broker stop --reason "scripts/ci_rehearse.sh: the rehearsal is done and this step started the broker" || true
-fi
+broker_down .venv/bin/vlmstream "scripts/ci_rehearse.sh: the rehearsal is done and this step started the broker"
 # The images are rebuilt from the checkout on every run; leave the disk as it was.
 images=$(podman images --format '{{.Repository}}:{{.Tag}}' 2>/dev/null | grep '^localhost/vlmstream-' || true)
 [ -n "$images" ] && podman rmi -f $images >/dev/null 2>&1

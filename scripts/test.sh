@@ -5,20 +5,13 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export PYTHONUNBUFFERED=1
-started_here=0
-if [ -z "${VLMSTREAM_BOOTSTRAP_SERVERS:-}" ]; then
-  if ! .venv/bin/vlmstream broker status 2>/dev/null | grep -q '"answers": true'; then
-    started_here=1
-  fi
-  .venv/bin/vlmstream broker start
-fi
+. scripts/lib/broker.sh
+[ -n "${VLMSTREAM_BOOTSTRAP_SERVERS:-}" ] || broker_up .venv/bin/vlmstream
 set +e
 .venv/bin/python -m pytest -ra "$@"
 rc=$?
 set -e
-if [ "$started_here" = 1 ]; then
-  .venv/bin/vlmstream broker stop --reason "scripts/test.sh: the suite is done and started this broker" || true
-fi
+broker_down .venv/bin/vlmstream "scripts/test.sh: the suite is done and started this broker"
 if [ "$rc" = 5 ]; then
   echo "test.sh: pytest collected no tests; that is a failure" >&2
   exit 1

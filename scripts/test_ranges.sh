@@ -27,22 +27,15 @@ esac
 grep -v '^#' constraints.txt | sort | comm -23 "$venv/resolved.txt" - | sed "s/^/test_ranges.sh ($mode): not in constraints.txt: /" || true
 
 export PYTHONUNBUFFERED=1
-started_here=0
-if [ -z "${VLMSTREAM_BOOTSTRAP_SERVERS:-}" ]; then
-  if ! "$venv/bin/vlmstream" broker status 2>/dev/null | grep -q '"answers": true'; then
-    started_here=1
-  fi
-  "$venv/bin/vlmstream" broker start
-fi
+. scripts/lib/broker.sh
+[ -n "${VLMSTREAM_BOOTSTRAP_SERVERS:-}" ] || broker_up "$venv/bin/vlmstream"
 set +e
 "$venv/bin/python" -m pytest -ra -p no:cacheprovider "$@" \
   tests/test_tiny_model.py tests/test_families.py tests/test_engines.py \
   "tests/test_cli_run.py::test_run_describes_every_image_of_a_folder_and_reports_each_document"
 rc=$?
 set -e
-if [ "$started_here" = 1 ]; then
-  "$venv/bin/vlmstream" broker stop --reason "scripts/test_ranges.sh ($mode): its tests are done and it started this broker" || true
-fi
+broker_down "$venv/bin/vlmstream" "scripts/test_ranges.sh ($mode): its tests are done and it started this broker"
 [ "${KEEP_VENV:-0}" = 1 ] || rm -rf "$venv"
 [ "$rc" = 5 ] && { echo "test_ranges.sh: pytest collected no tests; that is a failure" >&2; exit 1; }
 exit "$rc"
