@@ -108,6 +108,7 @@ def test_linear_patch_embedding_equals_the_convolution_it_replaces(images, model
 
 
 def test_fast_vision_blocks_compute_what_transformers_blocks_compute(images, model_dir):
+    from benchmarks.reference_tower import TransformersBlocksEncoder
     from consumers.infer.vision.blocks import FastVisionBlocks
     from consumers.infer.vision.checkpoint import load_vision_tower
     from consumers.infer.vision.encoder import VisionEncoder
@@ -125,8 +126,8 @@ def test_fast_vision_blocks_compute_what_transformers_blocks_compute(images, mod
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
     assert set(tower.state_dict()) == keys  # checkpoints still load
 
-    # The encoder installs them by default and removes them when asked, on the same tower.
-    VisionEncoder(tower, "cpu", torch.float32, attention="sdpa", fast_blocks=False)
+    # The encoder installs them; the reference encoder gives the same tower's blocks transformers' forward back.
+    TransformersBlocksEncoder(tower, "cpu", torch.float32, attention="sdpa")
     assert not any("forward" in vars(block) for block in tower.blocks)
     encoder = VisionEncoder(tower, "cpu", torch.float32, attention="sdpa")
     assert encoder.fast is not None and all("forward" in vars(block) for block in tower.blocks)
@@ -206,7 +207,7 @@ def test_triton_mlp_activation_kernels_compute_what_the_torch_code_does(interpre
         kernels.silu_gate(torch.randn(4, 10).t())
 
 
-@pytest.mark.parametrize("setting", [{}, {"strided_v": True}, {"residual_in_product": False}])
+@pytest.mark.parametrize("setting", [{}, {"strided_v": True}])
 def test_fast_vision_blocks_with_the_triton_kernels_compute_transformers_output(setting, interpreted_triton,
                                                                               interpreted_mlp_kernels,
                                                                               interpreted_norm_kernels, images,
@@ -214,7 +215,7 @@ def test_fast_vision_blocks_with_the_triton_kernels_compute_transformers_output(
     """The Triton kernels the fast blocks run (built for the CPU interpreter), in every block of the tiny Qwen2.5-VL
     tower: the tower's output is transformers'. With ``strided_v`` the attention gets v as a view of the projection;
     the norm kernels run in the steps beside the q/k/v and MLP kernels; the block's last residual add in the MLP's
-    last product (the default) and after it."""
+    last product."""
     from consumers.infer.vision.blocks import FastVisionBlocks, block_kernels
     from consumers.infer.vision.checkpoint import load_vision_tower
     from consumers.infer.vision.mlp_activation import silu_gate

@@ -179,6 +179,7 @@ def test_fast_blocks_compute_what_the_towers_own_blocks_compute(tiny_dirs, name,
     tiny MLP width 128 is already aligned), with the MLP padded (alignment 48 pads 128 to 144), and with the Triton
     kernels (Triton's interpreter on the CPU): q/k/v split and rotated by one (v left in the projection, then
     written out), the MLP's activation by another and the LayerNorms by the norm kernels, in every block."""
+    from benchmarks.reference_tower import TransformersBlocksEncoder
     from consumers.infer.vision.blocks import FastVisionBlocks
     from consumers.infer.vision.checkpoint import load_vision_tower
     from consumers.infer.vision.encoder import VisionEncoder
@@ -189,7 +190,7 @@ def test_fast_blocks_compute_what_the_towers_own_blocks_compute(tiny_dirs, name,
     keys = set(tower.state_dict())
     images = [*_images(family.factor), np.full((family.factor * 4, family.factor * 12, 3), 90, np.uint8)]
     pixel_values, grid_thw = patchify_batch(images, family=family)
-    reference = VisionEncoder(tower, "cpu", torch.float32, attention="sdpa", fast_blocks=False)
+    reference = TransformersBlocksEncoder(tower, "cpu", torch.float32, attention="sdpa")
     assert not any("forward" in vars(block) for block in tower.blocks)
     expected = torch.cat(reference.encode_patches(pixel_values, grid_thw))
     assert expected.shape[1] == reference.image_embeds_width  # the DeepStack levels are in what is compared
@@ -225,15 +226,15 @@ def test_a_block_the_fast_path_does_not_know_keeps_transformers_forward(tiny_dir
     still run the fused one, and the tower's output is unchanged. An activation with act(0) != 0 gets no padding."""
     from consumers.infer.vision.block_shapes import padded_mlp
     from consumers.infer.vision.blocks import FastVisionBlocks
+    from benchmarks.reference_tower import TransformersBlocksEncoder
     from consumers.infer.vision.checkpoint import load_vision_tower
-    from consumers.infer.vision.encoder import VisionEncoder
     from consumers.infer.vision.pixels import patchify_batch
 
     family = family_of(tiny_dirs["qwen3-vl"])
     tower = lively(load_vision_tower(tiny_dirs["qwen3-vl"], "cpu", torch.float32)[0])
     tower.blocks[1].mlp.act_fn = torch.nn.Tanh()
     pixel_values, grid_thw = patchify_batch(_images(family.factor), family=family)
-    expected = torch.cat(VisionEncoder(tower, "cpu", torch.float32, fast_blocks=False).encode_patches(
+    expected = torch.cat(TransformersBlocksEncoder(tower, "cpu", torch.float32).encode_patches(
         pixel_values, grid_thw))
     blocks = FastVisionBlocks(tower, attention=None, alignment=48)
     assert blocks.replaced == len(tower.blocks) - 1 and "forward" not in vars(tower.blocks[1])

@@ -271,20 +271,19 @@ def test_tower_benchmark_refuses_a_variant_it_does_not_know():
         bench_vision_tower.make_encoder(None, None, None, "fast-tritonmlp+vllm_fa3")
 
 
-def test_each_tower_benchmark_variant_asks_the_encoder_for_what_its_name_says(monkeypatch):
-    """A variant's blocks (<blocks>+<attention>) become the encoder's settings: each variant differs from `fast` in
-    the one setting its name puts back, and in nothing else."""
+def test_each_tower_benchmark_variant_builds_the_encoder_its_name_says():
+    """A variant's blocks (<blocks>+<attention>) pick the encoder: `fast` the pipeline's (every block the fast
+    forward), `transformers` the reference (every block transformers' own), with the attention its name gives."""
+    import torch
+
     import bench_vision_tower
 
-    asked = {}
-    monkeypatch.setattr(bench_vision_tower, "VisionEncoder", lambda *args, **kw: kw)
-    for blocks in bench_vision_tower.BLOCKS:
-        asked[blocks] = bench_vision_tower.make_encoder(None, None, None, f"{blocks}+vllm_fa3")
-    fast = asked["fast"]
-    assert fast == {"attention": "vllm_fa3", "fast_blocks": True, "strided_v": None, "residual_in_product": True}
-    changed = {blocks: {k: v for k, v in kw.items() if fast[k] != v} for blocks, kw in asked.items()}
-    assert changed == {"transformers": {"fast_blocks": False}, "fast": {}, "fast-contigv": {"strided_v": False},
-                       "fast-addafter": {"residual_in_product": False}}
+    tower, _ = _tiny_tower("qwen2_5_vl")
+    fast = bench_vision_tower.make_encoder(tower, torch.device("cpu"), torch.float32, "fast+sdpa")
+    assert fast.attention == "sdpa" and fast.fast is not None and fast.fast.replaced == len(tower.blocks)
+    reference = bench_vision_tower.make_encoder(tower, torch.device("cpu"), torch.float32, "transformers+sdpa")
+    assert reference.attention == "sdpa" and reference.fast is None
+    assert not any("forward" in vars(block) for block in tower.blocks)
 
 
 def test_the_profiled_pass_counts_each_kernel_once():

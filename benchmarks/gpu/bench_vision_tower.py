@@ -3,15 +3,12 @@ fast our encoder turns exact-size images into tokens.
 
 Variants, side by side in one process on the same images (random weights: same compute as real ones), named
 <blocks>+<attention>:
-  transformers+...  transformers' blocks as they ship (patch embedding as a matrix product)
+  transformers+...  transformers' blocks as they ship (patch embedding as a matrix product;
+                    benchmarks/reference_tower.py)
   fast+...          FastVisionBlocks (Qwen2.5-VL's RMSNorm blocks or the LayerNorm blocks of Qwen2-VL, Qwen3-VL and
                     Qwen3.5), compiled, q/k/v split and rotated by the Triton kernel, the norms and the MLP's
                     activation (silu(gate) * up or a GELU) by others (what VisionEncoder runs on CUDA;
                     consumers/infer/vision/qkv_rotary.py, block_norm.py, mlp_activation.py)
-  fast-contigv+...  fast+..., the q/k/v kernel writing v out contiguous, as it does for an attention that does not
-                    take v as a view of the projection (fast hands FA3 the view; vision/attention.py: takes_strided_v)
-  fast-addafter+... fast+..., the block's last residual add as an add after the MLP's last product instead of in
-                    that product (FastVisionBlocks' residual_in_product=False)
 with attention vllm_fa3 (vLLM's FlashAttention 3), torch_varlen (torch's varlen flash) or sdpa. Each timing covers
 GPU patchify + tower forward + merger for a batch of images, synchronised, after warm-up; it prints ms per image
 and images/s per budget with the spread of its timed passes, then the same number of passes queued back to back
@@ -49,6 +46,7 @@ sys.path.insert(0, str(REPO / "benchmarks" / "gpu"))
 
 from benchmarks.images import exact_size_images  # noqa: E402 - after the path insert
 from benchmarks.model7b import GPU_MODELS  # noqa: E402
+from benchmarks.reference_tower import TransformersBlocksEncoder  # noqa: E402
 from consumers.infer.vision.blocks import block_kernels  # noqa: E402
 from consumers.infer.vision.checkpoint import load_vision_tower  # noqa: E402
 from consumers.infer.vision.encoder import VisionEncoder  # noqa: E402
@@ -154,7 +152,7 @@ def time_encoder(encoder: VisionEncoder, images: list[np.ndarray], batch: int, m
 
 
 # The <blocks> half of a variant's name (module docstring).
-BLOCKS = ("transformers", "fast", "fast-contigv", "fast-addafter")
+BLOCKS = {"transformers": TransformersBlocksEncoder, "fast": VisionEncoder}
 
 
 def make_encoder(tower, device: torch.device, dtype: torch.dtype, variant: str) -> VisionEncoder:
@@ -162,9 +160,7 @@ def make_encoder(tower, device: torch.device, dtype: torch.dtype, variant: str) 
     blocks, attention = variant.split("+")
     if blocks not in BLOCKS:
         raise SystemExit(f"--variants: no blocks named {blocks!r} (one of {', '.join(BLOCKS)})")
-    return VisionEncoder(tower, device, dtype, attention=attention, fast_blocks=blocks != "transformers",
-                         strided_v=False if blocks == "fast-contigv" else None,
-                         residual_in_product=blocks != "fast-addafter")
+    return BLOCKS[blocks](tower, device, dtype, attention=attention)
 
 
 def in_rounds(variants: list[str], rounds: int) -> list[tuple[str, str]]:

@@ -31,6 +31,7 @@ def main() -> int:
 
     from benchmarks.images import exact_size_images
     from benchmarks.model7b import GPU_MODELS
+    from benchmarks.reference_tower import TransformersBlocksEncoder
     from consumers.infer.vision.blocks import block_kernels
     from consumers.infer.vision.encoder import VisionEncoder
     from vlmstream.models.registry import family_of
@@ -56,8 +57,8 @@ def main() -> int:
     processor = AutoImageProcessor.from_pretrained(folder)
     # The encoder gets a copy: it swaps the patch embedding and picks its own attention, and the reference must run
     # transformers' own modules (its sdpa attention, its index tensors, its Conv3d).
-    encoder = VisionEncoder(copy.deepcopy(model.model.visual), "cuda", torch.bfloat16, family=family,
-                            fast_blocks=args.blocks != "transformers")
+    build = TransformersBlocksEncoder if args.blocks == "transformers" else VisionEncoder
+    encoder = build(copy.deepcopy(model.model.visual), "cuda", torch.bfloat16, family=family)
     started = time.perf_counter()
     ours = encoder.encode(images)
     torch.cuda.synchronize()

@@ -131,20 +131,18 @@ class FastVisionBlocks:
     not import). Without the kernels each step is the compiled (or eager) torch code.
     ``strided_v``: the Triton q/k/v kernel leaves v as a view of the projection (``qkv_rotary.py``); only for an
     attention that reads it so (``takes_strided_v``; the per-window sdpa loop does).
-    ``residual_in_product``: where the MLP's activation has a Triton kernel, its last product adds its output to the
-    residual stream in place (``_add_down_projection``) instead of a separate add after it; False only to measure
-    what that is worth.
+    Where the MLP's activation has a Triton kernel, its last product adds its output to the residual stream in place
+    (``_add_down_projection``) instead of a separate add after it.
     ``window_attention``: the varlen kernel for the blocks of a windowed tower (Qwen2.5-VL) that attend within
     windows, not over whole images (the blocks outside ``fullatt_block_indexes``); None: ``attention`` for those too.
     A kernel built for long sequences need not be the fastest on thousands of 64-patch windows.
     """
 
     def __init__(self, visual: torch.nn.Module, attention=None, compile_blocks: bool = False,
-                 alignment: int = GEMM_ALIGNMENT, strided_v: bool = False, residual_in_product: bool = True,
-                 window_attention=None, triton: bool | None = None):
+                 alignment: int = GEMM_ALIGNMENT, strided_v: bool = False, window_attention=None,
+                 triton: bool | None = None):
         use_triton = compile_blocks if triton is None else triton
         self.attention = attention
-        self.residual_in_product = residual_in_product
         self.before, self.after, self.project, self.up = _before_attention, _after_attention, _project, _up_projection
         if compile_blocks:
             self.before, self.after, self.project, self.up = (
@@ -224,13 +222,10 @@ class FastVisionBlocks:
                 attended = attention(q, k, v, cu, cu, int(max_seqlen), int(max_seqlen), scale)
             activation = self.mlp_kernels.get(shape.activation)
             if activation is not None:
-                # With the add in the product, the residual stream comes back with the MLP's last bias in it.
-                carried = shape.down_bias if self.residual_in_product else None
+                # The add is in the product: the residual stream comes back with the MLP's last bias in it.
                 x, h = self.up(hidden_states, attended, proj_weight, attn.proj.bias, block.norm2.weight,
-                               shape.norm2_bias, up_weight, up_bias, eps, carried)
-                if self.residual_in_product:
-                    return _add_down_projection(x, activation(h), down_weight)
-                return x + linear(activation(h), down_weight, shape.down_bias)
+                               shape.norm2_bias, up_weight, up_bias, eps, shape.down_bias)
+                return _add_down_projection(x, activation(h), down_weight)
             return self.after(hidden_states, attended, proj_weight, attn.proj.bias, block.norm2.weight,
                               shape.norm2_bias, up_weight, up_bias, down_weight, shape.down_bias, eps,
                               shape.activation)

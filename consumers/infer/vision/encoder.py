@@ -119,16 +119,13 @@ class VisionEncoder:
     DeepStack levels (Qwen3-VL) each level's merged tokens, concatenated on the feature axis.
     ``family`` defaults to the one whose patch size and merge size the tower's config has. On CUDA the fast blocks
     are compiled, with the Triton kernels (``FastVisionBlocks``); a compile that fails leaves them eager, with a
-    warning. A windowed tower's window blocks get their own kernel (``pick_window_attention``).
-    ``residual_in_product`` and ``strided_v``: as ``FastVisionBlocks`` takes them; ``strided_v`` None (the default)
-    where the attention takes it (``takes_strided_v``).
+    warning. A windowed tower's window blocks get their own kernel (``pick_window_attention``). The q/k/v kernel
+    leaves v as a view of the projection where every attention the blocks run takes it so (``takes_strided_v``).
     """
 
     def __init__(self, visual: torch.nn.Module, device: torch.device | str = "cpu",
                  dtype: torch.dtype | None = None, attention: str = "auto",
-                 max_patches_per_call: int = 65536, linear_patch_embedding: bool = True,
-                 fast_blocks: bool = True, family: ModelFamily | None = None, strided_v: bool | None = None,
-                 residual_in_product: bool = True):
+                 max_patches_per_call: int = 65536, family: ModelFamily | None = None):
         self.family = family or family_of_tower(visual)
         # Qwen2.5-VL's windowed tower: window indices precomputed.
         self.windowed = hasattr(visual, "window_size") and hasattr(visual, "fullatt_block_indexes")
@@ -138,31 +135,32 @@ class VisionEncoder:
         self.image_embeds_width = self.embedding_width * (1 + self.deepstack_levels)
         self.device = torch.device(device)
         self.dtype = dtype or next(visual.parameters()).dtype
-        self.visual = visual.to(self.device, self.dtype).eval()
-        if linear_patch_embedding:  # False only to measure what the swap is worth
-            use_linear_patch_embedding(self.visual)
+        self.visual = use_linear_patch_embedding(visual.to(self.device, self.dtype).eval())
         self.attention = pick_vision_attention(self.device, self.dtype, attention)
-        self.window_attention = (pick_window_attention(self.device, self.dtype, self.attention)
-                                 if self.windowed and fast_blocks else None)
         # The tower's config object is its own (vision_config); the language model keeps its implementation.
         self.visual.config._attn_implementation = self.attention
         self.merge_unit = self.visual.config.spatial_merge_size ** 2
         self.max_patches_per_call = max_patches_per_call
+        self.window_attention: str | None = None
         self.compiled = False
-        self.fast = None
+        self.fast: FastVisionBlocks | None = None
         FastVisionBlocks.remove(self.visual)
-        if fast_blocks:  # False only to measure what they are worth
-            compile_blocks = self.device.type == "cuda"
-            kernels = [self.attention] + ([self.window_attention] if self.window_attention else [])
-            if strided_v is None:
-                strided_v = all(name not in VARLEN_KERNELS or takes_strided_v(name, self.device, self.dtype)
-                                for name in kernels)
-            fast = FastVisionBlocks(self.visual, VARLEN_KERNELS.get(self.attention), compile_blocks,
-                                    strided_v=strided_v, residual_in_product=residual_in_product,
-                                    window_attention=VARLEN_KERNELS.get(self.window_attention))
-            self.fast = fast if fast.replaced else None
-            if compile_blocks and self.fast is not None:
-                self.compiled = self._warm_up_compiled()
+        self._install_fast_blocks()
+
+    def _install_fast_blocks(self) -> None:
+        """``FastVisionBlocks`` in the tower's blocks (a windowed tower's window blocks with their own kernel),
+        compiled and warmed up on CUDA."""
+        if self.windowed:
+            self.window_attention = pick_window_attention(self.device, self.dtype, self.attention)
+        compile_blocks = self.device.type == "cuda"
+        kernels = [self.attention] + ([self.window_attention] if self.window_attention else [])
+        strided_v = all(name not in VARLEN_KERNELS or takes_strided_v(name, self.device, self.dtype)
+                        for name in kernels)
+        fast = FastVisionBlocks(self.visual, VARLEN_KERNELS.get(self.attention), compile_blocks, strided_v=strided_v,
+                                window_attention=VARLEN_KERNELS.get(self.window_attention))
+        self.fast = fast if fast.replaced else None
+        if compile_blocks and self.fast is not None:
+            self.compiled = self._warm_up_compiled()
 
     def _warm_up_compiled(self) -> bool:
         """Compile now (tens of seconds, once) rather than inside the first real batch; on any compiler
