@@ -637,21 +637,18 @@ def test_the_engine_tower_takes_pixel_rows_and_leaves_the_rest_to_vllm(images, m
     encoder = engine_tower._encoders[model]
     assert encoder.fast is not None and not encoder.compiled  # CPU: fast blocks, not compiled
     # With embeddings published the rows carry tags, and the engine keeps each image's embedding under its tag
-    # for the consumer: the family's embedding (the mean of the merged tokens), each given once. A tag that does not
-    # ask for the embedding keeps none.
-    tags = [pixel_rows.make_tag(n, True) for n in (7, 2**40 + 3, 12)]
+    # for the consumer: the family's embedding (the mean of the merged tokens), each given once. Untagged rows keep
+    # none.
+    tags = [7, 2**40 + 3, 12]
     tagged = torch.cat([pixel_rows.pack(np.asarray(image), tuple(grid), encoder.family, tag)
                         for image, grid, tag in zip(images[:3], inputs["image_grid_thw"].tolist(), tags)])
     tagged_input = {"type": "image_embeds", "image_embeds": tagged, "image_grid_thw": inputs["image_grid_thw"]}
     for g, e in zip(model._process_image_input(tagged_input), expected, strict=True):
         torch.testing.assert_close(g, e, atol=1e-4, rtol=1e-4)
-    untagged_embedding = pixel_rows.make_tag(13, False)
-    one_more = {"type": "image_embeds", "image_grid_thw": inputs["image_grid_thw"][:1],
-                "image_embeds": pixel_rows.pack(np.asarray(images[0]), tuple(inputs["image_grid_thw"][0].tolist()),
-                                                encoder.family, untagged_embedding)}
-    torch.testing.assert_close(model._process_image_input(one_more)[0], expected[0], atol=1e-4, rtol=1e-4)
-    kept = engine_tower.tap().take(tags + [99, untagged_embedding])
-    assert sorted(kept) == sorted(tags)  # 99 was never kept, nor the embedding its tag did not ask for
+    kept = engine_tower.tap().take(tags + [99])
+    assert sorted(kept) == sorted(tags)  # 99 was never kept
+    torch.testing.assert_close(model._process_image_input(rows_input)[0], expected[0], atol=1e-4, rtol=1e-4)
+    assert engine_tower.tap().totals()["waiting"] == 0  # untagged rows keep nothing
     for tag, e in zip(tags, expected):
         got_embedding = np.frombuffer(kept[tag], dtype=np.float16)
         np.testing.assert_allclose(got_embedding, e[:, :encoder.embedding_width].mean(0).numpy(), atol=2e-3, rtol=2e-3)
@@ -835,21 +832,20 @@ def test_pixel_rows_carry_an_exact_size_image_to_the_engine_and_back_unchanged()
 
 def test_the_embedding_tap_keeps_each_tagged_image_once_and_the_newest_when_full():
     """EmbeddingTap (vLLM's engine process): each forward's embeddings are the mean of the first ``width`` columns of
-    each image's tokens (Qwen3-VL's DeepStack levels left out), kept by tag where the tag asks for it, each taken
-    once; past ``keep`` the oldest go, counted as dropped."""
+    each image's tokens (Qwen3-VL's DeepStack levels left out), kept by tag, each taken once; past ``keep`` the oldest
+    go, counted as dropped."""
     from consumers.infer import engine_tower, pixel_rows
 
     def tag_bytes(*tags):
         return torch.from_numpy(np.array(tags, dtype="<u8").view(np.uint8).reshape(len(tags), pixel_rows.TAG_BYTES))
 
     tap = engine_tower.EmbeddingTap(keep=3)
-    t10, t11, t12, t13 = (pixel_rows.make_tag(n, True) for n in (10, 11, 12, 13))
-    not_asked = pixel_rows.make_tag(14, False)
-    tokens = [torch.arange(24, dtype=torch.float32).reshape(4, 6) + i for i in range(5)]
+    t10, t11, t12, t13 = 10, 11, 12, 2**40 + 13
+    tokens = [torch.arange(24, dtype=torch.float32).reshape(4, 6) + i for i in range(4)]
     tap.put(tag_bytes(t10, t11), tokens[:2], width=2)
-    tap.put(tag_bytes(t12, not_asked, t13), [tokens[2], tokens[4], tokens[3]], width=2)
+    tap.put(tag_bytes(t12, t13), [tokens[2], tokens[3]], width=2)
     assert tap.take([t11]) == {t11: np.array([9.0 + 1, 10.0 + 1], np.float16).tobytes()}  # mean of rows, columns 0-1
-    assert tap.take([t10, not_asked]) == {}  # the oldest of four, one too many for keep=3; one never asked for
+    assert tap.take([t10, 14]) == {}  # the oldest of four, one too many for keep=3; one never put
     assert sorted(tap.take([t12, t13, t11])) == [t12, t13]
     assert tap.totals() == {"kept": 4, "taken": 3, "dropped": 1, "waiting": 0}
 

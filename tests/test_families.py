@@ -157,7 +157,7 @@ def test_the_engine_tower_turns_each_familys_pixel_rows_into_the_full_models_ima
         torch.testing.assert_close(g, e, atol=1e-5, rtol=1e-5)
     # Tagged rows (embeddings published): the same features, and each image's embedding kept in the engine for
     # the consumer is the family's: the mean of the full model's merged tokens, DeepStack left out.
-    tags = [pixel_rows.make_tag(n, True) for n in (31, 32)]
+    tags = [31, 32]
     tagged = torch.cat([pixel_rows.pack(image, tuple(grid), family, tag)
                         for image, grid, tag in zip(images, reference["image_grid_thw"].tolist(), tags)])
     got = process(VllmModel(), {"type": "image_embeds", "image_embeds": tagged,

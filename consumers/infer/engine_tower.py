@@ -112,7 +112,7 @@ class EmbeddingTap:
     An image's embedding is the family's (``VisionEncoder.embedding_width``: the mean of the main merger's tokens,
     DeepStack levels left out), in float16. Each forward's embeddings and tags reach the host by one non-blocking
     copy into page-locked memory, with an event that ``take`` waits on (long passed by then): the engine's step never
-    waits for the GPU here. Only tags that ask for it (``pixel_rows.keeps_embedding``) keep an embedding. At most
+    waits for the GPU here. Every tagged image's embedding is kept (rows are tagged only where it is wanted). At most
     ``keep`` embeddings wait (the consumer's bound, ``EngineTowerConfig.embeddings_kept_at_most``); the oldest go
     first (those of requests the consumer never asks about, such as aborted ones), counted in ``dropped``."""
 
@@ -157,9 +157,8 @@ class EmbeddingTap:
                 event.synchronize()
             self._pending.popleft()
             for tag, row in zip(pixel_rows.tag_values(tag_bytes), embeddings.numpy()):
-                if pixel_rows.keeps_embedding(tag):
-                    self._ready[tag] = row.tobytes()
-                    self.kept += 1
+                self._ready[tag] = row.tobytes()
+                self.kept += 1
             while len(self._ready) > self.keep:
                 self._ready.popitem(last=False)
                 self.dropped += 1

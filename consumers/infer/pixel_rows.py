@@ -8,11 +8,11 @@ bytes per merged token (2,352 for Qwen2/2.5-VL, 3,072 for Qwen3-VL), so its byte
 to the engine as image_embeds without a copy: an eighth of the float32 pixels, with no processor work on the CPU.
 The engine side (``engine_tower``) views the rows as the image again and patchifies it on the GPU.
 
-With embeddings published, each image's rows carry ``TAG_BYTES`` more columns, the first row's holding a number the
-consumer chose (``make_tag``; the others zero): the engine keeps the image's embedding under it where the tag asks
-for one (``keeps_embedding``), and the consumer asks for it by it (``engine_tower.EmbeddingTap``). vLLM splits the
-rows per image by their count alone, so the wider rows reach the model as they left. Tagged rows are a copy of the
-image, untagged ones its own memory.
+With embeddings published, each image whose embedding is wanted carries ``TAG_BYTES`` more columns in its rows, the
+first row's holding a number the consumer chose (the others zero): the engine keeps the image's embedding under it,
+and the consumer asks for it by it (``engine_tower.EmbeddingTap``); a tag is the whole request, untagged rows keep
+nothing. vLLM splits the rows per image by their count alone, so the wider rows reach the model as they left. Tagged
+rows are a copy of the image, untagged ones its own memory.
 """
 
 from __future__ import annotations
@@ -29,16 +29,6 @@ def row_width(family: ModelFamily) -> int:
 
 
 TAG_BYTES = 8  # one little-endian unsigned 64-bit number per image
-
-
-def make_tag(number: int, keep_embedding: bool) -> int:
-    """The tag of a consumer's ``number``-th tagged image; its lowest bit says whether the engine keeps the image's
-    embedding for the consumer."""
-    return number << 1 | int(keep_embedding)
-
-
-def keeps_embedding(tag: int) -> bool:
-    return bool(tag & 1)
 
 
 def pack(image: np.ndarray, grid_thw: tuple[int, int, int], family: ModelFamily,

@@ -261,8 +261,8 @@ class VllmEngine(EngineTowerSide, EncoderThread, QueuedEngine):
             else:  # image_embeds from our tower here, or the image's own bytes for our tower in the engine
                 if self._tower_in_engine:
                     # Tagged where the engine is to keep the image's embedding for this process.
-                    keep = bool(self._engine_embeddings and request.want_embedding)
-                    embedding_tag = pixel_rows.make_tag(next(self._tags), keep) if keep else None
+                    if self._engine_embeddings and request.want_embedding:
+                        embedding_tag = next(self._tags)
                     rows = pixel_rows.pack(request.image, request.grid_thw, self.family, embedding_tag)
                 else:
                     rows = image_embeds
