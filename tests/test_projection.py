@@ -202,6 +202,23 @@ def test_an_engine_running_requests_at_once_costs_each_image_its_share_of_the_wi
     assert engine_shares(batched, sample_windows(batched)) == (batched, False)
 
 
+def test_an_engine_that_shares_out_takes_its_costs_from_the_steady_window_not_the_first_wave():
+    # vLLM as the sample runs it: a first wave of 200 images queued while the model loaded, described together as it
+    # came up, each having waited ~4 s in the engine; then 800 in a steady window of 40 s (20 img/s), each in the
+    # engine ~1 s (its latency with a queue). Every image is one class: it costs the engine 50 ms of throughput.
+    wave = [SampleImage("e3/s3", 0.02, 4.0, 99.5 + i * 0.002, decoded_at=60.0) for i in range(200)]
+    steady = [SampleImage("e3/s3", 0.02, 1.0, 100.0 + (i + 1) * 0.05, decoded_at=95.0 + i * 0.05) for i in range(800)]
+    windows = sample_windows(wave + steady, steady_start=100.0)
+    shared, converted = engine_shares(wave + steady, windows)
+    assert converted and windows.warmup_images == 200
+    costs = calibrate(shared, windows, decode_parallel=16, shared_cores=False)
+    # The first wave's shares (four times the steady ones) stay out of the class's cost.
+    assert costs.infer_s["e3/s3"] == pytest.approx(0.05, rel=0.01)
+    job = project({"e3/s3": 10_000}, 2500, costs, windows, fixed_s=60.0, spread=0.05)
+    # The job's images after its own first wave, at the window's 20 img/s.
+    assert job.predicted_s == pytest.approx(60.0 + (10_000 - 200) / 20, rel=0.01)
+
+
 def _trickled_sample(sizes: list[int], *, per_batch_s: float, per_image_s: float, stretch: float,
                      start: float = 100.0) -> list[SampleImage]:
     """A CPU engine's sample: batches of the given sizes, each costing per_batch_s + per_image_s an image of CPU

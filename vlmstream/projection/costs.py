@@ -116,9 +116,12 @@ def calibrate(images: list[SampleImage], windows: SampleWindows, *, decode_paral
     part each batch pays once and each image's own (``fit_batches``), and its batches' wall over their cost is the
     stretch inference's limit is calibrated by (``ClassCosts.wall``). Inference's costs come from the steady
     window's batches where it ran three or more: the batches of the warm-up pay first-call costs a run pays once
-    (a class seen only there keeps its cost from them)."""
+    (a class seen only there keeps its cost from them). An engine that shares out (no batches of its own) likewise
+    takes its costs from the images described in the steady window, where three or more were: the first wave,
+    described as the model came up, waited through its start, and its shares say so."""
     steady = [im for im in images if im.done_at > windows.steady_start]
-    if len({im.batch for im in steady if im.batch}) < 3:
+    batched = any(im.batch for im in images)
+    if (len({im.batch for im in steady if im.batch}) if batched else len(steady)) < 3:
         steady = images
     fit = fit_batches(steady)
     own = _own_parts(steady, fit.per_batch_s)
