@@ -136,3 +136,25 @@ def test_the_adapter_finds_the_model_a_worker_built_inside_a_graph_wrapper():
     worker.model_runner = types.SimpleNamespace(get_model=lambda: wrapped)
     assert vllm_adapter.built_model(worker) is model
     assert vllm_adapter.model_dtype(model) == "bfloat16"
+
+
+# vLLM 0.26.0's own lines (an H100, Qwen2.5-VL-7B's config): an engine that compiled, then one that loaded the cache.
+COLD_START = """\
+(EngineCore pid=1097) INFO 12-06 01:33:45 [backends.py:393] Compiling a graph for compile range (1, 16384) takes 10.66 s
+(EngineCore pid=1097) INFO 12-06 01:33:49 [monitor.py:53] torch.compile took 21.61 s in total
+(EngineCore pid=1097) INFO 12-06 01:34:10 [core.py:340] init engine (profile, create kv cache, warmup model) took \
+44.84 s (compilation: 21.61 s)
+"""
+WARM_START = """\
+(EngineCore pid=1496) INFO 12-06 01:35:04 [backends.py:292] Directly load the compiled graph(s) for compile range \
+(1, 16384) from the cache, took 1.480 s
+(EngineCore pid=1496) INFO 12-06 01:35:04 [monitor.py:53] torch.compile took 3.77 s in total
+(EngineCore pid=1496) INFO 12-06 01:35:23 [core.py:340] init engine (profile, create kv cache, warmup model) took \
+23.79 s (compilation: 3.77 s)
+"""
+
+
+def test_the_adapter_reads_how_long_vllms_engine_compiled_at_its_start():
+    assert vllm_adapter.cold_compile_seconds(COLD_START) == pytest.approx(21.61)
+    assert vllm_adapter.cold_compile_seconds(WARM_START) == 0.0  # it loaded the cache the first one filled
+    assert vllm_adapter.cold_compile_seconds("loading the tiny model on the CPU\n") is None

@@ -219,6 +219,18 @@ def test_an_engine_that_shares_out_takes_its_costs_from_the_steady_window_not_th
     assert job.predicted_s == pytest.approx(60.0 + (10_000 - 200) / 20, rel=0.01)
 
 
+def test_a_compile_cache_the_sample_filled_comes_off_the_runs_start_and_stays_in_the_ranges_top():
+    images = [SampleImage("e3/s3", 0.02, 1.0, 100.0 + (i + 1) * 0.05, decoded_at=95.0) for i in range(400)]
+    windows = sample_windows(images, steady_start=100.0)
+    shared, _ = engine_shares(images, windows)
+    costs = calibrate(shared, windows, decode_parallel=16, shared_cores=False)
+    cold = project({"e3/s3": 4000}, 1000, costs, windows, fixed_s=100.0, spread=0.05)
+    warm = project({"e3/s3": 4000}, 1000, costs, windows, fixed_s=100.0, spread=0.05, cached_compile_s=30.0)
+    assert warm.predicted_s == pytest.approx(cold.predicted_s - 30.0)
+    assert warm.fixed_s == pytest.approx(70.0)
+    assert warm.high_s == pytest.approx(cold.high_s) and warm.low_s < cold.low_s
+
+
 def _trickled_sample(sizes: list[int], *, per_batch_s: float, per_image_s: float, stretch: float,
                      start: float = 100.0) -> list[SampleImage]:
     """A CPU engine's sample: batches of the given sizes, each costing per_batch_s + per_image_s an image of CPU

@@ -15,6 +15,9 @@ CHECKED_VLLM, and on any other release the code that needs them is not used (``v
 - ``flash_attention_3_varlen``: vLLM bundles FlashAttention 3 as ``vllm.vllm_flash_attn.flash_attn_interface``
   (``flash_attn_varlen_func`` with ``fa_version``, ``is_fa_version_supported``), a module of its own build, not its
   API; our tower's fast blocks use its varlen kernel.
+- ``cold_compile_seconds``: vLLM's engine log at start, ``init engine (...) took X s (compilation: Y s)``, and
+  ``Compiling a graph for ...`` where it compiled the model rather than loading its compile cache; read by
+  `vlmstream estimate`, whose sample may fill a cache the run then loads.
 - ``registered_models``: vLLM's private registry table ``vllm.model_executor.models.registry._VLLM_MODELS``
   (architecture -> (module under ``vllm.model_executor.models``, class)), read only to explain a start failure.
 
@@ -26,6 +29,7 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import logging
+import re
 from collections.abc import Callable
 
 from vlmstream.extras import install_command
@@ -91,6 +95,21 @@ def wrap_image_inputs(wrap: Callable[[Callable], Callable], classes=MODEL_CLASSE
             cls._process_image_input = replacement
         wrapped.append(class_name)
     return wrapped
+
+
+# vLLM's engine, once started: "init engine (profile, create kv cache, warmup model) took 44.84 s (compilation: 21.61 s)";
+# where it compiled rather than loaded its cache, also "Compiling a graph for compile range (1, 16384) takes 10.66 s".
+_ENGINE_STARTED = re.compile(r"init engine \([^)]*\) took [\d.]+ s \(compilation: ([\d.]+) s\)")
+_COMPILED_COLD = "Compiling a graph for"
+
+
+def cold_compile_seconds(log_text: str) -> float | None:
+    """The seconds vLLM's engines compiled the model for at their start, from their log (0.0 where each loaded its
+    compile cache instead); None where the log holds no engine start of the form CHECKED_VLLM writes."""
+    started = _ENGINE_STARTED.findall(log_text)
+    if not started:
+        return None
+    return sum(float(s) for s in started) if _COMPILED_COLD in log_text else 0.0
 
 
 def built_model(worker):

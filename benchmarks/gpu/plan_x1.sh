@@ -17,10 +17,11 @@
 #   generic          Gemma 3 4B (the generic path) at 1 MP: naive vLLM against the pipeline (pixels), 25-s phases
 #   generic-tiling   LLaVA-OneVision-Qwen2-7B (the generic path, a tiling processor) at its own size: naive vLLM
 #                    against the pipeline (pixels), 60-s phases
-#   honesty-1mp      gpu_engine_smoke.py (embeds mode with our tower in vLLM's engine against transformers, then
-#                    pixels mode), then `vlmstream estimate` against the whole run at 1 MP: estimate_honesty.py job h
-#                    (distinct crops, 1-40 images per document, heavy ones mid-job, about 7,000 images; a sample of
-#                    9%) with the Qwen2.5-VL-7B config, 64 tokens (about 20 minutes)
+#   smoke            gpu_engine_smoke.py: embeds mode with our tower in vLLM's engine against transformers, then
+#                    pixels mode, Qwen2.5-VL-7B at 1 MP (about 4 minutes)
+#   honesty-1mp      `vlmstream estimate` against the whole run at 1 MP on a machine just started: estimate_honesty.py
+#                    job h (distinct crops, 1-40 images per document, heavy ones mid-job, about 4,600 images; a
+#                    sample of 9%) with the Qwen2.5-VL-7B config, 64 tokens (about 8 minutes)
 #   ab, ba           Qwen2.5-VL-7B at 0.2 MP, embeds: this tree (A) against an older tree at /root/ab-tree (B, from
 #                    `git archive`), in the order A B B A (ab) or B A (ba): the first engine start on a fresh machine
 #                    compiles with cold caches, so a pair must run in both orders
@@ -93,12 +94,13 @@ alternated_pairs() {
 [ "$LIST" = serve-ratios-2 ] && alternated_pairs t_1mp 1280 150 1.3 350 280
 [ "$LIST" = serve-ratios-02 ] && alternated_pairs u_02mp 256 90 1.5 280 230
 
+[ "$LIST" = smoke ] && job e1_engine_smoke 250 360 python3 benchmarks/gpu_engine_smoke.py --images /root/imgs --n 64 \
+  --modes embeds,pixels --out "$RES/e1_engine_smoke.json"
+
 if [ "$LIST" = honesty-1mp ]; then
   [ -e /root/model/config.json ] || python3 benchmarks/gpu/mk_model.py /root/model > "$RES/mk_model.log" 2>&1
-  job e1_engine_smoke 250 360 python3 benchmarks/gpu_engine_smoke.py --images /root/imgs --n 64 \
-    --modes embeds,pixels --out "$RES/e1_engine_smoke.json"
-  job h1_honesty_1mp 700 $(( END - $(date +%s) )) python3 benchmarks/estimate_honesty.py --cases h --images /root/imgs \
-    --scale 2.4 --sample-fraction 0.09 --run-options "--model /root/model --max-new-tokens 64" --timeout-s 900 \
+  job h1_honesty_1mp 460 $(( END - $(date +%s) )) python3 benchmarks/estimate_honesty.py --cases h --images /root/imgs \
+    --scale 2.0 --sample-fraction 0.09 --run-options "--model /root/model --max-new-tokens 64" --timeout-s 900 \
     --deadline $(( END - 20 )) --reports "$RES"
 fi
 

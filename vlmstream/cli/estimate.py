@@ -251,7 +251,7 @@ def project_job(settings: Any, shape: JobShape, sampled: MeasuredSample, *, gpus
     projection = project(dict(shape.classes()), len(shape.documents), costs, windows, result.fixed_s, spread=spread,
                          gpus=gpus, decode_cores=decode_cores, warmup_extra_s=extra,
                          load=Load(sampled.load_before, sampled.load_after, cores, own=own),
-                         images_range=shape.images_range())
+                         images_range=shape.images_range(), cached_compile_s=result.cold_compile_s or 0.0)
     return Estimate(result, sampled.load_before, sampled.load_after, windows, costs, projection, on_cpu, shared_out,
                     decode_parallel, cores, infer_threads, spread, batches, extra)
 
@@ -288,6 +288,9 @@ def assumptions(est: Estimate, shape: JobShape, sample: list[JobDocument], *, ti
         f"({est.warmup_s:.1f} s"
         + (f", plus {extra:.1f} s: the sample's decoding ran out while the model loaded, a job's shares the "
            f"{os.cpu_count()} cores with it all along" if extra else "")
+        + (f", less {result.cold_compile_s:.1f} s the sample's engine spent compiling the model into vLLM's compile "
+           "cache, which a run on this machine loads instead: on a machine without that cache the run takes as much "
+           "longer, the range's top holds it" if result.cold_compile_s else "")
         + f"), stopping the workers ({result.stop_s:.1f} s); the same for the whole job",
         "the range, from what the sample varied in: the steady part at a rate faster or slower by "
         f"{projection.range_parts['steady_rate']:.0%} (the larger of the spread between the sample's two halves and "
@@ -383,6 +386,7 @@ def json_report(est: Estimate, shape: JobShape, sample: list[JobDocument], *, co
                  "sample_missing": result.missing,
                  "sample_wall_s": round(result.done_at - result.started_at + result.stop_s, 1),
                  "warmup_s": round(est.warmup_s, 1), "stop_s": round(result.stop_s, 1),
+                 "cold_compile_s": result.cold_compile_s,
                  "steady_window_s": round(est.windows.steady_s, 1),
                  "load_average": [round(est.load_before, 2), round(est.load_after, 2)],
                  "busy_to_wall": round(costs.scale, 3), "cost_kinds": est.cost_kinds,

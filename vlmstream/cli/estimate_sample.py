@@ -38,6 +38,9 @@ class SampleRun:
     stop_s: float  # stopping the workers took
     missing: int  # sample images without a description (dead letters, or the time ran out)
     answers: dict[str, tuple[float, float]] = field(default_factory=dict)  # with condense: doc id -> (written, model s)
+    # Seconds the inference worker's engine compiled the model for at its start, filling a compile cache a run on
+    # this machine then loads (0.0: it loaded one; None: its log does not say, as on the CPU engine).
+    cold_compile_s: float | None = None
 
     @property
     def condensed(self) -> int:
@@ -96,11 +99,23 @@ def run_sample(docs: list[JobDocument], settings: Any, timeout_s: float, own_s: 
                                  f"worker logs in {workers.log_dir}")
     images, answers = read_sample_outputs(settings, docs, progress, condense)
     delete_topics(settings, [getattr(settings.topics, name) for name in OWN_TOPICS])
+    cold_compile_s = compiled_at_start(workers.log_path("infer"))
     shutil.rmtree(workers.log_dir, ignore_errors=True)
     # The run's time counts from the command's start, less ``own_s``: what only the estimate does before it (reading
     # every image's header, drawing the sample), which `vlmstream run` does not.
     return SampleRun(images, PROCESS_STARTED + own_s, workers_at, progress.ready_at, progress.measured_at, done_at,
-                     stop_s, len(progress.wanted) - len(images), answers)
+                     stop_s, len(progress.wanted) - len(images), answers, cold_compile_s)
+
+
+def compiled_at_start(log: Path) -> float | None:
+    """What the inference worker's log says its vLLM engine compiled for at start (vllm_adapter reads vLLM's lines);
+    None without such a line or log."""
+    from vlmstream.vllm_adapter import cold_compile_seconds as from_log
+
+    try:
+        return from_log(log.read_text(errors="replace"))
+    except OSError:
+        return None
 
 
 OWN_TOPICS = ("documents", "images", "descriptions", "embeddings", "results", "summaries", "deadletter")

@@ -111,7 +111,7 @@ def batch_occupancy(costs: ClassCosts, decode_s: float, infer_s: float, *, gpus:
 def project(job_classes: dict[str, int], documents: int, costs: ClassCosts, windows: SampleWindows,
             fixed_s: float, *, spread: float, gpus: int = 1, decode_cores: int | None = None,
             warmup_extra_s: float = 0.0, load: Load | None = None,
-            images_range: tuple[int, int] | None = None) -> Projection:
+            images_range: tuple[int, int] | None = None, cached_compile_s: float = 0.0) -> Projection:
     """The whole job's wall time: the fixed part measured on the sample (start-up, model loading, results and
     stopping) plus the job's remaining busy time in wall seconds.
 
@@ -128,6 +128,9 @@ def project(job_classes: dict[str, int], documents: int, costs: ClassCosts, wind
     least half a core) while the job runs.
 
     ``warmup_extra_s``: how much longer the job's warm-up is than the sample's (``contended_warmup``).
+
+    ``cached_compile_s``: the seconds the sample's start spent compiling the model into a cache that the job's
+    start on this machine loads instead: off the point estimate, kept in the range's top (a machine without it).
 
     ``images_range``: the fewest and most images the job may hold where its count is partly assumed (remote PDFs
     whose pages were not counted): the range's steady part shrinks and grows with them.
@@ -178,7 +181,7 @@ def project(job_classes: dict[str, int], documents: int, costs: ClassCosts, wind
     decode_left = max(0.0, decode_total - free_decoded * mean_d)
     infer_left = max(0.0, infer_total - min(images, windows.warmup_images) * mean_i)
     steady = costs.wall(decode_left, infer_left, gpus=gpus, decode_parallel=parallel)
-    fixed = fixed_s + warmup_extra_s
+    fixed = fixed_s + warmup_extra_s - cached_compile_s
     d_part, i_part = decode_left / parallel, costs.infer_wall(infer_left) / gpus
     neck = "decode" if d_part > i_part else "inference"
     share = max(d_part, i_part) / (d_part + i_part) if d_part + i_part else 0.0
@@ -209,7 +212,7 @@ def project(job_classes: dict[str, int], documents: int, costs: ClassCosts, wind
         parts["images_down"], parts["images_up"] = 1 - fewer, more - 1
     return Projection(
         predicted_s=fixed + steady, low_s=(fixed / (1 + wander) + steady * fewer / (1 + width)) * down,
-        high_s=(fixed * (1 + wander) + steady * more * (1 + width)) * up,
+        high_s=((fixed + cached_compile_s) * (1 + wander) + steady * more * (1 + width)) * up,
         images=images, documents=documents, fixed_s=fixed, steady_s=steady, bottleneck=neck, bottleneck_share=share,
         decode_cores_per_gpu=mean_d / costs.infer_wall(mean_i) if mean_i else None, scaled=scaled, assumptions=notes,
         batch_images=occupancy, range_parts=parts)
