@@ -102,6 +102,7 @@ if [ "$LIST" = honesty-1mp ]; then
   job h1_honesty_1mp 460 $(( END - $(date +%s) )) python3 benchmarks/estimate_honesty.py --cases h --images /root/imgs \
     --scale 2.0 --sample-fraction 0.09 --run-options "--model /root/model --max-new-tokens 64" --timeout-s 900 \
     --deadline $(( END - 20 )) --reports "$RES"
+  mkdir -p "$RES/worker_logs"; cp "$VLMSTREAM_HOME"/logs/*.log "$RES/worker_logs/" 2>/dev/null
 fi
 
 if [ "$LIST" = qwen3-vl ]; then
