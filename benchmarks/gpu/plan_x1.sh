@@ -21,7 +21,8 @@
 #                    pixels mode, Qwen2.5-VL-7B at 1 MP (about 4 minutes)
 #   honesty-1mp      `vlmstream estimate` against the whole run at 1 MP on a machine just started: estimate_honesty.py
 #                    job h (distinct crops, 1-40 images per document, heavy ones mid-job, about 4,600 images; a
-#                    sample of 9%) with the Qwen2.5-VL-7B config, 64 tokens (about 8 minutes)
+#                    sample of 9%; HONESTY_SCALE=2.0 sets the size) with the Qwen2.5-VL-7B config, 64 tokens
+#                    (about 8 minutes)
 #   ab, ba           Qwen2.5-VL-7B at 0.2 MP, embeds: this tree (A) against an older tree at /root/ab-tree (B, from
 #                    `git archive`), in the order A B B A (ab) or B A (ba): the first engine start on a fresh machine
 #                    compiles with cold caches, so a pair must run in both orders
@@ -100,7 +101,7 @@ alternated_pairs() {
 if [ "$LIST" = honesty-1mp ]; then
   [ -e /root/model/config.json ] || python3 benchmarks/gpu/mk_model.py /root/model > "$RES/mk_model.log" 2>&1
   job h1_honesty_1mp 460 $(( END - $(date +%s) )) python3 benchmarks/estimate_honesty.py --cases h --images /root/imgs \
-    --scale 2.0 --sample-fraction 0.09 --run-options "--model /root/model --max-new-tokens 64" --timeout-s 900 \
+    --scale "${HONESTY_SCALE:-2.0}" --sample-fraction 0.09 --run-options "--model /root/model --max-new-tokens 64" --timeout-s 900 \
     --deadline $(( END - 20 )) --reports "$RES"
   mkdir -p "$RES/worker_logs"; cp "$VLMSTREAM_HOME"/logs/*.log "$RES/worker_logs/" 2>/dev/null
 fi
