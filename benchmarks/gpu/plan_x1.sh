@@ -100,7 +100,7 @@ alternated_pairs() {
 
 if [ "$LIST" = honesty-1mp ]; then
   [ -e /root/model/config.json ] || python3 benchmarks/gpu/mk_model.py /root/model > "$RES/mk_model.log" 2>&1
-  job h1_honesty_1mp 460 $(( END - $(date +%s) )) python3 benchmarks/estimate_honesty.py --cases h --images /root/imgs \
+  job h1_honesty_1mp 300 $(( END - $(date +%s) )) python3 benchmarks/estimate_honesty.py --cases h --images /root/imgs \
     --scale "${HONESTY_SCALE:-2.0}" --sample-fraction 0.09 --timeout-s 900 \
     --run-options "--model /root/model --max-new-tokens 64" \
     --deadline $(( END - 20 )) --reports "$RES"
