@@ -75,10 +75,14 @@ def load_vision_tower(model_path: str | Path, device: torch.device | str = "cpu"
     config = vision_config_from(model_path)
     config._attn_implementation = "sdpa"
     state = vision_state_dict(model_path)
+    # A seeded random tower is drawn on the CPU and then moved: a GPU's generator draws other numbers from the same
+    # seed, and the engine's tower (built on its GPU) must be the one a CPU reference builds for the same folder.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        with torch.device(device):
+        with torch.device(device if state else "cpu"):
             tower = tower_class._from_config(config, dtype=dtype).eval()
+    if not state:
+        tower = tower.to(device)
     if state:
         missing, unexpected = tower.load_state_dict(state, strict=False)
         # The rotary inverse frequencies are computed, not stored; anything else missing is a wrong checkpoint.
