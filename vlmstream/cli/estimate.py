@@ -328,7 +328,8 @@ def print_estimate(est: Estimate, shape_s: float) -> None:
     result, costs, windows, projection = est.result, est.costs, est.windows, est.projection
     cost_kinds, shared_out, steady, steady_wall = est.cost_kinds, est.shared_out, est.steady, windows.steady_s
     decode_per_image = statistics.fmean(im.decode_s for im in result.images)
-    infer_per_image = statistics.fmean(im.infer_s for im in result.images)
+    # An engine's shares are costs only inside the steady window (the first wave's waited through the start).
+    infer_per_image = statistics.fmean(im.infer_s for im in (steady if shared_out and steady else result.images))
     console.print(f"sample run: warm-up {est.warmup_s:.1f} s from the command's start (less {shape_s:.1f} s reading "
                   "the job's headers and drawing the sample, which `vlmstream run` does not do) until a first image was "
                   f"described (the workers started after {result.workers_at - result.started_at:.1f} s); steady "
