@@ -30,7 +30,7 @@ from consumers.decode.headers import (EXIF_ORIENTATION_TAG, check_jpeg_is_decoda
                                       tiff_orientation)
 from consumers.decode.jpeg2000 import jpeg2000_decomposition_levels, jpeg2000_is_cut_short, jpeg2000_levels_to_drop
 from consumers.decode.pixels import composite_on_white, eight_bit, to_rgb
-from consumers.decode.resize import resize_exact, shrink_bicubic, swaps_axes
+from consumers.decode.resize import resize_exact, shrink_antialiased, shrink_bicubic, swaps_axes
 from consumers.decode.sniff import sniff_format
 from vlmstream.images import pages as page_files
 from vlmstream.images import pdf
@@ -55,6 +55,8 @@ PDF_OVERSAMPLE = 6.0
 # PDF_REDUCING_GAP times the target (resize.shrink_bicubic: half the cost at 4x, 0.008 from the kernel alone); by
 # less, the stage's resize_exact as for any image (0.016 from it at 2x, at half the cost).
 PDF_PILLOW_SHRINK = 2.0
+# A scanned page's JPEG, decoded whole, takes the same box reduce, then the same kernel as a cv2 filter pass
+# (resize.shrink_antialiased: Pillow's resample on a whole 8 MP scan costs more than the baseline's third).
 PDF_REDUCING_GAP = 2.0
 
 
@@ -205,7 +207,7 @@ class Decoder:
 
     def _decode_pdf(self, data: bytes, page: int | None) -> Decoded:
         """The page drawn at ``_pdf_draw_size`` and resized to the family's target for its displayed size at
-        ``pdf_dpi`` (``_shrink_pdf_page``; a scan's JPEG is resized by the stage, as any JPEG).
+        ``pdf_dpi`` (``_shrink_pdf_page``; a scan's JPEG by ``_scan_jpeg``).
         Without a page selector the first page, with ``pages`` saying how many there are."""
         if self.pdf_renderer is None:
             self.pdf_renderer = pdf.PageRenderer(max_pixels=min(int(PDF_OVERSAMPLE ** 2 * self.family.max_pixels),
@@ -239,8 +241,11 @@ class Decoder:
         return resized.copy() if resized is pixels else resized
 
     def _scan_jpeg(self, data: bytes, width_pt: float, height_pt: float) -> np.ndarray | None:
-        """A scanned page's own JPEG, DCT-scaled to at least the page's target (the stage then resizes it exactly,
-        as any JPEG); None for one libjpeg-turbo would hand back as CMYK (PDFium draws those)."""
+        """A scanned page's own JPEG at the page's target: decoded whole (or, past ``PDF_OVERSAMPLE`` times the
+        target on each axis, at the DCT scale that leaves that much), then shrunk by ``shrink_antialiased``, the
+        processor's kernel; None for one libjpeg-turbo would hand back as CMYK (PDFium draws those). A DCT scale
+        near the target, as the stage takes a photo's JPEG, is no box filter: on a scan's sharp edges it stays 0.5-0.8
+        (p99 of normalised values) from the processor on the whole JPEG, whatever resize follows it."""
         from turbojpeg import TJCS_CMYK, TJCS_YCCK, TJPF_RGB
 
         need_w, need_h = self._pdf_target(width_pt, height_pt)[2:]
@@ -254,8 +259,12 @@ class Decoder:
             return None
         if stored_w * stored_h > self.max_source_pixels:
             raise TooManyPixels(f"a scanned page's JPEG of {stored_w}x{stored_h} pixels", self.max_source_pixels)
-        return self._turbo_decode(data, TJPF_RGB,
-                                  pick_dct_scale(stored_w, stored_h, need_w, need_h, self._turbo.scaling_factors))
+        scaling = pick_dct_scale(stored_w, stored_h, round(PDF_OVERSAMPLE * need_w), round(PDF_OVERSAMPLE * need_h),
+                                 self._turbo.scaling_factors)
+        pixels = self._turbo_decode(data, TJPF_RGB, scaling)
+        if pixels.shape[0] > need_h and pixels.shape[1] > need_w:
+            return shrink_antialiased(pixels, need_h, need_w, PDF_REDUCING_GAP)
+        return resize_exact(pixels, need_h, need_w)  # a scan smaller than its target: enlarged as any image
 
     def _pdf_target(self, width_pt: float, height_pt: float) -> tuple[int, int, int, int]:
         """(width, height, target width, target height) of a page of that many points at ``pdf_dpi``; raises past

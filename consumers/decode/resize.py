@@ -58,6 +58,38 @@ def shrink_bicubic(image: np.ndarray, height: int, width: int, reducing_gap: flo
                                                       box=(0, 0, src_w / kx, src_h / ky)))
 
 
+def shrink_antialiased(image: np.ndarray, height: int, width: int, reducing_gap: float) -> np.ndarray:
+    """``shrink_bicubic``'s result, nearly, at a fraction of its cost on a large image: the same box reduce by whole
+    factors, then Pillow's antialiased bicubic kernel (a = -0.5, stretched by the scale left) as a separable filter
+    on the reduced image's own grid, read at each output pixel's centre by bilinear interpolation. Pillow weighs the
+    source at each output centre's own offsets; the filtered image is smooth at that scale, so interpolating it is
+    close (on scanned pages within 0.011 mean, p99 0.23 of normalised values at 1.5x; benchmarks/bench_pdf_render.py)
+    and costs a cv2 filter pass instead of Pillow's resample (a third of it on an 8 MP page)."""
+    src_h, src_w = image.shape[:2]
+    kx, ky = max(1, int(src_w / width / reducing_gap)), max(1, int(src_h / height / reducing_gap))
+    if kx > 1 or ky > 1:
+        image = box_reduce(image, kx, ky)
+    # The scale left, from the source's own extent (the reduced image's last box may be cut short), as Pillow maps it.
+    sx, sy = src_w / kx / width, src_h / ky / height
+    filtered = cv2.sepFilter2D(image, -1, _bicubic_taps(sx), _bicubic_taps(sy), borderType=cv2.BORDER_REFLECT)
+    # Output pixel x's centre at source (x + 0.5) * sx - 0.5, the centre convention of Pillow and cv2.resize.
+    to_source = np.float32([[sx, 0, 0.5 * sx - 0.5], [0, sy, 0.5 * sy - 0.5]])
+    return cv2.warpAffine(filtered, to_source, (width, height), flags=cv2.INTER_LINEAR | cv2.WARP_INVERSE_MAP,
+                          borderMode=cv2.BORDER_REPLICATE)
+
+
+def _bicubic_taps(scale: float) -> np.ndarray:
+    """Pillow's bicubic kernel (a = -0.5) stretched by ``scale`` (at least 1: no stretch when enlarging), at whole
+    offsets, summing to 1."""
+    scale = max(scale, 1.0)
+    radius = int(np.ceil(2 * scale))
+    x = np.abs(np.arange(-radius, radius + 1) / scale)
+    a = -0.5
+    taps = np.where(x < 1, ((a + 2) * x - (a + 3)) * x * x + 1,
+                    np.where(x < 2, (((x - 5) * x + 8) * x - 4) * a, 0.0))
+    return (taps / taps.sum()).astype(np.float32)
+
+
 def box_reduce(image: np.ndarray, kx: int, ky: int) -> np.ndarray:
     """Pillow's ``Image.reduce((kx, ky))``: each pixel the rounded mean of a kx x ky box, the last row and column of
     boxes cut short by the image's edge."""
