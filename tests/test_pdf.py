@@ -353,7 +353,7 @@ def test_shrink_antialiased_is_near_pillows_bicubic(shape):
     for factor in (1.3, 2.1, 4.3, 10.0):
         height, width = max(1, round(shape[0] / factor)), max(1, round(shape[1] / factor))
         for image, mean_limit in ((page, 2.5), (noise, 12.0 if factor < 2 else 3.5)):
-            ours = shrink_antialiased(image, height, width, 2.0)
+            ours = shrink_antialiased(image, height, width, 2.0, 2.0)
             pillow = shrink_bicubic(image, height, width, 2.0)
             diff = np.abs(ours.astype(int) - pillow)
             assert ours.shape == pillow.shape and diff.mean() < mean_limit, (factor, diff.mean())

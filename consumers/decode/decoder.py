@@ -56,8 +56,11 @@ PDF_OVERSAMPLE = 6.0
 # less, the stage's resize_exact as for any image (0.016 from it at 2x, at half the cost).
 PDF_PILLOW_SHRINK = 2.0
 # A scanned page's JPEG, decoded whole, takes the same box reduce, then the same kernel as a cv2 filter pass
-# (resize.shrink_antialiased: Pillow's resample on a whole 8 MP scan costs more than the baseline's third).
+# (resize.shrink_antialiased: Pillow's resample on a whole 8 MP scan costs more than the baseline's third), and
+# a reduce by 2 where that leaves PDF_SCAN_LEAST_GAP times the target and no reduce leaves PDF_REDUCING_GAP
+# (a 300 dpi letter scan at 1 MP: the filter at full size costs more than the decode; bench_pdf_render.py).
 PDF_REDUCING_GAP = 2.0
+PDF_SCAN_LEAST_GAP = 1.4
 
 
 @dataclass(frozen=True)
@@ -263,7 +266,7 @@ class Decoder:
                                  self._turbo.scaling_factors)
         pixels = self._turbo_decode(data, TJPF_RGB, scaling)
         if pixels.shape[0] > need_h and pixels.shape[1] > need_w:
-            return shrink_antialiased(pixels, need_h, need_w, PDF_REDUCING_GAP)
+            return shrink_antialiased(pixels, need_h, need_w, PDF_REDUCING_GAP, PDF_SCAN_LEAST_GAP)
         return resize_exact(pixels, need_h, need_w)  # a scan smaller than its target: enlarged as any image
 
     def _pdf_target(self, width_pt: float, height_pt: float) -> tuple[int, int, int, int]:

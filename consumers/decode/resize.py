@@ -58,15 +58,22 @@ def shrink_bicubic(image: np.ndarray, height: int, width: int, reducing_gap: flo
                                                       box=(0, 0, src_w / kx, src_h / ky)))
 
 
-def shrink_antialiased(image: np.ndarray, height: int, width: int, reducing_gap: float) -> np.ndarray:
-    """``shrink_bicubic``'s result, nearly, at a fraction of its cost on a large image: the same box reduce by whole
-    factors, then Pillow's antialiased bicubic kernel (a = -0.5, stretched by the scale left) as a separable filter
-    on the reduced image's own grid, read at each output pixel's centre by bilinear interpolation. Pillow weighs the
-    source at each output centre's own offsets; the filtered image is smooth at that scale, so interpolating it is
-    close (on scanned pages within 0.011 mean, p99 0.23 of normalised values at 1.5x; benchmarks/bench_pdf_render.py)
-    and costs a cv2 filter pass instead of Pillow's resample (a third of it on an 8 MP page)."""
+def shrink_antialiased(image: np.ndarray, height: int, width: int, reducing_gap: float,
+                       least_gap: float) -> np.ndarray:
+    """``shrink_bicubic``'s result, nearly, at a fraction of its cost on a large image: a box reduce by whole factors
+    that leaves at least ``reducing_gap`` times the target on each axis (where none does, by 2 if that leaves at least
+    ``least_gap`` times), then Pillow's antialiased bicubic kernel (a = -0.5, stretched by the scale left) as a
+    separable filter on the reduced image's own grid, read at each output pixel's centre by bilinear interpolation.
+    Pillow weighs the source at each output centre's own offsets; the filtered image is smooth at that scale, so
+    interpolating it is close (the closer the more the kernel is stretched) and costs a cv2 filter pass instead of
+    Pillow's resample (a third of it on an 8 MP page)."""
     src_h, src_w = image.shape[:2]
-    kx, ky = max(1, int(src_w / width / reducing_gap)), max(1, int(src_h / height / reducing_gap))
+
+    def factor(ratio: float) -> int:
+        whole = int(ratio / reducing_gap)
+        return whole if whole > 1 else (2 if ratio / 2 >= least_gap else 1)
+
+    kx, ky = factor(src_w / width), factor(src_h / height)
     if kx > 1 or ky > 1:
         image = box_reduce(image, kx, ky)
     # The scale left, from the source's own extent (the reduced image's last box may be cut short), as Pillow maps it.
@@ -80,9 +87,9 @@ def shrink_antialiased(image: np.ndarray, height: int, width: int, reducing_gap:
 
 def _bicubic_taps(scale: float) -> np.ndarray:
     """Pillow's bicubic kernel (a = -0.5) stretched by ``scale`` (at least 1: no stretch when enlarging), at whole
-    offsets, summing to 1."""
+    offsets where it is not zero, summing to 1."""
     scale = max(scale, 1.0)
-    radius = int(np.ceil(2 * scale))
+    radius = int(np.ceil(2 * scale)) - 1  # the kernel is zero from 2 * scale on
     x = np.abs(np.arange(-radius, radius + 1) / scale)
     a = -0.5
     taps = np.where(x < 1, ((a + 2) * x - (a + 3)) * x * x + 1,
