@@ -247,8 +247,9 @@ class Decoder:
         """A scanned page's own JPEG at the page's target: decoded whole (or, past ``PDF_OVERSAMPLE`` times the
         target on each axis, at the DCT scale that leaves that much), then shrunk by ``shrink_antialiased``, the
         processor's kernel; None for one libjpeg-turbo would hand back as CMYK (PDFium draws those). A DCT scale
-        near the target, as the stage takes a photo's JPEG, is no box filter: on a scan's sharp edges it stays 0.5-0.8
-        (p99 of normalised values) from the processor on the whole JPEG, whatever resize follows it."""
+        near the target, as the stage takes a photo's JPEG, is no box filter: on a scan's sharp edges it is p99
+        0.53-0.64 of normalised values from the processor on the whole JPEG, 0.42-0.46 at 0.2 MP with the processor's
+        kernel after it (benchmarks/results/2026-12-06_cpu_pdf-scans.md)."""
         from turbojpeg import TJCS_CMYK, TJCS_YCCK, TJPF_RGB
 
         need_w, need_h = self._pdf_target(width_pt, height_pt)[2:]
