@@ -69,30 +69,12 @@ def make_documents(folder: Path) -> dict[str, tuple[bytes, int]]:
     """name -> (PDF bytes, pages): typed pages (letter, A4 landscape, letter turned by /Rotate), and scans (a 300 dpi
     letter JPEG, an A4 at 200 dpi), each page as a real document has it; and a drawn page of the typed pages' rules
     and shapes without their text (letter, A4 turned by /Rotate)."""
-    import numpy as np
-    from PIL import Image, ImageDraw
-
-    from tests.pdfs import report_pdf
+    from tests.pdfs import report_pdf, ruled_scan_pdf
 
     pages = [(612, 792, 0), (842, 595, 0), (612, 792, 90), (595, 842, 0)]
     typed = report_pdf(pages)
     drawn = report_pdf([(612, 792, 0), (842, 595, 90)], text=False)
-
-    rng = np.random.default_rng(0)
-    scans = []
-    for width, height in ((2550, 3300), (1654, 2339)):
-        paper = np.full((height, width, 3), 236, np.float32) + rng.normal(0, 4, (height, width, 3))
-        image = Image.fromarray(np.clip(paper, 0, 255).astype(np.uint8))
-        draw = ImageDraw.Draw(image)
-        for row in range(60):
-            y = height // 12 + row * (height // 70)
-            length = int(rng.integers(width // 3, width * 3 // 4))
-            draw.rectangle((width // 10, y, width // 10 + length, y + height // 200), fill=(40, 40, 40))
-        draw.rectangle((width // 2, height * 2 // 3, width * 9 // 10, height * 9 // 10), fill=(180, 60, 40))
-        scans.append(image)
-    out = io.BytesIO()
-    scans[0].save(out, "PDF", save_all=True, append_images=scans[1:], resolution=300.0, quality=85)
-    scanned = out.getvalue()
+    scanned = ruled_scan_pdf()
     documents = {"typed": (typed, 4), "scanned": (scanned, 2), "drawn (no text)": (drawn, 2)}
     for name, (data, _pages) in documents.items():
         (folder / f"{name}.pdf").write_bytes(data)

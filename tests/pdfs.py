@@ -106,6 +106,26 @@ def scanned_pdf(sizes: list[tuple[int, int]], resolution: float = 150.0) -> byte
     return out.getvalue()
 
 
+def ruled_scan_pdf() -> bytes:
+    """Two scanned pages as a scanner writes them (a 300 dpi letter and an A4 at 200 dpi, each one JPEG of quality
+    85): dark rules and a filled block on paper noise, the sharp edges a photo has few of."""
+    rng = np.random.default_rng(0)
+    scans = []
+    for width, height in ((2550, 3300), (1654, 2339)):
+        paper = np.full((height, width, 3), 236, np.float32) + rng.normal(0, 4, (height, width, 3))
+        image = Image.fromarray(np.clip(paper, 0, 255).astype(np.uint8))
+        draw = ImageDraw.Draw(image)
+        for row in range(60):
+            y = height // 12 + row * (height // 70)
+            length = int(rng.integers(width // 3, width * 3 // 4))
+            draw.rectangle((width // 10, y, width // 10 + length, y + height // 200), fill=(40, 40, 40))
+        draw.rectangle((width // 2, height * 2 // 3, width * 9 // 10, height * 9 // 10), fill=(180, 60, 40))
+        scans.append(image)
+    out = BytesIO()
+    scans[0].save(out, "PDF", save_all=True, append_images=scans[1:], resolution=300.0, quality=85)
+    return out.getvalue()
+
+
 def encrypted_pdf() -> bytes:
     """The standard security handler with a user password (its check values random): PDFium asks for it."""
     rng = np.random.default_rng(1)

@@ -307,25 +307,11 @@ def test_scanned_pages_are_within_the_image_tolerance_of_the_processor_on_their_
     import io
 
     import pypdfium2
-    from PIL import Image, ImageDraw
+    from PIL import Image
 
     from tests.test_decode_equivalence import MEAN_LIMIT, P99_LIMIT
 
-    rng = np.random.default_rng(0)
-    scans = []
-    for width, height in ((2550, 3300), (1654, 2339)):
-        paper = np.full((height, width, 3), 236, np.float32) + rng.normal(0, 4, (height, width, 3))
-        image = Image.fromarray(np.clip(paper, 0, 255).astype(np.uint8))
-        draw = ImageDraw.Draw(image)
-        for row in range(60):
-            y = height // 12 + row * (height // 70)
-            draw.rectangle((width // 10, y, width // 10 + int(rng.integers(width // 3, width * 3 // 4)),
-                            y + height // 200), fill=(40, 40, 40))
-        draw.rectangle((width // 2, height * 2 // 3, width * 9 // 10, height * 9 // 10), fill=(180, 60, 40))
-        scans.append(image)
-    out = io.BytesIO()
-    scans[0].save(out, "PDF", save_all=True, append_images=scans[1:], resolution=300.0, quality=85)
-    data = out.getvalue()
+    data = pdfs.ruled_scan_pdf()
     document = pypdfium2.PdfDocument(data)
     own = []
     for index in range(len(document)):
