@@ -249,7 +249,7 @@ class Decoder:
         processor's kernel; None for one libjpeg-turbo would hand back as CMYK (PDFium draws those). A DCT scale
         near the target, as the stage takes a photo's JPEG, is no box filter: on a scan's sharp edges it is p99
         0.53-0.64 of normalised values from the processor on the whole JPEG, 0.42-0.46 at 0.2 MP with the processor's
-        kernel after it (benchmarks/results/2026-12-06_cpu_pdf-scans.md)."""
+        kernel after it (benchmarks/bench_pdf_render.py)."""
         from turbojpeg import TJCS_CMYK, TJCS_YCCK, TJPF_RGB
 
         need_w, need_h = self._pdf_target(width_pt, height_pt)[2:]

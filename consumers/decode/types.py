@@ -11,6 +11,7 @@ from vlmstream.images.errors import ImageError
 if TYPE_CHECKING:
     from vlmstream.images.claimcheck import ClaimCheckStore
 
+
 @dataclass(frozen=True)
 class PreparedImage:
     """Pixels at exactly the model's input size, encoded with ``codec`` (jpeg, png, or raw RGB)."""
