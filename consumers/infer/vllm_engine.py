@@ -49,7 +49,7 @@ from consumers.infer.vllm_encoder_thread import EncoderThread, expected_image_em
 from consumers.infer.vllm_engine_tower import EngineTowerSide
 from vlmstream import vllm_adapter
 from vlmstream.config import InferSettings
-from vlmstream.models.registry import family_of
+from vlmstream.models.registry import deepstack_levels, family_of
 from vlmstream.vllm_process import (EngineLoop, EngineUnavailable, child_environment, engine_process_threads,
                                     import_vllm, kernel_args, model_module_failure)
 
@@ -116,7 +116,11 @@ class VllmEngine(EngineTowerSide, EncoderThread, QueuedEngine):
         # 1. vLLM first: it sizes its KV cache from the free memory it sees, so our tower loads afterwards
         #    into the (1 - gpu_memory_utilization) share it leaves.
         self._engine_loop = EngineLoop("vllm-loop")
-        embeds_only = self.mode == "embeds" and embeds_only_engine
+        # Qwen3-VL's embeddings carry DeepStack levels, which vLLM's model splits off only while it builds its own
+        # tower: without the tower vLLM 0.26 fails to build the language model (its DeepStack buffers stay on the
+        # meta device) and 0.34 builds it without DeepStack, where image_embeds of the full width no longer fit. Such
+        # a model keeps vLLM's tower; it takes the same image_embeds and only holds and profiles the tower's weights.
+        embeds_only = self.mode == "embeds" and embeds_only_engine and not deepstack_levels(self.model_path)
         args = dict(
             model=self.model_path, revision=settings.revision, dtype=settings.dtype,
             max_model_len=settings.max_model_len, gpu_memory_utilization=settings.gpu_memory_utilization,
@@ -144,7 +148,7 @@ class VllmEngine(EngineTowerSide, EncoderThread, QueuedEngine):
         # result's timings as encode_ms_per_image (what the tower in this process reports as encode_ms).
         self.engine_tower_ms_per_image: float | None = None
         self._tower_watch = None
-        embeds_only = self._start_vllm(args, embeds_only)
+        self._start_vllm(args, embeds_only)
         if self._tower_in_engine:
             problem = self._engine_tower_problem()
             if problem:
@@ -152,7 +156,7 @@ class VllmEngine(EngineTowerSide, EncoderThread, QueuedEngine):
                 self._engine_loop.shutdown_llm(self.llm)
                 self._engine_loop.reap_children()
                 self._set_tower_place(False)
-                embeds_only = self._start_vllm(args, embeds_only)  # as the first start found it to work
+                self._start_vllm(args, embeds_only)
             else:
                 self._tower_watch = self._engine_loop.submit(self._watch_engine_tower())
         self.start_s = time.perf_counter() - started
@@ -194,32 +198,16 @@ class VllmEngine(EngineTowerSide, EncoderThread, QueuedEngine):
 
         # 3. The encoder thread feeds vLLM.
         self._start_worker(self._encode_loop, "vllm-encoder")
-    def _start_vllm(self, base_args: dict, embeds_only: bool) -> bool:
+
+    def _start_vllm(self, base_args: dict, embeds_only: bool) -> None:
         """Start vLLM's engine with ``base_args`` and what the tower's place adds. ``embeds_only``: images arrive
-        only as embeddings (``limit_mm_per_prompt`` image 0), so vLLM neither builds nor profiles its own tower;
-        returns it as it ended up (see the retry below)."""
+        only as embeddings (``limit_mm_per_prompt`` image 0), so vLLM neither builds nor profiles its own tower."""
         tower_args, tower_env = self._engine_tower_start()
         args = {**base_args, **tower_args, **self._engine_kwargs,
                 "limit_mm_per_prompt": {"image": 0 if embeds_only else 1, "video": 0}}
         try:
-            try:
-                with child_environment(tower_env), engine_process_threads():
-                    self.llm = self._engine_loop.start_llm(self._v, self._v.AsyncEngineArgs(**args))
-            except Exception as exc:
-                if not embeds_only:
-                    raise
-                # vLLM 0.26 cannot build Qwen3-VL's language model without its tower: the DeepStack buffers stay
-                # on the meta device and the compile fails (seen on an H200 with the Qwen3-VL-8B config). The engine
-                # with its tower kept takes the same image_embeds and gives the same outputs; it only holds the
-                # tower's weights and profiles it at start.
-                log.warning("vLLM %s would not start %s with images as embeddings only (%s: %s); starting it "
-                            "again with its own vision tower kept", self._v.version, self.model_path,
-                            type(exc).__name__, str(exc)[:300])
-                self._engine_loop.reap_children()
-                embeds_only = False
-                args["limit_mm_per_prompt"] = {"image": 1, "video": 0}
-                with child_environment(tower_env), engine_process_threads():
-                    self.llm = self._engine_loop.start_llm(self._v, self._v.AsyncEngineArgs(**args))
+            with child_environment(tower_env), engine_process_threads():
+                self.llm = self._engine_loop.start_llm(self._v, self._v.AsyncEngineArgs(**args))
         except Exception as exc:
             self._engine_loop.stop()
             self._engine_loop.reap_children()
@@ -230,7 +218,7 @@ class VllmEngine(EngineTowerSide, EncoderThread, QueuedEngine):
         except BaseException:
             self._engine_loop.stop()
             raise
-        return embeds_only
+
     # ----------------------------------------------------------------------------- Engine protocol
 
     def close(self) -> None:

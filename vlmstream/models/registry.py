@@ -101,3 +101,13 @@ def family_of(checkpoint: str | Path) -> ModelFamily:
         min_pixels = processor.get("min_pixels") or size.get("shortest_edge") or min_pixels
         max_pixels = processor.get("max_pixels") or size.get("longest_edge") or max_pixels
     return family.with_pixel_limits(int(min_pixels), int(max_pixels))
+
+
+def deepstack_levels(checkpoint: str | Path) -> int:
+    """How many DeepStack levels (Qwen3-VL's ``deepstack_visual_indexes``) a checkpoint's tower adds to its image
+    embeddings; 0 for a model without them or without a readable ``config.json``."""
+    config_file = Path(checkpoint) / "config.json"
+    if not config_file.is_file():
+        return 0
+    vision = json.loads(config_file.read_text()).get("vision_config") or {}
+    return len(vision.get("deepstack_visual_indexes") or ())
