@@ -1,18 +1,20 @@
 #!/bin/bash
-# Split the stream pack_device.sh built ($WORK/all.tar.zst, $WORK/imgs) into <repo>/.gpu/p1, p2, ...: n equal parts,
-# n as small as lets the last folder (part + all.sha256 + imgs/) stay within PART_MIB. A call carries at most 64 MiB,
-# the working tree included, so the default is 64 MiB less the tree's tracked files less 1 MiB (the tree grows with
-# benchmarks/results: a fixed 62 once left the last call 0.1 MiB over). Re-run alone to re-split without compressing
-# again.
+# Split the stream pack_device.sh built ($WORK/all.tar.zst, $WORK/imgs) into <repo>/.gpu/p1, p2, ...: parts of
+# PART_MIB each, the last one the remainder, beside all.sha256 and imgs/ (a folder of its own where the remainder
+# leaves no room for them). A call carries at most 64 MiB, the working tree included, so the default is 64 MiB less
+# the tree's tracked files less 1 MiB (the tree grows with benchmarks/results: a fixed 62 once left the last call
+# 0.1 MiB over). Full parts rather than equal ones: each part is one staging call. Re-run alone to re-split without
+# compressing again.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd); repo=$(cd "$here/../.." && pwd); work=${WORK:-/tmp/vlmstream-gpu-pack}
 rm -rf "$repo"/.gpu/p[0-9]*; mkdir -p "$repo/.gpu/split"
-# n equal parts small enough that the last one plus imgs/ stays within PART_MIB.
 tree_b=$(git -C "$repo" ls-files -z | (cd "$repo" && xargs -0 du -cb) | tail -1 | cut -f1)
-limit=$(( 64 * 1048576 - tree_b - 1048576 )); [ -n "${PART_MIB:-}" ] && limit=$(( PART_MIB * 1048576 )); stream=$(stat -c %s "$work/all.tar.zst"); imgs=$(du -sb "$work/imgs" | cut -f1)
-n=$(( (stream + limit - imgs - 1) / (limit - imgs) )); size=$(( (stream + n - 1) / n ))
-( cd "$repo/.gpu/split" && rm -f part.* && split -b "$size" "$work/all.tar.zst" part. )
+limit=$(( 64 * 1048576 - tree_b - 1048576 )); [ -n "${PART_MIB:-}" ] && limit=$(( PART_MIB * 1048576 ))
+imgs=$(du -sb "$work/imgs" | cut -f1)
+( cd "$repo/.gpu/split" && rm -f part.* && split -b "$limit" "$work/all.tar.zst" part. )
 i=0; for p in "$repo"/.gpu/split/part.*; do i=$((i + 1)); mkdir -p "$repo/.gpu/p$i"; mv "$p" "$repo/.gpu/p$i/"; done
+last=$(stat -c %s "$repo"/.gpu/p$i/part.*)
+if [ $(( last + imgs + 4096 )) -gt "$limit" ]; then i=$((i + 1)); mkdir -p "$repo/.gpu/p$i"; fi
 rmdir "$repo/.gpu/split"
 sha256sum "$work/all.tar.zst" | cut -d' ' -f1 > "$repo/.gpu/p$i/all.sha256"
 cp -r "$work/imgs" "$repo/.gpu/p$i/imgs"
