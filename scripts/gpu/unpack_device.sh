@@ -31,6 +31,14 @@ printf '#!/bin/sh\nexec python3 -m vllm.entrypoints.cli.main "$@"\n' > /tmp/vlmb
 chmod +x /tmp/vlmbin/*
 # Again, now that /tmp/vlmlib holds what the kit carries (a kit with torch 2.14 preloads its NCCL stub from there).
 source "$repo/scripts/gpu/env.sh"
+# A kit that ships torch must run it on this GPU; where it cannot, the image's own torch serves instead (said here, in
+# the log every plan keeps) and vLLM's extensions run on it.
+if [ -d /tmp/site/torch ] && ! python3 -c "import torch; x = torch.ones(64, 64, device='cuda'); assert float((x @ x).sum()) == 64 ** 3; print('TORCH_OK', torch.__version__, torch.cuda.get_device_name())"; then
+  echo "KIT TORCH FAILED on this GPU: falling back to the image's torch"
+  mkdir -p /tmp/kit-torch; mv /tmp/site/torch /tmp/site/torch-* /tmp/site/torchvision* /tmp/site/triton* /tmp/kit-torch/ 2>/dev/null || true
+  rm -f /tmp/vlmlib/libnccl_2_30_stubs.so; unset LD_PRELOAD PYTORCH_SKIP_CUDNN_COMPATIBILITY_CHECK
+  python3 -c "import torch; print('TORCH_OK (image)', torch.__version__)"
+fi
 python3 "$repo/scripts/gpu/patch_flashinfer.py"
 python3 "$repo/scripts/gpu/patch_pixtral.py"
 python3 "$repo/scripts/gpu/importcheck.py"
