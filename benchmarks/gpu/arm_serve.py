@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 import time
 import traceback
@@ -22,6 +23,34 @@ from vlmstream.vllm_process import kernel_args
 # --- vllm serve ---------------------------------------------------------------------------------------------------
 
 
+def _start_server(args: argparse.Namespace, cmd: list[str], logp: Path, url: str):
+    """Start `cmd` and wait until it answers /health: (process, seconds it took). Raises when it exits first or
+    takes longer than args.start_limit (the process is then stopped)."""
+    env = gpu_env(os.environ.copy(), args.gpu_ids[0])
+    if "torch_shm" in cmd:  # vLLM 0.34 refuses torch_shm tensor IPC unless its workers are spawned
+        env["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+    server = spawn(cmd, logp, env=env, tag="serve")
+    t = time.monotonic()
+    try:
+        while True:
+            try:
+                if urllib.request.urlopen(url + "/health", timeout=2).status == 200:
+                    break
+            except Exception:  # noqa: BLE001 - not up yet
+                pass
+            if server.poll() is not None:
+                raise RuntimeError(f"vllm serve exited ({server.returncode}):\n{log_tail(logp)}")
+            if time.monotonic() - t > args.start_limit:
+                raise TimeoutError(f"vllm serve not healthy after {args.start_limit}s\n{log_tail(logp)}")
+            time.sleep(1)
+    except BaseException:
+        kill_tree(server, grace_s=10)
+        raise
+    start_s = round(time.monotonic() - t, 1)
+    log(f"serve healthy after {start_s}s ({' '.join(cmd[cmd.index('serve'):])})")
+    return server, start_s
+
+
 def run_serve(args: argparse.Namespace, api_servers: int, out: Path, on_phase: Callable[[str, dict], None]) -> None:
     """One `vllm serve --api-server-count api_servers` start; the client runs once per budget (the budget travels in
     each request's mm_processor_kwargs; a generic model's processor keeps its own size, so it gets none).
@@ -36,24 +65,20 @@ def run_serve(args: argparse.Namespace, api_servers: int, out: Path, on_phase: C
            "--allowed-local-media-path", str(Path(args.imgs).resolve()), "--port", str(args.serve_port)]
     for name, value in kernel_args(args.model).items():  # the kernels the pipeline's engine is given
         cmd += [f"--{name.replace('_', '-')}", str(value)]
-    server = spawn(cmd, logp, env=gpu_env(os.environ.copy(), args.gpu_ids[0]), tag="serve")
-    gpu = GpuSampler(args.gpu_ids[:1]).start()
-    t = time.monotonic()
+    extra = shlex.split(args.serve_args)
+    url = f"http://127.0.0.1:{args.serve_port}"
     try:
-        url = f"http://127.0.0.1:{args.serve_port}"
-        while True:
-            try:
-                if urllib.request.urlopen(url + "/health", timeout=2).status == 200:
-                    break
-            except Exception:  # noqa: BLE001 - not up yet
-                pass
-            if server.poll() is not None:
-                raise RuntimeError(f"vllm serve exited ({server.returncode}):\n{log_tail(logp)}")
-            if time.monotonic() - t > args.start_limit:
-                raise TimeoutError(f"vllm serve not healthy after {args.start_limit}s\n{log_tail(logp)}")
-            time.sleep(1)
-        start_s = round(time.monotonic() - t, 1)
-        log(f"serve healthy after {start_s}s")
+        server, start_s = _start_server(args, cmd + extra, logp, url)
+        dropped = False
+    except (RuntimeError, TimeoutError):
+        if not extra:
+            raise
+        traceback.print_exc()
+        log(f"vllm serve did not come up with {extra}; starting it again without them")
+        server, start_s = _start_server(args, cmd, logp, url)
+        dropped = True
+    gpu = GpuSampler(args.gpu_ids[:1]).start()
+    try:
         for budget in args.budgets:
             client_cmd = [sys.executable, str(HERE / "serve_client.py"), "--url", url, "--model", args.model,
                           "--imgs", str(Path(args.imgs).resolve()), "--seconds", str(args.seconds),
@@ -72,7 +97,8 @@ def run_serve(args: argparse.Namespace, api_servers: int, out: Path, on_phase: C
                 if not res:
                     raise RuntimeError(f"serve client (budget {budget}) gave no RESULT:\n{log_tail(logp)}")
                 rec = json.loads(res[-1][len("RESULT "):])
-                rec.update(budget=budget, api_servers=api_servers, start_s=start_s,
+                rec.update(budget=budget, api_servers=api_servers, start_s=start_s, serve_args=args.serve_args,
+                           serve_args_dropped=dropped,
                            gpu_busy=gpu.busy(rec["t0"], rec["t0"] + rec["wall_s"]) if "t0" in rec else None,
                            cpu_cores=cpu.cores(rec["t0"], rec["t0"] + rec["wall_s"]) if "t0" in rec else None)
                 log(f"PHASE serve budget={budget} RESULT {json.dumps(rec)}")

@@ -96,6 +96,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                     "(mps.py: the tower and vLLM's engine then share the GPU instead of time-slicing).")
     ap.add_argument("--serve-k", default="8", help="vllm serve --api-server-count; a comma list (8,12) starts one "
                     "server per count in turn, records each as serve-k<K> and the fastest at each budget as serve.")
+    ap.add_argument("--serve-args", default="", help="More `vllm serve` arguments, as one string (vLLM 0.34's "
+                    "preprocessing: '--renderer-num-workers 2 --mm-tensor-ipc torch_shm'). Where the server does not "
+                    "come up with them it starts again without, and each record says serve_args_dropped.")
     ap.add_argument("--serve-procs", type=int, default=6)
     ap.add_argument("--serve-conc", type=int, default=192)
     ap.add_argument("--serve-port", type=int, default=8000)
