@@ -93,10 +93,11 @@ def is_remote_pdf(uri: str) -> bool:
 def pdf_page_uris(uri: str, max_pdf_pages: int, read: Callable[[str], bytes] | None = None) -> list[str]:
     """A PDF named without ``#page=N`` as one URI per page, its pages counted from its page tree (nothing
     rendered): a local one (a path or a ``file://`` URI) read here, a remote one (``http(s)://``, an fsspec URL)
-    fetched through ``read`` (the decode stage's fetcher, with its host rules and size cap); without ``read`` a
-    remote PDF stays as it is (the decode stage describes its first page and notes the others). Anything else stays
-    as it is, and so does a PDF that cannot be read or fetched (the decode stage names what is wrong) and one of more
-    than ``max_pdf_pages`` pages (decode.max_pdf_pages: the decode stage's dead letter names it)."""
+    fetched through ``read`` (the fetcher decode reads images with, ``vlmstream/images/fetch.py``, with its host
+    rules and size cap); without ``read`` a remote PDF stays as it is (the decode stage describes its first page and
+    notes the others). Anything else stays as it is, and so does a PDF that cannot be read or fetched (the decode
+    stage names what is wrong) and one of more than ``max_pdf_pages`` pages (decode.max_pdf_pages: the decode
+    stage's dead letter names it)."""
     if "#page=" in uri:
         return [uri]
     local = _is_local(uri)

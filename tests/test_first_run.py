@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from consumers.decode.fetch import Fetcher
+from vlmstream.images.fetch import Fetcher
 from vlmstream.config import load_settings
 from vlmstream.images.errors import ImageError
 

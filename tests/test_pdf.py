@@ -464,7 +464,7 @@ def test_a_remote_pdf_over_http_or_fsspec_is_a_document_of_its_pages(tmp_path, p
     to count its pages, one URI per page; the decode stage renders each. One it cannot fetch stays as it is."""
     import fsspec
 
-    from consumers.decode.fetch import Fetcher
+    from vlmstream.images.fetch import Fetcher
     from producers.items import with_pdf_pages
     from schemas import DocumentRef
 

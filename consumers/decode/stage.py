@@ -17,7 +17,7 @@ from vlmstream.images.payload import encode
 from consumers.decode.decoder import Decoder
 from consumers.decode.errors import DecodeTimeout
 from vlmstream.images.pages import split_page
-from consumers.decode.fetch import Fetcher
+from vlmstream.images.fetch import Fetcher
 from consumers.decode.resize import apply_orientation, resize_exact
 from vlmstream.images.errors import ImageError
 from consumers.decode.types import ImageFailure, PreparedImage, Stage

@@ -280,7 +280,7 @@ def settle_sample_pdfs(shape: JobShape, sample: list[JobDocument], decode: Any) 
 
 
 def _fetch_and_count(pdfs: list[str], remote: RemotePdfs, decode: Any, deadline: float | None) -> None:
-    from consumers.decode.fetch import Fetcher
+    from vlmstream.images.fetch import Fetcher
 
     fetcher = Fetcher.from_settings(decode)
     try:

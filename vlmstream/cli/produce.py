@@ -45,7 +45,7 @@ def produce(
     Exit 1: the broker did not acknowledge a send; that document goes out on the next run.
     Exit 2: bad usage.
     """
-    from consumers.decode.fetch import Fetcher
+    from vlmstream.images.fetch import Fetcher
     from producers.folder import scan_folder, skipped_files_line
     from producers.items import with_id_prefix, with_pdf_pages
     from producers.manifest import read_manifest

@@ -50,7 +50,7 @@ def read_source(folder: Path | None, *, per_file: bool, id_prefix: str, decode: 
     if folder.is_file():  # a manifest: its documents as they are
         from producers.manifest import read_manifest
 
-        from consumers.decode.fetch import Fetcher
+        from vlmstream.images.fetch import Fetcher
 
         fetcher = Fetcher.from_settings(decode)
         try:

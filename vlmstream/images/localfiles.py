@@ -2,7 +2,7 @@
 goes through (the decode fetcher, `vlmstream view`'s thumbnails), so a path that leads out of the roots (``..``, a
 symlink, an encoded slash once decoded) is refused the same way everywhere. The roots are ``decode.allowed_roots``.
 
-The fetch errors live here too, the local ones' home; ``consumers/decode/fetch.py`` adds those of URLs.
+The fetch errors live here too, the local ones' home; ``fetch.py`` beside it adds those of URLs.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ import zlib
 
 import pytest
 
-from consumers.decode.fetch import Fetcher
+from vlmstream.images.fetch import Fetcher
 from consumers.decode.stage import DecodeStage
 from vlmstream.images.errors import ImageError
 from consumers.decode.types import ImageFailure, PreparedImage
