@@ -30,7 +30,7 @@ from consumers.decode.headers import (EXIF_ORIENTATION_TAG, check_jpeg_is_decoda
                                       tiff_orientation)
 from consumers.decode.jpeg2000 import jpeg2000_decomposition_levels, jpeg2000_is_cut_short, jpeg2000_levels_to_drop
 from consumers.decode.pixels import composite_on_white, eight_bit, to_rgb
-from consumers.decode.resize import resize_exact, shrink_antialiased, shrink_bicubic, swaps_axes
+from consumers.decode.resize import resize_exact, shrink_antialiased, swaps_axes
 from consumers.decode.sniff import sniff_format
 from vlmstream.images import pages as page_files
 from vlmstream.images import pdf
@@ -48,19 +48,20 @@ _TILE_OVER_IMAGE_AREA = 4
 # the same pixel grid as there, but at most this many times the model's size on each axis (a page larger than A3 at
 # 0.2 MP), then resized. Drawn at another size the same glyphs land on other pixels whatever the resize: mean |diff|
 # of normalised values from PDFium's own 200 dpi raster through Qwen2VLImageProcessor at 0.2 MP 0.10 (p99 1.2) drawn
-# at the model's size, 0.033 (p99 0.39) at 3x, 0.008 (p99 0.08) at 200 dpi (benchmarks/bench_pdf_render.py).
+# at the model's size, 0.033 (p99 0.39) at 3x, 0.008 (p99 0.08) at 200 dpi, each shrunk by Pillow's own resample
+# (the stage's shrink below on the 200 dpi raster: 0.022, p99 0.21; benchmarks/bench_pdf_render.py).
 PDF_OVERSAMPLE = 6.0
-# Shrinking a drawn page by more than this: Pillow's antialiased bicubic, the kernel transformers' resize calls (on
-# text the area filter stays 0.06 from it at 3x), after a box reduce by a whole factor that leaves at least
-# PDF_REDUCING_GAP times the target (resize.shrink_bicubic: half the cost at 4x, 0.008 from the kernel alone); by
-# less, the stage's resize_exact as for any image (0.016 from it at 2x, at half the cost).
+# Shrinking a drawn page by more than this, and a scanned page's JPEG decoded whole: Pillow's antialiased bicubic,
+# the kernel transformers' resize calls (on text the area filter stays 0.06 from it at 3x), as one cv2 filter pass
+# after a box reduce (resize.shrink_antialiased: Pillow's own resample costs twice as much on a 200 dpi letter page
+# and more than the baseline's third on a whole 8 MP scan). By less, the stage's resize_exact as for any image
+# (0.016 from the kernel at 2x, at half the cost).
 PDF_PILLOW_SHRINK = 2.0
-# A scanned page's JPEG, decoded whole, takes the same box reduce, then the same kernel as a cv2 filter pass
-# (resize.shrink_antialiased: Pillow's resample on a whole 8 MP scan costs more than the baseline's third), and
-# a reduce by 2 where that leaves PDF_SCAN_LEAST_GAP times the target and no reduce leaves PDF_REDUCING_GAP
-# (a 300 dpi letter scan at 1 MP: the filter at full size costs more than the decode; bench_pdf_render.py).
+# The box reduce is by whole factors that leave at least PDF_REDUCING_GAP times the target on each axis, or, where
+# none does, by 2 if that leaves PDF_LEAST_GAP times (a 300 dpi letter scan at 1 MP: the filter at full size costs
+# more than the decode; benchmarks/bench_pdf_render.py).
 PDF_REDUCING_GAP = 2.0
-PDF_SCAN_LEAST_GAP = 1.4
+PDF_LEAST_GAP = 1.4
 
 
 @dataclass(frozen=True)
@@ -234,12 +235,12 @@ class Decoder:
         return min(width, round(PDF_OVERSAMPLE * target_w)), min(height, round(PDF_OVERSAMPLE * target_h))
 
     def _shrink_pdf_page(self, pixels: np.ndarray, width_pt: float, height_pt: float) -> np.ndarray:
-        """A drawn page at its target: past ``PDF_PILLOW_SHRINK`` by ``shrink_bicubic``, else by the stage's
+        """A drawn page at its target: past ``PDF_PILLOW_SHRINK`` by ``shrink_antialiased``, else by the stage's
         resize_exact (the stage's own call then has nothing to do). ``pixels`` is the renderer's shared buffer, read
         in place: the result is always a new array."""
         target_w, target_h = self._pdf_target(width_pt, height_pt)[2:]
         if pixels.shape[1] > PDF_PILLOW_SHRINK * target_w:
-            return shrink_bicubic(pixels, target_h, target_w, PDF_REDUCING_GAP)
+            return shrink_antialiased(pixels, target_h, target_w, PDF_REDUCING_GAP, PDF_LEAST_GAP)
         resized = resize_exact(pixels, target_h, target_w)
         return resized.copy() if resized is pixels else resized
 
@@ -267,7 +268,7 @@ class Decoder:
                                  self._turbo.scaling_factors)
         pixels = self._turbo_decode(data, TJPF_RGB, scaling)
         if pixels.shape[0] > need_h and pixels.shape[1] > need_w:
-            return shrink_antialiased(pixels, need_h, need_w, PDF_REDUCING_GAP, PDF_SCAN_LEAST_GAP)
+            return shrink_antialiased(pixels, need_h, need_w, PDF_REDUCING_GAP, PDF_LEAST_GAP)
         return resize_exact(pixels, need_h, need_w)  # a scan smaller than its target: enlarged as any image
 
     def _pdf_target(self, width_pt: float, height_pt: float) -> tuple[int, int, int, int]:
