@@ -158,3 +158,21 @@ def test_the_adapter_reads_how_long_vllms_engine_compiled_at_its_start():
     assert vllm_adapter.cold_compile_seconds(COLD_START) == pytest.approx(21.61)
     assert vllm_adapter.cold_compile_seconds(WARM_START) == 0.0  # it loaded the cache the first one filled
     assert vllm_adapter.cold_compile_seconds("loading the tiny model on the CPU\n") is None
+
+
+# vLLM 0.34.0's forms of the same line (v1/engine/core.py's format strings): with a compiled encoder, the compile split
+# in the brackets; with nothing compiled, no brackets.
+COLD_START_WITH_ENCODER = """\
+(EngineCore pid=88) INFO 12-06 05:01:02 [backends.py:422] Compiling a graph for compile range (1, 8192) takes 9.10 s
+(EngineCore pid=88) INFO 12-06 05:01:30 [core.py:441] init engine (profile, create kv cache, warmup model) took \
+40.12 s (compilation: 25.50 s \u2014 language_model: 20.00 s, encoder: 5.50 s)
+"""
+NOTHING_COMPILED = """\
+(EngineCore pid=90) INFO 12-06 05:03:00 [core.py:456] init engine (profile, create kv cache, warmup model) took 12.00 s
+"""
+
+
+def test_the_adapter_reads_the_compile_seconds_in_each_form_vllm_writes_them():
+    assert vllm_adapter.cold_compile_seconds(COLD_START_WITH_ENCODER) == pytest.approx(25.5)
+    assert vllm_adapter.cold_compile_seconds(NOTHING_COMPILED) == 0.0
+    assert vllm_adapter.cold_compile_seconds(COLD_START + WARM_START) == pytest.approx(21.61 + 3.77)

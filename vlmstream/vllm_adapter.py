@@ -37,8 +37,8 @@ from vlmstream.extras import install_command
 log = logging.getLogger(__name__)
 
 # The vLLM release the hooks below were read against. pyproject.toml's ``gpu`` extra pins its release series
-# (``vllm>=0.26,<0.27``); patch releases of one series keep these names.
-CHECKED_VLLM = "0.26.0"
+# (``vllm>=0.34,<0.35``); patch releases of one series keep these names.
+CHECKED_VLLM = "0.34.0"
 INSTALL_HINT = install_command("gpu")
 
 MODELS_PACKAGE = "vllm.model_executor.models"
@@ -98,8 +98,10 @@ def wrap_image_inputs(wrap: Callable[[Callable], Callable], classes=MODEL_CLASSE
 
 
 # vLLM's engine, once started: "init engine (profile, create kv cache, warmup model) took 44.84 s (compilation: 21.61 s)";
-# where it compiled rather than loaded its cache, also "Compiling a graph for compile range (1, 16384) takes 10.66 s".
-_ENGINE_STARTED = re.compile(r"init engine \([^)]*\) took [\d.]+ s \(compilation: ([\d.]+) s\)")
+# 0.34 adds " — language_model: X s, encoder: Y s" inside the brackets where it compiled a tower too, and leaves the
+# brackets out where it compiled nothing. Where it compiled rather than loaded its cache, also "Compiling a graph for
+# compile range (1, 16384) takes 10.66 s".
+_ENGINE_STARTED = re.compile(r"init engine \([^)]*\) took [\d.]+ s(?: \(compilation: ([\d.]+) s)?")
 _COMPILED_COLD = "Compiling a graph for"
 
 
@@ -109,7 +111,7 @@ def cold_compile_seconds(log_text: str) -> float | None:
     started = _ENGINE_STARTED.findall(log_text)
     if not started:
         return None
-    return sum(float(s) for s in started) if _COMPILED_COLD in log_text else 0.0
+    return sum(float(s or 0) for s in started) if _COMPILED_COLD in log_text else 0.0
 
 
 def built_model(worker):
