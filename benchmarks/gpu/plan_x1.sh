@@ -10,10 +10,10 @@
 #   serve-ratios-2   Qwen2.5-VL-7B at 1 MP: the pipeline and `vllm serve` alternated, P S P S, 150 s each (about
 #                    21 minutes)
 #   serve-ratios-02  the same at 0.2 MP, 90 s each (about 17 minutes)
-#   serve-pairs      gpu_engine_smoke.py in embeds mode (32 images), then Qwen2.5-VL-7B at 0.2 and 1 MP: the pipeline
-#                    (embeds) and `vllm serve` (8 API servers and SERVE_ARGS, by default vLLM 0.34's preprocessing
-#                    options) alternated P S P S, each job one engine start measuring both budgets in turn in 45-s
-#                    phases; then check_tower.py on Qwen3-VL-8B (about 20 minutes)
+#   serve-pairs      Qwen2.5-VL-7B at 0.2 and 1 MP: the pipeline (embeds) and `vllm serve` (8 API servers and
+#                    SERVE_ARGS, by default vLLM 0.34's preprocessing options) alternated P S P S, each job one engine
+#                    start measuring both budgets in turn in 45-s phases; then gpu_engine_smoke.py in embeds mode (32
+#                    images) and check_tower.py on Qwen3-VL-8B (about 20 minutes)
 #   qwen3-vl         Qwen3-VL-8B, `pixels` mode without embeddings, against `vllm serve`: at 0.2 MP in 120-s phases,
 #                    then at 1 MP in 80-s phases (about 22 minutes)
 #   qwen35-short     Qwen3.5-27B at 0.2 MP: the pipeline in both modes (90 s), then naive vLLM and vLLM given
@@ -101,8 +101,6 @@ alternated_pairs() {
 
 if [ "$LIST" = serve-pairs ]; then
   [ -e /root/model/config.json ] || python3 benchmarks/gpu/mk_model.py /root/model > "$RES/mk_model.log" 2>&1
-  job e1_engine_smoke 160 300 python3 benchmarks/gpu_engine_smoke.py --images /root/imgs --n 32 \
-    --modes embeds --out "$RES/e1_engine_smoke.json"
   SERVE_ARGS=${SERVE_ARGS:---renderer-num-workers 2 --mm-tensor-ipc torch_shm}
   for k in 1 2; do
     job "v${k}_pipeline" 260 400 $BENCH --model /root/model --budgets 256,1280 --seconds 45 --stop-after 1.5 \
@@ -110,6 +108,8 @@ if [ "$LIST" = serve-pairs ]; then
     job "v${k}_serve" 200 360 $BENCH --model /root/model --budgets 256,1280 --seconds 45 --arms serve --serve-k 8 \
       --serve-args "$SERVE_ARGS" --out "$RES/v${k}_serve"
   done
+  job e1_engine_smoke 160 300 python3 benchmarks/gpu_engine_smoke.py --images /root/imgs --n 32 \
+    --modes embeds --out "$RES/e1_engine_smoke.json"
   job t1_tower_qwen3 120 240 python3 benchmarks/gpu/check_tower.py --model qwen3-vl-8b --images /root/imgs \
     --out "$RES/t1_tower_qwen3.json"
 fi
