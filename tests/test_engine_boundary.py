@@ -160,8 +160,14 @@ def test_the_adapter_reads_how_long_vllms_engine_compiled_at_its_start():
     assert vllm_adapter.cold_compile_seconds("loading the tiny model on the CPU\n") is None
 
 
-# vLLM 0.34.0's forms of the same line (v1/engine/core.py's format strings): with a compiled encoder, the compile split
-# in the brackets; with nothing compiled, no brackets.
+# vLLM 0.34.0's lines (an H100, Qwen2.5-VL-7B's config, our tower in its engine), then the forms its format strings
+# (v1/engine/core.py) give with a compiled encoder (the compile split in the brackets) and with nothing compiled.
+COLD_START_034 = """\
+(EngineCore pid=2681) INFO 12-06 04:49:55 [backends.py:421] [backbone] Compiling a graph for compile range (1, 16384) \
+takes 15.29 s
+(EngineCore pid=2681) INFO 12-06 04:50:41 [core.py:451] init engine (profile, create kv cache, warmup model) took \
+75.45 s (compilation: 31.63 s)
+"""
 COLD_START_WITH_ENCODER = """\
 (EngineCore pid=88) INFO 12-06 05:01:02 [backends.py:422] Compiling a graph for compile range (1, 8192) takes 9.10 s
 (EngineCore pid=88) INFO 12-06 05:01:30 [core.py:441] init engine (profile, create kv cache, warmup model) took \
@@ -173,6 +179,7 @@ NOTHING_COMPILED = """\
 
 
 def test_the_adapter_reads_the_compile_seconds_in_each_form_vllm_writes_them():
+    assert vllm_adapter.cold_compile_seconds(COLD_START_034) == pytest.approx(31.63)
     assert vllm_adapter.cold_compile_seconds(COLD_START_WITH_ENCODER) == pytest.approx(25.5)
     assert vllm_adapter.cold_compile_seconds(NOTHING_COMPILED) == 0.0
     assert vllm_adapter.cold_compile_seconds(COLD_START + WARM_START) == pytest.approx(21.61 + 3.77)

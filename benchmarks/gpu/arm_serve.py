@@ -65,6 +65,8 @@ def run_serve(args: argparse.Namespace, api_servers: int, out: Path, on_phase: C
            "--allowed-local-media-path", str(Path(args.imgs).resolve()), "--port", str(args.serve_port)]
     for name, value in kernel_args(args.model).items():  # the kernels the pipeline's engine is given
         cmd += [f"--{name.replace('_', '-')}", str(value)]
+    if budget_kwargs:  # vLLM 0.34 refuses a request's mm_processor_kwargs (the budget) without this switch
+        cmd.append("--trust-request-mm-kwargs")
     extra = shlex.split(args.serve_args)
     url = f"http://127.0.0.1:{args.serve_port}"
     try:

@@ -69,7 +69,10 @@ def main() -> int:
             inputs = processor(images=[image], do_resize=False, return_tensors="pt")
             features = model.model.get_image_features(inputs["pixel_values"].cuda(), inputs["image_grid_thw"].cuda())
             merged = features.pooler_output[0]
-            levels = [torch.cat(level) for level in getattr(features, "deepstack_features", None) or []]
+            # One image per call: transformers 5.17 gives each DeepStack level as one tensor, later releases as a
+            # tuple of one tensor per image.
+            levels = [level if torch.is_tensor(level) else torch.cat(level)
+                      for level in getattr(features, "deepstack_features", None) or []]
             reference = torch.cat([merged, *levels], -1).float()
             got = encoded.tokens.float()
             shapes.append([list(got.shape), list(reference.shape)])
