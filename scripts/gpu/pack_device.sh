@@ -2,10 +2,10 @@
 # Build everything the H200 device lacks into parts under <repo>/.gpu/p1, p2, ... (git-ignored; one `run` call
 # carries one folder; split_parts.sh keeps each folder within 62 MiB).
 # One zstd stream (the device has no zstd binary; pyarrow decompresses it there) holding:
-#   site/                 vLLM $VLLM_VERSION + its wheel list + deps_vlmstream.txt wheels. 0.26.0 (the default):
-#                         deps.txt (as ../shared/gpu/pack.sh builds it). Another release: deps-$VLLM_VERSION.txt,
-#                         which for 0.34.0 also holds torch 2.14, torchvision 0.29 and triton 3.8 (IMAGE_TORCH=1
-#                         leaves those three out, to try that release on the image's own torch)
+#   site/                 vLLM $VLLM_VERSION (0.34.0, the release vlmstream/vllm_adapter.py is checked against, by
+#                         default) + its wheel list deps-$VLLM_VERSION.txt + deps_vlmstream.txt wheels. 0.34.0's list
+#                         holds torch 2.14, torchvision 0.29 and triton 3.8 (IMAGE_TORCH=1 leaves those three out, to
+#                         try that release on the image's own torch); 0.26.0's runs on the image's torch
 #   lib/libturbojpeg.so.0 this Debian's libjpeg-turbo 2.1 (PyTurboJPEG 1.x drives it; the device has none)
 #   lib/libnccl_2_30_stubs.so  only when the kit ships torch: nccl_2_30_stubs.c, which env.sh preloads
 #   jre/                  jlink'ed Java 17 runtime with only the modules the Kafka 4.1 broker uses
@@ -14,18 +14,15 @@
 # corpus, smallest files first, up to IMG_MB (2026-11-30: 15 files, 10.2 MiB, mean 5.83 MP) for gpu_bench.py.
 # Usage: bash scripts/gpu/pack_device.sh
 #   env: CORPUS=/work/shared/corpus IMG_MB=12 LEVEL=19 (PART_MIB=62: see split_parts.sh) WORK=/tmp/vlmstream-gpu-pack
-#        VLLM_VERSION=0.26.0 IMAGE_TORCH= DRY_RUN= (DRY_RUN=1 lists the wheels it would fetch and stops)
+#        VLLM_VERSION=0.34.0 IMAGE_TORCH= DRY_RUN= (DRY_RUN=1 lists the wheels it would fetch and stops)
 # Wheels are cached in $WORK/whl (another vLLM release: $WORK/whl-<release>) between runs. zstd -19 takes ~4 min on
 # 2 idle cores and far longer on a busy shared machine; LEVEL=12 is ~10x faster for a few per cent more bytes.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd); repo=$(cd "$here/../.." && pwd)
 work=${WORK:-/tmp/vlmstream-gpu-pack}; corpus=${CORPUS:-/work/shared/corpus}; img_mb=${IMG_MB:-12}
 jars_src=${KAFKA_JARS:-$HOME/.cache/vlmstream/kafka-4.1.1-jars}
-vllm_version=${VLLM_VERSION:-0.26.0}
-deps=$here/deps.txt; whl=$work/whl
-if [ "$vllm_version" != 0.26.0 ]; then
-  deps=$here/deps-$vllm_version.txt; whl=$work/whl-$vllm_version${IMAGE_TORCH:+-imagetorch}
-fi
+vllm_version=${VLLM_VERSION:-0.34.0}
+deps=$here/deps-$vllm_version.txt; whl=$work/whl-$vllm_version${IMAGE_TORCH:+-imagetorch}
 [ -f "$deps" ] || { echo "no wheel list for vLLM $vllm_version: $deps" >&2; exit 2; }
 wheels=$(grep -hv -e '^#' -e '^PyTurboJPEG' "$deps" "$here/deps_vlmstream.txt")
 if [ -n "${IMAGE_TORCH:-}" ]; then wheels=$(printf '%s\n' $wheels | grep -v -E '^(torch|torchvision|triton)=='); fi
