@@ -8,10 +8,11 @@ import json
 import pydantic
 import pytest
 
-from consumers.infer.tiny_model import TEXT_CONFIG, VISION_CONFIG, model_config_dict, write_processor_files
+from consumers.infer.tiny_model import (QWEN3_5_VISION_CONFIG, QWEN3_VL_VISION_CONFIG, TEXT_CONFIG, VISION_CONFIG,
+                                       model_config_dict, write_processor_files)
 from vlmstream.config import DecodeSettings
 from vlmstream.models.qwen2_vl import QWEN2_VL
-from vlmstream.models.registry import UnknownModelFamily, family_named, family_of
+from vlmstream.models.registry import UnknownModelFamily, deepstack_levels, family_named, family_of
 
 
 def tiny_checkpoint(path, *, model_type=None, architectures=None, max_pixels=None):
@@ -115,3 +116,14 @@ def test_decode_settings_name_a_known_family():
     assert family_named(DecodeSettings().model_family) == QWEN2_VL
     with pytest.raises(pydantic.ValidationError, match="unknown model family 'qwen9_vl'"):
         DecodeSettings(model_family="qwen9_vl")
+
+
+def test_deepstack_levels_come_from_the_checkpoints_vision_config(tmp_path):
+    """The vLLM engine keeps vLLM's own tower for a model whose image embeddings carry DeepStack levels."""
+    for name, vision, levels in (("qwen3_vl", QWEN3_VL_VISION_CONFIG, 2), ("qwen3_5", QWEN3_5_VISION_CONFIG, 0),
+                                 ("qwen2_5_vl", VISION_CONFIG, 0)):
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps({"model_type": name, "vision_config": dict(vision)}))
+        assert deepstack_levels(folder) == levels, name
+    assert deepstack_levels(tmp_path / "no-such-folder") == 0
