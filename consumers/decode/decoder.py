@@ -30,7 +30,7 @@ from consumers.decode.headers import (EXIF_ORIENTATION_TAG, check_jpeg_is_decoda
                                       tiff_orientation)
 from consumers.decode.jpeg2000 import jpeg2000_decomposition_levels, jpeg2000_is_cut_short, jpeg2000_levels_to_drop
 from consumers.decode.pixels import composite_on_white, eight_bit, to_rgb
-from consumers.decode.resize import resize_exact, shrink_antialiased, swaps_axes
+from consumers.decode.resize import resize_exact, shrink_antialiased, shrink_filtered, swaps_axes
 from consumers.decode.sniff import sniff_format
 from vlmstream.images import pages as page_files
 from vlmstream.images import pdf
@@ -51,11 +51,13 @@ _TILE_OVER_IMAGE_AREA = 4
 # at the model's size, 0.033 (p99 0.39) at 3x, 0.008 (p99 0.08) at 200 dpi, each shrunk by Pillow's own resample
 # (the stage's shrink below on the 200 dpi raster: 0.022, p99 0.21; benchmarks/bench_pdf_render.py).
 PDF_OVERSAMPLE = 6.0
-# Shrinking a drawn page by more than this, and a scanned page's JPEG decoded whole: Pillow's antialiased bicubic,
-# the kernel transformers' resize calls (on text the area filter stays 0.06 from it at 3x), as one cv2 filter pass
-# after a box reduce (resize.shrink_antialiased: Pillow's own resample costs twice as much on a 200 dpi letter page
-# and more than the baseline's third on a whole 8 MP scan). By less, the stage's resize_exact as for any image
-# (0.016 from the kernel at 2x, at half the cost).
+# Shrinking a drawn page by more than this: Pillow's antialiased bicubic, the kernel transformers' resize calls (on
+# text the area filter stays 0.06 from it at 3x), Pillow's resample itself as banded matrix products after a box
+# reduce (resize.shrink_antialiased, within a level of Pillow's: 4 ms on a 200 dpi letter page at 0.2 MP against
+# Pillow's 11). A scanned page's JPEG decoded whole: the same kernel as one cv2 filter pass after the same reduce
+# (resize.shrink_filtered, nearly Pillow's on a scan's soft edges, and 1.5-3x cheaper than the products on a whole
+# scan shrunk by less than 3x; Pillow's own resample costs more than the baseline's third there). By less, the
+# stage's resize_exact as for any image (0.016 from the kernel at 2x, at half the cost).
 PDF_PILLOW_SHRINK = 2.0
 # The box reduce is by whole factors that leave at least PDF_REDUCING_GAP times the target on each axis, or, where
 # none does, by 2 if that leaves PDF_LEAST_GAP times (a 300 dpi letter scan at 1 MP: the filter at full size costs
@@ -246,7 +248,7 @@ class Decoder:
 
     def _scan_jpeg(self, data: bytes, width_pt: float, height_pt: float) -> np.ndarray | None:
         """A scanned page's own JPEG at the page's target: decoded whole (or, past ``PDF_OVERSAMPLE`` times the
-        target on each axis, at the DCT scale that leaves that much), then shrunk by ``shrink_antialiased``, the
+        target on each axis, at the DCT scale that leaves that much), then shrunk by ``shrink_filtered``, nearly the
         processor's kernel; None for one libjpeg-turbo would hand back as CMYK (PDFium draws those). A DCT scale
         near the target, as the stage takes a photo's JPEG, is no box filter: on a scan's sharp edges it is p99
         0.53-0.64 of normalised values from the processor on the whole JPEG, 0.42-0.46 at 0.2 MP with the processor's
@@ -268,7 +270,7 @@ class Decoder:
                                  self._turbo.scaling_factors)
         pixels = self._turbo_decode(data, TJPF_RGB, scaling)
         if pixels.shape[0] > need_h and pixels.shape[1] > need_w:
-            return shrink_antialiased(pixels, need_h, need_w, PDF_REDUCING_GAP, PDF_LEAST_GAP)
+            return shrink_filtered(pixels, need_h, need_w, PDF_REDUCING_GAP, PDF_LEAST_GAP)
         return resize_exact(pixels, need_h, need_w)  # a scan smaller than its target: enlarged as any image
 
     def _pdf_target(self, width_pt: float, height_pt: float) -> tuple[int, int, int, int]:
