@@ -49,15 +49,17 @@ _TILE_OVER_IMAGE_AREA = 4
 # 0.2 MP), then resized. Drawn at another size the same glyphs land on other pixels whatever the resize: mean |diff|
 # of normalised values from PDFium's own 200 dpi raster through Qwen2VLImageProcessor at 0.2 MP 0.10 (p99 1.2) drawn
 # at the model's size, 0.033 (p99 0.39) at 3x, 0.008 (p99 0.08) at 200 dpi, each shrunk by Pillow's own resample
-# (the stage's shrink below on the 200 dpi raster: 0.022, p99 0.21; benchmarks/bench_pdf_render.py).
+# (the stage's shrink below on the 200 dpi raster, Pillow's resample itself: the same 0.008, p99 0.075;
+# benchmarks/bench_pdf_render.py).
 PDF_OVERSAMPLE = 6.0
 # Shrinking a drawn page by more than this: Pillow's antialiased bicubic, the kernel transformers' resize calls (on
 # text the area filter stays 0.06 from it at 3x), Pillow's resample itself as banded matrix products after a box
-# reduce (resize.shrink_antialiased, within a level of Pillow's: 4 ms on a 200 dpi letter page at 0.2 MP against
-# Pillow's 11). A scanned page's JPEG decoded whole: the same kernel as one cv2 filter pass after the same reduce
-# (resize.shrink_filtered, nearly Pillow's on a scan's soft edges, and 1.5-3x cheaper than the products on a whole
-# scan shrunk by less than 3x; Pillow's own resample costs more than the baseline's third there). By less, the
-# stage's resize_exact as for any image (0.016 from the kernel at 2x, at half the cost).
+# reduce (resize.shrink_antialiased, within a level of Pillow's: 5 ms on a 200 dpi letter page at 0.2 MP against
+# 8.4 for Pillow's resample after the same reduce). A scanned page's JPEG decoded whole: the same kernel as one cv2
+# filter pass after the same reduce (resize.shrink_filtered, nearly Pillow's on a scan's soft edges, and 1.5-3x
+# cheaper than the products on a whole scan shrunk by less than 3x; Pillow's own resample costs more than the
+# baseline's third there). By less, the stage's resize_exact as for any image (0.016 from the kernel at 2x, at half
+# the cost).
 PDF_PILLOW_SHRINK = 2.0
 # The box reduce is by whole factors that leave at least PDF_REDUCING_GAP times the target on each axis, or, where
 # none does, by 2 if that leaves PDF_LEAST_GAP times (a 300 dpi letter scan at 1 MP: the filter at full size costs
