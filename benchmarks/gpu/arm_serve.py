@@ -27,7 +27,8 @@ def _start_server(args: argparse.Namespace, cmd: list[str], logp: Path, url: str
     """Start `cmd` and wait until it answers /health: (process, seconds it took). Raises when it exits first or
     takes longer than args.start_limit (the process is then stopped)."""
     env = gpu_env(os.environ.copy(), args.gpu_ids[0])
-    if any("torch_shm" in part for part in cmd):  # vLLM 0.34 refuses torch_shm tensor IPC unless its workers are spawned
+    # vLLM 0.34 refuses torch_shm tensor IPC unless its workers are spawned.
+    if any("torch_shm" in part for part in cmd):
         env["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
     server = spawn(cmd, logp, env=env, tag="serve")
     t = time.monotonic()
