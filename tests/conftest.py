@@ -114,12 +114,13 @@ def engine_tower_config(monkeypatch):
     through its environment variable), read afresh by this test. Call it with the checkpoint folder."""
     from consumers.infer import engine_tower
     from consumers.infer.engine_boundary import EngineTowerConfig
+    from vlmstream import vllm_adapter
     from vlmstream.config import InferSettings
     from vlmstream.models.registry import family_of
 
     def configure(checkpoint, **settings) -> EngineTowerConfig:
         built = EngineTowerConfig.for_engine(str(checkpoint), family_of(checkpoint), InferSettings(**settings),
-                                             "0.26.0")
+                                             vllm_adapter.CHECKED_VLLM)
         for name, value in built.environment().items():
             monkeypatch.setenv(name, value)
         monkeypatch.setattr(engine_tower, "_config", None)

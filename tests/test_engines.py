@@ -772,17 +772,20 @@ def test_the_engine_process_installs_our_tower_where_vllm_is(monkeypatch, model_
     monkeypatch.setattr(engine_tower, "_config", None)
     with pytest.raises(RuntimeError, match=f"{ENVIRONMENT_VARIABLE} is not set"):
         engine_tower._installed_on_import()
-    engine_tower_config(model_dir)  # the consumer checked 0.26.0
-    monkeypatch.setattr(vllm_adapter, "installed_vllm", lambda: "0.26.0")
+    checked = vllm_adapter.CHECKED_VLLM
+    major, minor, _ = checked.split(".")
+    patch_release, other_series = f"{major}.{minor}.1", f"{major}.{int(minor) + 1}.1"
+    engine_tower_config(model_dir)  # the consumer checked CHECKED_VLLM
+    monkeypatch.setattr(vllm_adapter, "installed_vllm", lambda: checked)
     assert engine_tower._installed_on_import() == ["Qwen2_5_VLForConditionalGeneration"]
     with caplog.at_level("WARNING", logger=engine_tower.__name__):
-        monkeypatch.setattr(vllm_adapter, "installed_vllm", lambda: "0.27.1")
+        monkeypatch.setattr(vllm_adapter, "installed_vllm", lambda: other_series)
         assert engine_tower._installed_on_import() == []
-        monkeypatch.setattr(vllm_adapter, "installed_vllm", lambda: "0.26.1")  # the checked series, not the consumer's
+        monkeypatch.setattr(vllm_adapter, "installed_vllm", lambda: patch_release)  # the checked series, not the consumer's
         assert engine_tower._installed_on_import() == []
     warnings = [r.getMessage() for r in caplog.records]
-    assert any("0.27.1" in w and vllm_adapter.CHECKED_VLLM in w for w in warnings)
-    assert any("0.26.1" in w and "0.26.0" in w for w in warnings)
+    assert any(other_series in w and checked in w for w in warnings)
+    assert any(patch_release in w and checked in w for w in warnings)
 
 
 def test_pixel_rows_carry_an_exact_size_image_to_the_engine_and_back_unchanged():
