@@ -324,6 +324,20 @@ def test_scanned_pages_are_within_the_image_tolerance_of_the_processor_on_their_
             assert mean < MEAN_LIMIT and p99 < P99_LIMIT, (budget, page, mean, p99)
 
 
+def shrink_test_pages(shape):
+    """Three pages of one shape for the shrinks' tests: a dark block on grey (a scan's edges), lines of 1-3 px strokes
+    (a typed page's glyphs), and noise."""
+    rng = np.random.default_rng(0)
+    noise = rng.integers(0, 256, (*shape, 3), dtype=np.uint8)
+    page = np.full((*shape, 3), 236, np.uint8)
+    page[shape[0] // 5: shape[0] // 2, shape[1] // 7: shape[1] * 2 // 3] = (40, 40, 40)
+    text = np.full((*shape, 3), 255, np.uint8)
+    for row in range(shape[0] // 10, shape[0] * 9 // 10, 32):  # lines of 1-3 px strokes, a typed page's glyphs
+        text[row: row + 18, shape[1] // 10: shape[1] * 9 // 10: 7] = 0
+        text[row + 8: row + 10, shape[1] // 10: shape[1] * 9 // 10] = 0
+    return page, text, noise
+
+
 @pytest.mark.parametrize("shape", [(2200, 1700), (2339, 1653), (101, 77)])
 def test_shrink_antialiased_is_pillows_reducing_gap_resize(shape):
     """The drawn pages' shrink, with the decoder's gaps, against Pillow's own antialiased bicubic after its box reduce
@@ -338,14 +352,7 @@ def test_shrink_antialiased_is_pillows_reducing_gap_resize(shape):
     from consumers.decode.decoder import PDF_LEAST_GAP, PDF_REDUCING_GAP
     from consumers.decode.resize import shrink_antialiased
 
-    rng = np.random.default_rng(0)
-    noise = rng.integers(0, 256, (*shape, 3), dtype=np.uint8)
-    page = np.full((*shape, 3), 236, np.uint8)
-    page[shape[0] // 5: shape[0] // 2, shape[1] // 7: shape[1] * 2 // 3] = (40, 40, 40)
-    text = np.full((*shape, 3), 255, np.uint8)
-    for row in range(shape[0] // 10, shape[0] * 9 // 10, 32):  # lines of 1-3 px strokes, a typed page's glyphs
-        text[row: row + 18, shape[1] // 10: shape[1] * 9 // 10: 7] = 0
-        text[row + 8: row + 10, shape[1] // 10: shape[1] * 9 // 10] = 0
+    page, text, noise = shrink_test_pages(shape)
     for factor in (1.3, 2.1, 4.3, 10.0):
         height, width = max(1, round(shape[0] / factor)), max(1, round(shape[1] / factor))
         reduced = factor / PDF_REDUCING_GAP >= 2 or factor / 2 >= PDF_LEAST_GAP
@@ -371,14 +378,7 @@ def test_shrink_filtered_is_near_pillows_reducing_gap_resize(shape):
     from consumers.decode.decoder import PDF_LEAST_GAP, PDF_REDUCING_GAP
     from consumers.decode.resize import shrink_filtered
 
-    rng = np.random.default_rng(0)
-    noise = rng.integers(0, 256, (*shape, 3), dtype=np.uint8)
-    page = np.full((*shape, 3), 236, np.uint8)
-    page[shape[0] // 5: shape[0] // 2, shape[1] // 7: shape[1] * 2 // 3] = (40, 40, 40)
-    text = np.full((*shape, 3), 255, np.uint8)
-    for row in range(shape[0] // 10, shape[0] * 9 // 10, 32):  # lines of 1-3 px strokes, a typed page's glyphs
-        text[row: row + 18, shape[1] // 10: shape[1] * 9 // 10: 7] = 0
-        text[row + 8: row + 10, shape[1] // 10: shape[1] * 9 // 10] = 0
+    page, text, noise = shrink_test_pages(shape)
     for factor in (1.3, 2.1, 4.3, 10.0):
         height, width = max(1, round(shape[0] / factor)), max(1, round(shape[1] / factor))
         for name, image, mean_limit in (("page", page, 2.5), ("text", text, 5.0 if factor < 2 else 3.0),
