@@ -39,8 +39,6 @@ if [ -d /tmp/site/torch ] && ! python3 -c "import torch; x = torch.ones(64, 64, 
   rm -f /tmp/vlmlib/libnccl_2_30_stubs.so; unset LD_PRELOAD PYTORCH_SKIP_CUDNN_COMPATIBILITY_CHECK
   python3 -c "import torch; print('TORCH_OK (image)', torch.__version__)"
 fi
-python3 "$repo/scripts/gpu/patch_flashinfer.py"
-python3 "$repo/scripts/gpu/patch_pixtral.py"
-python3 "$repo/scripts/gpu/patch_msa_warmup.py"
+python3 "$repo/scripts/gpu/patch_vllm.py"
 python3 "$repo/scripts/gpu/importcheck.py"
 echo "UNPACKED in $(( $(date +%s) - t0 )) s: /tmp/site $(du -sh /tmp/site | cut -f1), /opt/jre, $VLMSTREAM_HOME/kafka-4.1.1-jars ($(ls "$VLMSTREAM_HOME/kafka-4.1.1-jars" | wc -l) jars), /root/imgs ($(ls /root/imgs | wc -l) files)"
