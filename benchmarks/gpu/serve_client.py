@@ -33,15 +33,15 @@ def worker(args: argparse.Namespace, rank: int, conc: int, start_at: float, stop
                     {"type": "image_url", "image_url": {"url": "file://" + files[i % len(files)]}},
                     {"type": "text", "text": args.prompt}]}]}
 
-    async def main() -> tuple[int, int, list[float], str]:
-        ok = failed = 0
+    async def main() -> tuple[int, int, list[float], str, int]:
+        ok = failed = prompt_tokens = 0
         done: list[float] = []  # when each answer came back
         first_err = ""
         counter = rank
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900),
                                          connector=aiohttp.TCPConnector(limit=conc)) as s:
             async def loop() -> None:
-                nonlocal ok, failed, first_err, counter
+                nonlocal ok, failed, first_err, counter, prompt_tokens
                 first = True
                 while first or time.time() < stop_at:  # every loop sends at least one request
                     first = False
@@ -53,6 +53,7 @@ def worker(args: argparse.Namespace, rank: int, conc: int, start_at: float, stop
                             if r.status == 200:
                                 ok += 1
                                 done.append(time.time())
+                                prompt_tokens += (j.get("usage") or {}).get("prompt_tokens", 0)
                             else:
                                 failed += 1
                                 first_err = first_err or str(j)[:300]
@@ -62,7 +63,7 @@ def worker(args: argparse.Namespace, rank: int, conc: int, start_at: float, stop
             while time.time() < start_at:
                 await asyncio.sleep(0.01)
             await asyncio.gather(*[loop() for _ in range(conc)])
-        return ok, failed, done, first_err
+        return ok, failed, done, first_err, prompt_tokens
 
     q.put(asyncio.run(main()))
 
@@ -73,8 +74,14 @@ def warm_up(args: argparse.Namespace) -> None:
     p = mp.Process(target=worker, args=(args, 0, 16, now, now + 0.5, q))
     p.start()
     p.join()
-    ok, failed, _, err = q.get(timeout=600)
-    print(f"warm-up: ok {ok} failed {failed} {err}", flush=True)
+    ok, failed, _, err, prompt_tokens = q.get(timeout=600)
+    # The prompt's length shows the budget took effect: about the budget's image tokens plus the text's.
+    print(f"warm-up: ok {ok} failed {failed} prompt tokens per request {prompt_tokens / max(ok, 1):.0f} {err}",
+          flush=True)
+    if not ok:  # a server that refuses every request would otherwise be timed for the whole phase
+        print("RESULT " + json.dumps(dict(n=0, ok=0, failed=failed, first_error=err, error="warm-up: every request failed")),
+              flush=True)
+        raise SystemExit(1)
 
 
 def main() -> None:
@@ -106,10 +113,12 @@ def main() -> None:
     failed = sum(o[1] for o in outs)
     done = sorted(t for o in outs for t in o[2])
     errs = [o[3] for o in outs if o[3]]
+    prompt_tokens = sum(o[4] for o in outs)
     rates = phase_rates(done, start_at, done[-1] if done else time.time(), args.window)
     print("RESULT " + json.dumps(dict(n=ok, ok=ok, failed=failed, **rates, t0=start_at, conc=args.conc,
                                       procs=args.procs, max_pixels=args.max_pixels, max_tokens=args.max_tokens,
-                                      url="file", first_error=errs[0] if errs else "")), flush=True)
+                                      url="file", first_error=errs[0] if errs else "",
+                                      prompt_tokens_per_request=round(prompt_tokens / max(ok, 1), 1))), flush=True)
 
 
 if __name__ == "__main__":
