@@ -13,7 +13,7 @@
 #   serve-pairs      Qwen2.5-VL-7B at 0.2 and 1 MP: the pipeline (embeds) and `vllm serve` (8 API servers and
 #                    SERVE_ARGS, by default vLLM 0.34's preprocessing options) alternated P S P S, each job one engine
 #                    start measuring both budgets in turn in 90-s phases (a 45-s phase at 0.2 MP is mostly the fill
-#                    of vLLM's 1,024 seats); then check_tower.py on Qwen3-VL-8B (about 22 minutes)
+#                    of vLLM's 1,024 seats), after check_tower.py on Qwen3-VL-8B (about 22 minutes)
 #   qwen3-vl         Qwen3-VL-8B, `pixels` mode without embeddings, against `vllm serve`: at 0.2 MP in 120-s phases,
 #                    then at 1 MP in 80-s phases (about 22 minutes)
 #   qwen35-short     Qwen3.5-27B at 0.2 MP: the pipeline in both modes (90 s), then naive vLLM and vLLM given
@@ -102,14 +102,15 @@ alternated_pairs() {
 if [ "$LIST" = serve-pairs ]; then
   [ -e /root/model/config.json ] || python3 benchmarks/gpu/mk_model.py /root/model > "$RES/mk_model.log" 2>&1
   SERVE_ARGS=${SERVE_ARGS:---renderer-num-workers 2 --mm-tensor-ipc torch_shm}
+  # The tower check first: it is short, and a plan cut short by the device's time then still has it.
+  job t1_tower_qwen3 120 240 python3 benchmarks/gpu/check_tower.py --model qwen3-vl-8b --images /root/imgs \
+    --out "$RES/t1_tower_qwen3.json"
   for k in 1 2; do
     job "v${k}_pipeline" 330 480 $BENCH --model /root/model --budgets 256,1280 --seconds 90 --stop-after 1.5 \
       --arms pipeline-embeds --profile --out "$RES/v${k}_pipeline"
     job "v${k}_serve" 300 450 $BENCH --model /root/model --budgets 256,1280 --seconds 90 --arms serve --serve-k 8 \
       --serve-args "$SERVE_ARGS" --out "$RES/v${k}_serve"
   done
-  job t1_tower_qwen3 120 240 python3 benchmarks/gpu/check_tower.py --model qwen3-vl-8b --images /root/imgs \
-    --out "$RES/t1_tower_qwen3.json"
 fi
 
 [ "$LIST" = smoke ] && job e1_engine_smoke 250 360 python3 benchmarks/gpu_engine_smoke.py --images /root/imgs --n 64 \
