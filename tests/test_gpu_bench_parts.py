@@ -76,12 +76,26 @@ def test_the_fastest_api_server_count_is_the_serve_arm():
                          "pipeline-embeds": {"img_per_s": 88.0}}, "ratios": {}},
         "1280": {"arms": {"serve-k8": {"img_per_s": 20.0, "api_servers": 8}, "serve-k12": {"error": "exited"}},
                  "ratios": {}}}}
-    bench_report.best_serve(results, [8, 12])
+    variants = [bench_report.serve_variant(k, 192, [8, 12], [192]) for k in (8, 12)]
+    assert variants == ["serve-k8", "serve-k12"]
+    bench_report.best_serve(results, variants)
     assert results["budgets"]["256"]["arms"]["serve"]["api_servers"] == 12
     assert results["budgets"]["1280"]["arms"]["serve"]["best_of"] == {"k8": 20.0}
     assert bench_report.ratios(results["budgets"]["256"]["arms"])["pipeline-embeds / serve"] == 2.0
     table = bench_report.markdown(results)
     assert "| serve-k12 | 44.0 |" in table and "fastest of k8 40.0, k12 44.0" in table
+
+
+def test_the_fastest_number_in_flight_is_the_serve_arm():
+    """--serve-conc 192,1024: one server, the client at each number of requests in flight; the fastest is serve."""
+    assert bench_report.serve_variant(8, 1024, [8], [192, 1024]) == "serve-c1024"
+    assert bench_report.serve_variant(8, 1024, [4, 8], [192, 1024]) == "serve-k8-c1024"
+    assert bench_report.serve_variant(8, 192, [8], [192]) == "serve"
+    arms = {"serve-c192": {"img_per_s": 42.0, "conc": 192}, "serve-c1024": {"img_per_s": 50.0, "conc": 1024},
+            "pipeline-embeds": {"img_per_s": 85.0}}
+    bench_report.best_serve({"budgets": {"256": {"arms": arms, "ratios": {}}}}, ["serve-c192", "serve-c1024"])
+    assert arms["serve"]["conc"] == 1024 and arms["serve"]["best_of"] == {"c192": 42.0, "c1024": 50.0}
+    assert bench_report.ratios(arms)["pipeline-embeds / serve"] == 1.7
 
 
 def test_engine_log_readers(tmp_path):
@@ -383,3 +397,26 @@ def test_the_pipeline_arms_infer_runs_fixed_length_outputs_with_prefix_caching_a
     assert bench_infer.fixed_length(make_engine, prefix_caching=True)("settings") == "engine"
     assert asked == [("settings", "/m", {"ignore_eos": True, "engine_kwargs": {"enable_prefix_caching": False}}),
                      ("settings", None, {"ignore_eos": True, "engine_kwargs": None})]
+
+
+def test_public_path_arm_moves_only_the_towers_place():
+    """bench_infer.py --tower-in-this-process (the pipeline-embeds-public arm): embeds mode's tower runs in the
+    consumer's process, handing vLLM image_embeds, however the engine decided; its ratio to the hooks' arm is
+    reported."""
+    from types import SimpleNamespace
+
+    import bench_infer
+    from consumers.infer.vllm_engine_tower import EngineTowerSide
+
+    class Engine(EngineTowerSide):
+        pass
+
+    bench_infer.tower_in_this_process(Engine)
+    engine = Engine()
+    engine.settings = SimpleNamespace(publish_embeddings=True)
+    engine.mode = "embeds"
+    engine._set_tower_place(True)
+    assert engine._tower_in_engine is False and engine._engine_embeddings is None and engine._embeds_here()
+    assert bench_report.ratios({"pipeline-embeds": {"img_per_s": 90.0},
+                                "pipeline-embeds-public": {"img_per_s": 75.0}}) == {
+        "pipeline-embeds / pipeline-embeds-public": 1.2}

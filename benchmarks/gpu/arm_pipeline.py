@@ -325,15 +325,19 @@ def tower_in_engine(gflop_per_image: float | None, engine_timings_ms: dict, in_v
                                else "wall time of the consumer's tower passes, the GPU shared with vLLM's engine")}
 
 
-def run_pipeline(args: argparse.Namespace, mode: str, bootstrap: str, out: Path,
+def run_pipeline(args: argparse.Namespace, arm: str, bootstrap: str, out: Path,
                  on_phase: Callable[[str, dict], None]) -> None:
-    """One mode (embeds|pixels): topics, watcher and one `vlmstream infer` per GPU are started once; then one phase
+    """One pipeline arm: `pipeline-embeds`, `pipeline-pixels`, or `pipeline-embeds-public` (embeds mode with the
+    tower in `vlmstream infer`'s own process, handing vLLM image_embeds through its public enable_mm_embeds: the path
+    the product takes on a vLLM release other than vllm_adapter.CHECKED_VLLM, measured against the hooks that run the
+    tower in vLLM's engine process). Topics, watcher and one `vlmstream infer` per GPU are started once; then one phase
     per budget: a decode fleet at that budget, a warm-up set, the measured documents. on_phase(budget, record) gets
     each phase's figures as soon as they exist. Raises when a phase cannot be measured; later phases are then not
     run (the caller records them)."""
-    tag = f"gb{int(time.time()) % 10**7}p{os.getpid()}{mode[0]}"  # two benchmarks may share one broker
+    mode = arm.split("-")[1]
+    tag = f"gb{int(time.time()) % 10**7}p{os.getpid()}{arm[len('pipeline-'):].replace('-', '')}"  # two benchmarks may share one broker
     work = Path(args.work) / tag
-    logp = out / f"pipeline-{mode}.log"
+    logp = out / f"{arm}.log"
     env = pipeline_env(tag, args, work)
     files = image_files(args.imgs)
     deadline = (time.monotonic() + 2 * args.start_limit  # the engines' start, then the first batch (below)
@@ -360,10 +364,11 @@ def run_pipeline(args: argparse.Namespace, mode: str, bootstrap: str, out: Path,
         for g in args.gpu_ids:
             genv = gpu_env(env, g)
             if args.profile:
-                genv["VLMSTREAM_PROFILE_OUT"] = str(out / f"profile-{mode}-gpu{g}.json")
+                genv["VLMSTREAM_PROFILE_OUT"] = str(out / f"profile-{arm[len('pipeline-'):]}-gpu{g}.json")
             # bench_infer.py: `vlmstream infer` with fixed-length outputs and prefix caching as asked.
             infers.append(spawn([sys.executable, str(Path(__file__).with_name("bench_infer.py")),
                                  *(["--prefix-caching"] if args.prefix_caching else []),
+                                 *(["--tower-in-this-process"] if arm.endswith("-public") else []),
                                  "--engine", args.engine, "--mode", mode, "--model", args.model,
                                  "--max-new-tokens", str(args.max_tokens), "--prompt", PROMPT_TEXT,
                                  # Pixels mode has no embeddings from the tower that serves the language model:
@@ -423,7 +428,7 @@ def run_pipeline(args: argparse.Namespace, mode: str, bootstrap: str, out: Path,
             rec.update(warmup_s=round(time.monotonic() - t, 1), warmup_dead_letters=watcher.dead_letters(warm_prefix),
                        # What the engines took (each logs it once up; the warm-up needed them up)
                        engine_scheduler_limits=engine_scheduler_limits(logp))
-            log(f"pipeline-{mode} phase {phase} budget {budget}: warm after {rec['warmup_s']}s; "
+            log(f"{arm} phase {phase} budget {budget}: warm after {rec['warmup_s']}s; "
                 f"publishing {n_docs} documents")
 
             cpu = CpuSampler([decode.pid])
@@ -432,7 +437,7 @@ def run_pipeline(args: argparse.Namespace, mode: str, bootstrap: str, out: Path,
             producer = spawn(vlmstream_cmd("produce", "--folder", str(work / f"docs{phase}"), "--per-file",
                                            "--force", "-q"), logp, env, tag=f"produce phase {phase}")
             stop_at = time.monotonic() + args.stop_after * args.seconds
-            progress = ProgressLog(out / "progress.jsonl", mode, budget, args.progress_every)
+            progress = ProgressLog(out / "progress.jsonl", arm[len("pipeline-"):], budget, args.progress_every)
             while watcher.finished(measured_prefix) < n_docs and time.monotonic() < stop_at:
                 alive_or_raise()
                 if progress.due():  # copying the watcher's lists only then: a long run has tens of thousands
@@ -462,7 +467,7 @@ def run_pipeline(args: argparse.Namespace, mode: str, bootstrap: str, out: Path,
                                        in_vllm_engine="encode_ms" not in rec["engine_timings_mean_ms"]))
             if rec["decode_cores"] is not None and rec["infer_cores"] is not None:
                 rec["cpu_cores"] = round(rec["decode_cores"] + rec["infer_cores"], 2)
-            log(f"PHASE pipeline-{mode} budget={budget} RESULT {json.dumps(rec)}")
+            log(f"PHASE {arm} budget={budget} RESULT {json.dumps(rec)}")
             on_phase(budget, rec)
 
             if not rec["complete"] and phase + 1 < len(args.budgets):
@@ -471,7 +476,7 @@ def run_pipeline(args: argparse.Namespace, mode: str, bootstrap: str, out: Path,
                 # this phase's budget (then the next group may start at the end of the topic). Only published ones:
                 # the producer was stopped above, maybe early.
                 time.sleep(1.0)  # the watcher reads the producer's last records
-                log(f"pipeline-{mode} phase {phase}: draining {watcher.in_flight(measured_prefix)} documents "
+                log(f"{arm} phase {phase}: draining {watcher.in_flight(measured_prefix)} documents "
                     "before the next phase")
                 while watcher.in_flight(measured_prefix) > 0:
                     if time.monotonic() > deadline:
@@ -491,7 +496,7 @@ def run_pipeline(args: argparse.Namespace, mode: str, bootstrap: str, out: Path,
         gpu.stop()
         stats = runner_stats(logp)
         if args.profile:
-            stats["profiles"] = {g: profile_summary(out / f"profile-{mode}-gpu{g}.json") for g in args.gpu_ids}
+            stats["profiles"] = {g: profile_summary(out / f"profile-{arm[len('pipeline-'):]}-gpu{g}.json") for g in args.gpu_ids}
         if stats:
-            log(f"RUNNER pipeline-{mode} {json.dumps(stats)}")
+            log(f"RUNNER {arm} {json.dumps(stats)}")
             on_phase("_runner", stats)

@@ -53,9 +53,10 @@ def _start_server(args: argparse.Namespace, cmd: list[str], logp: Path, url: str
 
 
 def run_serve(args: argparse.Namespace, api_servers: int, out: Path, on_phase: Callable[[str, dict], None]) -> None:
-    """One `vllm serve --api-server-count api_servers` start; the client runs once per budget (the budget travels in
-    each request's mm_processor_kwargs; a generic model's processor keeps its own size, so it gets none).
-    on_phase(budget, record) gets each budget's figures, or its error when the client failed and the server still
+    """One `vllm serve --api-server-count api_servers` start; the client runs once per budget and, at each budget,
+    once per number of requests in flight (args.serve_concs) (the budget travels in each request's
+    mm_processor_kwargs; a generic model's processor keeps its own size, so it gets none). on_phase(budget, record)
+    gets each run's figures (record["conc"] says which), or its error when the client failed and the server still
     runs. Raises when the server does not come up or exits."""
     logp = out / f"serve-k{api_servers}.log"
     budget_kwargs = family_of(args.model).exact_size
@@ -82,32 +83,33 @@ def run_serve(args: argparse.Namespace, api_servers: int, out: Path, on_phase: C
         dropped = True
     gpu = GpuSampler(args.gpu_ids[:1]).start()
     try:
-        for budget in args.budgets:
+        for budget, conc in ((b, c) for b in args.budgets for c in args.serve_concs):
             client_cmd = [sys.executable, str(HERE / "serve_client.py"), "--url", url, "--model", args.model,
                           "--imgs", str(Path(args.imgs).resolve()), "--seconds", str(args.seconds),
-                          "--procs", str(args.serve_procs), "--conc", str(args.serve_conc),
+                          "--procs", str(args.serve_procs), "--conc", str(conc),
                           "--max-tokens", str(args.max_tokens),
                           "--max-pixels", str(BUDGETS[budget] if budget_kwargs else 0),
                           "--min-pixels", str(MIN_PIXELS), "--prompt", PROMPT_TEXT, "--window", str(args.window)]
             # The log is shared by the server and every client run: this run's RESULT is the one after this offset.
             log_from = logp.stat().st_size
             cpu = CpuSampler([server.pid])  # the server's processes (API servers, engine), not the clients
-            client = spawn(client_cmd, logp, tag=f"serve_client budget {budget}")
+            client = spawn(client_cmd, logp, tag=f"serve_client budget {budget}, {conc} in flight")
             try:
                 client.wait(timeout=args.arm_limit)
                 lines = logp.read_bytes()[log_from:].decode(errors="replace").splitlines()
                 res = [ln for ln in lines if ln.startswith("RESULT ")]
                 if not res:
-                    raise RuntimeError(f"serve client (budget {budget}) gave no RESULT:\n{log_tail(logp)}")
+                    raise RuntimeError(f"serve client (budget {budget}, {conc} in flight) gave no RESULT:\n"
+                                       f"{log_tail(logp)}")
                 rec = json.loads(res[-1][len("RESULT "):])
-                rec.update(budget=budget, api_servers=api_servers, start_s=start_s, serve_args=args.serve_args,
+                rec.update(budget=budget, conc=conc, api_servers=api_servers, start_s=start_s, serve_args=args.serve_args,
                            serve_args_dropped=dropped,
                            gpu_busy=gpu.busy(rec["t0"], rec["t0"] + rec["wall_s"]) if "t0" in rec else None,
                            cpu_cores=cpu.cores(rec["t0"], rec["t0"] + rec["wall_s"]) if "t0" in rec else None)
                 log(f"PHASE serve budget={budget} RESULT {json.dumps(rec)}")
             except Exception as exc:  # noqa: BLE001 - this budget failed; the server may still serve the next
                 traceback.print_exc()
-                rec = {"error": f"{exc!r}"[:3000]}
+                rec = {"error": f"{exc!r}"[:3000], "conc": conc}
             finally:
                 cpu.stop()
                 kill_tree(client, grace_s=2)

@@ -3,8 +3,11 @@ ignored; guided outputs still end with their document), as the offline and `vllm
 vLLM's prefix caching is off unless --prefix-caching (those arms reuse images, so they must run without it). Both
 are conditions of a fair comparison, not settings a user has: they reach the engine as the keywords
 consumers/infer/factory.make_engine takes for benchmarks (ignore_eos, engine_kwargs).
+--tower-in-this-process runs embeds mode's tower in this process, handing vLLM the image embeddings through its
+public enable_mm_embeds, as the product does on a vLLM release its hooks were not checked against
+(vlmstream/vllm_adapter.py): the public path, measured against the hooks on the checked release.
 
-Usage: python3 benchmarks/gpu/bench_infer.py [--prefix-caching] [vlmstream infer's options]
+Usage: python3 benchmarks/gpu/bench_infer.py [--prefix-caching] [--tower-in-this-process] [vlmstream infer's options]
 """
 
 from __future__ import annotations
@@ -25,14 +28,25 @@ def fixed_length(make_engine, prefix_caching: bool):
     return make
 
 
+def tower_in_this_process(engine_class) -> None:
+    """Embeds mode's tower in the consumer's process, whatever the vLLM release. Only the tower's place changes: the
+    tower itself (FlashAttention 3 from the installed vLLM included) is the one the hooks run in vLLM's engine."""
+    place = engine_class._set_tower_place
+    engine_class._set_tower_place = lambda engine, in_engine: place(engine, False)
+
+
 def main() -> None:
     from consumers.infer import factory
+    from consumers.infer.vllm_engine import VllmEngine
     from vlmstream.cli.main import main as vlmstream
 
     args = sys.argv[1:]
     # `vlmstream infer` builds its engine by factory.make_engine, looked up when the command runs.
     factory.make_engine = fixed_length(factory.make_engine, prefix_caching="--prefix-caching" in args)
-    sys.argv = ["vlmstream", "infer", *(a for a in args if a != "--prefix-caching")]
+    if "--tower-in-this-process" in args:
+        tower_in_this_process(VllmEngine)
+    ours = ("--prefix-caching", "--tower-in-this-process")
+    sys.argv = ["vlmstream", "infer", *(a for a in args if a not in ours)]
     vlmstream()
 
 

@@ -25,7 +25,7 @@ PROMPT_TEXT = "Describe this image in detail."
 CHAT_PROMPT = ("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n"
                "<|vision_start|><|image_pad|><|vision_end|>" + PROMPT_TEXT + "<|im_end|>\n<|im_start|>assistant\n")
 OFFLINE_ARMS = ("naive", "ceiling-preresized", "ceiling-embeds")
-ALL_ARMS = OFFLINE_ARMS + ("pipeline-embeds", "pipeline-pixels", "serve")
+ALL_ARMS = OFFLINE_ARMS + ("pipeline-embeds", "pipeline-embeds-public", "pipeline-pixels", "serve")
 # Used only to size a pipeline phase's documents (count = rate x --seconds); a wrong guess changes how long the
 # phase runs, not what it measures (it stops at --stop-after x --seconds and reports what it had).
 EXPECTED_RATE = {"256": 100.0, "1280": 35.0, "default": 6.0}

@@ -23,16 +23,23 @@ def record_failure(results: dict, arm: str, budgets: list[str], error: str) -> N
                                          f"not run: the arm stopped at budget {missing[0]}"}
 
 
-def best_serve(results: dict, api_server_counts: list[int]) -> None:
-    """At each budget, the fastest of the serve-k<K> records becomes the serve arm (the ratios' `vllm serve`), with
-    every count's rate beside it."""
+def serve_variant(api_servers: int, conc: int, ks: list[int], concs: list[int]) -> str:
+    """The arm name of one `vllm serve` setting: `serve` when only one was tried, else what varied (serve-k8,
+    serve-c1024, serve-k8-c1024)."""
+    parts = ([f"k{api_servers}"] if len(ks) > 1 else []) + ([f"c{conc}"] if len(concs) > 1 else [])
+    return "-".join(["serve", *parts])
+
+
+def best_serve(results: dict, variants: list[str]) -> None:
+    """At each budget, the fastest of the serve variants' records (serve_variant's names) becomes the serve arm (the
+    ratios' `vllm serve`), with every variant's rate beside it."""
     for section in results["budgets"].values():
         arms = section["arms"]
-        tried = {k: arms.get(f"serve-k{k}") for k in api_server_counts}
-        rates = {k: r["img_per_s"] for k, r in tried.items() if isinstance(r, dict) and r.get("img_per_s")}
+        tried = {name: arms.get(name) for name in variants}
+        rates = {name: r["img_per_s"] for name, r in tried.items() if isinstance(r, dict) and r.get("img_per_s")}
         if rates:
             best = max(rates, key=rates.get)
-            arms["serve"] = dict(tried[best], best_of={f"k{k}": v for k, v in rates.items()})
+            arms["serve"] = dict(tried[best], best_of={name[len("serve-"):]: v for name, v in rates.items()})
 
 
 def ratios(arms: dict) -> dict:
@@ -51,6 +58,9 @@ def ratios(arms: dict) -> dict:
         a, b = rate(p, "steady_img_per_s"), rate("serve", "steady_img_per_s")
         if a and b:
             out[f"{p} / serve, steady"] = round(a / b, 2)
+    a, b = rate("pipeline-embeds"), rate("pipeline-embeds-public")
+    if a and b:  # the tower in vLLM's engine process (the hooks) against the tower here (the public path)
+        out["pipeline-embeds / pipeline-embeds-public"] = round(a / b, 2)
     a, b = rate("ceiling-preresized"), rate("naive")
     if a and b:
         out["ceiling-preresized / naive"] = round(a / b, 2)

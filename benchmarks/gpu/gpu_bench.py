@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Callable
 
 from bench_processes import ALL_ARMS, BUDGETS, HERE, OFFLINE_ARMS, PROMPT_TEXT, image_files
-from bench_report import arms_at, best_serve, markdown, record_failure, save
+from bench_report import arms_at, best_serve, markdown, record_failure, save, serve_variant
 from arm_offline import offline_worker, run_offline
 from arm_pipeline import run_pipeline, start_broker, stop_broker
 from arm_serve import run_serve
@@ -100,7 +100,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                     "preprocessing: '--renderer-num-workers 2 --mm-tensor-ipc torch_shm'). Where the server does not "
                     "come up with them it starts again without, and each record says serve_args_dropped.")
     ap.add_argument("--serve-procs", type=int, default=6)
-    ap.add_argument("--serve-conc", type=int, default=192)
+    ap.add_argument("--serve-conc", default="192", help="Requests the serve arm's client keeps in flight; a comma list "
+                    "(192,1024) runs the client once per value on each server, records each as serve-c<N> and the "
+                    "fastest at each budget as serve.")
     ap.add_argument("--serve-port", type=int, default=8000)
     ap.add_argument("--start-limit", type=float, default=300.0, help="Engine/server start limit (s); a pipeline arm's first batch gets as long again once its "
                     "engines are up.")
@@ -124,6 +126,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     args.gpu_ids = [int(g) for g in args.gpu_ids.split(",") if g.strip()] if args.gpu_ids else list(range(args.gpus))
     args.gpus = len(args.gpu_ids)
     args.serve_ks = [int(k) for k in str(args.serve_k).split(",") if k.strip()]
+    args.serve_concs = [int(c) for c in str(args.serve_conc).split(",") if c.strip()]
     if not args.arm_limit:
         args.arm_limit = 3 * args.seconds + 90
     return args
@@ -183,7 +186,7 @@ def main() -> None:
             bootstrap, started = start_broker(out)
             for arm in pipeline:
                 try:
-                    run_pipeline(args, arm.split("-")[1], bootstrap, out, recorder(arm))
+                    run_pipeline(args, arm, bootstrap, out, recorder(arm))
                 except Exception as exc:  # noqa: BLE001 - record it, go on with the next arm
                     traceback.print_exc()
                     record_failure(results, arm, args.budgets, f"{exc!r}")
@@ -198,16 +201,20 @@ def main() -> None:
             stack.close()
             save(results, out)
     if "serve" in arms:
+        variants = [serve_variant(k, c, args.serve_ks, args.serve_concs) for k in args.serve_ks for c in args.serve_concs]
         for k in args.serve_ks:
-            name = "serve" if len(args.serve_ks) == 1 else f"serve-k{k}"
+            def record(budget: str, rec: dict, k=k) -> None:
+                recorder(serve_variant(k, rec["conc"], args.serve_ks, args.serve_concs))(budget, rec)
             try:
-                run_serve(args, k, out, recorder(name))
+                run_serve(args, k, out, record)
             except Exception as exc:  # noqa: BLE001
                 traceback.print_exc()
-                record_failure(results, name, args.budgets, f"{exc!r}")
+                for c in args.serve_concs:
+                    record_failure(results, serve_variant(k, c, args.serve_ks, args.serve_concs), args.budgets,
+                                   f"{exc!r}")
             finally:
-                if len(args.serve_ks) > 1:
-                    best_serve(results, args.serve_ks)
+                if len(variants) > 1:
+                    best_serve(results, variants)
                 save(results, out)
     results["total_s"] = round(time.monotonic() - t_all, 1)
     save(results, out)
