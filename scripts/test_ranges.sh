@@ -22,9 +22,11 @@ case "$mode" in
   lowest) "$venv/bin/python" -m pip install -q -c constraints-lowest.txt -e '.[cpu,test]' ;;
   *) echo "test_ranges.sh: mode must be latest or lowest, not $mode" >&2; exit 2 ;;
 esac
-# What this environment resolved to, where it differs from the tested set.
-"$venv/bin/python" -m pip freeze --exclude-editable | sort > "$venv/resolved.txt"
-grep -v '^#' constraints.txt | sort | comm -23 "$venv/resolved.txt" - | sed "s/^/test_ranges.sh ($mode): not in constraints.txt: /" || true
+# What this environment resolved to, where it differs from the tested set (names compared as PyPI normalises them:
+# pip freeze may write importlib_resources where constraints.txt has importlib-resources).
+normalised() { awk -F'==' '{ n = tolower($1); gsub(/[-_.]+/, "-", n); print n "==" $2 }' | sort; }
+"$venv/bin/python" -m pip freeze --exclude-editable | normalised > "$venv/resolved.txt"
+grep -v '^#' constraints.txt | normalised | comm -23 "$venv/resolved.txt" - | sed "s/^/test_ranges.sh ($mode): not in constraints.txt: /" || true
 
 export PYTHONUNBUFFERED=1
 . scripts/lib/broker.sh
