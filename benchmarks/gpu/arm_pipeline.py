@@ -335,7 +335,8 @@ def run_pipeline(args: argparse.Namespace, arm: str, bootstrap: str, out: Path,
     each phase's figures as soon as they exist. Raises when a phase cannot be measured; later phases are then not
     run (the caller records them)."""
     mode = arm.split("-")[1]
-    tag = f"gb{int(time.time()) % 10**7}p{os.getpid()}{arm[len('pipeline-'):].replace('-', '')}"  # two benchmarks may share one broker
+    name = arm[len("pipeline-"):]  # embeds, embeds-public or pixels: its files' and records' name
+    tag = f"gb{int(time.time()) % 10**7}p{os.getpid()}{name.replace('-', '')}"  # two benchmarks may share one broker
     work = Path(args.work) / tag
     logp = out / f"{arm}.log"
     env = pipeline_env(tag, args, work)
@@ -364,7 +365,7 @@ def run_pipeline(args: argparse.Namespace, arm: str, bootstrap: str, out: Path,
         for g in args.gpu_ids:
             genv = gpu_env(env, g)
             if args.profile:
-                genv["VLMSTREAM_PROFILE_OUT"] = str(out / f"profile-{arm[len('pipeline-'):]}-gpu{g}.json")
+                genv["VLMSTREAM_PROFILE_OUT"] = str(out / f"profile-{name}-gpu{g}.json")
             # bench_infer.py: `vlmstream infer` with fixed-length outputs and prefix caching as asked.
             infers.append(spawn([sys.executable, str(Path(__file__).with_name("bench_infer.py")),
                                  *(["--prefix-caching"] if args.prefix_caching else []),
@@ -437,7 +438,7 @@ def run_pipeline(args: argparse.Namespace, arm: str, bootstrap: str, out: Path,
             producer = spawn(vlmstream_cmd("produce", "--folder", str(work / f"docs{phase}"), "--per-file",
                                            "--force", "-q"), logp, env, tag=f"produce phase {phase}")
             stop_at = time.monotonic() + args.stop_after * args.seconds
-            progress = ProgressLog(out / "progress.jsonl", arm[len("pipeline-"):], budget, args.progress_every)
+            progress = ProgressLog(out / "progress.jsonl", name, budget, args.progress_every)
             while watcher.finished(measured_prefix) < n_docs and time.monotonic() < stop_at:
                 alive_or_raise()
                 if progress.due():  # copying the watcher's lists only then: a long run has tens of thousands
@@ -496,7 +497,7 @@ def run_pipeline(args: argparse.Namespace, arm: str, bootstrap: str, out: Path,
         gpu.stop()
         stats = runner_stats(logp)
         if args.profile:
-            stats["profiles"] = {g: profile_summary(out / f"profile-{arm[len('pipeline-'):]}-gpu{g}.json") for g in args.gpu_ids}
+            stats["profiles"] = {g: profile_summary(out / f"profile-{name}-gpu{g}.json") for g in args.gpu_ids}
         if stats:
             log(f"RUNNER {arm} {json.dumps(stats)}")
             on_phase("_runner", stats)

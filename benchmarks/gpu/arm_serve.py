@@ -102,8 +102,8 @@ def run_serve(args: argparse.Namespace, api_servers: int, out: Path, on_phase: C
                     raise RuntimeError(f"serve client (budget {budget}, {conc} in flight) gave no RESULT:\n"
                                        f"{log_tail(logp)}")
                 rec = json.loads(res[-1][len("RESULT "):])
-                rec.update(budget=budget, conc=conc, api_servers=api_servers, start_s=start_s, serve_args=args.serve_args,
-                           serve_args_dropped=dropped,
+                rec.update(budget=budget, conc=conc, api_servers=api_servers, start_s=start_s,
+                           serve_args=args.serve_args, serve_args_dropped=dropped,
                            gpu_busy=gpu.busy(rec["t0"], rec["t0"] + rec["wall_s"]) if "t0" in rec else None,
                            cpu_cores=cpu.cores(rec["t0"], rec["t0"] + rec["wall_s"]) if "t0" in rec else None)
                 log(f"PHASE serve budget={budget} RESULT {json.dumps(rec)}")

@@ -201,7 +201,8 @@ def main() -> None:
             stack.close()
             save(results, out)
     if "serve" in arms:
-        variants = [serve_variant(k, c, args.serve_ks, args.serve_concs) for k in args.serve_ks for c in args.serve_concs]
+        variants = [serve_variant(k, c, args.serve_ks, args.serve_concs)
+                    for k in args.serve_ks for c in args.serve_concs]
         for k in args.serve_ks:
             def record(budget: str, rec: dict, k=k) -> None:
                 recorder(serve_variant(k, rec["conc"], args.serve_ks, args.serve_concs))(budget, rec)

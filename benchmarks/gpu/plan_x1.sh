@@ -63,6 +63,11 @@ source benchmarks/gpu/plan_jobs.sh  # job LABEL EXPECTED_S LIMIT_S CMD...
 vlmstream broker start > "$RES/broker_start.log" 2>&1
 nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader > "$RES/gpus.txt" 2>&1
 BENCH="python3 benchmarks/gpu/gpu_bench.py --imgs /root/imgs --max-tokens 64 --gpu-ids 0"
+# The serve jobs' options beyond the API servers: by default vLLM 0.34's preprocessing (renderer workers, tensors by
+# shared memory).
+SERVE_ARGS=${SERVE_ARGS:---renderer-num-workers 2 --mm-tensor-ipc torch_shm}
+# The Qwen2.5-VL-7B model folder most lists measure, written once per machine.
+need_model() { [ -e /root/model/config.json ] || python3 benchmarks/gpu/mk_model.py /root/model > "$RES/mk_model.log" 2>&1; }
 PIPE="--seconds 40 --stop-after 1.5 --arms pipeline-embeds --profile"
 # The A/B lists' pipeline, Qwen2.5-VL-7B at 0.2 MP / 64: this code (ab_a LABEL), /root/ab-tree's (ab_b LABEL).
 ab_a() { job "$1" 240 360 $BENCH --model /root/model --budgets 256 $PIPE --out "$RES/$1"; }
@@ -70,14 +75,14 @@ ab_b() { job "$1" 240 360 $IN_AB_TREE/benchmarks/gpu/gpu_bench.py \
   --imgs /root/imgs --max-tokens 64 --gpu-ids 0 --model /root/model --budgets 256 $PIPE --out "$RES/$1"; }
 
 if [ "$LIST" = ab ] || [ "$LIST" = ba ]; then
-  [ -e /root/model/config.json ] || python3 benchmarks/gpu/mk_model.py /root/model > "$RES/mk_model.log" 2>&1
+  need_model
   if ab_tree_ready ab; then
     if [ "$LIST" = ba ]; then ab_b b1_before; ab_a a1_this; else ab_a a1_this; ab_b b1_before; ab_b b2_before; ab_a a2_this; fi
   fi
 fi
 
 if [ "$LIST" = serve-ratios ]; then
-  [ -e /root/model/config.json ] || python3 benchmarks/gpu/mk_model.py /root/model > "$RES/mk_model.log" 2>&1
+  need_model
   MID="$BENCH --model /root/model --budgets 1280"
   LARGE="$BENCH --model /root/model --budgets default"
   job s3_pipeline_5min 480 620 $LARGE --seconds 300 --stop-after 1.2 --arms pipeline-embeds --profile \
@@ -94,7 +99,7 @@ fi
 # (rates.py), so the ratio table holds the whole-phase ratio and the steady one.
 alternated_pairs() {
   local tag=$1 budget=$2 seconds=$3 stop_after=$4 pipeline_s=$5 serve_s=$6 k
-  [ -e /root/model/config.json ] || python3 benchmarks/gpu/mk_model.py /root/model > "$RES/mk_model.log" 2>&1
+  need_model
   for k in 1 2; do
     job "${tag}${k}_pipeline" "$pipeline_s" $(( pipeline_s + 100 )) $BENCH --model /root/model --budgets "$budget" \
       --seconds "$seconds" --stop-after "$stop_after" --arms pipeline-embeds --profile --out "$RES/${tag}${k}_pipeline"
@@ -106,8 +111,7 @@ alternated_pairs() {
 [ "$LIST" = serve-ratios-02 ] && alternated_pairs u_02mp 256 90 1.5 280 230
 
 if [ "$LIST" = serve-pairs ]; then
-  [ -e /root/model/config.json ] || python3 benchmarks/gpu/mk_model.py /root/model > "$RES/mk_model.log" 2>&1
-  SERVE_ARGS=${SERVE_ARGS:---renderer-num-workers 2 --mm-tensor-ipc torch_shm}
+  need_model
   # The tower check first: it is short, and a plan cut short by the device's time then still has it.
   job t1_tower_qwen3 120 240 python3 benchmarks/gpu/check_tower.py --model qwen3-vl-8b --images /root/imgs \
     --out "$RES/t1_tower_qwen3.json"
@@ -120,8 +124,7 @@ if [ "$LIST" = serve-pairs ]; then
 fi
 
 if [ "$LIST" = serve-best ]; then
-  [ -e /root/model/config.json ] || python3 benchmarks/gpu/mk_model.py /root/model > "$RES/mk_model.log" 2>&1
-  SERVE_ARGS=${SERVE_ARGS:---renderer-num-workers 2 --mm-tensor-ipc torch_shm}
+  need_model
   job b1_pipeline_02mp 260 380 $BENCH --model /root/model --budgets 256 --seconds 90 --stop-after 1.5 \
     --arms pipeline-embeds --profile --out "$RES/b1_pipeline_02mp"
   job b2_serve_02mp 280 400 $BENCH --model /root/model --budgets 256 --seconds 90 --arms serve --serve-k 8 \
@@ -135,8 +138,7 @@ fi
 if [ "$LIST" = qwen3-public ]; then
   Q3=/root/qwen3-vl-8b
   [ -e $Q3/config.json ] || python3 benchmarks/gpu/mk_model.py $Q3 qwen3-vl-8b > "$RES/mk_q3.log" 2>&1
-  [ -e /root/model/config.json ] || python3 benchmarks/gpu/mk_model.py /root/model > "$RES/mk_model.log" 2>&1
-  SERVE_ARGS=${SERVE_ARGS:---renderer-num-workers 2 --mm-tensor-ipc torch_shm}
+  need_model
   job q1_q3_pipeline 330 480 $BENCH --model $Q3 --budgets 256,1280 --seconds 75 --stop-after 1.5 \
     --arms pipeline-pixels --profile --out "$RES/q1_q3_pipeline"
   job q2_q3_serve 280 420 $BENCH --model $Q3 --budgets 256,1280 --seconds 75 --arms serve --serve-k 8 \
@@ -149,7 +151,7 @@ fi
   --modes embeds,pixels --out "$RES/e1_engine_smoke.json"
 
 if [ "$LIST" = honesty-1mp ]; then
-  [ -e /root/model/config.json ] || python3 benchmarks/gpu/mk_model.py /root/model > "$RES/mk_model.log" 2>&1
+  need_model
   job h1_honesty_1mp 300 $(( END - $(date +%s) )) python3 benchmarks/estimate_honesty.py --cases h --images /root/imgs \
     --scale "${HONESTY_SCALE:-2.0}" --sample-fraction 0.09 --timeout-s 900 \
     --run-options "--model /root/model --max-new-tokens 64" \

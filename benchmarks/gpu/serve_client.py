@@ -79,8 +79,8 @@ def warm_up(args: argparse.Namespace) -> None:
     print(f"warm-up: ok {ok} failed {failed} prompt tokens per request {prompt_tokens / max(ok, 1):.0f} {err}",
           flush=True)
     if not ok:  # a server that refuses every request would otherwise be timed for the whole phase
-        print("RESULT " + json.dumps(dict(n=0, ok=0, failed=failed, first_error=err, error="warm-up: every request failed")),
-              flush=True)
+        print("RESULT " + json.dumps(dict(n=0, ok=0, failed=failed, first_error=err,
+                                          error="warm-up: every request failed")), flush=True)
         raise SystemExit(1)
 
 
