@@ -14,12 +14,13 @@
 #                    SERVE_ARGS, by default vLLM 0.34's preprocessing options) alternated P S P S, each job one engine
 #                    start measuring both budgets in turn in 90-s phases (a 45-s phase at 0.2 MP is mostly the fill
 #                    of vLLM's 1,024 seats), after check_tower.py on Qwen3-VL-8B (about 22 minutes)
-#   serve-best       Qwen2.5-VL-7B: at 0.2 MP (90-s phases) the pipeline, then `vllm serve` with its client at 192 and
-#                    at 1,024 requests in flight (the fastest is the serve figure); then at 12.8 MP the pipeline and
-#                    serve for 5 minutes each (sustained) (about 24 minutes)
-#   qwen3-public     Qwen3-VL-8B at 0.2 and 1 MP (75-s phases), the pipeline (`pixels`) against `vllm serve` with
-#                    SERVE_ARGS; then Qwen2.5-VL-7B at 0.2 MP, embeds mode with the tower in vLLM's engine (the hooks)
-#                    against the tower in the consumer's process (the public enable_mm_embeds path) (about 22 minutes)
+#   sustained-qwen3  Qwen2.5-VL-7B at 12.8 MP: the pipeline (embeds) and `vllm serve` (8 API servers and SERVE_ARGS)
+#                    for 5 minutes each (sustained); then Qwen3-VL-8B at 0.2 and 1 MP (60-s phases), the pipeline
+#                    (embeds, the default) against the same serve (about 26 minutes)
+#   public-serve     Qwen2.5-VL-7B at 0.2 MP (90-s phases): embeds mode with the tower in vLLM's engine (the hooks)
+#                    against the tower in the consumer's process (the public enable_mm_embeds path), then `vllm serve`
+#                    with its client at 192 and at 1,024 requests in flight (the fastest is the serve figure) (about
+#                    14 minutes)
 #   qwen3-vl         Qwen3-VL-8B, `pixels` mode without embeddings, against `vllm serve`: at 0.2 MP in 120-s phases,
 #                    then at 1 MP in 80-s phases (about 22 minutes)
 #   qwen35-short     Qwen3.5-27B at 0.2 MP: the pipeline in both modes (90 s), then naive vLLM and vLLM given
@@ -123,28 +124,26 @@ if [ "$LIST" = serve-pairs ]; then
   done
 fi
 
-if [ "$LIST" = serve-best ]; then
+if [ "$LIST" = sustained-qwen3 ]; then
   need_model
-  job b1_pipeline_02mp 260 380 $BENCH --model /root/model --budgets 256 --seconds 90 --stop-after 1.5 \
-    --arms pipeline-embeds --profile --out "$RES/b1_pipeline_02mp"
-  job b2_serve_02mp 280 400 $BENCH --model /root/model --budgets 256 --seconds 90 --arms serve --serve-k 8 \
-    --serve-conc 192,1024 --serve-args "$SERVE_ARGS" --out "$RES/b2_serve_02mp"
-  job s3_pipeline_5min 480 620 $BENCH --model /root/model --budgets default --seconds 300 --stop-after 1.2 \
+  job s3_pipeline_5min 560 700 $BENCH --model /root/model --budgets default --seconds 300 --stop-after 1.2 \
     --arms pipeline-embeds --profile --out "$RES/s3_pipeline_5min"
-  job s4_serve_5min 420 560 $BENCH --model /root/model --budgets default --seconds 300 --arms serve --serve-k 8 \
+  job s4_serve_5min 430 560 $BENCH --model /root/model --budgets default --seconds 300 --arms serve --serve-k 8 \
     --serve-args "$SERVE_ARGS" --out "$RES/s4_serve_5min"
-fi
-
-if [ "$LIST" = qwen3-public ]; then
   Q3=/root/qwen3-vl-8b
   [ -e $Q3/config.json ] || python3 benchmarks/gpu/mk_model.py $Q3 qwen3-vl-8b > "$RES/mk_q3.log" 2>&1
-  need_model
-  job q1_q3_pipeline 330 480 $BENCH --model $Q3 --budgets 256,1280 --seconds 75 --stop-after 1.5 \
-    --arms pipeline-pixels --profile --out "$RES/q1_q3_pipeline"
-  job q2_q3_serve 280 420 $BENCH --model $Q3 --budgets 256,1280 --seconds 75 --arms serve --serve-k 8 \
+  job q1_q3_pipeline 330 460 $BENCH --model $Q3 --budgets 256,1280 --seconds 60 --stop-after 1.5 \
+    --arms pipeline-embeds --profile --out "$RES/q1_q3_pipeline"
+  job q2_q3_serve 240 360 $BENCH --model $Q3 --budgets 256,1280 --seconds 60 --arms serve --serve-k 8 \
     --serve-args "$SERVE_ARGS" --out "$RES/q2_q3_serve"
+fi
+
+if [ "$LIST" = public-serve ]; then
+  need_model
   job p1_public_path 480 640 $BENCH --model /root/model --budgets 256 --seconds 90 --stop-after 1.5 \
     --arms pipeline-embeds,pipeline-embeds-public --profile --out "$RES/p1_public_path"
+  job b2_serve_02mp 280 400 $BENCH --model /root/model --budgets 256 --seconds 90 --arms serve --serve-k 8 \
+    --serve-conc 192,1024 --serve-args "$SERVE_ARGS" --out "$RES/b2_serve_02mp"
 fi
 
 [ "$LIST" = smoke ] && job e1_engine_smoke 250 360 python3 benchmarks/gpu_engine_smoke.py --images /root/imgs --n 64 \
