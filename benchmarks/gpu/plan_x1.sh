@@ -18,10 +18,11 @@
 #                    for 5 minutes each (sustained) (about 17 minutes)
 #   qwen3-embeds     Qwen3-VL-8B at 0.2 and 1 MP (60-s phases): the pipeline (embeds, the default) against `vllm
 #                    serve` with SERVE_ARGS (about 10 minutes)
-#   public-serve     Qwen2.5-VL-7B at 0.2 MP (90-s phases): embeds mode with the tower in vLLM's engine (the hooks)
-#                    against the tower in the consumer's process (the public enable_mm_embeds path), then `vllm serve`
-#                    with its client at 192 and at 1,024 requests in flight (the fastest is the serve figure) (about
-#                    14 minutes)
+#   public-path      Qwen2.5-VL-7B at 1 MP (60-s phases), embeds mode: the tower in vLLM's engine (the hooks) against
+#                    the tower in the consumer's process handing vLLM image_embeds (the public enable_mm_embeds path)
+#                    (about 7 minutes)
+#   serve-conc       Qwen2.5-VL-7B at 0.2 MP (90-s phases): `vllm serve` with its client at 192 and at 1,024 requests
+#                    in flight (the fastest is the serve figure) (about 5 minutes)
 #   qwen3-vl         Qwen3-VL-8B, `pixels` mode without embeddings, against `vllm serve`: at 0.2 MP in 120-s phases,
 #                    then at 1 MP in 80-s phases (about 22 minutes)
 #   qwen35-short     Qwen3.5-27B at 0.2 MP: the pipeline in both modes (90 s), then naive vLLM and vLLM given
@@ -144,10 +145,14 @@ for LIST in ${LISTS//,/ }; do
       --serve-args "$SERVE_ARGS" --out "$RES/q2_q3_serve"
   fi
 
-  if [ "$LIST" = public-serve ]; then
+  if [ "$LIST" = public-path ]; then
     need_model
-    job p1_public_path 480 640 $BENCH --model /root/model --budgets 256 --seconds 90 --stop-after 1.5 \
+    job p1_public_path 400 540 $BENCH --model /root/model --budgets 1280 --seconds 60 --stop-after 1.3 \
       --arms pipeline-embeds,pipeline-embeds-public --profile --out "$RES/p1_public_path"
+  fi
+
+  if [ "$LIST" = serve-conc ]; then
+    need_model
     job b2_serve_02mp 280 400 $BENCH --model /root/model --budgets 256 --seconds 90 --arms serve --serve-k 8 \
       --serve-conc 192,1024 --serve-args "$SERVE_ARGS" --out "$RES/b2_serve_02mp"
   fi
