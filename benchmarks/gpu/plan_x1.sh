@@ -77,6 +77,31 @@ ab_a() { job "$1" 240 360 $BENCH --model /root/model --budgets 256 $PIPE --out "
 ab_b() { job "$1" 240 360 $IN_AB_TREE/benchmarks/gpu/gpu_bench.py \
   --imgs /root/imgs --max-tokens 64 --gpu-ids 0 --model /root/model --budgets 256 $PIPE --out "$RES/$1"; }
 
+# alternated_pairs TAG BUDGET SECONDS STOP_AFTER PIPELINE_S SERVE_S: Qwen2.5-VL-7B / 64 with the code's defaults, the
+# pipeline (embeds) and `vllm serve` (8 API servers) alternated at one budget, pipeline, serve, pipeline, serve; each
+# job expected to take PIPELINE_S or SERVE_S. Both report the steady rate between their first and last windows
+# (rates.py), so the ratio table holds the whole-phase ratio and the steady one.
+alternated_pairs() {
+  local tag=$1 budget=$2 seconds=$3 stop_after=$4 pipeline_s=$5 serve_s=$6 k
+  need_model
+  for k in 1 2; do
+    job "${tag}${k}_pipeline" "$pipeline_s" $(( pipeline_s + 100 )) $BENCH --model /root/model --budgets "$budget" \
+      --seconds "$seconds" --stop-after "$stop_after" --arms pipeline-embeds --profile --out "$RES/${tag}${k}_pipeline"
+    job "${tag}${k}_serve" "$serve_s" $(( serve_s + 100 )) $BENCH --model /root/model --budgets "$budget" \
+      --seconds "$seconds" --arms serve --serve-k 8 --out "$RES/${tag}${k}_serve"
+  done
+}
+
+# sustained_pair [SERVE OPTIONS...]: Qwen2.5-VL-7B at 12.8 MP, the pipeline (embeds) and `vllm serve` (8 API servers
+# and the options given) for 5 minutes each.
+sustained_pair() {
+  need_model
+  job s3_pipeline_5min 560 700 $BENCH --model /root/model --budgets default --seconds 300 --stop-after 1.2 \
+    --arms pipeline-embeds --profile --out "$RES/s3_pipeline_5min"
+  job s4_serve_5min 430 560 $BENCH --model /root/model --budgets default --seconds 300 --arms serve --serve-k 8 "$@" \
+    --out "$RES/s4_serve_5min"
+}
+
 for LIST in ${LISTS//,/ }; do
   if [ "$LIST" = ab ] || [ "$LIST" = ba ]; then
     need_model
@@ -87,31 +112,13 @@ for LIST in ${LISTS//,/ }; do
   fi
 
   if [ "$LIST" = serve-ratios ]; then
-    need_model
+    sustained_pair
     MID="$BENCH --model /root/model --budgets 1280"
-    LARGE="$BENCH --model /root/model --budgets default"
-    job s3_pipeline_5min 480 620 $LARGE --seconds 300 --stop-after 1.2 --arms pipeline-embeds --profile \
-      --out "$RES/s3_pipeline_5min"
-    job s4_serve_5min 450 600 $LARGE --seconds 300 --arms serve --serve-k 8 --out "$RES/s4_serve_5min"
     job s1_pipeline_1mp 250 360 $MID --seconds 90 --stop-after 1.5 --arms pipeline-embeds --profile \
       --out "$RES/s1_pipeline_1mp"
     job s2_serve_1mp 230 360 $MID --seconds 90 --arms serve --serve-k 8 --out "$RES/s2_serve_1mp"
   fi
 
-  # alternated_pairs TAG BUDGET SECONDS STOP_AFTER PIPELINE_S SERVE_S: Qwen2.5-VL-7B / 64 with the code's defaults, the
-  # pipeline (embeds) and `vllm serve` (8 API servers) alternated at one budget, pipeline, serve, pipeline, serve; each
-  # job expected to take PIPELINE_S or SERVE_S. Both report the steady rate between their first and last windows
-  # (rates.py), so the ratio table holds the whole-phase ratio and the steady one.
-  alternated_pairs() {
-    local tag=$1 budget=$2 seconds=$3 stop_after=$4 pipeline_s=$5 serve_s=$6 k
-    need_model
-    for k in 1 2; do
-      job "${tag}${k}_pipeline" "$pipeline_s" $(( pipeline_s + 100 )) $BENCH --model /root/model --budgets "$budget" \
-        --seconds "$seconds" --stop-after "$stop_after" --arms pipeline-embeds --profile --out "$RES/${tag}${k}_pipeline"
-      job "${tag}${k}_serve" "$serve_s" $(( serve_s + 100 )) $BENCH --model /root/model --budgets "$budget" \
-        --seconds "$seconds" --arms serve --serve-k 8 --out "$RES/${tag}${k}_serve"
-    done
-  }
   [ "$LIST" = serve-ratios-2 ] && alternated_pairs t_1mp 1280 150 1.3 350 280
   [ "$LIST" = serve-ratios-02 ] && alternated_pairs u_02mp 256 90 1.5 280 230
 
@@ -128,13 +135,7 @@ for LIST in ${LISTS//,/ }; do
     done
   fi
 
-  if [ "$LIST" = sustained ]; then
-    need_model
-    job s3_pipeline_5min 560 700 $BENCH --model /root/model --budgets default --seconds 300 --stop-after 1.2 \
-      --arms pipeline-embeds --profile --out "$RES/s3_pipeline_5min"
-    job s4_serve_5min 430 560 $BENCH --model /root/model --budgets default --seconds 300 --arms serve --serve-k 8 \
-      --serve-args "$SERVE_ARGS" --out "$RES/s4_serve_5min"
-  fi
+  [ "$LIST" = sustained ] && sustained_pair --serve-args "$SERVE_ARGS"
 
   if [ "$LIST" = qwen3-embeds ]; then
     Q3=/root/qwen3-vl-8b
