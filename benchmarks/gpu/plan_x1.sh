@@ -21,8 +21,9 @@
 #   public-path      Qwen2.5-VL-7B at 1 MP (60-s phases), embeds mode: the tower in vLLM's engine (the hooks) against
 #                    the tower in the consumer's process handing vLLM image_embeds (the public enable_mm_embeds path)
 #                    (about 7 minutes)
-#   serve-conc       Qwen2.5-VL-7B at 0.2 MP (90-s phases): `vllm serve` with its client at 192 and at 1,024 requests
-#                    in flight (the fastest is the serve figure) (about 5 minutes)
+#   serve-best       Qwen2.5-VL-7B at 0.2 MP, where serve is short of CPU (90-s phases): `vllm serve` with SERVE_ARGS
+#                    and 8, then 12 API servers, its client at 192 and at 1,024 requests in flight on each (the fastest
+#                    is the serve figure) (about 10 minutes)
 #   qwen3-vl         Qwen3-VL-8B, `pixels` mode without embeddings, against `vllm serve`: at 0.2 MP in 120-s phases,
 #                    then at 1 MP in 80-s phases (about 22 minutes)
 #   qwen35-short     Qwen3.5-27B at 0.2 MP: the pipeline in both modes (90 s), then naive vLLM and vLLM given
@@ -152,9 +153,9 @@ for LIST in ${LISTS//,/ }; do
       --arms pipeline-embeds,pipeline-embeds-public --profile --out "$RES/p1_public_path"
   fi
 
-  if [ "$LIST" = serve-conc ]; then
+  if [ "$LIST" = serve-best ]; then
     need_model
-    job b2_serve_02mp 280 400 $BENCH --model /root/model --budgets 256 --seconds 90 --arms serve --serve-k 8 \
+    job b2_serve_02mp 600 760 $BENCH --model /root/model --budgets 256 --seconds 90 --arms serve --serve-k 8,12 \
       --serve-conc 192,1024 --serve-args "$SERVE_ARGS" --out "$RES/b2_serve_02mp"
   fi
 
