@@ -24,6 +24,9 @@
 #   serve-best       Qwen2.5-VL-7B at 0.2 MP, where serve is short of CPU (90-s phases): `vllm serve` with SERVE_ARGS
 #                    and 8, then 12 API servers, its client at 192 and at 1,024 requests in flight on each (the fastest
 #                    is the serve figure) (about 10 minutes)
+#   gpu-time         Qwen2.5-VL-7B at 1 MP (60-s phases), vLLM's offline engine given images already at the model's
+#                    size (vLLM's own tower and the language model) and given image_embeds (the language model alone):
+#                    the GPU time per image of vLLM's tower, by difference, beside ours (about 5 minutes)
 #   qwen3-vl         Qwen3-VL-8B, `pixels` mode without embeddings, against `vllm serve`: at 0.2 MP in 120-s phases,
 #                    then at 1 MP in 80-s phases (about 22 minutes)
 #   qwen35-short     Qwen3.5-27B at 0.2 MP: the pipeline in both modes (90 s), then naive vLLM and vLLM given
@@ -157,6 +160,12 @@ for LIST in ${LISTS//,/ }; do
     need_model
     job b2_serve_02mp 600 760 $BENCH --model /root/model --budgets 256 --seconds 90 --arms serve --serve-k 8,12 \
       --serve-conc 192,1024 --serve-args "$SERVE_ARGS" --out "$RES/b2_serve_02mp"
+  fi
+
+  if [ "$LIST" = gpu-time ]; then
+    need_model
+    job c1_offline_1mp 320 450 $BENCH --model /root/model --budgets 1280 --seconds 60 \
+      --arms ceiling-preresized,ceiling-embeds --out "$RES/c1_offline_1mp"
   fi
 
   [ "$LIST" = smoke ] && job e1_engine_smoke 250 360 python3 benchmarks/gpu_engine_smoke.py --images /root/imgs --n 64 \
