@@ -27,8 +27,6 @@
 #   gpu-time         Qwen2.5-VL-7B at 1 MP (60-s phases), vLLM's offline engine given images already at the model's
 #                    size (vLLM's own tower and the language model) and given image_embeds (the language model alone):
 #                    the GPU time per image of vLLM's tower, by difference, beside ours (about 5 minutes)
-#   qwen3-vl         Qwen3-VL-8B, `pixels` mode without embeddings, against `vllm serve`: at 0.2 MP in 120-s phases,
-#                    then at 1 MP in 80-s phases (about 22 minutes)
 #   qwen35-short     Qwen3.5-27B at 0.2 MP: the pipeline in both modes (90 s), then naive vLLM and vLLM given
 #                    image_embeds (60 s); a 27B engine's first start compiles for minutes (about 23 minutes)
 #   generic          Gemma 3 4B (the generic path) at 1 MP: naive vLLM against the pipeline (pixels), 25-s phases
@@ -178,19 +176,6 @@ for LIST in ${LISTS//,/ }; do
       --run-options "--model /root/model --max-new-tokens 64" \
       --deadline $(( END - 20 )) --reports "$RES"
     mkdir -p "$RES/worker_logs"; cp "$VLMSTREAM_HOME"/logs/*.log "$RES/worker_logs/" 2>/dev/null
-  fi
-
-  if [ "$LIST" = qwen3-vl ]; then
-    Q3=/root/qwen3-vl-8b
-    [ -e $Q3/config.json ] || python3 benchmarks/gpu/mk_model.py $Q3 qwen3-vl-8b > "$RES/mk_q3.log" 2>&1
-    job l3_q3_pixels 330 450 $BENCH --model $Q3 --budgets 256 --seconds 120 --stop-after 1.5 --arms pipeline-pixels \
-      --profile --out "$RES/l3_q3_pixels"
-    job l5_q3_serve 260 380 $BENCH --model $Q3 --budgets 256 --seconds 120 --arms serve --serve-k 8 \
-      --out "$RES/l5_q3_serve"
-    job q2_q3_pixels_1mp 190 360 $BENCH --model $Q3 --budgets 1280 --seconds 80 --stop-after 1.5 --profile \
-      --arms pipeline-pixels --out "$RES/q2_q3_pixels_1mp"
-    job q3_q3_serve_1mp 190 360 $BENCH --model $Q3 --budgets 1280 --seconds 80 --arms serve --serve-k 8 \
-      --out "$RES/q3_q3_serve_1mp"
   fi
 
   if [ "$LIST" = qwen35-short ]; then
