@@ -100,9 +100,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                     "preprocessing: '--renderer-num-workers 2 --mm-tensor-ipc torch_shm'). Where the server does not "
                     "come up with them it starts again without, and each record says serve_args_dropped.")
     ap.add_argument("--serve-procs", type=int, default=6)
-    ap.add_argument("--serve-conc", default="192", help="Requests the serve arm's client keeps in flight; a comma list "
-                    "(192,1024) runs the client once per value on each server, records each as serve-c<N> and the "
-                    "fastest at each budget as serve.")
+    ap.add_argument("--serve-conc", default="1024", help="Requests the serve arm's client keeps in flight (1,024 by "
+                    "default: serve's fastest depth on vLLM 0.34, benchmarks/RESULTS.md); a comma list (192,1024) runs "
+                    "the client once per value on each server, records each as serve-c<N> and the fastest at each "
+                    "budget as serve.")
     ap.add_argument("--serve-port", type=int, default=8000)
     ap.add_argument("--start-limit", type=float, default=300.0, help="Engine/server start limit (s); a pipeline arm's first batch gets as long again once its "
                     "engines are up.")

@@ -9,7 +9,8 @@
 #                    each (sustained), then at 1 MP for 90 s each (about 24 minutes)
 #   serve-ratios-2   Qwen2.5-VL-7B at 1 MP: the pipeline and `vllm serve` alternated, P S P S, 150 s each (about
 #                    21 minutes)
-#   serve-ratios-02  the same at 0.2 MP, 90 s each (about 17 minutes)
+#   serve-ratios-02  the same at 0.2 MP, 150 s each: at 1,024 requests in flight serve's first 30-s window is its fill
+#                    (about 20 minutes)
 #   serve-pairs      Qwen2.5-VL-7B at 0.2 and 1 MP: the pipeline (embeds) and `vllm serve` (8 API servers and
 #                    SERVE_ARGS, by default vLLM 0.34's preprocessing options) alternated P S P S, each job one engine
 #                    start measuring both budgets in turn in 90-s phases (a 45-s phase at 0.2 MP is mostly the fill
@@ -18,12 +19,12 @@
 #                    for 5 minutes each (sustained) (about 17 minutes)
 #   qwen3-embeds     Qwen3-VL-8B at 0.2 and 1 MP (60-s phases): the pipeline (embeds, the default) against `vllm
 #                    serve` with SERVE_ARGS (about 10 minutes)
-#   public-path      Qwen2.5-VL-7B at 1 MP (60-s phases), embeds mode: the tower in vLLM's engine (the hooks) against
-#                    the tower in the consumer's process handing vLLM image_embeds (the public enable_mm_embeds path)
-#                    (about 7 minutes)
+#   public-path      Qwen2.5-VL-7B at 0.2 and 1 MP (60-s phases), embeds mode: the tower in vLLM's engine (the hooks)
+#                    against the tower in the consumer's process handing vLLM image_embeds (the public enable_mm_embeds
+#                    path) (about 11 minutes)
 #   serve-best       Qwen2.5-VL-7B at 0.2 MP, where serve is short of CPU (90-s phases): `vllm serve` with SERVE_ARGS
 #                    and 8, then 12 API servers, its client at 192 and at 1,024 requests in flight on each (the fastest
-#                    is the serve figure) (about 10 minutes)
+#                    is the serve figure; gpu_bench.py's serve defaults are that run's fastest) (about 11 minutes)
 #   gpu-time         Qwen2.5-VL-7B at 1 MP (60-s phases), vLLM's offline engine given images already at the model's
 #                    size (vLLM's own tower and the language model) and given image_embeds (the language model alone):
 #                    the GPU time per image of vLLM's tower, by difference, beside ours (about 5 minutes)
@@ -80,9 +81,9 @@ ab_b() { job "$1" 240 360 $IN_AB_TREE/benchmarks/gpu/gpu_bench.py \
   --imgs /root/imgs --max-tokens 64 --gpu-ids 0 --model /root/model --budgets 256 $PIPE --out "$RES/$1"; }
 
 # alternated_pairs TAG BUDGET SECONDS STOP_AFTER PIPELINE_S SERVE_S: Qwen2.5-VL-7B / 64 with the code's defaults, the
-# pipeline (embeds) and `vllm serve` (8 API servers) alternated at one budget, pipeline, serve, pipeline, serve; each
-# job expected to take PIPELINE_S or SERVE_S. Both report the steady rate between their first and last windows
-# (rates.py), so the ratio table holds the whole-phase ratio and the steady one.
+# pipeline (embeds) and `vllm serve` (8 API servers and SERVE_ARGS) alternated at one budget, pipeline, serve, pipeline,
+# serve; each job expected to take PIPELINE_S or SERVE_S. Both report the steady rate between their first and last
+# windows (rates.py), so the ratio table holds the whole-phase ratio and the steady one.
 alternated_pairs() {
   local tag=$1 budget=$2 seconds=$3 stop_after=$4 pipeline_s=$5 serve_s=$6 k
   need_model
@@ -90,18 +91,20 @@ alternated_pairs() {
     job "${tag}${k}_pipeline" "$pipeline_s" $(( pipeline_s + 100 )) $BENCH --model /root/model --budgets "$budget" \
       --seconds "$seconds" --stop-after "$stop_after" --arms pipeline-embeds --profile --out "$RES/${tag}${k}_pipeline"
     job "${tag}${k}_serve" "$serve_s" $(( serve_s + 100 )) $BENCH --model /root/model --budgets "$budget" \
-      --seconds "$seconds" --arms serve --serve-k 8 --out "$RES/${tag}${k}_serve"
+      --seconds "$seconds" --arms serve --serve-k 8 --serve-args "$SERVE_ARGS" --out "$RES/${tag}${k}_serve"
   done
 }
 
 # sustained_pair [SERVE OPTIONS...]: Qwen2.5-VL-7B at 12.8 MP, the pipeline (embeds) and `vllm serve` (8 API servers
-# and the options given) for 5 minutes each.
+# and the options given) for 5 minutes each. Serve's client keeps 192 requests in flight: at about 7,000 prompt tokens
+# per image (the kit's photos at their own size) an H100's KV cache (898,048 tokens) holds some 125 requests, so 192
+# already keeps the engine full, and 1,024 would only lengthen the drain after the phase by minutes.
 sustained_pair() {
   need_model
   job s3_pipeline_5min 560 700 $BENCH --model /root/model --budgets default --seconds 300 --stop-after 1.2 \
     --arms pipeline-embeds --profile --out "$RES/s3_pipeline_5min"
-  job s4_serve_5min 430 560 $BENCH --model /root/model --budgets default --seconds 300 --arms serve --serve-k 8 "$@" \
-    --out "$RES/s4_serve_5min"
+  job s4_serve_5min 430 560 $BENCH --model /root/model --budgets default --seconds 300 --arms serve --serve-k 8 \
+    --serve-conc 192 "$@" --out "$RES/s4_serve_5min"
 }
 
 for LIST in ${LISTS//,/ }; do
@@ -122,7 +125,7 @@ for LIST in ${LISTS//,/ }; do
   fi
 
   [ "$LIST" = serve-ratios-2 ] && alternated_pairs t_1mp 1280 150 1.3 350 280
-  [ "$LIST" = serve-ratios-02 ] && alternated_pairs u_02mp 256 90 1.5 280 230
+  [ "$LIST" = serve-ratios-02 ] && alternated_pairs u_02mp 256 150 1.3 330 290
 
   if [ "$LIST" = serve-pairs ]; then
     need_model
@@ -150,13 +153,13 @@ for LIST in ${LISTS//,/ }; do
 
   if [ "$LIST" = public-path ]; then
     need_model
-    job p1_public_path 400 540 $BENCH --model /root/model --budgets 1280 --seconds 60 --stop-after 1.3 \
+    job p1_public_path 640 800 $BENCH --model /root/model --budgets 256,1280 --seconds 60 --stop-after 1.3 \
       --arms pipeline-embeds,pipeline-embeds-public --profile --out "$RES/p1_public_path"
   fi
 
   if [ "$LIST" = serve-best ]; then
     need_model
-    job b2_serve_02mp 600 760 $BENCH --model /root/model --budgets 256 --seconds 90 --arms serve --serve-k 8,12 \
+    job b2_serve_02mp 640 800 $BENCH --model /root/model --budgets 256 --seconds 90 --arms serve --serve-k 8,12 \
       --serve-conc 192,1024 --serve-args "$SERVE_ARGS" --out "$RES/b2_serve_02mp"
   fi
 

@@ -3,7 +3,7 @@ C requests in flight in total for --seconds, each request one full-resolution JP
 for what is in flight. Prints `RESULT {json}`: completed requests over the time from the first request sent to the
 last answer received (t0 is wall-clock time.time(), for the GPU sampler).
 
-Usage: serve_client.py --url http://127.0.0.1:8000 --model DIR --imgs DIR --seconds 30 --procs 6 --conc 192
+Usage: serve_client.py --url http://127.0.0.1:8000 --model DIR --imgs DIR --seconds 30 --procs 6 --conc 1024
                        --max-tokens 64 --max-pixels 200704 [--min-pixels 3136] [--prompt TEXT] [--window 30]
 """
 
@@ -91,7 +91,7 @@ def main() -> None:
     ap.add_argument("--imgs", required=True)
     ap.add_argument("--seconds", type=float, default=30)
     ap.add_argument("--procs", type=int, default=6)
-    ap.add_argument("--conc", type=int, default=192)
+    ap.add_argument("--conc", type=int, default=1024)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--max-pixels", type=int, default=0, help="0: the model's default budget (no kwargs).")
     ap.add_argument("--min-pixels", type=int, default=3136)
