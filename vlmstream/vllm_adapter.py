@@ -1,9 +1,12 @@
 """Every hook into a vLLM internal, in one place, with the vLLM release it was checked against.
 
 vlmstream drives vLLM through its public engine API (``AsyncLLM``, ``AsyncEngineArgs``, ``SamplingParams``,
-``collective_rpc``, ``worker_extension_cls``) wherever that API reaches. The hooks below reach past it, because the
-speed they buy has no public way in: they rely on names vLLM may change in any release, so they were checked against
-CHECKED_VLLM, and on any other release the code that needs them is not used (``version_problem`` says why):
+``collective_rpc``, ``worker_extension_cls``) wherever that API reaches. The hooks below reach past it to run our tower
+inside vLLM's engine process (one CUDA context; each image crosses as its uint8 rows, about a third of the bytes of its
+Qwen2.5-VL embeddings), which no public API offers. On any other release the tower runs in the consumer and hands vLLM
+``image_embeds`` through the public ``enable_mm_embeds``; docs/benchmarks.md measures the two against each other. The
+hooks rely on names vLLM may change in any release, so they were checked against CHECKED_VLLM, and on any other
+release the code that needs them is not used (``version_problem`` says why):
 
 - ``wrap_image_inputs``: the Qwen model classes in ``vllm.model_executor.models`` (MODEL_CLASSES) run their vision
   tower in ``_process_image_input(self, image_input)``, where ``image_input`` is a dict with ``type``,
