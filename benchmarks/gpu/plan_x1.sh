@@ -5,8 +5,8 @@
 # each was made); every job is a gpu_bench.py call with the code's defaults, 64 output tokens.
 #
 # Job lists (third argument; several, comma-separated, run one after another):
-#   serve-ratios     Qwen2.5-VL-7B: the pipeline (embeds) and `vllm serve` (8 API servers) at 12.8 MP for 5 minutes
-#                    each (sustained), then at 1 MP for 90 s each (about 24 minutes)
+#   serve-ratios     Qwen2.5-VL-7B: the pipeline (embeds) and `vllm serve` (8 API servers and SERVE_ARGS) at 12.8 MP
+#                    for 5 minutes each (sustained), then at 1 MP for 90 s each (about 24 minutes)
 #   serve-ratios-2   Qwen2.5-VL-7B at 1 MP: the pipeline and `vllm serve` alternated, P S P S, 150 s each (about
 #                    21 minutes)
 #   serve-ratios-02  the same at 0.2 MP, 150 s each: at 1,024 requests in flight serve's first 30-s window is its fill
@@ -118,11 +118,12 @@ for LIST in ${LISTS//,/ }; do
   fi
 
   if [ "$LIST" = serve-ratios ]; then
-    sustained_pair
+    sustained_pair --serve-args "$SERVE_ARGS"
     MID="$BENCH --model /root/model --budgets 1280"
     job s1_pipeline_1mp 250 360 $MID --seconds 90 --stop-after 1.5 --arms pipeline-embeds --profile \
       --out "$RES/s1_pipeline_1mp"
-    job s2_serve_1mp 230 360 $MID --seconds 90 --arms serve --serve-k 8 --out "$RES/s2_serve_1mp"
+    job s2_serve_1mp 230 360 $MID --seconds 90 --arms serve --serve-k 8 --serve-args "$SERVE_ARGS" \
+      --out "$RES/s2_serve_1mp"
   fi
 
   [ "$LIST" = serve-ratios-2 ] && alternated_pairs t_1mp 1280 150 1.3 350 280
