@@ -8,17 +8,17 @@
 #   serve-ratios     Qwen2.5-VL-7B: the pipeline (embeds) and `vllm serve` (8 API servers and SERVE_ARGS) at 12.8 MP
 #                    for 5 minutes each (sustained), then at 1 MP for 90 s each (about 24 minutes)
 #   serve-ratios-2   Qwen2.5-VL-7B at 1 MP: the pipeline and `vllm serve` alternated, P S P S, 150 s each (about
-#                    21 minutes)
+#                    23 minutes)
 #   serve-ratios-02  the same at 0.2 MP, 150 s each: at 1,024 requests in flight serve's first 30-s window is its fill
 #                    (about 20 minutes)
 #   serve-pairs      Qwen2.5-VL-7B at 0.2 and 1 MP: the pipeline (embeds) and `vllm serve` (8 API servers and
 #                    SERVE_ARGS, by default vLLM 0.34's preprocessing options) alternated P S P S, each job one engine
 #                    start measuring both budgets in turn in 90-s phases (a 45-s phase at 0.2 MP is mostly the fill
-#                    of vLLM's 1,024 seats), after check_tower.py on Qwen3-VL-8B (about 22 minutes)
+#                    of vLLM's 1,024 seats), after check_tower.py on Qwen3-VL-8B (about 26 minutes)
 #   sustained        Qwen2.5-VL-7B at 12.8 MP: the pipeline (embeds) and `vllm serve` (8 API servers and SERVE_ARGS)
 #                    for 5 minutes each (sustained) (about 17 minutes)
 #   qwen3-embeds     Qwen3-VL-8B at 0.2 and 1 MP (60-s phases): the pipeline (embeds, the default) against `vllm
-#                    serve` with SERVE_ARGS (about 10 minutes)
+#                    serve` with SERVE_ARGS (about 11 minutes)
 #   public-path      Qwen2.5-VL-7B at 0.2 and 1 MP (60-s phases), embeds mode: the tower in vLLM's engine (the hooks)
 #                    against the tower in the consumer's process handing vLLM image_embeds (the public enable_mm_embeds
 #                    path) (about 11 minutes)
@@ -84,7 +84,8 @@ ab_b() { job "$1" 240 360 $IN_AB_TREE/benchmarks/gpu/gpu_bench.py \
 # alternated_pairs TAG BUDGET SECONDS STOP_AFTER PIPELINE_S SERVE_S: Qwen2.5-VL-7B / 64 with the code's defaults, the
 # pipeline (embeds) and `vllm serve` (8 API servers and SERVE_ARGS) alternated at one budget, pipeline, serve, pipeline,
 # serve; each job expected to take PIPELINE_S or SERVE_S. Both report the steady rate between their first and last
-# windows (rates.py), so the ratio table holds the whole-phase ratio and the steady one.
+# windows (rates.py), so the ratio table holds the whole-phase ratio and the steady one. A serve job's time includes
+# its client's drain after each phase: 1,024 requests in flight can take up to a minute to answer at 1 MP.
 alternated_pairs() {
   local tag=$1 budget=$2 seconds=$3 stop_after=$4 pipeline_s=$5 serve_s=$6 k
   need_model
@@ -122,11 +123,11 @@ for LIST in ${LISTS//,/ }; do
     MID="$BENCH --model /root/model --budgets 1280"
     job s1_pipeline_1mp 250 360 $MID --seconds 90 --stop-after 1.5 --arms pipeline-embeds --profile \
       --out "$RES/s1_pipeline_1mp"
-    job s2_serve_1mp 230 360 $MID --seconds 90 --arms serve --serve-k 8 --serve-args "$SERVE_ARGS" \
+    job s2_serve_1mp 290 400 $MID --seconds 90 --arms serve --serve-k 8 --serve-args "$SERVE_ARGS" \
       --out "$RES/s2_serve_1mp"
   fi
 
-  [ "$LIST" = serve-ratios-2 ] && alternated_pairs t_1mp 1280 150 1.3 350 280
+  [ "$LIST" = serve-ratios-2 ] && alternated_pairs t_1mp 1280 150 1.3 350 340
   [ "$LIST" = serve-ratios-02 ] && alternated_pairs u_02mp 256 150 1.3 330 290
 
   if [ "$LIST" = serve-pairs ]; then
@@ -137,7 +138,7 @@ for LIST in ${LISTS//,/ }; do
     for k in 1 2; do
       job "v${k}_pipeline" 330 480 $BENCH --model /root/model --budgets 256,1280 --seconds 90 --stop-after 1.5 \
         --arms pipeline-embeds --profile --out "$RES/v${k}_pipeline"
-      job "v${k}_serve" 300 450 $BENCH --model /root/model --budgets 256,1280 --seconds 90 --arms serve --serve-k 8 \
+      job "v${k}_serve" 380 500 $BENCH --model /root/model --budgets 256,1280 --seconds 90 --arms serve --serve-k 8 \
         --serve-args "$SERVE_ARGS" --out "$RES/v${k}_serve"
     done
   fi
@@ -149,7 +150,7 @@ for LIST in ${LISTS//,/ }; do
     [ -e $Q3/config.json ] || python3 benchmarks/gpu/mk_model.py $Q3 qwen3-vl-8b > "$RES/mk_q3.log" 2>&1
     job q1_q3_pipeline 330 460 $BENCH --model $Q3 --budgets 256,1280 --seconds 60 --stop-after 1.5 \
       --arms pipeline-embeds --profile --out "$RES/q1_q3_pipeline"
-    job q2_q3_serve 240 360 $BENCH --model $Q3 --budgets 256,1280 --seconds 60 --arms serve --serve-k 8 \
+    job q2_q3_serve 300 420 $BENCH --model $Q3 --budgets 256,1280 --seconds 60 --arms serve --serve-k 8 \
       --serve-args "$SERVE_ARGS" --out "$RES/q2_q3_serve"
   fi
 
