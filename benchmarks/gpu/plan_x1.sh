@@ -73,6 +73,8 @@ BENCH="python3 benchmarks/gpu/gpu_bench.py --imgs /root/imgs --max-tokens 64 --g
 # The serve jobs' options beyond the API servers: by default vLLM 0.34's preprocessing (renderer workers, tensors by
 # shared memory).
 SERVE_ARGS=${SERVE_ARGS:---renderer-num-workers 2 --mm-tensor-ipc torch_shm}
+# The serve arm every serve list measures: 8 API servers with SERVE_ARGS (one word for gpu_bench.py, hence an array).
+SERVE=(--arms serve --serve-k 8 --serve-args "$SERVE_ARGS")
 # The Qwen2.5-VL-7B model folder most lists measure, written once per machine.
 need_model() { [ -e /root/model/config.json ] || python3 benchmarks/gpu/mk_model.py /root/model > "$RES/mk_model.log" 2>&1; }
 PIPE="--seconds 40 --stop-after 1.5 --arms pipeline-embeds --profile"
@@ -93,20 +95,20 @@ alternated_pairs() {
     job "${tag}${k}_pipeline" "$pipeline_s" $(( pipeline_s + 100 )) $BENCH --model /root/model --budgets "$budget" \
       --seconds "$seconds" --stop-after "$stop_after" --arms pipeline-embeds --profile --out "$RES/${tag}${k}_pipeline"
     job "${tag}${k}_serve" "$serve_s" $(( serve_s + 100 )) $BENCH --model /root/model --budgets "$budget" \
-      --seconds "$seconds" --arms serve --serve-k 8 --serve-args "$SERVE_ARGS" --out "$RES/${tag}${k}_serve"
+      --seconds "$seconds" "${SERVE[@]}" --out "$RES/${tag}${k}_serve"
   done
 }
 
-# sustained_pair [SERVE OPTIONS...]: Qwen2.5-VL-7B at 12.8 MP, the pipeline (embeds) and `vllm serve` (8 API servers
-# and the options given) for 5 minutes each. Serve's client keeps 192 requests in flight: at about 7,000 prompt tokens
-# per image (the kit's photos at their own size) an H100's KV cache (898,048 tokens) holds some 125 requests, so 192
-# already keeps the engine full, and 1,024 would only lengthen the drain after the phase by minutes.
+# sustained_pair: Qwen2.5-VL-7B at 12.8 MP, the pipeline (embeds) and `vllm serve` (8 API servers and SERVE_ARGS) for
+# 5 minutes each. Serve's client keeps 192 requests in flight: at about 7,000 prompt tokens per image (the kit's photos
+# at their own size) an H100's KV cache (898,048 tokens) holds some 125 requests, so 192 already keeps the engine full,
+# and 1,024 would only lengthen the drain after the phase by minutes.
 sustained_pair() {
   need_model
   job s3_pipeline_5min 560 700 $BENCH --model /root/model --budgets default --seconds 300 --stop-after 1.2 \
     --arms pipeline-embeds --profile --out "$RES/s3_pipeline_5min"
-  job s4_serve_5min 430 560 $BENCH --model /root/model --budgets default --seconds 300 --arms serve --serve-k 8 \
-    --serve-conc 192 "$@" --out "$RES/s4_serve_5min"
+  job s4_serve_5min 430 560 $BENCH --model /root/model --budgets default --seconds 300 "${SERVE[@]}" \
+    --serve-conc 192 --out "$RES/s4_serve_5min"
 }
 
 for LIST in ${LISTS//,/ }; do
@@ -119,12 +121,11 @@ for LIST in ${LISTS//,/ }; do
   fi
 
   if [ "$LIST" = serve-ratios ]; then
-    sustained_pair --serve-args "$SERVE_ARGS"
+    sustained_pair
     MID="$BENCH --model /root/model --budgets 1280"
     job s1_pipeline_1mp 250 360 $MID --seconds 90 --stop-after 1.5 --arms pipeline-embeds --profile \
       --out "$RES/s1_pipeline_1mp"
-    job s2_serve_1mp 290 400 $MID --seconds 90 --arms serve --serve-k 8 --serve-args "$SERVE_ARGS" \
-      --out "$RES/s2_serve_1mp"
+    job s2_serve_1mp 290 400 $MID --seconds 90 "${SERVE[@]}" --out "$RES/s2_serve_1mp"
   fi
 
   [ "$LIST" = serve-ratios-2 ] && alternated_pairs t_1mp 1280 150 1.3 350 340
@@ -138,20 +139,20 @@ for LIST in ${LISTS//,/ }; do
     for k in 1 2; do
       job "v${k}_pipeline" 330 480 $BENCH --model /root/model --budgets 256,1280 --seconds 90 --stop-after 1.5 \
         --arms pipeline-embeds --profile --out "$RES/v${k}_pipeline"
-      job "v${k}_serve" 380 500 $BENCH --model /root/model --budgets 256,1280 --seconds 90 --arms serve --serve-k 8 \
-        --serve-args "$SERVE_ARGS" --out "$RES/v${k}_serve"
+      job "v${k}_serve" 380 500 $BENCH --model /root/model --budgets 256,1280 --seconds 90 "${SERVE[@]}" \
+        --out "$RES/v${k}_serve"
     done
   fi
 
-  [ "$LIST" = sustained ] && sustained_pair --serve-args "$SERVE_ARGS"
+  [ "$LIST" = sustained ] && sustained_pair
 
   if [ "$LIST" = qwen3-embeds ]; then
     Q3=/root/qwen3-vl-8b
     [ -e $Q3/config.json ] || python3 benchmarks/gpu/mk_model.py $Q3 qwen3-vl-8b > "$RES/mk_q3.log" 2>&1
     job q1_q3_pipeline 330 460 $BENCH --model $Q3 --budgets 256,1280 --seconds 60 --stop-after 1.5 \
       --arms pipeline-embeds --profile --out "$RES/q1_q3_pipeline"
-    job q2_q3_serve 300 420 $BENCH --model $Q3 --budgets 256,1280 --seconds 60 --arms serve --serve-k 8 \
-      --serve-args "$SERVE_ARGS" --out "$RES/q2_q3_serve"
+    job q2_q3_serve 300 420 $BENCH --model $Q3 --budgets 256,1280 --seconds 60 "${SERVE[@]}" \
+      --out "$RES/q2_q3_serve"
   fi
 
   if [ "$LIST" = public-path ]; then

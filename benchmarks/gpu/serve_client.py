@@ -91,7 +91,7 @@ def main() -> None:
     ap.add_argument("--imgs", required=True)
     ap.add_argument("--seconds", type=float, default=30)
     ap.add_argument("--procs", type=int, default=6)
-    ap.add_argument("--conc", type=int, default=1024)
+    ap.add_argument("--conc", type=int, required=True)  # gpu_bench.py --serve-conc holds the default
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--max-pixels", type=int, default=0, help="0: the model's default budget (no kwargs).")
     ap.add_argument("--min-pixels", type=int, default=3136)
