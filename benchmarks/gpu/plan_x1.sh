@@ -11,6 +11,7 @@
 #                    23 minutes)
 #   serve-ratios-02  the same at 0.2 MP, 150 s each: at 1,024 requests in flight serve's first 30-s window is its fill
 #                    (about 20 minutes)
+#   serve-02         `vllm serve` (8 API servers and SERVE_ARGS) alone at 0.2 MP for 150 s (about 5 minutes)
 #   serve-pairs      Qwen2.5-VL-7B at 0.2 and 1 MP: the pipeline (embeds) and `vllm serve` (8 API servers and
 #                    SERVE_ARGS, by default vLLM 0.34's preprocessing options) alternated P S P S, each job one engine
 #                    start measuring both budgets in turn in 90-s phases (a 45-s phase at 0.2 MP is mostly the fill
@@ -19,9 +20,10 @@
 #                    for 5 minutes each (sustained) (about 17 minutes)
 #   qwen3-embeds     Qwen3-VL-8B at 0.2 and 1 MP (60-s phases): the pipeline (embeds, the default) against `vllm
 #                    serve` with SERVE_ARGS (about 11 minutes)
-#   public-path      Qwen2.5-VL-7B at 0.2 and 1 MP (60-s phases), embeds mode: the tower in vLLM's engine (the hooks)
+#   public-path      Qwen2.5-VL-7B, then Qwen3-VL-8B (whose image_embeds carry three DeepStack levels, 11x the bytes
+#                    of the image), at 0.2 MP (60-s phases), embeds mode: the tower in vLLM's engine (the hooks)
 #                    against the tower in the consumer's process handing vLLM image_embeds (the public enable_mm_embeds
-#                    path) (about 11 minutes)
+#                    path) (about 14 minutes, more as a machine's first engine start compiles cold)
 #   serve-best       Qwen2.5-VL-7B at 0.2 MP, where serve is short of CPU (90-s phases): `vllm serve` with SERVE_ARGS
 #                    and 8, then 12 API servers, its client at 192 and at 1,024 requests in flight on each (the fastest
 #                    is the serve figure; gpu_bench.py's serve defaults are that run's fastest) (about 11 minutes)
@@ -84,15 +86,16 @@ ab_b() { job "$1" 240 360 $IN_AB_TREE/benchmarks/gpu/gpu_bench.py \
   --imgs /root/imgs --max-tokens 64 --gpu-ids 0 --model /root/model --budgets 256 $PIPE --out "$RES/$1"; }
 
 # alternated_pairs TAG BUDGET SECONDS STOP_AFTER PIPELINE_S SERVE_S: Qwen2.5-VL-7B / 64 with the code's defaults, the
-# pipeline (embeds) and `vllm serve` (8 API servers and SERVE_ARGS) alternated at one budget, pipeline, serve, pipeline,
-# serve; each job expected to take PIPELINE_S or SERVE_S. Both report the steady rate between their first and last
+# pipeline (embeds) and `vllm serve` (8 API servers and SERVE_ARGS) alternated at one budget, pipeline, serve,
+# pipeline, serve; each job expected to take PIPELINE_S or SERVE_S, a pipeline job given 200 s more (a machine's first engine start compiles
+# cold for about three minutes). Both report the steady rate between their first and last
 # windows (rates.py), so the ratio table holds the whole-phase ratio and the steady one. A serve job's time includes
 # its client's drain after each phase: 1,024 requests in flight can take up to a minute to answer at 1 MP.
 alternated_pairs() {
   local tag=$1 budget=$2 seconds=$3 stop_after=$4 pipeline_s=$5 serve_s=$6 k
   need_model
   for k in 1 2; do
-    job "${tag}${k}_pipeline" "$pipeline_s" $(( pipeline_s + 100 )) $BENCH --model /root/model --budgets "$budget" \
+    job "${tag}${k}_pipeline" "$pipeline_s" $(( pipeline_s + 200 )) $BENCH --model /root/model --budgets "$budget" \
       --seconds "$seconds" --stop-after "$stop_after" --arms pipeline-embeds --profile --out "$RES/${tag}${k}_pipeline"
     job "${tag}${k}_serve" "$serve_s" $(( serve_s + 100 )) $BENCH --model /root/model --budgets "$budget" \
       --seconds "$seconds" "${SERVE[@]}" --out "$RES/${tag}${k}_serve"
@@ -130,6 +133,11 @@ for LIST in ${LISTS//,/ }; do
 
   [ "$LIST" = serve-ratios-2 ] && alternated_pairs t_1mp 1280 150 1.3 350 340
   [ "$LIST" = serve-ratios-02 ] && alternated_pairs u_02mp 256 150 1.3 330 290
+  if [ "$LIST" = serve-02 ]; then
+    need_model
+    job w_serve_02mp 290 390 $BENCH --model /root/model --budgets 256 --seconds 150 "${SERVE[@]}" \
+      --out "$RES/w_serve_02mp"
+  fi
 
   if [ "$LIST" = serve-pairs ]; then
     need_model
@@ -157,8 +165,12 @@ for LIST in ${LISTS//,/ }; do
 
   if [ "$LIST" = public-path ]; then
     need_model
-    job p1_public_path 640 800 $BENCH --model /root/model --budgets 256,1280 --seconds 60 --stop-after 1.3 \
-      --arms pipeline-embeds,pipeline-embeds-public --profile --out "$RES/p1_public_path"
+    job p2_public_path_02mp 420 650 $BENCH --model /root/model --budgets 256 --seconds 60 --stop-after 1.3 \
+      --arms pipeline-embeds,pipeline-embeds-public --profile --out "$RES/p2_public_path_02mp"
+    Q3=/root/qwen3-vl-8b
+    [ -e $Q3/config.json ] || python3 benchmarks/gpu/mk_model.py $Q3 qwen3-vl-8b > "$RES/mk_q3.log" 2>&1
+    job p3_public_path_q3_02mp 400 560 $BENCH --model $Q3 --budgets 256 --seconds 60 --stop-after 1.3 \
+      --arms pipeline-embeds,pipeline-embeds-public --profile --out "$RES/p3_public_path_q3_02mp"
   fi
 
   if [ "$LIST" = serve-best ]; then
