@@ -11,7 +11,6 @@
 #                    23 minutes)
 #   serve-ratios-02  the same at 0.2 MP, 150 s each: at 1,024 requests in flight serve's first 30-s window is its fill
 #                    (about 20 minutes)
-#   serve-02         `vllm serve` (8 API servers and SERVE_ARGS) alone at 0.2 MP for 150 s (about 5 minutes)
 #   serve-pairs      Qwen2.5-VL-7B at 0.2 and 1 MP: the pipeline (embeds) and `vllm serve` (8 API servers and
 #                    SERVE_ARGS, by default vLLM 0.34's preprocessing options) alternated P S P S, each job one engine
 #                    start measuring both budgets in turn in 90-s phases (a 45-s phase at 0.2 MP is mostly the fill
@@ -87,8 +86,8 @@ ab_b() { job "$1" 240 360 $IN_AB_TREE/benchmarks/gpu/gpu_bench.py \
 
 # alternated_pairs TAG BUDGET SECONDS STOP_AFTER PIPELINE_S SERVE_S: Qwen2.5-VL-7B / 64 with the code's defaults, the
 # pipeline (embeds) and `vllm serve` (8 API servers and SERVE_ARGS) alternated at one budget, pipeline, serve,
-# pipeline, serve; each job expected to take PIPELINE_S or SERVE_S, a pipeline job given 200 s more (a machine's first engine start compiles
-# cold for about three minutes). Both report the steady rate between their first and last
+# pipeline, serve; each job expected to take PIPELINE_S or SERVE_S, a pipeline job given 200 s more (a machine's first
+# engine start compiles cold for about three minutes). Both report the steady rate between their first and last
 # windows (rates.py), so the ratio table holds the whole-phase ratio and the steady one. A serve job's time includes
 # its client's drain after each phase: 1,024 requests in flight can take up to a minute to answer at 1 MP.
 alternated_pairs() {
@@ -133,11 +132,6 @@ for LIST in ${LISTS//,/ }; do
 
   [ "$LIST" = serve-ratios-2 ] && alternated_pairs t_1mp 1280 150 1.3 350 340
   [ "$LIST" = serve-ratios-02 ] && alternated_pairs u_02mp 256 150 1.3 330 290
-  if [ "$LIST" = serve-02 ]; then
-    need_model
-    job w_serve_02mp 290 390 $BENCH --model /root/model --budgets 256 --seconds 150 "${SERVE[@]}" \
-      --out "$RES/w_serve_02mp"
-  fi
 
   if [ "$LIST" = serve-pairs ]; then
     need_model
