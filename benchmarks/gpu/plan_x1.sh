@@ -76,8 +76,10 @@ BENCH="python3 benchmarks/gpu/gpu_bench.py --imgs /root/imgs --max-tokens 64 --g
 SERVE_ARGS=${SERVE_ARGS:---renderer-num-workers 2 --mm-tensor-ipc torch_shm}
 # The serve arm every serve list measures: 8 API servers with SERVE_ARGS (one word for gpu_bench.py, hence an array).
 SERVE=(--arms serve --serve-k 8 --serve-args "$SERVE_ARGS")
-# The Qwen2.5-VL-7B model folder most lists measure, written once per machine.
-need_model() { [ -e /root/model/config.json ] || python3 benchmarks/gpu/mk_model.py /root/model > "$RES/mk_model.log" 2>&1; }
+# made DIR NAME: mk_model.py's NAME config (dummy weights) in DIR, written once per machine.
+made() { [ -e "$1/config.json" ] || python3 benchmarks/gpu/mk_model.py "$1" "$2" > "$RES/mk_$(basename "$1").log" 2>&1; }
+# The Qwen2.5-VL-7B model folder most lists measure.
+need_model() { made /root/model qwen2.5-vl-7b; }
 PIPE="--seconds 40 --stop-after 1.5 --arms pipeline-embeds --profile"
 # The A/B lists' pipeline, Qwen2.5-VL-7B at 0.2 MP / 64: this code (ab_a LABEL), /root/ab-tree's (ab_b LABEL).
 ab_a() { job "$1" 240 360 $BENCH --model /root/model --budgets 256 $PIPE --out "$RES/$1"; }
@@ -150,7 +152,7 @@ for LIST in ${LISTS//,/ }; do
 
   if [ "$LIST" = qwen3-embeds ]; then
     Q3=/root/qwen3-vl-8b
-    [ -e $Q3/config.json ] || python3 benchmarks/gpu/mk_model.py $Q3 qwen3-vl-8b > "$RES/mk_q3.log" 2>&1
+    made $Q3 qwen3-vl-8b
     job q1_q3_pipeline 330 460 $BENCH --model $Q3 --budgets 256,1280 --seconds 60 --stop-after 1.5 \
       --arms pipeline-embeds --profile --out "$RES/q1_q3_pipeline"
     job q2_q3_serve 300 420 $BENCH --model $Q3 --budgets 256,1280 --seconds 60 "${SERVE[@]}" \
@@ -160,7 +162,7 @@ for LIST in ${LISTS//,/ }; do
   if [ "$LIST" = public-path ]; then
     need_model
     Q3=/root/qwen3-vl-8b
-    [ -e $Q3/config.json ] || python3 benchmarks/gpu/mk_model.py $Q3 qwen3-vl-8b > "$RES/mk_q3.log" 2>&1
+    made $Q3 qwen3-vl-8b
     job p3_public_path_q3_02mp 450 600 $BENCH --model $Q3 --budgets 256 --seconds 45 --stop-after 1.3 \
       --arms pipeline-embeds,pipeline-embeds-public --profile --out "$RES/p3_public_path_q3_02mp"
     job p2_public_path_02mp 430 600 $BENCH --model /root/model --budgets 256 --seconds 45 --stop-after 1.3 \
@@ -195,7 +197,7 @@ for LIST in ${LISTS//,/ }; do
     # A 27B engine's first start on a fresh machine compiles for about four minutes, so a start limit of 600 s; at
     # 0.2 MP vLLM's 1,024 seats hold an image about 18 s, so a phase shorter than a minute measures only the fill.
     Q5=/root/qwen3.5-27b
-    [ -e $Q5/config.json ] || python3 benchmarks/gpu/mk_model.py $Q5 qwen3.5-27b > "$RES/mk_q5.log" 2>&1
+    made $Q5 qwen3.5-27b
     job f1_qwen35_27b_pipeline 800 1000 $BENCH --model $Q5 --budgets 256 --seconds 90 --stop-after 1.5 --profile \
       --start-limit 600 --arms pipeline-embeds,pipeline-pixels --out "$RES/f1_qwen35_27b_pipeline"
     job f2_qwen35_27b_offline 420 560 $BENCH --model $Q5 --budgets 256 --seconds 60 --start-limit 600 \
@@ -204,14 +206,14 @@ for LIST in ${LISTS//,/ }; do
 
   if [ "$LIST" = generic ]; then
     G3=/root/gemma3-4b
-    [ -e $G3/config.json ] || python3 benchmarks/gpu/mk_model.py $G3 gemma3-4b > "$RES/mk_g3.log" 2>&1
+    made $G3 gemma3-4b
     job g2_generic_cores 330 450 $BENCH --model $G3 --budgets 1280 --seconds 25 --stop-after 1.5 \
       --arms naive,pipeline-pixels --out "$RES/g2_generic_cores"
   fi
 
   if [ "$LIST" = generic-tiling ]; then
     LO=/root/llava-onevision-7b
-    [ -e $LO/config.json ] || python3 benchmarks/gpu/mk_model.py $LO llava-onevision-7b > "$RES/mk_lo.log" 2>&1
+    made $LO llava-onevision-7b
     job g3_llava_ov 480 640 $BENCH --model $LO --budgets default --seconds 60 --stop-after 1.5 --start-limit 600 \
       --arms naive,pipeline-pixels --out "$RES/g3_llava_ov"
   fi

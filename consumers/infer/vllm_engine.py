@@ -95,11 +95,10 @@ class VllmEngine(EngineTowerSide, EncoderThread, QueuedEngine):
             raise ValueError(f"infer.model {self.model_path} has no model family in vlmstream/models (the generic path): "
                              "its tower is vLLM's, so set infer.mode=pixels")
 
-        # Embeds mode runs our tower in vLLM's engine process (one CUDA context; on vLLM 0.34 as fast as the tower in
-        # this process for Qwen2.5-VL at 1 MP, and 1.07-1.17x faster for Qwen3-VL at 0.2 MP, whose embeddings with
-        # their DeepStack levels are 11x the image's bytes: docs/benchmarks.md). A model
-        # whose vLLM class does not take it, or a vLLM release other than the one vllm_adapter's hooks were checked
-        # against, runs the tower here instead (below).
+        # Embeds mode runs our tower in vLLM's engine process: one CUDA context, and the image crosses as its own
+        # bytes, not as embeddings up to 11x larger (Qwen3-VL's DeepStack levels), which is where it beats the tower
+        # here (docs/benchmarks.md). A model whose vLLM class does not take it, or a vLLM release other than the one
+        # vllm_adapter's hooks were checked against, runs the tower here instead (below).
         self.settings = settings
         tower_problem = vllm_adapter.version_problem() if self.mode == "embeds" else None
         if tower_problem:
