@@ -2,13 +2,13 @@
 # Split the stream pack_device.sh built ($WORK/all.tar.zst, $WORK/imgs) into <repo>/.gpu/p1, p2, ...: parts of
 # PART_MIB each, the last one the remainder, beside all.sha256 and imgs/ (a folder of its own where the remainder
 # leaves no room for them). A call carries at most 64 MiB, the working tree included, so the default is 64 MiB less
-# the tree's tracked files less 1 MiB (the tree grows with benchmarks/results: a fixed 62 once left the last call
-# 0.1 MiB over). Full parts rather than equal ones: each part is one staging call. Re-run alone to re-split without
+# the tree's tracked files as they sit on disk (whole blocks: their byte sizes undercount by some 2 MiB) less 1 MiB
+# (the tree grows with benchmarks/results: a fixed 62 once left the last call 0.1 MiB over). Full parts rather than equal ones: each part is one staging call. Re-run alone to re-split without
 # compressing again.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd); repo=$(cd "$here/../.." && pwd); work=${WORK:-/tmp/vlmstream-gpu-pack}
 rm -rf "$repo"/.gpu/p[0-9]*; mkdir -p "$repo/.gpu/split"
-tree_b=$(git -C "$repo" ls-files -z | (cd "$repo" && xargs -0 du -cb) | tail -1 | cut -f1)
+tree_b=$(( $(git -C "$repo" ls-files -z | (cd "$repo" && du -c --files0-from=-) | tail -1 | cut -f1) * 1024 ))
 limit=$(( 64 * 1048576 - tree_b - 1048576 )); [ -n "${PART_MIB:-}" ] && limit=$(( PART_MIB * 1048576 ))
 imgs=$(du -sb "$work/imgs" | cut -f1)
 ( cd "$repo/.gpu/split" && rm -f part.* && split -b "$limit" "$work/all.tar.zst" part. )
