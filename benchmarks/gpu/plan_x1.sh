@@ -21,8 +21,8 @@
 #                    for 5 minutes each (sustained) (about 17 minutes)
 #   qwen3-embeds     Qwen3-VL-8B at 0.2 and 1 MP (60-s phases): the pipeline (embeds, the default) against `vllm
 #                    serve` with SERVE_ARGS (about 11 minutes)
-#   public-path      Qwen3-VL-8B (whose image_embeds carry three DeepStack levels, 11x the bytes of the image), then
-#                    Qwen2.5-VL-7B, at 0.2 MP (45-s phases), embeds mode: the tower in vLLM's engine (the hooks)
+#   public-path      Qwen2.5-VL-7B, then Qwen3-VL-8B (whose image_embeds carry three DeepStack levels, 11x the bytes
+#                    of the image), at 0.2 MP (45-s phases), embeds mode: the tower in vLLM's engine (the hooks)
 #                    against the tower in the consumer's process handing vLLM image_embeds (the public enable_mm_embeds
 #                    path) (about 15 minutes on a fresh machine, where each model's first engine start compiles cold)
 #   serve-best       Qwen2.5-VL-7B at 0.2 MP, where serve is short of CPU (90-s phases): `vllm serve` with SERVE_ARGS
@@ -166,11 +166,11 @@ for LIST in ${LISTS//,/ }; do
   if [ "$LIST" = public-path ]; then
     need_model
     Q3=/root/qwen3-vl-8b
+    job p2_public_path_02mp 430 600 $BENCH --model /root/model --budgets 256 --seconds 45 --stop-after 1.3 \
+      --arms pipeline-embeds,pipeline-embeds-public --profile --out "$RES/p2_public_path_02mp"
     made $Q3 qwen3-vl-8b
     job p3_public_path_q3_02mp 450 600 $BENCH --model $Q3 --budgets 256 --seconds 45 --stop-after 1.3 \
       --arms pipeline-embeds,pipeline-embeds-public --profile --out "$RES/p3_public_path_q3_02mp"
-    job p2_public_path_02mp 430 600 $BENCH --model /root/model --budgets 256 --seconds 45 --stop-after 1.3 \
-      --arms pipeline-embeds,pipeline-embeds-public --profile --out "$RES/p2_public_path_02mp"
   fi
 
   if [ "$LIST" = serve-best ]; then
