@@ -11,8 +11,6 @@
 #                    23 minutes)
 #   serve-ratios-02  the same at 0.2 MP, 150 s each: at 1,024 requests in flight serve's first 30-s window is its fill
 #                    (about 20 minutes)
-#   serve-pair-02    one pipeline-serve pair of serve-ratios-02 in 120-s phases, where the device time left allows no
-#                    more (about 11 minutes with a cold start)
 #   serve-pairs      Qwen2.5-VL-7B at 0.2 and 1 MP: the pipeline (embeds) and `vllm serve` (8 API servers and
 #                    SERVE_ARGS, by default vLLM 0.34's preprocessing options) alternated P S P S, each job one engine
 #                    start measuring both budgets in turn in 90-s phases (a 45-s phase at 0.2 MP is mostly the fill
@@ -88,17 +86,16 @@ ab_a() { job "$1" 240 360 $BENCH --model /root/model --budgets 256 $PIPE --out "
 ab_b() { job "$1" 240 360 $IN_AB_TREE/benchmarks/gpu/gpu_bench.py \
   --imgs /root/imgs --max-tokens 64 --gpu-ids 0 --model /root/model --budgets 256 $PIPE --out "$RES/$1"; }
 
-# alternated_pairs TAG BUDGET SECONDS STOP_AFTER PIPELINE_S SERVE_S [PAIRS]: Qwen2.5-VL-7B / 64 with the code's
-# defaults, the pipeline (embeds) and `vllm serve` (8 API servers and SERVE_ARGS) alternated at one budget, pipeline,
-# serve, PAIRS times (2 unless given); each job expected to take PIPELINE_S or SERVE_S, a pipeline job given 200 s
-# more (a machine's first engine start compiles cold for about three minutes). Both report the steady rate between
-# their first and last windows (rates.py), so the ratio table holds the whole-phase ratio and the steady one. A serve
-# job's time includes its client's drain after each phase: 1,024 requests in flight can take up to a minute to answer
-# at 1 MP.
+# alternated_pairs TAG BUDGET SECONDS STOP_AFTER PIPELINE_S SERVE_S: Qwen2.5-VL-7B / 64 with the code's defaults, the
+# pipeline (embeds) and `vllm serve` (8 API servers and SERVE_ARGS) alternated at one budget, pipeline, serve,
+# pipeline, serve; each job expected to take PIPELINE_S or SERVE_S, a pipeline job given 200 s more (a machine's first
+# engine start compiles cold for about three minutes). Both report the steady rate between their first and last
+# windows (rates.py), so the ratio table holds the whole-phase ratio and the steady one. A serve job's time includes
+# its client's drain after each phase: 1,024 requests in flight can take up to a minute to answer at 1 MP.
 alternated_pairs() {
-  local tag=$1 budget=$2 seconds=$3 stop_after=$4 pipeline_s=$5 serve_s=$6 pairs=${7:-2} k
+  local tag=$1 budget=$2 seconds=$3 stop_after=$4 pipeline_s=$5 serve_s=$6 k
   need_model
-  for (( k = 1; k <= pairs; k++ )); do
+  for k in 1 2; do
     job "${tag}${k}_pipeline" "$pipeline_s" $(( pipeline_s + 200 )) $BENCH --model /root/model --budgets "$budget" \
       --seconds "$seconds" --stop-after "$stop_after" --arms pipeline-embeds --profile --out "$RES/${tag}${k}_pipeline"
     job "${tag}${k}_serve" "$serve_s" $(( serve_s + 100 )) $BENCH --model /root/model --budgets "$budget" \
@@ -137,7 +134,6 @@ for LIST in ${LISTS//,/ }; do
 
   [ "$LIST" = serve-ratios-2 ] && alternated_pairs t_1mp 1280 150 1.3 350 340
   [ "$LIST" = serve-ratios-02 ] && alternated_pairs u_02mp 256 150 1.3 330 290
-  [ "$LIST" = serve-pair-02 ] && alternated_pairs w_02mp 256 120 1.3 300 260 1
 
   if [ "$LIST" = serve-pairs ]; then
     need_model
