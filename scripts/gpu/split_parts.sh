@@ -1,10 +1,11 @@
 #!/bin/bash
 # Split the stream pack_device.sh built ($WORK/all.tar.zst, $WORK/imgs) into <repo>/.gpu/p1, p2, ...: parts of
 # PART_MIB each, the last one the remainder, beside all.sha256 and imgs/ (a folder of its own where the remainder
-# leaves no room for them). A call carries at most 64 MiB, the working tree included, so the default is 64 MiB less
-# the tree's tracked files as they sit on disk (whole blocks: their byte sizes undercount by some 2 MiB) less 1 MiB
-# (the tree grows with benchmarks/results: a fixed 62 once left the last call 0.1 MiB over). Full parts rather than equal ones: each part is one staging call. Re-run alone to re-split without
-# compressing again.
+# leaves no room for them). A call carries at most 64 MiB, the working tree included and counted as it sits on disk
+# (whole blocks: the files' byte sizes undercount it by some 2 MiB), so the default is 64 MiB less the tracked files'
+# disk usage less 1 MiB (the tree grows with benchmarks/results: a fixed 62 once left the last call 0.1 MiB over).
+# Full parts rather than equal ones: each part is one staging call. Re-run alone to re-split without compressing
+# again.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd); repo=$(cd "$here/../.." && pwd); work=${WORK:-/tmp/vlmstream-gpu-pack}
 rm -rf "$repo"/.gpu/p[0-9]*; mkdir -p "$repo/.gpu/split"
